@@ -1,0 +1,138 @@
+"""The demo command writes one self-contained report, with the right contents, fast."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from tl_attnonly.cli import DEFAULT_PROMPT, main
+from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.vis import BIAS_TOKEN
+
+#: The issue's budget for the whole demo on a 2-core machine.
+DEMO_SECONDS = 60
+
+
+class _Tables(HTMLParser):
+    """Rows of every <table> after a given <h3> title."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self._title: str | None = None
+        self._in_h3 = False
+        self._cell: list[str] | None = None
+        self._row: list[str] | None = None
+        self._current: list[list[str]] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "h3":
+            self._in_h3, self._title = True, ""
+        elif tag == "table" and self._title is not None:
+            self._current = self.tables.setdefault(self._title, [])
+        elif tag == "tr" and self._current is not None:
+            self._row = []
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag == "h3":
+            self._in_h3 = False
+        elif tag in ("td", "th") and self._cell is not None:
+            self._row.append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self._current.append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._current = None
+
+    def handle_data(self, data):
+        if self._in_h3:
+            self._title += data
+        elif self._cell is not None:
+            self._cell.append(data)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo") / "report.html"
+    start = time.perf_counter()
+    code = main(["demo", "--report", str(path)])
+    seconds = time.perf_counter() - start
+    return code, path, seconds
+
+
+def test_demo_succeeds_fast(demo):
+    code, path, seconds = demo
+    assert code == 0 and path.is_file()
+    # includes loading the bundled model; imports are shared with the rest of the test session
+    assert seconds < DEMO_SECONDS, f"demo took {seconds:.1f} s"
+
+
+def test_report_is_self_contained(demo):
+    _, path, _ = demo
+    text = path.read_text(encoding="utf-8")
+    assert not re.search(r"<script[^>]*\ssrc=", text), "a script is loaded from elsewhere"
+    assert "unpkg.com/circuitsvis" not in text
+    assert text.count("var CircuitsVis=") == 1  # circuitsvis's bundle, inlined once
+    assert len(re.findall(r"\bPlotly\.newPlot\(", text)) >= 4  # heatmaps, patching, GELU curves
+    assert text.count("* plotly.js v") == 1  # plotly.js inlined once
+
+
+def test_report_shows_equivalence_numbers(demo):
+    _, path, _ = demo
+    parser = _Tables()
+    parser.feed(path.read_text(encoding="utf-8"))
+    for dtype, tolerance in (("float32", 1e-3), ("float64", 1e-9)):
+        rows = parser.tables[dtype]
+        header, body = rows[0], rows[1:]
+        assert header[:3] == ["activation", "n_hooks", "max_abs_diff"]
+        activations = [r[0] for r in body]
+        assert activations[0] == "logits" and "mlp post" in activations
+        diffs = [float(r[2]) for r in body]
+        assert all(0 <= d < tolerance for d in diffs), (dtype, diffs)
+        assert float(body[0][-1]) > 1  # max |logit|: the table holds real numbers
+
+
+def test_report_draws_the_models_neuron_heads_with_the_bias_token_first(demo):
+    from tl_attnonly.bundled import load_bundled_model
+
+    _, path, _ = demo
+    text = path.read_text(encoding="utf-8")
+    model = load_bundled_model()
+    calls = re.findall(
+        r'CircuitsVis\.render\("cv-layer-(\d+)", CircuitsVis\.AttentionHeads, (.*?)\);', text
+    )
+    assert [int(layer) for layer, _ in calls] == list(range(model.cfg.n_layers))
+    _, cache = model.run_with_cache(DEFAULT_PROMPT)
+    str_tokens = model.to_str_tokens(DEFAULT_PROMPT)
+    for layer, props_json in calls:
+        props = json.loads(props_json)
+        assert props["tokens"] == [BIAS_TOKEN, *str_tokens]
+        attention = torch.tensor(props["attention"])
+        n_heads = len(props["attentionHeadNames"])
+        assert attention.shape == (n_heads, len(str_tokens) + 1, len(str_tokens) + 1)
+        assert 0 < n_heads <= 64
+        # SiLU neuron i = neuron-head i: its weight on self is sigmoid(pre) of the original model
+        neurons = [int(name.split("N")[1]) for name in props["attentionHeadNames"]]
+        pre = cache[neuron_act_name("pre", int(layer))][0][:, neurons].T
+        diag = attention[:, 1:, 1:].diagonal(dim1=-2, dim2=-1)
+        torch.testing.assert_close(diag, torch.sigmoid(pre), atol=2e-4, rtol=0)
+        torch.testing.assert_close(attention[:, 1:, 0], 1 - torch.sigmoid(pre), atol=2e-4, rtol=0)
+        # ... and they are the layer's most active neurons (largest |post|)
+        post = cache[neuron_act_name("post", int(layer))][0].abs().amax(0)
+        assert post[neurons].min() >= post.topk(n_heads).values.min() - 1e-4
+
+
+def test_report_has_the_plotly_sections(demo):
+    _, path, _ = demo
+    text = path.read_text(encoding="utf-8")
+    for anchor in ("equivalence", "patterns", "activity", "patching", "gelu"):
+        assert f'<section id="{anchor}">' in text
+    assert "Neuron-head activity" in text and "GELU" in text and "Attribution patching" in text

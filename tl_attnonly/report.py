@@ -1,0 +1,356 @@
+"""One self-contained HTML report of a converted model on one prompt (``tl-attnonly demo``).
+
+The page embeds its JavaScript (plotly.js and circuitsvis's bundle, once each), so it opens offline
+from a file. Sections: the equivalence table, the neuron-head attention patterns of each layer
+(circuitsvis, the bias token drawn as the first token ``<bias>``), the neuron-head activity
+heatmaps, an attribution-patching heatmap over every head, and the GELU-fit error curves.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.offline import get_plotlyjs
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+
+from tl_attnonly.hooks import NEURON_HOOK_SHAPES, neuron_act_name
+from tl_attnonly.vis import (
+    BIAS_TOKEN,
+    NeuronHeadView,
+    circuitsvis_js,
+    gelu_fit_error_figure,
+    neuron_activity_heatmap,
+    neuron_head_attention_view,
+    patching_heatmap,
+)
+
+#: Neuron-heads per layer in the report's circuitsvis views.
+REPORT_TOP_K = 16
+#: Neuron-heads per layer in the report's activity heatmaps.
+REPORT_HEATMAP_TOP_K = 40
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px auto;
+       max-width: 1200px; color: #222; line-height: 1.45; padding: 0 16px; }
+h1 { font-size: 26px; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 4px; margin-top: 36px; }
+table.df { border-collapse: collapse; font-size: 13px; margin: 8px 0 16px; }
+table.df th, table.df td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+table.df th { background: #f3f3f3; }
+pre.prompt { background: #f7f7f7; padding: 8px; border-radius: 4px; overflow-x: auto; }
+.note { color: #555; font-size: 14px; }
+nav a { margin-right: 14px; }
+code { background: #f3f3f3; padding: 0 3px; }
+"""
+
+
+def write_demo_report(
+    model: HookedTransformer,
+    converted: Any,
+    prompt: str,
+    path: str | Path,
+    *,
+    equivalence: dict[str, pd.DataFrame] | None = None,
+    top_k: int = REPORT_TOP_K,
+    heatmap_top_k: int = REPORT_HEATMAP_TOP_K,
+    corrupted_prompt: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write one self-contained HTML report of ``converted`` on ``prompt``.
+
+    Args:
+        model: The original model.
+        converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`.
+        prompt: Text to run both models on.
+        path: Where to write the ``.html`` file (parent directories are created).
+        equivalence: Equivalence tables already computed (title -> DataFrame of
+            :func:`tl_attnonly.verify.equivalence_table`); default: computed here in the models'
+            dtype.
+        top_k: Neuron-heads per layer in the circuitsvis pattern views (most active first).
+        heatmap_top_k: Neuron-heads per layer in the activity heatmaps.
+        corrupted_prompt: Corrupted run for the attribution-patching section; default: the
+            prompt's tokens in reverse order (same length, BOS kept).
+        progress: Show a progress bar over the report's steps.
+
+    Returns:
+        The path written.
+    """
+    if not hasattr(converted, "neuron_heads"):
+        raise TypeError(
+            f"converted must be a tl_attnonly.AttnOnlyTransformer, got {type(converted).__name__}; "
+            "build it with tl_attnonly.convert(model)."
+        )
+    if converted.tokenizer is None:
+        raise ValueError("The report needs a model with a tokenizer (to show the prompt's tokens).")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n_layers = converted.cfg.n_layers
+    steps = _Steps(total=5 + n_layers, enabled=progress)
+    sections: list[tuple[str, str, str]] = []  # (anchor, title, body html)
+
+    with steps.step("equivalence table"):
+        if equivalence is None:
+            from tl_attnonly.verify import equivalence_table
+
+            dtype = str(converted.cfg.dtype).removeprefix("torch.")
+            equivalence = {dtype: equivalence_table(model, converted, prompt)}
+        sections.append(
+            ("equivalence", "Equivalence with the original model", _equivalence(equivalence))
+        )
+
+    with steps.step("run with cache"):
+        tokens = converted.to_tokens(prompt)
+        str_tokens = list(converted.to_str_tokens(prompt))
+        names = {neuron_act_name(kind, lay) for kind in ("pattern", "z") for lay in range(n_layers)}
+        with torch.inference_mode():
+            _, cache = converted.run_with_cache(tokens, names_filter=lambda n: n in names)
+
+    views: list[NeuronHeadView] = []
+    for layer in range(n_layers):
+        with steps.step(f"circuitsvis view, layer {layer}"):
+            views.append(
+                neuron_head_attention_view(cache, layer, str_tokens, top_k=top_k, page_size=top_k)
+            )
+    sections.append(
+        ("patterns", "Neuron-head attention patterns (circuitsvis)", _views(views, converted))
+    )
+
+    with steps.step("activity heatmaps"):
+        fig = neuron_activity_heatmap(cache, None, str_tokens, top_k=heatmap_top_k)
+        sections.append(
+            ("activity", "Neuron-head activity over tokens", _activity_intro() + _plotly(fig))
+        )
+
+    with steps.step("attribution patching"):
+        sections.append(
+            (
+                "patching",
+                "Attribution patching of every head",
+                _patching(converted, tokens, corrupted_prompt),
+            )
+        )
+
+    with steps.step("GELU-fit curves"):
+        sections.append(("gelu", "GELU as neuron-heads: fit error", _gelu(converted)))
+    steps.close()
+
+    page = _page(converted, prompt, str_tokens, sections)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# sections
+# ------------------------------------------------------------------------------------------------
+def _equivalence(tables: dict[str, pd.DataFrame]) -> str:
+    parts = [
+        '<p class="note">Maximum and mean absolute difference between the converted model and the '
+        "original, on the prompt, for the logits and every activation the two models share. The "
+        "converted model computes each MLP neuron as attention heads; the differences are "
+        "floating-point rounding.</p>"
+    ]
+    for title, df in tables.items():
+        parts.append(f"<h3>{html.escape(str(title))}</h3>")
+        parts.append(_df_html(df))
+    return "\n".join(parts)
+
+
+def _views(views: Sequence[NeuronHeadView], converted: Any) -> str:
+    k = converted.n_heads_per_neuron
+    labels = (
+        "Heads are labelled <code>L{layer}N{neuron}</code>."
+        if k == 1
+        else f"Each neuron is {k} heads, labelled <code>L{{layer}}N{{neuron}}.{{k}}</code>."
+    )
+    intro = (
+        '<p class="note">Each MLP neuron is a neuron-head: an attention head of internal dimension '
+        "1 that sees two keys, its own token and a <b>bias token</b>, drawn here as the first "
+        f"token "
+        f"<code>{html.escape(BIAS_TOKEN)}</code>. A query row puts <code>sigmoid(q)</code> on "
+        "itself (the diagonal) and the rest on the bias token (column 0); for SiLU, "
+        "<code>q = pre</code>, so <i>attends to itself</i> means <i>the neuron fires</i>. "
+        f"{labels} "
+        "Click a head to enlarge it; hover over a cell for its weight. Each view shows the most "
+        "active heads of the layer (largest |z|, the neuron's activation); in a notebook, "
+        "<code>neuron_head_attention_view(..., page=...)</code> pages through all of them.</p>"
+    )
+    parts = [intro]
+    for view in views:
+        div_id = f"cv-layer-{view.layer}"
+        parts.append(f"<h3>Layer {view.layer}</h3>")
+        parts.append(f'<p class="note">{html.escape(view.caption)}</p>')
+        parts.append(f'<div id="{div_id}" class="circuitsvis"></div>')
+        parts.append(f"<script>{view.render_call(div_id)}</script>")
+    return "\n".join(parts)
+
+
+def _activity_intro() -> str:
+    return (
+        '<p class="note">Rows are neuron-heads (most active first), columns are tokens; colour is '
+        "the weight on self (1: the token attends to itself, the neuron is on; 0: it attends to "
+        "the bias token, the neuron is off). Hover for the weight on the bias token and "
+        "<code>z</code>.</p>"
+    )
+
+
+def _patching(converted: Any, tokens: torch.Tensor, corrupted_prompt: str | None) -> str:
+    from tl_attnonly.analysis.attribution import attribution_patch
+
+    if corrupted_prompt is None:
+        corrupted = tokens.clone()
+        start = 1 if converted.cfg.default_prepend_bos else 0
+        corrupted[:, start:] = tokens[:, start:].flip(-1)
+        how = "the prompt's tokens in reverse order"
+    else:
+        corrupted = converted.to_tokens(corrupted_prompt)
+        how = "the corrupted prompt given"
+        if corrupted.shape != tokens.shape:
+            return (
+                f'<p class="note">Skipped: the corrupted prompt has {corrupted.shape[-1]} tokens, '
+                f"the prompt {tokens.shape[-1]}; patching needs equal lengths.</p>"
+            )
+    clean_ids = tokens[:, 1:]
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        logprobs = logits[:, :-1].log_softmax(-1)
+        return logprobs.gather(-1, clean_ids.unsqueeze(-1)).mean()
+
+    n_layers = converted.cfg.n_layers
+    z_names = {f"blocks.{lay}.{sub}.hook_z" for lay in range(n_layers) for sub in ("attn", "mlp")}
+    with torch.inference_mode():
+        _, clean_cache = converted.run_with_cache(tokens, names_filter=lambda n: n in z_names)
+    scores, _ = attribution_patch(converted, clean_cache, corrupted, metric)
+    scores = scores.detach().float().cpu()
+    n_attn = n_layers * converted.cfg.n_heads
+    attn = scores[:n_attn].reshape(n_layers, converted.cfg.n_heads)
+    neuron = scores[n_attn:].reshape(n_layers, converted.n_neuron_heads)
+    name = "est. change of mean log p(clean next token)"
+    attn_fig = patching_heatmap(attn, title="Attention heads", value_name="effect")
+    neuron_fig = patching_heatmap(
+        neuron, title="Neuron-heads (x axis: neuron-head index)", value_name="effect"
+    )
+    neuron_fig.update_xaxes(type="linear")
+    top = neuron.abs().flatten().topk(min(10, neuron.numel()))
+    k = converted.n_heads_per_neuron
+    rows = []
+    for flat in top.indices.tolist():
+        layer, head = divmod(flat, converted.n_neuron_heads)
+        label = f"L{layer}N{head}" if k == 1 else f"L{layer}N{head // k}.{head % k}"
+        rows.append({"neuron-head": label, "effect": neuron[layer, head].item()})
+    return (
+        '<p class="note">Attribution patching (Nanda 2023): a first-order estimate, for every '
+        f"head at once, of how much patching its clean <code>z</code> into a corrupted run ({how}) "
+        f"changes the metric ({name}). Attention heads and neuron-heads are treated alike. "
+        "Confirm the largest with <code>tl_attnonly.analysis.get_act_patch_all_heads</code> "
+        "(exact).</p>"
+        + _plotly(attn_fig)
+        + _plotly(neuron_fig)
+        + "<h3>Largest neuron-heads</h3>"
+        + _df_html(pd.DataFrame(rows))
+    )
+
+
+def _gelu(converted: Any) -> str:
+    from tl_attnonly import activation_error_table
+
+    fig = gelu_fit_error_figure()
+    table = activation_error_table()
+    act = converted.cfg.act_fn
+    coefs = converted.coefficients
+    return (
+        f'<p class="note">This model\'s activation is <code>{html.escape(str(act))}</code>: each '
+        f"neuron is {coefs.n_heads} head(s) ({html.escape(str(coefs.method))}). SiLU is exactly "
+        "one head (weight on self = sigmoid(x), value = x); GELU is not, and is approximated by a "
+        "sum of K heads. Below: GELU and the K-head approximations the conversion uses, and their "
+        "error.</p>" + _plotly(fig) + "<h3>Error per activation and K</h3>" + _df_html(table)
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# page
+# ------------------------------------------------------------------------------------------------
+def _page(
+    converted: Any, prompt: str, str_tokens: list[str], sections: list[tuple[str, str, str]]
+) -> str:
+    cfg = converted.cfg
+    hooks = "".join(
+        f"<tr><td><code>blocks.{{l}}.mlp.hook_{html.escape(kind)}</code></td>"
+        f"<td><code>{html.escape(shape)}</code></td></tr>"
+        for kind, shape in NEURON_HOOK_SHAPES.items()
+    )
+    summary = (
+        f"<p>{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} attention heads per "
+        "layer, "
+        f"d_mlp {cfg.d_mlp} neurons per layer ({html.escape(str(cfg.act_fn))}) = "
+        f"<b>{converted.n_neuron_heads} neuron-heads per layer</b> "
+        f"({converted.n_heads_per_neuron} per neuron). Prompt ({len(str_tokens)} tokens):</p>"
+        f'<pre class="prompt">{html.escape(prompt)}</pre>'
+        '<details><summary>Neuron-head hooks</summary><table class="df"><tr><th>hook</th>'
+        f"<th>shape</th></tr>{hooks}</table></details>"
+    )
+    nav = " ".join(f'<a href="#{a}">{html.escape(t)}</a>' for a, t, _ in sections)
+    body = "\n".join(
+        f'<section id="{a}"><h2>{html.escape(t)}</h2>\n{b}\n</section>' for a, t, b in sections
+    )
+    generated = time.strftime("%Y-%m-%d %H:%M")
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8">\n'
+        f"<title>tl-attnonly report: {html.escape(cfg.model_name)}</title>\n"
+        f"<style>{_CSS}</style>\n"
+        f"<script>{_script_safe(get_plotlyjs())}</script>\n"
+        f"<script>{circuitsvis_js()}</script>\n"
+        "</head><body>\n"
+        f"<h1>Every MLP neuron as an attention head: {html.escape(cfg.model_name)}</h1>\n"
+        f"{summary}\n<nav>{nav}</nav>\n{body}\n"
+        f'<p class="note">Generated by tl-attnonly on {generated}. After Huben &amp; Morris '
+        "(2023), arXiv 2309.08593.</p>\n</body></html>\n"
+    )
+
+
+def _plotly(fig: go.Figure) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+
+
+def _df_html(df: pd.DataFrame) -> str:
+    return df.to_html(
+        index=False,
+        classes="df",
+        border=0,
+        float_format=lambda v: f"{v:.3g}",
+        na_rep="",
+    )
+
+
+def _script_safe(js: str) -> str:
+    return js.replace("</script", "<\\/script")
+
+
+class _Steps:
+    """A tqdm bar over named steps (``with steps.step("name"): ...``)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = tqdm(total=total, desc="report", unit="step", disable=not enabled)
+
+    def step(self, name: str) -> _Step:
+        return _Step(self.bar, name)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Step:
+    def __init__(self, bar: Any, name: str):
+        self.bar, self.name = bar, name
+
+    def __enter__(self) -> None:
+        self.bar.set_postfix_str(self.name)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.update(1)
