@@ -1,0 +1,132 @@
+"""Speed and memory of the structured form against the original model, measured in one run.
+
+Builds a GPT-2-small-shaped model (12 layers, d_model 768, 12 heads, d_mlp 3072, d_vocab 50257)
+with random weights, in a SiLU and a gelu_new variant, converts it, and prints ratios
+converted / original for:
+
+- forward (N = 128 tokens, batch 1 and 4), fused path and head path (a hook on every pattern);
+- ``run_with_cache`` (every hook) time, and the memory the cache holds;
+- conversion time (absolute, and relative to one forward pass).
+
+Run: ``python benchmarks/bench_forward.py [--repeats 7] [--threads 2]``. Timings are medians over
+interleaved repeats; the ratios are what the README's performance table reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import warnings
+from functools import partial
+
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from tl_attnonly import convert
+
+warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+
+
+def gpt2_small_config(act_fn: str) -> HookedTransformerConfig:
+    return HookedTransformerConfig(
+        n_layers=12,
+        d_model=768,
+        n_heads=12,
+        d_head=64,
+        d_mlp=3072,
+        d_vocab=50257,
+        n_ctx=1024,
+        act_fn=act_fn,
+        normalization_type="LN",
+        seed=0,
+        device="cpu",
+    )
+
+
+def timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def compare(fn_a, fn_b, repeats: int) -> tuple[float, float]:
+    """Median seconds of fn_a and fn_b, interleaved so drifts hit both equally."""
+    fn_a(), fn_b()  # warm up
+    a, b = [], []
+    for _ in range(repeats):
+        a += timed(fn_a, 1)
+        b += timed(fn_b, 1)
+    return statistics.median(a), statistics.median(b)
+
+
+def cache_bytes(cache) -> int:
+    seen, total = set(), 0
+    for tensor in cache.values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def bench(act_fn: str, repeats: int) -> list[tuple[str, float, float]]:
+    torch.manual_seed(0)
+    original = HookedTransformer(gpt2_small_config(act_fn)).eval()
+    t0 = time.perf_counter()
+    converted = convert(original)
+    conversion_s = time.perf_counter() - t0
+    rows = []
+    forward_1 = float("nan")
+    with torch.inference_mode():
+        for batch in (1, 4):
+            tokens = torch.randint(0, 50257, (batch, 128))
+            a, b = compare(partial(original, tokens), partial(converted, tokens), repeats)
+            rows.append((f"forward, batch {batch}, N=128", a, b))
+            if batch == 1:
+                forward_1 = a
+            hooks = [(lambda name: name.endswith("mlp.hook_pattern"), lambda x, hook: x)]
+            a2, b2 = compare(
+                partial(original, tokens),
+                partial(converted.run_with_hooks, tokens, fwd_hooks=hooks),
+                repeats,
+            )
+            rows.append((f"forward (head path), batch {batch}, N=128", a2, b2))
+        tokens = torch.randint(0, 50257, (1, 128))
+        a, b = compare(
+            lambda: original.run_with_cache(tokens),
+            lambda: converted.run_with_cache(tokens),
+            repeats,
+        )
+        rows.append(("run_with_cache, batch 1, N=128", a, b))
+        _, cache_a = original.run_with_cache(tokens)
+        _, cache_b = converted.run_with_cache(tokens)
+        mib_a, mib_b = cache_bytes(cache_a) / 2**20, cache_bytes(cache_b) / 2**20
+        rows.append(("cache memory (MiB), batch 1, N=128", mib_a, mib_b))
+    rows.append(("conversion (s) vs one forward", forward_1, conversion_s))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--act", nargs="*", default=["silu", "gelu_new"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats, fp32, CPU")
+    print("| activation | measurement | original | converted | ratio |")
+    print("|---|---|---|---|---|")
+    for act_fn in args.act:
+        for name, a, b in bench(act_fn, args.repeats):  # one model pair alive at a time
+            unit = "" if "MiB" in name or "(s)" in name else " s"
+            print(f"| {act_fn} | {name} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.2f} |")
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""A zoo of small random TransformerLens models, built offline from HookedTransformerConfig."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+
+D_VOCAB = 61
+
+#: name -> HookedTransformerConfig overrides. Together they cover the architectures the
+#: conversion must handle (issue: LN, LNPre, RMS, RMSPre, none, learned/rotary positions,
+#: parallel attn+mlp, GQA, bidirectional, use_hook_mlp_in, use_attn_result).
+ZOO: dict[str, dict] = {
+    "ln_learned": dict(normalization_type="LN"),
+    "lnpre": dict(normalization_type="LNPre"),
+    "rms_rotary": dict(normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8),
+    "rmspre": dict(normalization_type="RMSPre"),
+    "no_norm": dict(normalization_type=None),
+    "parallel_neox": dict(
+        normalization_type="LN",
+        parallel_attn_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_dim=4,
+    ),
+    "gqa": dict(normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2),
+    "bidirectional": dict(normalization_type="LN", attention_dir="bidirectional"),
+    "hook_mlp_in_attn_result": dict(
+        normalization_type="LN", use_hook_mlp_in=True, use_attn_result=True
+    ),
+}
+
+
+def make_config(
+    act_fn: str = "silu", dtype: torch.dtype = torch.float64, seed: int = 0, **overrides
+) -> HookedTransformerConfig:
+    kwargs = dict(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_mlp=24,
+        d_vocab=D_VOCAB,
+        n_ctx=12,
+        act_fn=act_fn,
+        seed=seed,
+        dtype=dtype,
+        device="cpu",
+    )
+    kwargs.update(overrides)
+    return HookedTransformerConfig(**kwargs)
+
+
+def randomize_(model: HookedTransformer, seed: int = 0) -> HookedTransformer:
+    """Make every LN weight/bias and every bias non-trivial, so nothing passes by accident."""
+    g = torch.Generator().manual_seed(seed + 1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+            if name.endswith(".w"):  # norm scales
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.split(".")[-1].startswith("b"):  # biases (b_in, b_out, b_Q, ...)
+                p.copy_(0.3 * noise)
+            elif name.endswith("W_in"):  # pre-activations over a useful range
+                p.mul_(3.0)
+    return model
+
+
+def make_model(
+    act_fn: str = "silu", dtype: torch.dtype = torch.float64, seed: int = 0, **overrides
+) -> HookedTransformer:
+    model = HookedTransformer(make_config(act_fn, dtype, seed, **overrides))
+    return randomize_(model, seed).eval()
+
+
+def make_tokens(batch: int = 2, pos: int = 10, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, D_VOCAB, (batch, pos), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=sorted(ZOO))
+def zoo_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return make_tokens()

@@ -1,0 +1,194 @@
+"""Converted vs original: logits and every shared activation, across the architecture zoo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ZOO, make_model, make_tokens
+from transformer_lens import HookedTransformer
+
+from tl_attnonly import AttnOnlyTransformer, ConversionOptions, convert, head_coefficients
+
+TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def max_cache_diff(cache_a, cache_b) -> tuple[str, float]:
+    """Largest difference over every hook the original model has."""
+    worst = ("", 0.0)
+    for name, act in cache_a.items():
+        diff = (act - cache_b[name]).abs().max().item()
+        if diff > worst[1]:
+            worst = (name, diff)
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_silu_zoo_equivalence(zoo_name, dtype, tokens):
+    model = make_model("silu", dtype, **ZOO[zoo_name])
+    converted = convert(model)
+    assert isinstance(converted, AttnOnlyTransformer)
+    logits, cache = model.run_with_cache(tokens)
+    conv_logits, conv_cache = converted.run_with_cache(tokens)
+    assert set(cache.keys()) <= set(conv_cache.keys())
+    assert (logits - conv_logits).abs().max().item() <= TOL[dtype]
+    name, diff = max_cache_diff(cache, conv_cache)
+    assert diff <= TOL[dtype] * 10, f"{name} differs by {diff}"
+    # the fused path (plain forward) gives bit-identical logits to the hooked path
+    assert torch.equal(converted(tokens), conv_logits)
+
+
+def test_neuron_heads_are_real_silu_heads(tokens):
+    """pattern_self = sigmoid(pre), value = pre, bias value 0, z = SiLU(pre)."""
+    converted = convert(make_model("silu"))
+    _, cache = converted.run_with_cache(tokens)
+    for layer in range(converted.cfg.n_layers):
+        pre = cache["pre", layer]
+        pattern = cache[f"blocks.{layer}.mlp.hook_pattern"]  # [batch, head, pos, 2]
+        assert pattern.shape == (*pre.shape[:1], pre.shape[2], pre.shape[1], 2)
+        torch.testing.assert_close(pattern[..., 0], torch.sigmoid(pre).transpose(1, 2))
+        torch.testing.assert_close(pattern.sum(-1), torch.ones_like(pattern[..., 0]))
+        torch.testing.assert_close(cache[f"blocks.{layer}.mlp.hook_v"][..., 0], pre)
+        torch.testing.assert_close(
+            cache[f"blocks.{layer}.mlp.hook_z"][..., 0], torch.nn.functional.silu(pre)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("act_fn", ["relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"])
+def test_approximate_activations_within_stated_bound(act_fn, dtype, tokens):
+    """Each neuron's output differs from the original by at most the fit's stated error."""
+    model = make_model(act_fn, dtype, normalization_type="LN")
+    converted = convert(model)
+    coefficients = converted.coefficients
+    bound = coefficients.max_abs_error()
+    assert bound > 0
+    # Same input to layer 0's MLP, so the per-neuron error is exactly the fit's error.
+    _, cache = model.run_with_cache(tokens)
+    _, conv_cache = converted.run_with_cache(tokens)
+    pre = cache["pre", 0]
+    assert pre.abs().max() < 20, "test inputs must stay in the fitted range"
+    torch.testing.assert_close(conv_cache["pre", 0], pre, rtol=0, atol=TOL[dtype])
+    post_err = (conv_cache["post", 0] - cache["post", 0]).abs().max().item()
+    fp_slack = 1e-5 if dtype == torch.float32 else 1e-12
+    assert post_err <= bound + fp_slack
+    assert post_err >= bound / 50, "inputs should probe the approximation, not just its zeros"
+    # Whole-model logits stay close: the error is propagated, not amplified wildly.
+    logit_err = (model(tokens) - converted(tokens)).abs().max().item()
+    assert logit_err <= 1000 * bound
+
+
+def test_relu_k_is_an_option_and_error_shrinks(tokens):
+    model = make_model("relu")
+    errors = []
+    for k in (10.0, 100.0, 1000.0):
+        converted = convert(model, relu_k=k)
+        assert converted.coefficients.b == (k,)
+        errors.append((model(tokens) - converted(tokens)).abs().max().item())
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_gelu_heads_option_and_paper_method(tokens):
+    model = make_model("gelu")
+    paper = convert(model, gelu_method="paper")
+    assert paper.n_heads_per_neuron == 1
+    assert paper.coefficients.b == (1.702,)
+    k2 = convert(model, n_heads_per_neuron=2)
+    assert k2.n_heads_per_neuron == 2
+    assert k2.n_neuron_heads == 2 * model.cfg.d_mlp
+    _, cache = k2.run_with_cache(tokens)
+    assert cache["blocks.0.mlp.hook_z"].shape == (2, 10, 2 * model.cfg.d_mlp, 1)
+    err_paper = (model(tokens) - paper(tokens)).abs().max()
+    err_default = (model(tokens) - convert(model)(tokens)).abs().max()
+    assert err_default < err_paper / 10
+
+
+@pytest.mark.parametrize("act_fn", ["silu", "gelu_new"])
+def test_fused_and_head_paths_are_bit_identical(act_fn, tokens):
+    model = make_model(act_fn, torch.float32, normalization_type="LN")
+    fused = convert(model)
+    unfused = convert(model, conversion=ConversionOptions(fused=False))
+    assert torch.equal(fused(tokens), unfused(tokens))
+    # a hook on the pattern switches the fused model to the head path; still identical
+    logits = fused.run_with_hooks(
+        tokens, fwd_hooks=[("blocks.1.mlp.hook_pattern", lambda a, hook: a)]
+    )
+    assert torch.equal(logits, unfused(tokens))
+
+
+def test_original_model_is_not_modified(tokens):
+    model = make_model("silu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    logits = model(tokens)
+    converted = convert(model)
+    with torch.no_grad():
+        converted.blocks[0].mlp.W_in.mul_(2.0)
+    assert type(model) is HookedTransformer
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model(tokens), logits)
+
+
+def test_unconvertible_models_refused_before_any_work():
+    for overrides, error in [
+        (dict(act_fn="solu_ln"), ValueError),
+        (dict(act_fn="relu2"), ValueError),
+        (dict(act_fn="xielu"), ValueError),
+        (dict(act_fn="silu", gated_mlp=True), NotImplementedError),
+    ]:
+        model = make_model(**overrides)
+        with pytest.raises(error, match="upported"):
+            convert(model)
+    with pytest.raises(ValueError, match="attention-only"):
+        convert(
+            HookedTransformer(
+                make_model().cfg.__class__(
+                    n_layers=1,
+                    d_model=8,
+                    n_heads=2,
+                    d_head=4,
+                    d_vocab=11,
+                    n_ctx=4,
+                    attn_only=True,
+                    act_fn="silu",
+                )
+            )
+        )
+    with pytest.raises(ValueError, match="form"):
+        convert(make_model(), form="dense")
+
+
+def test_moe_refused():
+    from conftest import make_config
+
+    cfg = make_config("silu", num_experts=2, experts_per_token=1)
+    with pytest.raises(NotImplementedError, match="experts"):
+        AttnOnlyTransformer(cfg)
+
+
+def test_constructor_is_substitutable_for_hooked_transformer(tokens):
+    """AttnOnlyTransformer(cfg) initialises like HookedTransformer(cfg) with the same seed."""
+    cfg = make_model("silu").cfg
+    reference = HookedTransformer(cfg)
+    model = AttnOnlyTransformer(cfg)
+    for (name, p), (name2, q) in zip(reference.named_parameters(), model.named_parameters()):
+        assert name == name2 and torch.equal(p, q), name
+    torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=1e-12)
+
+
+def test_default_options_come_from_head_coefficients():
+    model = make_model("gelu_new")
+    converted = convert(model)
+    assert converted.coefficients == head_coefficients("gelu_new")
+    assert converted.conversion == ConversionOptions()
+
+
+def test_literal_kwargs_rejected_for_structured_form():
+    with pytest.raises(TypeError, match="literal"):
+        convert(make_model(), omega=30.0)
+
+
+def test_device_follows_the_original(tokens):
+    model = make_model("silu", torch.float32)
+    converted = convert(model)
+    assert next(converted.parameters()).device == next(model.parameters()).device
+    assert converted.cfg.dtype == torch.float32
+    make_tokens()  # keeps the helper import honest

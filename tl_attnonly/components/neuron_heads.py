@@ -1,0 +1,291 @@
+"""Neuron-heads: an MLP layer written as attention heads of internal dimension 1 (Theorem 3).
+
+Huben & Morris (2023, arXiv 2309.08593), Theorem 3: a neuron with activation a1 * SiLU(a2 x) is a
+masked attention head in which each token attends only to itself and to an extra "bias token".
+This module generalises the head slightly (affine value, shifted sigmoid, constant bias-token
+value) so that K heads per neuron can approximate GELU; see :mod:`tl_attnonly.activations`.
+
+For neuron ``i`` and head ``k`` (global head index ``h = i * K + k``), with ``x = pre[..., i]``:
+
+=============================  ================================================================
+query                          ``q = b_k * x + d_k``  (reads the residual through ``W_in[:, i]``)
+key of the token itself        ``1``
+key of the bias token          ``0``
+scores (self, bias)            ``(q, 0)``
+pattern (self, bias)           ``softmax(scores) = (sigmoid(q), sigmoid(-q))``
+value of the token itself      ``v = f_k * x + e_k``
+value of the bias token        ``g_k``
+z                              ``pattern_self * v + pattern_bias * g_k``
+result                         ``z * W_out[i]``
+=============================  ================================================================
+
+``hook_post[..., i] = sum_k z[..., i*K + k]`` is what the neuron writes before ``W_out``, exactly as
+in TransformerLens's :class:`~transformer_lens.components.MLP`. For SiLU (K = 1, b = f = 1,
+d = e = g = 0) the head is exact: weight on self = sigmoid(pre), value = pre, z = SiLU(pre).
+
+The module keeps TL's parameter names (``W_in, b_in, W_out, b_out``) so weight processing and
+state-dict loading work unchanged; the per-head weights (``W_Q, W_K, W_V, W_O``, the bias token's
+key and value) are derived properties.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float
+from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
+from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.utilities.addmm import batch_addmm
+
+from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
+
+#: Hook points of the neuron-heads, in the order the forward pass reaches them.
+NEURON_HEAD_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z", "result")
+
+
+def _has_hooks(hook_point: HookPoint) -> bool:
+    return bool(
+        hook_point._forward_hooks
+        or hook_point._forward_pre_hooks
+        or hook_point._backward_hooks
+        or hook_point._backward_pre_hooks
+    )
+
+
+class NeuronHeadMLP(CanBeUsedAsMLP):
+    """An MLP layer whose every neuron is ``K`` attention heads of internal dimension 1.
+
+    Drop-in replacement for :class:`transformer_lens.components.MLP` (same parameters, same
+    ``hook_pre``/``hook_post``, same output), adding attention-head hooks for the
+    ``n_neuron_heads = d_mlp * K`` neuron-heads. Patterns are compact: over the two keys a
+    neuron-head can see, ``(self, bias)``; :func:`tl_attnonly.hooks.dense_neuron_pattern` expands
+    them to TransformerLens's ``[batch, head, query_pos, 1 + key_pos]``.
+
+    Args:
+        cfg: The model config (``d_model``, ``d_mlp``, ``act_fn``, ``dtype``).
+        coefficients: Per-head coefficients; default: :func:`head_coefficients` of ``cfg.act_fn``.
+    """
+
+    def __init__(
+        self,
+        cfg: Union[Dict, HookedTransformerConfig],
+        coefficients: Optional[NeuronHeadCoefficients] = None,
+    ):
+        super().__init__(cfg)
+        self.select_activation_function()
+        self.coefficients = (
+            coefficients if coefficients is not None else head_coefficients(self.cfg.act_fn)
+        )
+        self.n_heads_per_neuron = self.coefficients.n_heads
+        self.n_neuron_heads = self.d_mlp * self.n_heads_per_neuron
+        #: Whether to compute and hook per-head results (like TL's ``cfg.use_attn_result``).
+        self.use_neuron_result = False
+        #: Whether the fused path (no q/k/scores/pattern materialised) may be used when no hook is
+        #: attached to the neuron-head hook points.
+        self.fused = True
+        self._coef_cache: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
+
+        self.W_in = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
+        self.b_in = nn.Parameter(torch.zeros(self.d_mlp, dtype=self.cfg.dtype))
+        self.W_out = nn.Parameter(torch.empty(self.d_mlp, self.cfg.d_model, dtype=self.cfg.dtype))
+        self.b_out = nn.Parameter(torch.zeros(self.cfg.d_model, dtype=self.cfg.dtype))
+
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
+        self.hook_q = HookPoint()  # [batch, pos, n_neuron_heads, 1]
+        self.hook_k = HookPoint()  # [batch, pos, n_neuron_heads, 1] (keys of the real tokens)
+        self.hook_v = HookPoint()  # [batch, pos, n_neuron_heads, 1] (values of the real tokens)
+        self.hook_attn_scores = HookPoint()  # [batch, n_neuron_heads, query_pos, 2] (self, bias)
+        self.hook_pattern = HookPoint()  # [batch, n_neuron_heads, query_pos, 2] (self, bias)
+        self.hook_z = HookPoint()  # [batch, pos, n_neuron_heads, 1]
+        self.hook_result = HookPoint()  # [batch, pos, n_neuron_heads, d_model]
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    # ------------------------------------------------------------------ coefficients
+    def _coefs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(b, d, f, e, g), each ``[K]``, in ``like``'s dtype and device (cached)."""
+        key = (like.dtype, like.device)
+        if key not in self._coef_cache:
+            c = self.coefficients
+            self._coef_cache[key] = tuple(
+                torch.tensor(vals, dtype=like.dtype, device=like.device)
+                for vals in (c.b, c.d, c.f, c.e, c.g)
+            )
+        return self._coef_cache[key]
+
+    def _per_head(self, per_neuron: torch.Tensor, per_k: torch.Tensor) -> torch.Tensor:
+        """``[..., d_mlp] x [K] -> [..., d_mlp * K]`` (head ``i*K + k``)."""
+        return (per_neuron.unsqueeze(-1) * per_k).flatten(-2)
+
+    # ------------------------------------------------------------------ derived head weights
+    @property
+    def W_Q(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+        """Query weights: ``b_k * W_in[:, i]``."""
+        b = self._coefs(self.W_in)[0]
+        return self._per_head(self.W_in, b).T.unsqueeze(-1)
+
+    @property
+    def b_Q(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """Query biases: ``b_k * b_in[i] + d_k``."""
+        b, d = self._coefs(self.b_in)[:2]
+        return (self.b_in.unsqueeze(-1) * b + d).flatten().unsqueeze(-1)
+
+    @property
+    def W_K(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+        """Key weights of the real tokens: zero (every real token's key is the constant 1)."""
+        return self.W_in.new_zeros(self.n_neuron_heads, self.cfg.d_model, 1)
+
+    @property
+    def b_K(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """Key biases of the real tokens: one."""
+        return self.W_in.new_ones(self.n_neuron_heads, 1)
+
+    @property
+    def k_bias_token(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """The bias token's key: zero, so its score is 0 whatever the query."""
+        return self.W_in.new_zeros(self.n_neuron_heads, 1)
+
+    @property
+    def W_V(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+        """Value weights of the real tokens: ``f_k * W_in[:, i]``."""
+        f = self._coefs(self.W_in)[2]
+        return self._per_head(self.W_in, f).T.unsqueeze(-1)
+
+    @property
+    def b_V(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """Value biases of the real tokens: ``f_k * b_in[i] + e_k``."""
+        _, _, f, e, _ = self._coefs(self.b_in)
+        return (self.b_in.unsqueeze(-1) * f + e).flatten().unsqueeze(-1)
+
+    @property
+    def v_bias_token(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """The bias token's value: ``g_k`` (0 for SiLU and ReLU)."""
+        g = self._coefs(self.W_in)[4]
+        return g.repeat(self.d_mlp).unsqueeze(-1)
+
+    @property
+    def W_O(self) -> Float[torch.Tensor, "n_neuron_heads 1 d_model"]:
+        """Output weights: ``W_out[i]`` for every head of neuron ``i``."""
+        return self.W_out.repeat_interleave(self.n_heads_per_neuron, dim=0).unsqueeze(1)
+
+    @property
+    def b_O(self) -> Float[torch.Tensor, " d_model"]:
+        """Output bias of the layer (``b_out``)."""
+        return self.b_out
+
+    def neuron_of_head(self, head: int) -> tuple[int, int]:
+        """``(neuron, k)`` of a neuron-head index."""
+        return divmod(head, self.n_heads_per_neuron)
+
+    # ------------------------------------------------------------------ forward
+    def _uses_head_path(self) -> bool:
+        if self.use_neuron_result or not self.fused:
+            return True
+        return any(
+            _has_hooks(hp)
+            for hp in (
+                self.hook_q,
+                self.hook_k,
+                self.hook_v,
+                self.hook_attn_scores,
+                self.hook_pattern,
+                self.hook_z,
+            )
+        )
+
+    def _query_value(
+        self, pre: Float[torch.Tensor, "batch pos d_mlp"]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``b_k x + d_k`` and values ``f_k x + e_k``, ``[batch, pos, d_mlp, K or 1]``.
+
+        Multiplications by 1 and additions of 0 are skipped (same result, less work); a trailing
+        axis of size 1 broadcasts over the K heads.
+        """
+        c = self.coefficients
+        b, d, f, e, _ = self._coefs(pre)
+        x = pre.unsqueeze(-1)  # [batch, pos, d_mlp, 1]
+        q = x if all(val == 1 for val in c.b) else x * b
+        if any(val != 0 for val in c.d):
+            q = q + d
+        v = x if all(val == 1 for val in c.f) else x * f
+        if any(val != 0 for val in c.e):
+            v = v + e
+        return q, v
+
+    def _fused_post(
+        self, pre: Float[torch.Tensor, "batch pos d_mlp"]
+    ) -> Float[torch.Tensor, "batch pos d_mlp"]:
+        """``sum_k z`` without materialising keys, scores or patterns.
+
+        Performs exactly the head path's arithmetic (bit-identical results), skipping only work
+        whose result is known: multiplying by 1, adding 0, or a bias-token value of 0.
+        """
+        q, v = self._query_value(pre)
+        g = self._coefs(pre)[4]
+        z = torch.sigmoid(q) * v
+        if any(val != 0 for val in self.coefficients.g):
+            z = z + torch.sigmoid(-q) * g
+        if self.n_heads_per_neuron == 1:
+            return z.squeeze(-1)
+        return z.expand(*z.shape[:-1], self.n_heads_per_neuron).sum(-1)
+
+    def _head_post(
+        self, pre: Float[torch.Tensor, "batch pos d_mlp"]
+    ) -> tuple[
+        Float[torch.Tensor, "batch pos d_mlp"], Float[torch.Tensor, "batch pos n_neuron_heads 1"]
+    ]:
+        """The neuron-heads as attention heads, every hook point on the way."""
+        batch, pos, _ = pre.shape
+        q, v = self._query_value(pre)
+        g = self._coefs(pre)[4]
+        shape = (batch, pos, self.n_neuron_heads, 1)
+        q = self.hook_q(q.expand(batch, pos, self.d_mlp, self.n_heads_per_neuron).reshape(shape))
+        # Every real token's key is 1; expanded, so no memory is spent on it.
+        k = self.hook_k(q.new_ones(()).expand(shape))
+        v = self.hook_v(v.expand(batch, pos, self.d_mlp, self.n_heads_per_neuron).reshape(shape))
+        # Scores over the two keys a neuron-head can see: itself (k) and the bias token (key 0).
+        score_self = (q * k).squeeze(-1)  # [batch, pos, n_neuron_heads]
+        score_bias = (q * self.k_bias_token.to(q.dtype)).squeeze(-1)
+        scores = self.hook_attn_scores(
+            torch.stack([score_self, score_bias], dim=-1).transpose(1, 2)
+        )  # [batch, n_neuron_heads, query_pos, 2]
+        # softmax over two keys, written as sigmoids of the score difference
+        diff = scores[..., 0] - scores[..., 1]
+        pattern = self.hook_pattern(
+            torch.stack([torch.sigmoid(diff), torch.sigmoid(-diff)], dim=-1)
+        )  # [batch, n_neuron_heads, query_pos, 2]
+        p = pattern.transpose(1, 2)  # [batch, pos, n_neuron_heads, 2]
+        z = p[..., 0:1] * v
+        if any(val != 0 for val in self.coefficients.g):
+            z = z + p[..., 1:2] * g.repeat(self.d_mlp).unsqueeze(-1)
+        z = self.hook_z(z.contiguous())  # [batch, pos, n_neuron_heads, 1]
+        post = z.reshape(batch, pos, self.d_mlp, self.n_heads_per_neuron)
+        post = post.squeeze(-1) if self.n_heads_per_neuron == 1 else post.sum(-1)
+        return post, z
+
+    def forward(
+        self, x: Float[torch.Tensor, "batch pos d_model"]
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        pre = self.hook_pre(batch_addmm(self.b_in, self.W_in, x))  # [batch, pos, d_mlp]
+        if not self._uses_head_path():
+            return batch_addmm(self.b_out, self.W_out, self.hook_post(self._fused_post(pre)))
+        post, z = self._head_post(pre)
+        hooked_post = self.hook_post(post)  # [batch, pos, d_mlp]
+        if not self.use_neuron_result:
+            return batch_addmm(self.b_out, self.W_out, hooked_post)
+        # [batch, pos, n_neuron_heads, d_model]
+        result = self.hook_result(z * self.W_O.squeeze(1))
+        out = result.sum(-2) + self.b_out
+        if hooked_post is not post:  # a hook edited post: its edit still reaches the output
+            out = out + (hooked_post - post) @ self.W_out
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.coefficients
+        return (
+            f"d_mlp={self.d_mlp}, heads_per_neuron={self.n_heads_per_neuron}, "
+            f"n_neuron_heads={self.n_neuron_heads}, activation={c.activation!r}, "
+            f"method={c.method!r}"
+        )
