@@ -1,0 +1,350 @@
+"""Hook names, labels and pattern helpers for neuron-heads.
+
+TransformerLens's :func:`~transformer_lens.utils.get_act_name` sends ``"pattern"``, ``"z"``, ...
+to the attention layer (``blocks.{l}.attn``); neuron-heads live at ``blocks.{l}.mlp``, so they are
+reached by full name. These helpers build those names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Literal, NamedTuple
+
+import torch
+from jaxtyping import Float
+
+from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
+
+#: Neuron-head hook -> shape, for docs and checks.
+NEURON_HOOK_SHAPES = {
+    "pre": "[batch, pos, d_mlp]",
+    "q": "[batch, pos, n_neuron_heads, 1]",
+    "k": "[batch, pos, n_neuron_heads, 1]",
+    "v": "[batch, pos, n_neuron_heads, 1]",
+    "attn_scores": "[batch, n_neuron_heads, query_pos, 2]  (self, bias)",
+    "pattern": "[batch, n_neuron_heads, query_pos, 2]  (self, bias)",
+    "z": "[batch, pos, n_neuron_heads, 1]",
+    "result": "[batch, pos, n_neuron_heads, d_model]  (after set_use_neuron_result(True))",
+    "post": "[batch, pos, d_mlp]",
+}
+
+_ALIASES = {"scores": "attn_scores", "attn": "pattern", "queries": "q", "keys": "k", "values": "v"}
+
+#: Default memory budget for dense patterns (bytes).
+DENSE_PATTERN_BUDGET = 2**30
+
+
+def neuron_act_name(kind: str, layer: int) -> str:
+    """Full hook name of a neuron-head activation.
+
+    Args:
+        kind: One of ``pre, q, k, v, attn_scores (or scores), pattern, z, result, post``.
+        layer: Layer index.
+
+    Returns:
+        E.g. ``neuron_act_name("pattern", 3) == "blocks.3.mlp.hook_pattern"``.
+    """
+    kind = _ALIASES.get(kind, kind)
+    if kind not in NEURON_HOOK_SHAPES:
+        raise ValueError(
+            f"Unknown neuron-head activation {kind!r}; expected one of "
+            f"{sorted(NEURON_HOOK_SHAPES)}."
+        )
+    return f"blocks.{layer}.mlp.hook_{kind}"
+
+
+def neuron_head_hook_names(layer: int) -> list[str]:
+    """Every neuron-head hook name of one layer (``q, k, v, attn_scores, pattern, z, result``)."""
+    return [neuron_act_name(kind, layer) for kind in NEURON_HEAD_HOOKS]
+
+
+def neuron_head_label(layer: int, head: int, n_heads_per_neuron: int = 1) -> str:
+    """Label of a neuron-head: ``L3N1024``, or ``L3N1024.2`` when neurons have several heads."""
+    neuron, k = divmod(head, n_heads_per_neuron)
+    return f"L{layer}N{neuron}" if n_heads_per_neuron == 1 else f"L{layer}N{neuron}.{k}"
+
+
+def dense_neuron_pattern(
+    pattern: Float[torch.Tensor, "batch n_neuron_heads query_pos 2"],
+    heads: Sequence[int] | torch.Tensor | slice | None = None,
+    max_bytes: int = DENSE_PATTERN_BUDGET,
+) -> Float[torch.Tensor, "batch head query_pos key_pos_plus_1"]:
+    """Expand compact neuron-head patterns to TransformerLens's dense layout.
+
+    The bias token is key position 0; real key ``j`` is position ``1 + j``. Each query row has its
+    weight on itself at ``1 + query_pos`` and its weight on the bias token at 0; every other entry
+    is 0 (the mask of Theorem 3).
+
+    Args:
+        pattern: Compact pattern from ``blocks.{l}.mlp.hook_pattern``, last axis (self, bias).
+        heads: Which neuron-heads to expand (indices, a slice, or a bool/long tensor); default all.
+        max_bytes: Refuse to allocate more than this; pass a subset of ``heads`` or raise it.
+
+    Returns:
+        ``[batch, len(heads), query_pos, 1 + query_pos]``.
+    """
+    if pattern.shape[-1] != 2:
+        raise ValueError(
+            f"Expected a compact neuron-head pattern [batch, head, query_pos, 2], got "
+            f"{tuple(pattern.shape)}."
+        )
+    if heads is not None:
+        pattern = pattern[:, heads]
+    batch, n_heads, n_pos, _ = pattern.shape
+    size = batch * n_heads * n_pos * (n_pos + 1) * pattern.element_size()
+    if size > max_bytes:
+        raise MemoryError(
+            f"A dense pattern for {n_heads} neuron-heads x {n_pos} positions needs "
+            f"{size / 2**30:.2f} GiB (budget {max_bytes / 2**30:.2f} GiB). Pass heads=[...] for "
+            "a subset, or max_bytes=... to raise the budget."
+        )
+    dense = pattern.new_zeros(batch, n_heads, n_pos, n_pos + 1)
+    dense[..., 0] = pattern[..., 1]
+    dense[..., 1:].diagonal(dim1=-2, dim2=-1).copy_(pattern[..., 0])
+    return dense
+
+
+# ---------------------------------------------------------------------------------------------
+# Head labels
+# ---------------------------------------------------------------------------------------------
+
+#: Hook names of TransformerLens attention heads (``blocks.{l}.attn.hook_{kind}``).
+ATTN_HEAD_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z", "result")
+
+_LABEL_RE = re.compile(r"^L(\d+)(H|N)(\d+)(?:\.(\d+))?$")
+#: ``blocks.{l}.{sublayer}.hook_{kind}``; block-level hooks (``hook_resid_post``) have sublayer "".
+_HOOK_RE = re.compile(r"^blocks\.(\d+)\.(?:(\w+)\.)?hook_(\w+)$")
+
+
+class HeadRef(NamedTuple):
+    """One head of the attention-only model.
+
+    Attributes:
+        kind: ``"attn"`` for the model's own attention heads (``blocks.{l}.attn``), ``"neuron"``
+            for neuron-heads (``blocks.{l}.mlp``).
+        layer: Layer index.
+        head: Head index within its layer: ``0 .. n_heads - 1`` for attention heads,
+            ``0 .. n_neuron_heads - 1`` (``= neuron * K + k``) for neuron-heads.
+    """
+
+    kind: Literal["attn", "neuron"]
+    layer: int
+    head: int
+
+    def label(self, n_heads_per_neuron: int = 1) -> str:
+        """``L{l}H{h}`` for attention heads, :func:`neuron_head_label` for neuron-heads."""
+        if self.kind == "attn":
+            return attn_head_label(self.layer, self.head)
+        return neuron_head_label(self.layer, self.head, n_heads_per_neuron)
+
+
+def attn_head_label(layer: int, head: int) -> str:
+    """Label of an attention head, TransformerLens's style: ``L3H7``."""
+    return f"L{layer}H{head}"
+
+
+def parse_head_label(label: str | HeadRef, n_heads_per_neuron: int = 1) -> HeadRef:
+    """The :class:`HeadRef` a label names: ``"L3H7"``, ``"L3N1024"`` or ``"L3N1024.2"``.
+
+    Args:
+        label: A label (or a :class:`HeadRef`, returned unchanged).
+        n_heads_per_neuron: ``K`` of the model; ``"L3N1024.2"`` is head ``1024 * K + 2``.
+
+    Raises:
+        ValueError: For a malformed label, ``k >= K``, or a bare neuron label (``"L3N1024"``) when
+            ``K > 1`` (it names a neuron, i.e. ``K`` heads: use :func:`neuron_head_refs`).
+    """
+    if isinstance(label, HeadRef):
+        return label
+    match = _LABEL_RE.match(label)
+    if match is None:
+        raise ValueError(
+            f"Cannot parse head label {label!r}: expected 'L{{layer}}H{{head}}' (attention head), "
+            "'L{layer}N{neuron}' or 'L{layer}N{neuron}.{k}' (neuron-head)."
+        )
+    layer, kind, index, k = match.groups()
+    if kind == "H":
+        if k is not None:
+            raise ValueError(f"Attention-head labels have no '.k' suffix: {label!r}.")
+        return HeadRef("attn", int(layer), int(index))
+    if k is None:
+        if n_heads_per_neuron != 1:
+            raise ValueError(
+                f"{label!r} names a neuron with {n_heads_per_neuron} heads; name one head as "
+                f"'{label}.k' (k < {n_heads_per_neuron}) or expand the neuron with "
+                "neuron_head_refs()."
+            )
+        return HeadRef("neuron", int(layer), int(index))
+    if int(k) >= n_heads_per_neuron:
+        raise ValueError(
+            f"{label!r}: head {k} of a neuron, but the model has {n_heads_per_neuron} heads per "
+            "neuron."
+        )
+    return HeadRef("neuron", int(layer), int(index) * n_heads_per_neuron + int(k))
+
+
+def neuron_head_refs(layer: int, neuron: int, n_heads_per_neuron: int = 1) -> list[HeadRef]:
+    """The ``K`` neuron-heads of one MLP neuron."""
+    start = neuron * n_heads_per_neuron
+    return [HeadRef("neuron", layer, h) for h in range(start, start + n_heads_per_neuron)]
+
+
+def all_head_refs(
+    model, kinds: Sequence[str] = ("attn", "neuron"), layers: Iterable[int] | None = None
+) -> list[HeadRef]:
+    """Every head of ``model``: attention heads of all layers first, then neuron-heads.
+
+    This is the order used throughout :mod:`tl_attnonly.analysis` (it extends TransformerLens's
+    ``get_full_resid_decomposition``, which lists attention heads before neurons).
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        kinds: Which kinds of head, ``"attn"`` and/or ``"neuron"``.
+        layers: Which layers; default all.
+    """
+    _check_kinds(kinds)
+    layer_list = list(range(model.cfg.n_layers)) if layers is None else list(layers)
+    refs: list[HeadRef] = []
+    if "attn" in kinds:
+        refs += [HeadRef("attn", li, h) for li in layer_list for h in range(model.cfg.n_heads)]
+    if "neuron" in kinds:
+        n = model.n_neuron_heads
+        refs += [HeadRef("neuron", li, h) for li in layer_list for h in range(n)]
+    return refs
+
+
+def head_labels(refs: Iterable[HeadRef], n_heads_per_neuron: int = 1) -> list[str]:
+    """Labels of many heads (see :meth:`HeadRef.label`)."""
+    return [ref.label(n_heads_per_neuron) for ref in refs]
+
+
+def _check_kinds(kinds: Sequence[str]) -> None:
+    bad = set(kinds) - {"attn", "neuron"}
+    if bad or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of ('attn', 'neuron'), got {kinds!r}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# names_filter presets
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_set(layers: None | int | Iterable[int]) -> frozenset[int] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, int):
+        return frozenset([layers])
+    return frozenset(int(layer) for layer in layers)
+
+
+class NamesFilter:
+    """A ``names_filter`` for ``run_with_cache`` that caches exactly the hooks it names.
+
+    A filter is a union of *rules*: ``(sublayer, kind, layers)`` for per-layer hooks
+    (``blocks.{l}.{sublayer}.hook_{kind}``; ``layers=None`` means every layer) and exact names for
+    anything else (``hook_embed``, ``ln_final.hook_scale``, ...). Filters combine with ``|``.
+    Build them with the preset functions (:func:`neuron_names_filter`, :func:`head_names_filter`,
+    :func:`decomposition_names_filter`, ...), never hand-write regexes.
+
+    Example:
+        >>> only = neuron_names_filter("pattern", layers=range(2, 4))  # patterns of layers 2-3
+        >>> _, cache = model.run_with_cache(tokens, names_filter=only)
+        >>> sorted(cache.keys())
+        ['blocks.2.mlp.hook_pattern', 'blocks.3.mlp.hook_pattern']
+    """
+
+    def __init__(
+        self,
+        rules: Iterable[tuple[str, str, frozenset[int] | None]] = (),
+        names: Iterable[str] = (),
+    ):
+        self.rules = tuple(rules)
+        self.names = frozenset(names)
+
+    def __call__(self, name: str) -> bool:
+        if name in self.names:
+            return True
+        match = _HOOK_RE.match(name)
+        if match is None:
+            return False
+        layer, sublayer, kind = int(match.group(1)), match.group(2) or "", match.group(3)
+        return any(
+            sublayer == r_sub and kind == r_kind and (r_layers is None or layer in r_layers)
+            for r_sub, r_kind, r_layers in self.rules
+        )
+
+    def __or__(self, other: NamesFilter) -> NamesFilter:
+        if not isinstance(other, NamesFilter):
+            return NotImplemented
+        return NamesFilter(self.rules + other.rules, self.names | other.names)
+
+    def resolve(self, model) -> list[str]:
+        """The hook names of ``model`` this filter selects, in the model's order."""
+        return [name for name in model.hook_dict if self(name)]
+
+    def __repr__(self) -> str:
+        parts = [
+            f"blocks.{'*' if layers is None else sorted(layers)}.{sub + '.' if sub else ''}"
+            f"hook_{kind}"
+            for sub, kind, layers in self.rules
+        ] + sorted(self.names)
+        return f"NamesFilter({', '.join(parts)})"
+
+
+def neuron_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) -> NamesFilter:
+    """Neuron-head hooks only: ``blocks.{l}.mlp.hook_{kind}`` for ``l`` in ``layers``.
+
+    Args:
+        *kinds: Neuron-head hook kinds (``pre, q, k, v, attn_scores, pattern, z, result, post``;
+            aliases as in :func:`neuron_act_name`).
+        layers: A layer, an iterable of layers (``range(2, 4)``), or None for all layers.
+    """
+    if not kinds:
+        raise ValueError("Name at least one kind, e.g. neuron_names_filter('pattern').")
+    kinds_full = [neuron_act_name(kind, 0).rsplit("hook_", 1)[1] for kind in kinds]
+    layer_set = _layer_set(layers)
+    return NamesFilter([("mlp", kind, layer_set) for kind in kinds_full])
+
+
+def attn_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) -> NamesFilter:
+    """Attention-head hooks only: ``blocks.{l}.attn.hook_{kind}`` (TransformerLens's names)."""
+    if not kinds:
+        raise ValueError("Name at least one kind, e.g. attn_names_filter('pattern').")
+    kinds_full = [_ALIASES.get(kind, kind) for kind in kinds]
+    bad = [kind for kind in kinds_full if kind not in ATTN_HEAD_HOOKS]
+    if bad:
+        raise ValueError(f"Unknown attention-head hooks {bad}; expected some of {ATTN_HEAD_HOOKS}.")
+    layer_set = _layer_set(layers)
+    return NamesFilter([("attn", kind, layer_set) for kind in kinds_full])
+
+
+def head_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) -> NamesFilter:
+    """The same hooks of attention heads and neuron-heads: e.g. ``head_names_filter("z")``."""
+    return attn_names_filter(*kinds, layers=layers) | neuron_names_filter(*kinds, layers=layers)
+
+
+def exact_names_filter(*names: str) -> NamesFilter:
+    """Exactly these hook names (e.g. ``"hook_embed"``, ``"ln_final.hook_scale"``)."""
+    return NamesFilter(names=names)
+
+
+def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> NamesFilter:
+    """What :func:`tl_attnonly.analysis.decompose_resid_heads` and head DLA need, nothing more.
+
+    Embeddings, the ``z`` of every attention head and neuron-head, the LayerNorm scales (to
+    apply LN to a stack, as TransformerLens does) and the residual stream after each block (for
+    ``incl_remainder`` and checks): ``[batch, pos, n_neuron_heads, 1]`` per layer for the
+    neuron-heads, never the ``[batch, pos, n_neuron_heads, d_model]`` results.
+    """
+    layer_set = _layer_set(layers)
+    rules = [
+        ("ln1", "scale", layer_set),
+        ("ln2", "scale", layer_set),
+    ]
+    return (
+        head_names_filter("z", layers=layers)
+        | NamesFilter(rules)
+        | NamesFilter([("", "resid_post", layer_set)])
+        | exact_names_filter("hook_embed", "hook_pos_embed", "ln_final.hook_scale")
+    )
