@@ -1,0 +1,86 @@
+"""TransformerLens's analysis workflow over neuron-heads and attention heads together.
+
+==========================  ======================================================================
+:mod:`.cache`               per-head results, residual decomposition, direct logit attribution
+:mod:`.patching`            activation patching of neuron-heads (one or many patches per pass)
+:mod:`.path_patching`       path patching between heads (IOI style)
+:mod:`.attribution`         attribution patching (gradient estimate for every head)
+:mod:`.circuits`            OV / QK / full circuits of neuron-heads, composition scores, top-k
+==========================  ======================================================================
+
+Heads are labelled ``L{l}H{h}`` (attention heads, TransformerLens's style), ``L{l}N{i}`` or
+``L{l}N{i}.{k}`` (neuron-heads, see :func:`tl_attnonly.hooks.neuron_head_label`). Wherever heads
+are listed, attention heads of every layer come first, then neuron-heads
+(:func:`tl_attnonly.hooks.all_head_refs`), as in TransformerLens's
+``get_full_resid_decomposition``. Cache only what you analyse with the presets of
+:mod:`tl_attnonly.hooks` (``decomposition_names_filter()``, ``head_names_filter("z")``, ...).
+"""
+
+from tl_attnonly.analysis.attribution import attribution_patch, rank_agreement
+from tl_attnonly.analysis.cache import (
+    decompose_resid_heads,
+    get_attn_head_results,
+    get_neuron_head_results,
+    head_logit_attrs,
+    neuron_head_z,
+    stack_all_head_results,
+    stack_neuron_head_results,
+)
+from tl_attnonly.analysis.circuits import (
+    CompositionScores,
+    bias_token_homogeneous,
+    composition_scores,
+    homogeneous,
+    neuron_attn_scores_from_circuit,
+    neuron_full_ov_circuit,
+    neuron_full_qk_circuit,
+    neuron_ov_circuit,
+    neuron_qk_circuit,
+    top_k,
+)
+from tl_attnonly.analysis.patching import (
+    get_act_patch_all_heads,
+    get_act_patch_neuron_heads,
+    neuron_head_patch_index,
+    run_patches,
+)
+from tl_attnonly.analysis.path_patching import (
+    LOGITS,
+    Receiver,
+    parse_receiver,
+    path_patch,
+    path_patch_caches,
+    path_patch_sweep,
+)
+
+__all__ = [
+    "LOGITS",
+    "CompositionScores",
+    "Receiver",
+    "attribution_patch",
+    "bias_token_homogeneous",
+    "composition_scores",
+    "decompose_resid_heads",
+    "get_act_patch_all_heads",
+    "get_act_patch_neuron_heads",
+    "get_attn_head_results",
+    "get_neuron_head_results",
+    "head_logit_attrs",
+    "homogeneous",
+    "neuron_attn_scores_from_circuit",
+    "neuron_full_ov_circuit",
+    "neuron_full_qk_circuit",
+    "neuron_head_patch_index",
+    "neuron_head_z",
+    "neuron_ov_circuit",
+    "neuron_qk_circuit",
+    "parse_receiver",
+    "path_patch",
+    "path_patch_caches",
+    "path_patch_sweep",
+    "rank_agreement",
+    "run_patches",
+    "stack_all_head_results",
+    "stack_neuron_head_results",
+    "top_k",
+]

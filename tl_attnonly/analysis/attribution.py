@@ -1,0 +1,173 @@
+"""Attribution patching: a gradient estimate of activation patching for every head at once.
+
+Nanda (2023), "Attribution Patching": the effect of patching an activation ``a`` from the clean run
+into the corrupted run is approximated to first order by
+
+    ``metric(patched) - metric(corrupted) ~= sum (a_clean - a_corrupted) * d metric / d a``
+
+with the gradient taken on the corrupted run. One forward and one backward pass give the estimate
+for all ``n_layers * (n_heads + n_neuron_heads)`` heads, where activation patching needs one
+forward pass per head. Use it to rank heads, then confirm the top ones with
+:func:`~tl_attnonly.analysis.get_act_patch_all_heads` (exact).
+
+The estimate is exact when the metric is linear in the activation along the patch (e.g. heads of
+the last layer of a model without final LayerNorm, with a metric linear in the logits); elsewhere it
+is a linearisation, best for small clean/corrupted differences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from jaxtyping import Float, Int
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+
+from tl_attnonly.hooks import all_head_refs, head_labels
+
+Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
+
+#: Activations attribution patching supports, and where their head axis is.
+ATTRIBUTION_KINDS = {"z": 2, "v": 2, "q": 2, "pattern": 1}
+
+
+def _names(model, kind: str, kinds: Sequence[str]) -> list[tuple[str, str, int]]:
+    """(sublayer kind, hook name, layer) for every layer and every requested kind of head."""
+    out = []
+    for sub in kinds:
+        if sub == "attn" and kind == "v" and model.cfg.n_key_value_heads is not None:
+            raise ValueError(
+                "Attention-head 'v' attribution is per key/value head in grouped-query models; "
+                "use activation_name='z' or kinds=('neuron',)."
+            )
+        for li in range(model.cfg.n_layers):
+            out.append((sub, f"blocks.{li}.{'attn' if sub == 'attn' else 'mlp'}.hook_{kind}", li))
+    return out
+
+
+def attribution_patch(
+    model,
+    clean_cache: ActivationCache,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    patching_metric: Metric,
+    *,
+    activation_name: str = "z",
+    kinds: Sequence[str] = ("attn", "neuron"),
+    per_position: bool = False,
+    progress: bool = False,
+) -> tuple[torch.Tensor, list[str]]:
+    """Attribution-patching estimate of patching each head's clean activation into the corrupted
+    run.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        clean_cache: Cache of the clean run holding the activation for every layer and kind
+            (e.g. ``names_filter=head_names_filter("z")``).
+        corrupted_tokens: ``[batch, pos]`` (the run that is differentiated).
+        patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar, differentiable.
+        activation_name: ``"z"`` (head output), ``"v"``, ``"q"`` or ``"pattern"``.
+        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
+        per_position: Keep the position axis (query position for patterns).
+        progress: Show a progress bar over layers while reducing.
+
+    Returns:
+        ``(estimated change of the metric, labels)``: ``[n_heads]`` or ``[n_heads, pos]``, heads
+        in :func:`tl_attnonly.hooks.all_head_refs` order (attention heads first), the same order
+        as :func:`~tl_attnonly.analysis.get_act_patch_all_heads`. Estimates are of
+        ``metric(patched) - metric(corrupted)``.
+    """
+    if not hasattr(model, "neuron_heads"):
+        raise TypeError(f"{type(model).__name__} has no neuron-heads: convert it first.")
+    if activation_name not in ATTRIBUTION_KINDS:
+        raise ValueError(
+            f"activation_name must be one of {sorted(ATTRIBUTION_KINDS)}, got {activation_name!r}."
+        )
+    if isinstance(kinds, str) or not kinds or set(kinds) - {"attn", "neuron"}:
+        raise ValueError(f"kinds must be a non-empty subset of ('attn', 'neuron'), got {kinds!r}.")
+    kinds = [k for k in ("attn", "neuron") if k in kinds]
+    names = _names(model, activation_name, kinds)
+    missing = [name for _, name, _ in names if name not in clean_cache.cache_dict]
+    if missing:
+        raise KeyError(
+            f"The clean cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}. Cache them "
+            f"with names_filter=tl_attnonly.hooks.head_names_filter({activation_name!r})."
+        )
+
+    acts: dict[str, torch.Tensor] = {}
+
+    def keep(act, hook):
+        acts[hook.name] = act
+        return act
+
+    def grad_on(act, hook):  # if parameters are frozen, let the graph start at the embeddings
+        return act if act.requires_grad else act.detach().requires_grad_(True)
+
+    with torch.enable_grad():
+        fwd_hooks = [("hook_embed", grad_on)] + [(name, keep) for _, name, _ in names]
+        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=fwd_hooks)
+        metric = patching_metric(logits)
+        if metric.numel() != 1:
+            raise ValueError(
+                f"patching_metric must return a scalar, got shape {tuple(metric.shape)}."
+            )
+        # Gradients w.r.t. the activations only: parameters' .grad are left untouched.
+        grads = dict(
+            zip(
+                [name for _, name, _ in names],
+                torch.autograd.grad(
+                    metric, [acts[name] for _, name, _ in names], allow_unused=True
+                ),
+                strict=True,
+            )
+        )
+
+    head_axis = ATTRIBUTION_KINDS[activation_name]
+    per_kind: dict[str, list[torch.Tensor]] = {k: [] for k in kinds}
+    for sub, name, _ in tqdm(names, desc="attribution", disable=not progress):
+        grad = grads[name]
+        if grad is None:  # the metric does not depend on this activation
+            grad = torch.zeros_like(acts[name])
+        delta = (clean_cache[name] - acts[name].detach()) * grad
+        # -> [batch, pos, head, ...] (vectors) or [batch, head, query_pos, key] (patterns)
+        if head_axis == 1:  # patterns: [batch, head, query_pos, key] -> [batch, query_pos, head]
+            delta = delta.sum(-1).transpose(1, 2)
+        else:  # vectors: [batch, pos, head, d] -> [batch, pos, head]
+            delta = delta.sum(-1)
+        reduced = delta.sum(0) if per_position else delta.sum((0, 1))
+        per_kind[sub].append(reduced.detach())
+
+    parts = []
+    for sub in kinds:
+        stacked = torch.stack(per_kind[sub])  # [n_layers, (pos,) heads]
+        if per_position:
+            stacked = stacked.transpose(1, 2)  # [n_layers, heads, pos]
+        parts.append(stacked.flatten(0, 1))
+    scores = torch.cat(parts)
+    return scores, head_labels(all_head_refs(model, kinds=kinds), model.n_heads_per_neuron)
+
+
+def rank_agreement(
+    a: Float[torch.Tensor, "n"],  # noqa: F821
+    b: Float[torch.Tensor, "n"],  # noqa: F821
+    top: int | None = None,
+) -> dict[str, float]:
+    """How well two head scorings agree: Spearman correlation and sign agreement.
+
+    Args:
+        a, b: Two scorings of the same heads (e.g. attribution estimates and activation-patching
+            effects ``metric(patched) - metric(corrupted)``).
+        top: Restrict the sign agreement to the ``top`` heads by ``|b|``; default all.
+
+    Returns:
+        ``{"spearman": ..., "sign_agreement": ...}``.
+    """
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"Expected two 1-d tensors of equal length, got {a.shape} and {b.shape}.")
+    ra = a.argsort().argsort().double()
+    rb = b.argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    spearman = float((ra * rb).sum() / (ra.norm() * rb.norm()))
+    idx = b.abs().argsort(descending=True)[: top or len(b)]
+    sign = float((a[idx].sign() == b[idx].sign()).double().mean())
+    return {"spearman": spearman, "sign_agreement": sign}

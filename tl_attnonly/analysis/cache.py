@@ -1,0 +1,516 @@
+"""Per-head views of a TransformerLens ``ActivationCache``: attention heads and neuron-heads.
+
+TransformerLens stacks attention-head results (``cache.stack_head_results``) and MLP-neuron
+results (``cache.stack_neuron_results``). In an :class:`~tl_attnonly.AttnOnlyTransformer` every
+neuron is ``K`` neuron-heads, so the residual stream decomposes into heads only (attention heads and
+neuron-heads), the embeddings, and the output biases:
+
+    ``resid = embed + pos_embed + sum_{attention heads} result + sum_{neuron-heads} result + bias``
+
+A neuron-head's result is ``z[..., h, 0] * W_O[h]`` (``W_O[h] = W_out[h // K]``). It is computed
+on demand from the cached ``z`` (``[batch, pos, n_neuron_heads, 1]`` per layer), in chunks, never
+cached as ``[batch, pos, n_neuron_heads, d_model]``. Cache what these functions need, and nothing
+more, with :func:`tl_attnonly.hooks.decomposition_names_filter`. For ``K = 1`` models the neuron's
+``hook_post`` is its head's ``z`` and is accepted instead.
+
+Order of components everywhere: attention heads (layer by layer), then neuron-heads (layer by
+layer), then ``embed``, ``pos_embed``, ``bias``: TransformerLens's
+``get_full_resid_decomposition`` order, with neurons replaced by neuron-heads (for ``K = 1`` the
+two are identical, labels included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from jaxtyping import Float, Int
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+from transformer_lens.utilities import Slice, SliceInput
+
+from tl_attnonly.hooks import neuron_act_name, neuron_head_label
+
+#: Default memory budget (bytes) for a stacked tensor of per-head results.
+STACK_BUDGET = 2 * 2**30
+
+#: Default number of neuron-heads materialised at once (``chunk * batch * pos * d_model``).
+DEFAULT_CHUNK = 1024
+
+Kinds = Sequence[str]
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def _model(cache: ActivationCache):
+    model = cache.model
+    if not hasattr(model, "neuron_heads"):
+        raise TypeError(
+            f"This cache belongs to a {type(model).__name__}, which has no neuron-heads. Convert "
+            "the model first (tl_attnonly.convert(model)) and cache the converted model's run."
+        )
+    return model
+
+
+def _check_kinds(kinds: Kinds) -> None:
+    if isinstance(kinds, str) or not kinds or set(kinds) - {"attn", "neuron"}:
+        raise ValueError(f"kinds must be a non-empty subset of ('attn', 'neuron'), got {kinds!r}.")
+
+
+def _resolve_layer(model, layer: int | None) -> int:
+    n_layers = model.cfg.n_layers
+    if layer is None or layer == -1:
+        return n_layers
+    if not 0 <= layer <= n_layers:
+        raise ValueError(f"layer must be in [0, {n_layers}] (or -1 / None for all), got {layer}.")
+    return layer
+
+
+def _head_index(
+    heads: None | SliceInput | Slice, n_heads: int, device: torch.device
+) -> Int[torch.Tensor, "n_selected"]:  # noqa: F821
+    if heads is None:
+        return torch.arange(n_heads, device=device)
+    try:
+        idx = torch.as_tensor(Slice.unwrap(heads).indices(n_heads), device=device)
+    except IndexError as err:
+        raise IndexError(f"Neuron-head indices must be in [0, {n_heads}), got {heads}.") from err
+    return idx
+
+
+def neuron_head_z(
+    cache: ActivationCache, layer: int
+) -> Float[torch.Tensor, "*batch_and_pos n_neuron_heads"]:
+    """The neuron-heads' ``z`` of one layer (their output before ``W_O``), last axis squeezed.
+
+    Reads ``blocks.{layer}.mlp.hook_z``; for ``K = 1`` models ``blocks.{layer}.mlp.hook_post``
+    (identical) is accepted too.
+
+    Raises:
+        KeyError: If neither is cached; the message says which names_filter to use.
+    """
+    model = _model(cache)
+    z_name = neuron_act_name("z", layer)
+    if z_name in cache.cache_dict:
+        return cache.cache_dict[z_name][..., 0]
+    post_name = neuron_act_name("post", layer)
+    if model.n_heads_per_neuron == 1 and post_name in cache.cache_dict:
+        return cache.cache_dict[post_name]
+    raise KeyError(
+        f"{z_name} is not in the cache"
+        + (
+            f" (nor {post_name}, which equals it when K = 1)"
+            if model.n_heads_per_neuron == 1
+            else ""
+        )
+        + ". Cache it, e.g. model.run_with_cache(tokens, names_filter="
+        "tl_attnonly.hooks.decomposition_names_filter())."
+    )
+
+
+def _project(
+    stack: Float[torch.Tensor, "... d_model"], project: torch.Tensor | None
+) -> torch.Tensor:
+    return stack if project is None else stack @ project
+
+
+def _normalize_projection(
+    project_output_onto: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, bool]:
+    if project_output_onto is None:
+        return None, False
+    if project_output_onto.ndim == 1:
+        return project_output_onto[:, None], True
+    if project_output_onto.ndim != 2:
+        raise ValueError(
+            "project_output_onto must be [d_model] or [d_model, n_outputs], got shape "
+            f"{tuple(project_output_onto.shape)}."
+        )
+    return project_output_onto, False
+
+
+def _accumulated_bias(model, layer: int, mlp_input: bool) -> torch.Tensor:
+    """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32)."""
+    bias = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
+    for li in range(layer):
+        bias = bias + model.blocks[li].attn.b_O + model.blocks[li].mlp.b_out
+    if mlp_input:
+        if layer >= model.cfg.n_layers:
+            raise ValueError("mlp_input=True needs layer < n_layers (the unembed has no MLP).")
+        bias = bias + model.blocks[layer].attn.b_O
+    return bias
+
+
+# ------------------------------------------------------------------------------------------------
+# neuron-head results
+# ------------------------------------------------------------------------------------------------
+def get_neuron_head_results(
+    cache: ActivationCache,
+    layer: int,
+    heads: None | SliceInput | Slice = None,
+    pos_slice: None | SliceInput | Slice = None,
+    project_output_onto: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What each neuron-head of one layer writes to the residual stream (not cached).
+
+    The neuron-head analogue of ``ActivationCache.get_neuron_results``: ``z[..., h] * W_O[h]``.
+
+    Args:
+        cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run holding
+            ``blocks.{layer}.mlp.hook_z`` (or ``hook_post`` when ``K = 1``).
+        layer: Layer index.
+        heads: Which neuron-heads (indices, a ``slice``, a ``(start, stop)`` tuple, a tensor);
+            default all ``n_neuron_heads``.
+        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics; an int drops the axis).
+        project_output_onto: ``[d_model]`` or ``[d_model, n_outputs]``: project each result onto
+            these directions without materialising the ``d_model`` axis.
+
+    Returns:
+        ``[batch, pos, n_selected, d_model]`` (pos dropped for an int ``pos_slice``; last axis
+        ``n_outputs`` or squeezed when projecting).
+    """
+    model = _model(cache)
+    pos_slice = Slice.unwrap(pos_slice) if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    z = pos_slice.apply(neuron_head_z(cache, layer), dim=-2)
+    mlp = model.blocks[layer].mlp
+    idx = _head_index(heads, mlp.n_neuron_heads, z.device)
+    z = z.index_select(-1, idx)
+    W_O = mlp.W_O[idx, 0]  # [n_selected, d_model]
+    if project_output_onto is None:
+        return z[..., None] * W_O
+    projected = W_O @ project_output_onto.to(W_O.dtype)
+    if projected.ndim == 1:
+        return z * projected
+    return z[..., None] * projected
+
+
+def get_attn_head_results(
+    cache: ActivationCache, layer: int, pos_slice: None | SliceInput | Slice = None
+) -> Float[torch.Tensor, "*batch_and_pos n_heads d_model"]:
+    """What each attention head of one layer writes, without storing it in the cache.
+
+    ``z @ W_O`` per head, as TransformerLens's ``ActivationCache.compute_head_results``, which
+    however stores ``[batch, pos, n_heads, d_model]`` for every layer in the cache. Uses
+    ``blocks.{layer}.attn.hook_result`` instead if it was cached (``use_attn_result``).
+    """
+    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    name = f"blocks.{layer}.attn.hook_result"
+    cached = cache.cache_dict.get(name)
+    if cached is not None and cached.ndim >= 3 and cached.shape[-2] == cache.model.cfg.n_heads:
+        return pos_slice.apply(cached, dim=-3)
+    z = pos_slice.apply(cache[f"blocks.{layer}.attn.hook_z"], dim=-3)  # [..., head, d_head]
+    W_O = cache.model.blocks[layer].attn.W_O  # [head, d_head, d_model]
+    return torch.einsum("...hd,hdm->...hm", z, W_O)
+
+
+def _component_chunks(
+    cache: ActivationCache,
+    layer: int,
+    mlp_input: bool,
+    kinds: Kinds,
+    pos_slice: Slice,
+    incl_embeds_and_bias: bool,
+    chunk_size: int,
+    progress: bool,
+) -> Iterator[tuple[Float[torch.Tensor, "chunk *batch_and_pos d_model"], list[str]]]:
+    """Residual-stream components in the module's order, in chunks of at most ``chunk_size``."""
+    model = _model(cache)
+    n_attn_layers = layer + (1 if mlp_input else 0)
+    if "attn" in kinds:
+        for li in range(n_attn_layers):
+            results = get_attn_head_results(cache, li, pos_slice)
+            yield results.movedim(-2, 0), [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
+    if "neuron" in kinds:
+        n = model.n_neuron_heads
+        K = model.n_heads_per_neuron
+        steps = [(li, start) for li in range(layer) for start in range(0, n, chunk_size)]
+        for li, start in tqdm(steps, desc="neuron-heads", disable=not progress):
+            stop = min(start + chunk_size, n)
+            results = get_neuron_head_results(cache, li, slice(start, stop), pos_slice)
+            yield (
+                results.movedim(-2, 0),
+                [neuron_head_label(li, h, K) for h in range(start, stop)],
+            )
+    if incl_embeds_and_bias:
+        for name, label in (("hook_embed", "embed"), ("hook_pos_embed", "pos_embed")):
+            if name in cache.cache_dict:
+                yield pos_slice.apply(cache[name], dim=-2)[None], [label]
+        template = pos_slice.apply(cache["hook_embed"], dim=-2)
+        bias = _accumulated_bias(model, layer, mlp_input).to(template.dtype)
+        yield bias.expand((1,) + template.shape), ["bias"]
+
+
+def _template(cache: ActivationCache, pos_slice: Slice) -> torch.Tensor:
+    """An empty-ish ``[*batch_and_pos, 0]`` tensor with the cache's batch/pos shape and dtype."""
+    if "hook_embed" in cache.cache_dict:
+        source = cache.cache_dict["hook_embed"]
+    else:  # any head's z: [..., pos, head, d_head]
+        names = [n for n in cache.cache_dict if n.endswith(("attn.hook_z", "mlp.hook_z"))]
+        names += [n for n in cache.cache_dict if n.endswith("mlp.hook_post")]
+        if not names:
+            raise KeyError(
+                "The cache holds neither hook_embed nor any head's z. Cache them with "
+                "names_filter=tl_attnonly.hooks.decomposition_names_filter()."
+            )
+        source = cache.cache_dict[names[0]]
+        source = source[..., 0, :] if names[0].endswith("hook_z") else source
+    return pos_slice.apply(source[..., :0], dim=-2)
+
+
+def _target_resid(cache: ActivationCache, layer: int, mlp_input: bool) -> torch.Tensor:
+    n_layers = cache.model.cfg.n_layers
+    if layer == n_layers:
+        return cache[("resid_post", n_layers - 1)]
+    return cache[("resid_mid" if mlp_input else "resid_pre", layer)]
+
+
+def _stack(
+    cache: ActivationCache,
+    layer: int | None,
+    mlp_input: bool,
+    kinds: Kinds,
+    pos_slice: None | SliceInput | Slice,
+    apply_ln: bool,
+    incl_embeds_and_bias: bool,
+    incl_remainder: bool,
+    project_output_onto: torch.Tensor | None,
+    max_bytes: int,
+    chunk_size: int,
+    progress: bool,
+) -> tuple[torch.Tensor, list[str]]:
+    model = _model(cache)
+    _check_kinds(kinds)
+    layer = _resolve_layer(model, layer)
+    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    project, squeeze = _normalize_projection(project_output_onto)
+
+    template = _template(cache, pos_slice)
+    n_components = 0
+    if "attn" in kinds:
+        n_components += (layer + (1 if mlp_input else 0)) * model.cfg.n_heads
+    if "neuron" in kinds:
+        n_components += layer * model.n_neuron_heads
+    n_components += 3 if incl_embeds_and_bias else 0
+    d_out = model.cfg.d_model if project is None else project.shape[-1]
+    size = n_components * math.prod(template.shape[:-1]) * d_out * template.element_size()
+    if size > max_bytes:
+        raise MemoryError(
+            f"Stacking {n_components} components needs {size / 2**30:.2f} GiB (budget "
+            f"{max_bytes / 2**30:.2f} GiB). Narrow it: pos_slice=-1, "
+            "project_output_onto=<direction>, "
+            "kinds=('attn',), an earlier layer; or use head_logit_attrs() for DLA, which works in "
+            "chunks; or raise max_bytes."
+        )
+
+    def finish(stack: torch.Tensor) -> torch.Tensor:
+        if apply_ln:
+            stack = cache.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
+        if project is not None:
+            stack = stack @ project.to(stack.dtype)
+        return stack
+
+    parts, labels = [], []
+    for chunk, chunk_labels in _component_chunks(
+        cache, layer, mlp_input, kinds, pos_slice, incl_embeds_and_bias, chunk_size, progress
+    ):
+        parts.append(finish(chunk))
+        labels += chunk_labels
+    if incl_remainder:
+        resid = pos_slice.apply(_target_resid(cache, layer, mlp_input), dim=-2)
+        # LN with a cached scale and a projection are linear: remainder of the processed stack.
+        total = sum(p.sum(0) for p in parts) if parts else 0
+        parts.append(finish(resid[None]) - total)
+        labels.append("remainder")
+    if parts:
+        stack = torch.cat(parts, dim=0)
+    else:
+        stack = template.new_zeros((0,) + template.shape[:-1] + (d_out,))
+    if squeeze:
+        stack = stack.squeeze(-1)
+    return stack, labels
+
+
+# ------------------------------------------------------------------------------------------------
+# public stacking / decomposition / DLA
+# ------------------------------------------------------------------------------------------------
+def stack_neuron_head_results(
+    cache: ActivationCache,
+    layer: int | None = -1,
+    *,
+    pos_slice: None | SliceInput | Slice = None,
+    apply_ln: bool = False,
+    return_labels: bool = False,
+    incl_remainder: bool = False,
+    project_output_onto: torch.Tensor | None = None,
+    max_bytes: int = STACK_BUDGET,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+):
+    """Every neuron-head's result in layers before ``layer``, stacked.
+
+    The neuron-head analogue of ``ActivationCache.stack_neuron_results`` (for ``K = 1`` the two
+    are equal). Arguments as in :func:`stack_all_head_results`.
+
+    Returns:
+        ``[layer * n_neuron_heads (+1), batch, pos, d_model]``, and labels ``L{l}N{i}`` /
+        ``L{l}N{i}.{k}`` if ``return_labels``.
+    """
+    stack, labels = _stack(
+        cache, layer, False, ("neuron",), pos_slice, apply_ln, False, incl_remainder,
+        project_output_onto, max_bytes, chunk_size, progress,
+    )  # fmt: skip
+    return (stack, labels) if return_labels else stack
+
+
+def stack_all_head_results(
+    cache: ActivationCache,
+    layer: int | None = -1,
+    *,
+    kinds: Kinds = ("attn", "neuron"),
+    mlp_input: bool = False,
+    pos_slice: None | SliceInput | Slice = None,
+    apply_ln: bool = False,
+    return_labels: bool = False,
+    incl_remainder: bool = False,
+    project_output_onto: torch.Tensor | None = None,
+    max_bytes: int = STACK_BUDGET,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+):
+    """``stack_head_results`` over all heads: attention heads and neuron-heads.
+
+    Equals TransformerLens's ``cache.stack_head_results`` for the attention heads, but computes
+    them from ``z`` layer by layer (:func:`get_attn_head_results`) instead of storing them in the
+    cache; neuron-head results are computed from ``z`` in chunks of ``chunk_size`` heads.
+
+    Args:
+        cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run (see
+            :func:`tl_attnonly.hooks.decomposition_names_filter`).
+        layer: Heads in layers strictly before ``layer``; ``-1``/``None``/``n_layers``: all.
+        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
+        mlp_input: Also include the attention heads of ``layer`` (they feed its MLP).
+        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics).
+        apply_ln: Apply the LayerNorm scale cached at the input of ``layer`` (TransformerLens's
+            ``apply_ln_to_stack``).
+        return_labels: Also return the labels (``L{l}H{h}``, ``L{l}N{i}``, ``L{l}N{i}.{k}``).
+        incl_remainder: Append ``resid - sum(heads)`` (embeddings and biases), labelled
+            ``"remainder"``.
+        project_output_onto: ``[d_model]`` or ``[d_model, n_outputs]`` directions to project
+            each component onto (after ``apply_ln``).
+        max_bytes: Refuse to build a larger stack; see the error for ways to narrow it.
+        chunk_size: Neuron-heads materialised at once.
+        progress: Show a progress bar over neuron-head chunks.
+
+    Returns:
+        ``[n_components, batch, pos, d_model]`` (pos dropped for an int ``pos_slice``; last axis
+        ``n_outputs`` or squeezed when projecting), and the labels if ``return_labels``.
+    """
+    stack, labels = _stack(
+        cache, layer, mlp_input, kinds, pos_slice, apply_ln, False, incl_remainder,
+        project_output_onto, max_bytes, chunk_size, progress,
+    )  # fmt: skip
+    return (stack, labels) if return_labels else stack
+
+
+def decompose_resid_heads(
+    cache: ActivationCache,
+    layer: int | None = None,
+    *,
+    mlp_input: bool = False,
+    apply_ln: bool = False,
+    pos_slice: None | SliceInput | Slice = None,
+    return_labels: bool = False,
+    project_output_onto: torch.Tensor | None = None,
+    max_bytes: int = STACK_BUDGET,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+):
+    """The residual stream as a sum of heads, embeddings and biases: nothing else.
+
+    ``sum(stack, 0)`` equals ``resid_pre[layer]`` (``resid_mid[layer]`` with ``mlp_input``;
+    ``resid_post`` of the last block for ``layer = n_layers``). Components: every attention head
+    and every neuron-head of earlier layers, ``embed``, ``pos_embed`` (if the model has one) and
+    ``bias`` (all ``b_O`` and ``b_out``). A neuron-head's result includes its value bias and its
+    bias-token value (they pass through its pattern), so ``bias`` holds only ``b_O`` and
+    ``b_out``.
+
+    For ``K = 1`` this equals TransformerLens's ``cache.get_full_resid_decomposition(
+    expand_neurons=True)``, labels included (neuron ``i`` is neuron-head ``i``); this function also
+    splits GELU neurons into their ``K`` heads and keeps the bias in the model's dtype.
+
+    Args:
+        cache, layer, mlp_input, apply_ln, pos_slice, return_labels, project_output_onto,
+        max_bytes, chunk_size, progress: As in :func:`stack_all_head_results`.
+
+    Returns:
+        ``[n_components, batch, pos, d_model]`` (see :func:`stack_all_head_results` for the
+        shape options), and the labels if ``return_labels``.
+    """
+    stack, labels = _stack(
+        cache, layer, mlp_input, ("attn", "neuron"), pos_slice, apply_ln, True, False,
+        project_output_onto, max_bytes, chunk_size, progress,
+    )  # fmt: skip
+    return (stack, labels) if return_labels else stack
+
+
+def head_logit_attrs(
+    cache: ActivationCache,
+    tokens: str
+    | int
+    | Int[torch.Tensor, ""]
+    | Int[torch.Tensor, "batch"]  # noqa: F821
+    | Int[torch.Tensor, "batch pos"],
+    incorrect_tokens: None | str | int | torch.Tensor = None,
+    *,
+    pos_slice: None | SliceInput | Slice = None,
+    kinds: Kinds = ("attn", "neuron"),
+    incl_embeds_and_bias: bool = False,
+    return_labels: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+):
+    """Direct logit attribution of every head (attention heads and neuron-heads).
+
+    Each component's result goes through TransformerLens's ``cache.logit_attrs`` (centred and
+    divided by the cached final LayerNorm scale, dotted with ``W_U[:, token]``, or with the
+    difference of two unembedding columns when ``incorrect_tokens`` is given), ``chunk_size``
+    neuron-heads at a time, so ``[n_neuron_heads, batch, pos, d_model]`` is never built.
+
+    With ``incl_embeds_and_bias=True`` the rows are exactly those of
+    :func:`decompose_resid_heads` at the unembed, so they sum to the attribution of the whole
+    final residual stream.
+
+    Args:
+        cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run (see
+            :func:`tl_attnonly.hooks.decomposition_names_filter`).
+        tokens: Tokens to attribute to, as for ``ActivationCache.logit_attrs``: shaped like the
+            cache's ``[batch, pos]`` after ``pos_slice`` (e.g. ``[batch]`` with
+            ``pos_slice=-1``).
+        incorrect_tokens: Optional; attribute the logit difference ``tokens - incorrect_tokens``.
+        pos_slice: Positions to attribute at; ``-1`` for the last.
+        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
+        incl_embeds_and_bias: Also attribute ``embed``, ``pos_embed`` and ``bias``.
+        return_labels: Also return the labels.
+        chunk_size: Neuron-heads materialised at once.
+        progress: Show a progress bar over neuron-head chunks.
+
+    Returns:
+        ``[n_components, batch, pos]`` (pos dropped for an int ``pos_slice``), and the labels if
+        ``return_labels``.
+    """
+    model = _model(cache)
+    _check_kinds(kinds)
+    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    parts, labels = [], []
+    for chunk, chunk_labels in _component_chunks(
+        cache, model.cfg.n_layers, False, kinds, pos_slice, incl_embeds_and_bias, chunk_size,
+        progress,
+    ):  # fmt: skip
+        parts.append(
+            cache.logit_attrs(chunk, tokens, incorrect_tokens=incorrect_tokens, pos_slice=pos_slice)
+        )
+        labels += chunk_labels
+    attrs = torch.cat(parts, dim=0)
+    return (attrs, labels) if return_labels else attrs

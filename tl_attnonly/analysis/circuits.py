@@ -1,0 +1,371 @@
+"""Circuits of neuron-heads as :class:`~transformer_lens.FactoredMatrix`, and composition scores.
+
+Elhage et al. (2021), "A Mathematical Framework for Transformer Circuits": a head is its OV circuit
+``W_V W_O`` (what it moves) and its QK circuit ``W_Q W_K^T`` (where it looks). For a neuron-head
+(neuron ``i``, head ``k``):
+
+* **OV** is rank 1: ``W_V W_O = f_k W_in[:, i] W_out[i]`` (``d_model x d_model``). The value
+  bias ``b_V`` and the bias token's value ``g_k`` are constants, not part of the matrix.
+* **QK** is affine: the query is ``x W_Q + b_Q`` (``x``: the normalised residual stream at the
+  query), every real token's key is the constant ``b_K = 1`` (``W_K = 0``) and the bias token's
+  key is 0. So ``W_Q W_K^T = 0`` and the whole circuit lives in the biases. It is written in
+  **homogeneous coordinates**: residual vectors get a constant-1 coordinate appended,
+  ``x~ = [x, 1]``, and
+
+      ``QK~ = [W_Q; b_Q] [W_K; b_K]^T``   (``(d_model + 1) x (d_model + 1)``, rank 1),
+
+  so that ``score(query x, key y) = x~ QK~ y~^T = (x W_Q + b_Q) * 1``. The bias token is the
+  homogeneous vector :data:`BIAS_TOKEN_HOMOGENEOUS` ``= 0`` (its key ``k_bias_token = 0``), so
+  its score is 0, as in the model. The full QK circuit (:func:`neuron_full_qk_circuit`) lists the
+  bias token as key 0, as :func:`tl_attnonly.hooks.dense_neuron_pattern` does.
+
+Composition scores (:func:`composition_scores`) use TransformerLens's definition
+(``transformer_lens.utils.composition_scores``: ``||L R||_F / (||L||_F ||R||_F)``) on these
+matrices: the sender's OV on the left; on the right the receiver's QK (Q-composition), QK^T
+(K-composition) or OV (V-composition). A neuron-head's query reads the residual stream through
+``W_Q`` and its keys read nothing: its Q-composition uses the rows of ``QK~`` that read the residual
+stream (``W_Q [W_K; b_K]^T``) and its K-composition is 0.
+
+LayerNorm between heads is ignored, as in TransformerLens's ``all_composition_scores`` and full
+circuits: use a model loaded with ``fold_ln=True`` (or converted from one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from tqdm.auto import tqdm
+from transformer_lens import FactoredMatrix
+
+from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
+
+#: Default memory budget (bytes) for a matrix of pairwise scores.
+SCORES_BUDGET = 2 * 2**30
+
+#: Elements of one ``[chunk * d_head_sender, n_receivers * d_head_receiver]`` product block.
+_BLOCK_ELEMENTS = 2**25
+
+
+def homogeneous(x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model_plus_1"]:
+    """Append the constant-1 coordinate: ``[x, 1]`` (the coordinates of the QK circuits here)."""
+    return torch.cat([x, x.new_ones(x.shape[:-1] + (1,))], dim=-1)
+
+
+def bias_token_homogeneous(model) -> torch.Tensor:
+    """The bias token in homogeneous coordinates: the zero vector (so its key, and score, are 0)."""
+    return model.W_E.new_zeros(model.cfg.d_model + 1)
+
+
+def _layers(model, layer: int | None) -> list[int]:
+    if not hasattr(model, "neuron_heads"):
+        raise TypeError(f"{type(model).__name__} has no neuron-heads: convert it first.")
+    if layer is None:
+        return list(range(model.cfg.n_layers))
+    if not 0 <= layer < model.cfg.n_layers:
+        raise ValueError(f"layer must be in [0, {model.cfg.n_layers}), got {layer}.")
+    return [layer]
+
+
+def _stacked(tensors: list[torch.Tensor], layer: int | None) -> torch.Tensor:
+    return tensors[0] if layer is not None else torch.stack(tensors)
+
+
+# ------------------------------------------------------------------------------------------------
+# OV and QK circuits
+# ------------------------------------------------------------------------------------------------
+def neuron_ov_circuit(model, layer: int | None = None) -> FactoredMatrix:
+    """Neuron-heads' OV circuits ``W_V W_O``: rank 1, ``f_k W_in[:, i] (x) W_out[i]``.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        layer: One layer, or None for all.
+
+    Returns:
+        ``FactoredMatrix`` of shape ``[n_neuron_heads, d_model, d_model]`` (``[n_layers, ...]``
+        for all layers), inner dimension 1.
+    """
+    layers = _layers(model, layer)
+    A = [model.blocks[li].mlp.W_V for li in layers]  # [n_neuron_heads, d_model, 1]
+    B = [model.blocks[li].mlp.W_O for li in layers]  # [n_neuron_heads, 1, d_model]
+    return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
+
+
+def _query_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads d_model_plus_1 1"]:
+    return torch.cat([mlp.W_Q, mlp.b_Q[:, None, :]], dim=-2)
+
+
+def _key_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_1"]:
+    return torch.cat([mlp.W_K, mlp.b_K[:, None, :]], dim=-2).transpose(-2, -1)
+
+
+def neuron_qk_circuit(model, layer: int | None = None) -> FactoredMatrix:
+    """Neuron-heads' QK circuits in homogeneous coordinates (module docstring).
+
+    ``homogeneous(x) @ QK @ homogeneous(y).T`` is the score of a query with normalised residual
+    ``x`` on a real key with residual ``y`` (``= x W_Q + b_Q``: keys are constant); with
+    ``y~ = bias_token_homogeneous(model)`` it is the bias token's score, 0.
+
+    Returns:
+        ``FactoredMatrix`` ``[n_neuron_heads, d_model + 1, d_model + 1]`` (``[n_layers, ...]``
+        for all layers), inner dimension 1: ``A = [W_Q; b_Q]``, ``B = [W_K; b_K]^T``.
+    """
+    layers = _layers(model, layer)
+    A = [_query_homogeneous(model.blocks[li].mlp) for li in layers]
+    B = [_key_homogeneous(model.blocks[li].mlp) for li in layers]
+    return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
+
+
+def neuron_attn_scores_from_circuit(
+    model, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
+) -> Float[torch.Tensor, "batch n_neuron_heads query_pos 2"]:
+    """The neuron-heads' compact scores ``(self, bias)`` computed from :func:`neuron_qk_circuit`.
+
+    A check of the homogeneous representation: equals ``blocks.{layer}.mlp.hook_attn_scores``
+    given the MLP's input ``blocks[layer].ln2(resid_mid)`` (``ln2.hook_normalized`` itself only
+    when the LayerNorm weights are folded, ``fold_ln=True``).
+    """
+    qk = neuron_qk_circuit(model, layer)
+    x = homogeneous(mlp_input)  # [batch, pos, d_model + 1]
+    query = torch.einsum("bpd,hdm->bhpm", x, qk.A)  # [batch, head, pos, 1]
+    key_self = torch.einsum("hme,bpe->bhpm", qk.B, x)  # [batch, head, pos, 1]
+    key_bias = torch.einsum("hme,e->hm", qk.B, bias_token_homogeneous(model))  # [head, 1]
+    score_self = (query * key_self).sum(-1)
+    score_bias = (query * key_bias[None, :, None, :]).sum(-1)
+    return torch.stack([score_self, score_bias], dim=-1)
+
+
+def neuron_full_ov_circuit(model, layer: int) -> FactoredMatrix:
+    """``W_E W_V W_O W_U`` of each neuron-head of ``layer``: ``[n_neuron_heads, d_vocab, d_vocab]``.
+
+    Rank 1: the neuron-head reads token ``s`` with weight ``(W_E W_V)[s]`` and writes
+    ``(W_O W_U)[t]`` to the logit of ``t``. As TransformerLens's full circuits, ignores LayerNorm
+    and everything between the embedding, the head and the unembedding.
+    """
+    mlp = model.blocks[_layers(model, layer)[0]].mlp
+    return FactoredMatrix(model.W_E @ mlp.W_V, mlp.W_O @ model.W_U)
+
+
+def neuron_full_qk_circuit(model, layer: int) -> FactoredMatrix:
+    """Neuron-heads' scores by query token and key: ``[n_neuron_heads, d_vocab, 1 + d_vocab]``.
+
+    Rows are query tokens (``homogeneous(W_E)``). Column 0 is the bias token (score 0); column
+    ``1 + t`` is a real key token ``t``, scored ``q(query)`` whatever ``t`` is (real keys are
+    constant, and a neuron-head sees only its own token among them). Ignores LayerNorm and
+    positional embeddings, as TransformerLens's full QK circuits do.
+    """
+    mlp = model.blocks[_layers(model, layer)[0]].mlp
+    keys = torch.cat([bias_token_homogeneous(model)[None], homogeneous(model.W_E)])
+    return FactoredMatrix(
+        homogeneous(model.W_E) @ _query_homogeneous(mlp), _key_homogeneous(mlp) @ keys.T
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# composition scores
+# ------------------------------------------------------------------------------------------------
+def _right_matrix(model, kind: str, layer: int, mode: str) -> FactoredMatrix | None:
+    """The receiver-side FactoredMatrix of one layer's heads (None: reads nothing)."""
+    if kind == "attn":
+        attn = model.blocks[layer].attn
+        if mode == "Q":
+            return FactoredMatrix(attn.W_Q, attn.W_K.transpose(-2, -1))
+        if mode == "K":
+            return FactoredMatrix(attn.W_Q, attn.W_K.transpose(-2, -1)).T
+        return FactoredMatrix(attn.W_V, attn.W_O)
+    mlp = model.blocks[layer].mlp
+    if mode == "Q":
+        # The rows of the homogeneous QK circuit that read the residual stream.
+        return FactoredMatrix(mlp.W_Q, _key_homogeneous(mlp))
+    if mode == "K":
+        return None  # keys are constant: a neuron-head's key reads nothing
+    return FactoredMatrix(mlp.W_V, mlp.W_O)
+
+
+def _left_matrix(model, kind: str, layer: int) -> FactoredMatrix:
+    if kind == "attn":
+        attn = model.blocks[layer].attn
+        return FactoredMatrix(attn.W_V, attn.W_O)
+    return neuron_ov_circuit(model, layer)
+
+
+def _stage(model, kind: str, layer: int) -> int:
+    """Order of sublayers in the residual stream: a head can compose with later stages only."""
+    if kind == "attn" or model.cfg.parallel_attn_mlp:
+        return 2 * layer
+    return 2 * layer + 1
+
+
+@dataclass
+class CompositionScores:
+    """Composition scores between sender heads (rows) and receiver heads (columns).
+
+    Attributes:
+        scores: ``[n_senders, n_receivers]``; 0 where the receiver cannot read the sender (same or
+            earlier sublayer), as in TransformerLens's ``all_composition_scores``.
+        senders: Row labels.
+        receivers: Column labels.
+        mode: ``"Q"``, ``"K"`` or ``"V"``.
+    """
+
+    scores: Float[torch.Tensor, "n_senders n_receivers"]
+    senders: list[str]
+    receivers: list[str]
+    mode: str
+
+    def top_k(self, k: int = 10, largest: bool = True) -> pd.DataFrame:
+        """The ``k`` strongest (``largest``) or weakest pairs: sender, receiver, score."""
+        return top_k(self.scores, self.senders, self.receivers, k=k, largest=largest)
+
+    def to_frame(self) -> pd.DataFrame:
+        """The scores as a labelled DataFrame (rows: senders, columns: receivers)."""
+        return pd.DataFrame(
+            self.scores.detach().cpu().numpy(), index=self.senders, columns=self.receivers
+        )
+
+
+def composition_scores(
+    model,
+    mode: Literal["Q", "K", "V"],
+    senders: Sequence[str | HeadRef] | None = None,
+    receivers: Sequence[str | HeadRef] | None = None,
+    *,
+    max_bytes: int = SCORES_BUDGET,
+    progress: bool = False,
+) -> CompositionScores:
+    """Q-, K- or V-composition scores between any heads: attention heads and neuron-heads.
+
+    TransformerLens's ``utils.composition_scores`` evaluated for every (sender, receiver) pair,
+    from each head's collapsed factors (``FactoredMatrix.collapse_l`` / ``collapse_r``), so that a
+    pair costs a ``[rank_sender, d_model] x [d_model, rank_receiver]`` product; neuron-heads have
+    rank 1. For attention-head pairs this is ``model.all_composition_scores(mode)``.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` (``fold_ln=True`` recommended).
+        mode: ``"Q"``, ``"K"`` or ``"V"`` composition.
+        senders: Heads that write (labels or :class:`HeadRef`); default every head.
+        receivers: Heads that read; default every head.
+        max_bytes: Refuse to build a larger score matrix; narrow senders/receivers instead.
+        progress: Show a progress bar over sender groups.
+
+    Returns:
+        :class:`CompositionScores` (``.scores``, ``.senders``, ``.receivers``, ``.top_k()``).
+    """
+    if mode not in ("Q", "K", "V"):
+        raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
+    _layers(model, None)
+    with torch.no_grad():
+        return _composition_scores(model, mode, senders, receivers, max_bytes, progress)
+
+
+def _composition_scores(model, mode, senders, receivers, max_bytes, progress) -> CompositionScores:
+    K = model.n_heads_per_neuron
+    send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
+    recv = (
+        all_head_refs(model) if receivers is None else [parse_head_label(r, K) for r in receivers]
+    )
+    dtype = model.W_E.dtype
+    size = len(send) * len(recv) * torch.empty((), dtype=dtype).element_size()
+    if size > max_bytes:
+        raise MemoryError(
+            f"{len(send)} x {len(recv)} scores need {size / 2**30:.2f} GiB (budget "
+            f"{max_bytes / 2**30:.2f} GiB). Pass senders=[...] / receivers=[...] (e.g. "
+            "all_head_refs(model, layers=[3])) or raise max_bytes."
+        )
+    scores = model.W_E.new_zeros(len(send), len(recv))
+
+    # Receiver side: collapsed [d_model, rank] per head and its norm, grouped by (kind, layer).
+    recv_groups: dict[tuple[str, int], list[int]] = {}
+    for j, ref in enumerate(recv):
+        recv_groups.setdefault((ref.kind, ref.layer), []).append(j)
+    right: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for (kind, layer), cols in recv_groups.items():
+        heads = torch.tensor([recv[j].head for j in cols])
+        fm = _right_matrix(model, kind, layer, mode)
+        if fm is None:
+            continue
+        fm = fm[heads]
+        collapsed = fm.collapse_r()  # [n, d_model, rank]
+        right[(kind, layer)] = (collapsed, collapsed.norm(dim=(-2, -1)), torch.tensor(cols))
+
+    send_groups: dict[tuple[str, int], list[int]] = {}
+    for i, ref in enumerate(send):
+        send_groups.setdefault((ref.kind, ref.layer), []).append(i)
+    for (kind, layer), rows in tqdm(
+        list(send_groups.items()), desc="composition", disable=not progress
+    ):
+        heads = torch.tensor([send[i].head for i in rows])
+        left = _left_matrix(model, kind, layer)[heads].collapse_l()  # [n, rank, d_model]
+        l_norms = left.norm(dim=(-2, -1))
+        stage = _stage(model, kind, layer)
+        for (r_kind, r_layer), (r_coll, r_norms, cols) in right.items():
+            if _stage(model, r_kind, r_layer) <= stage:
+                continue  # the receiver reads before the sender writes: score 0, as in TL
+            block = _pair_norms(left, r_coll) / l_norms[:, None] / r_norms[None, :]
+            scores[torch.tensor(rows)[:, None], cols[None, :]] = block.to(scores.dtype)
+    return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
+
+
+def _pair_norms(
+    left: Float[torch.Tensor, "n_s r_s d_model"], right: Float[torch.Tensor, "n_r d_model r_r"]
+) -> Float[torch.Tensor, "n_s n_r"]:
+    """``||left[s] @ right[r]||_F`` for every pair, in chunks of senders."""
+    n_s, r_s, d = left.shape
+    n_r, _, r_r = right.shape
+    right_flat = right.permute(1, 0, 2).reshape(d, n_r * r_r)
+    chunk = max(1, _BLOCK_ELEMENTS // max(1, r_s * n_r * r_r))
+    out = []
+    for start in range(0, n_s, chunk):
+        prod = left[start : start + chunk].reshape(-1, d) @ right_flat
+        prod = prod.reshape(-1, r_s, n_r, r_r)
+        out.append(prod.pow(2).sum(dim=(1, 3)).sqrt())
+    return torch.cat(out)
+
+
+def top_k(
+    scores: torch.Tensor,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str] | None = None,
+    k: int = 10,
+    largest: bool = True,
+    absolute: bool = False,
+) -> pd.DataFrame:
+    """The ``k`` largest (or smallest) entries of a labelled score vector or matrix.
+
+    Args:
+        scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
+            scores).
+        row_labels: Labels of the first axis.
+        col_labels: Labels of the second axis (2-d scores only).
+        k: How many entries.
+        largest: Largest (default) or smallest first.
+        absolute: Rank by ``|score|`` (the table still shows the signed score).
+
+    Returns:
+        A DataFrame with columns ``label, score`` (1-d) or ``sender, receiver, score`` (2-d).
+    """
+    if scores.ndim not in (1, 2):
+        raise ValueError(f"scores must be 1-d or 2-d, got shape {tuple(scores.shape)}.")
+    if scores.shape[0] != len(row_labels) or (
+        scores.ndim == 2 and (col_labels is None or scores.shape[1] != len(col_labels))
+    ):
+        raise ValueError("Labels must match the scores' shape (col_labels for 2-d scores).")
+    flat = scores.detach().flatten()
+    key = flat.abs() if absolute else flat
+    idx = key.topk(min(k, flat.numel()), largest=largest).indices
+    if scores.ndim == 1:
+        return pd.DataFrame(
+            {"label": [row_labels[i] for i in idx.tolist()], "score": flat[idx].cpu().numpy()}
+        )
+    n_cols = scores.shape[1]
+    return pd.DataFrame(
+        {
+            "sender": [row_labels[i // n_cols] for i in idx.tolist()],
+            "receiver": [col_labels[i % n_cols] for i in idx.tolist()],  # type: ignore[index]
+            "score": flat[idx].cpu().numpy(),
+        }
+    )

@@ -1,0 +1,349 @@
+"""Activation patching over neuron-heads (and attention heads), one patch or many per pass.
+
+Built on :func:`transformer_lens.patching.generic_activation_patch` and its patch setters: the
+index frames are custom (any subset of layers, neuron-heads and positions), and the hook names are
+the neuron-heads' ``blocks.{l}.mlp.hook_{z,v,q,pattern,attn_scores,result}``. As in
+TransformerLens, the corrupted run receives the clean activation (``clean_cache``) and the result
+is ``patching_metric(patched_logits)`` for every patch.
+
+Batched mode (``patches_per_pass > 1``): ``c`` patches share a forward pass as ``c`` copies of the
+corrupted batch, each copy with its own patch. The rows of a batch never interact in a
+TransformerLens model, so this is exact (no linearity assumption; results equal one-at-a-time
+patching up to floating-point summation order) and costs ``c`` times the activation memory. For a
+*linear* approximation of every head at the cost of one backward pass, see
+:func:`tl_attnonly.analysis.attribution_patch`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+from transformer_lens.patching import (
+    generic_activation_patch,
+    layer_head_pattern_patch_setter,
+    layer_head_pos_pattern_patch_setter,
+    layer_head_vector_patch_setter,
+    layer_pos_head_vector_patch_setter,
+)
+
+from tl_attnonly.hooks import (
+    HeadRef,
+    all_head_refs,
+    head_labels,
+    neuron_act_name,
+    parse_head_label,
+)
+
+Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
+
+#: Neuron-head activations that can be patched, and their layout.
+VECTOR_KINDS = ("z", "v", "q", "result")  # [batch, pos, head, ...]
+PATTERN_KINDS = ("pattern", "attn_scores")  # [batch, head, query_pos, 2]
+
+
+def _check_model(model) -> None:
+    if not hasattr(model, "neuron_heads"):
+        raise TypeError(
+            f"{type(model).__name__} has no neuron-heads: convert it first "
+            "(tl_attnonly.convert(model))."
+        )
+
+
+def _check_tokens(tokens) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+        raise TypeError(
+            "Pass tokens as an int tensor [batch, pos] (model.to_tokens(...)); patching needs the "
+            "clean and corrupted runs to have the same shape."
+        )
+
+
+class _NeuronHeadNames:
+    """The model as :func:`generic_activation_patch` sees it: ``attn`` hook names sent to ``mlp``.
+
+    ``generic_activation_patch`` names activations with ``get_act_name(name, layer)``, which sends
+    ``z``, ``pattern``, ... to ``blocks.{l}.attn``; neuron-heads live at ``blocks.{l}.mlp``.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.cfg = model.cfg
+
+    def run_with_hooks(self, *args, fwd_hooks=(), **kwargs):
+        hooks = [(_to_mlp(name), hook) for name, hook in fwd_hooks]
+        return self.model.run_with_hooks(*args, fwd_hooks=hooks, **kwargs)
+
+
+class _NeuronHeadCacheView:
+    def __init__(self, cache: ActivationCache):
+        self.cache = cache
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.cache[_to_mlp(name)]
+
+
+def _to_mlp(name: str) -> str:
+    return name.replace(".attn.hook_", ".mlp.hook_")
+
+
+def _cloning(setter: Callable) -> Callable:
+    """Patch a copy: the neuron-heads' q, v and pre may share storage, never edit in place."""
+
+    def patch(corrupted_activation, index, clean_activation):
+        return setter(corrupted_activation.clone(), index, clean_activation)
+
+    return patch
+
+
+def neuron_head_patch_index(
+    model,
+    activation_name: str = "z",
+    *,
+    per_position: bool = False,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+    n_pos: int | None = None,
+) -> pd.DataFrame:
+    """The index frame of a neuron-head patching sweep (one row per patch).
+
+    Columns follow TransformerLens's patch setters: ``layer, pos, head`` for vector activations
+    patched per position, ``layer, head`` for all positions at once, ``layer, head, dest_pos``
+    for patterns patched per query position.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        activation_name: One of ``z, v, q, result, pattern, attn_scores``.
+        per_position: One patch per (layer, head, position) instead of per (layer, head).
+        layers, heads, positions: Subsets to sweep; default all (positions need ``n_pos``).
+        n_pos: Number of positions (for ``positions=None``).
+    """
+    _check_model(model)
+    kind = neuron_act_name(activation_name, 0).rsplit("hook_", 1)[1]
+    if kind not in VECTOR_KINDS + PATTERN_KINDS:
+        raise ValueError(
+            f"Cannot patch neuron-head {activation_name!r}: choose one of "
+            f"{VECTOR_KINDS + PATTERN_KINDS} (keys are constant; patch hook_pre/hook_post with "
+            "TransformerLens's own functions)."
+        )
+    layers = list(range(model.cfg.n_layers)) if layers is None else [int(li) for li in layers]
+    heads = list(range(model.n_neuron_heads)) if heads is None else [int(h) for h in heads]
+    columns: dict[str, list[int]] = {"layer": layers, "head": heads}
+    if per_position:
+        if positions is None:
+            if n_pos is None:
+                raise ValueError("per_position=True needs positions=[...] or n_pos.")
+            positions = range(n_pos)
+        positions = [int(p) for p in positions]
+        if kind in VECTOR_KINDS:
+            columns = {"layer": layers, "pos": positions, "head": heads}
+        else:
+            columns = {"layer": layers, "head": heads, "dest_pos": positions}
+    index = pd.MultiIndex.from_product(list(columns.values()), names=list(columns))
+    return index.to_frame(index=False)
+
+
+def _setter(kind: str, per_position: bool) -> Callable:
+    if kind in VECTOR_KINDS:
+        return (
+            layer_pos_head_vector_patch_setter if per_position else layer_head_vector_patch_setter
+        )
+    return layer_head_pos_pattern_patch_setter if per_position else layer_head_pattern_patch_setter
+
+
+def get_act_patch_neuron_heads(
+    model,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    activation_name: str = "z",
+    *,
+    per_position: bool = False,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+    patches_per_pass: int = 1,
+    return_index_df: bool = False,
+    progress: bool = True,
+):
+    """Activation patching of neuron-heads: each one's clean activation into the corrupted run.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        corrupted_tokens: ``[batch, pos]``.
+        clean_cache: Cache of the clean run holding ``blocks.{l}.mlp.hook_{activation_name}``
+            for the swept layers (e.g. ``names_filter=neuron_names_filter("z")``).
+        patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar.
+        activation_name: ``z`` (the head's output; for ``K = 1`` the neuron's ``post``), ``v``
+            (value), ``q`` (query), ``pattern`` (its two-key pattern), ``attn_scores``, or
+            ``result`` (after ``model.set_use_neuron_result(True)``).
+        per_position: Patch one position (query position for patterns) at a time.
+        layers, heads, positions: Which to sweep; default all.
+        patches_per_pass: Patches per forward pass (batched mode, see the module docstring);
+            ``1`` runs TransformerLens's :func:`generic_activation_patch` itself.
+        return_index_df: Also return the index frame (one row per patch).
+        progress: Show a progress bar in batched mode (``generic_activation_patch`` always does).
+
+    Returns:
+        The metric after each patch, shaped ``[n_layers, n_heads]``, ``[n_layers, pos, n_heads]``
+        (vectors per position) or ``[n_layers, n_heads, dest_pos]`` (patterns per position), with
+        the sizes of the subsets given; and the index frame if ``return_index_df``.
+    """
+    _check_model(model)
+    _check_tokens(corrupted_tokens)
+    index_df = neuron_head_patch_index(
+        model,
+        activation_name,
+        per_position=per_position,
+        layers=layers,
+        heads=heads,
+        positions=positions,
+        n_pos=corrupted_tokens.shape[-1],
+    )
+    kind = neuron_act_name(activation_name, 0).rsplit("hook_", 1)[1]
+    if kind == "result" and not model.neuron_heads[0].use_neuron_result:
+        raise ValueError(
+            "Patching neuron-head results needs model.set_use_neuron_result(True) (and a clean "
+            "cache made with it); patching 'z' has the same effect and is cheaper."
+        )
+    missing = [
+        name
+        for name in {neuron_act_name(kind, int(layer)) for layer in index_df["layer"]}
+        if name not in clean_cache.cache_dict
+    ]
+    if missing:
+        raise KeyError(
+            f"The clean cache lacks {sorted(missing)}. Cache them with names_filter="
+            f"tl_attnonly.hooks.neuron_names_filter({kind!r})."
+        )
+    setter = _setter(kind, per_position)
+    if patches_per_pass <= 1:
+        flat = generic_activation_patch(
+            _NeuronHeadNames(model),  # type: ignore[arg-type]
+            corrupted_tokens,
+            _NeuronHeadCacheView(clean_cache),  # type: ignore[arg-type]
+            patching_metric,
+            patch_setter=_cloning(setter),
+            activation_name=kind,
+            index_df=index_df,
+        )
+    else:
+        patches = [
+            [(neuron_act_name(kind, int(row[0])), _bind(setter, list(map(int, row))))]
+            for row in index_df.itertuples(index=False)
+        ]
+        flat = run_patches(
+            model, corrupted_tokens, clean_cache, patching_metric, patches,
+            patches_per_pass=patches_per_pass, progress=progress,
+        )  # fmt: skip
+    shape = [index_df[c].nunique() for c in index_df.columns]
+    out = flat.reshape(shape)
+    return (out, index_df) if return_index_df else out
+
+
+def _bind(setter: Callable, index: list[int]) -> Callable:
+    return lambda corrupted, clean: setter(corrupted, index, clean)
+
+
+PatchFn = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def run_patches(
+    model,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    patches: Sequence[Sequence[tuple[str, PatchFn]]],
+    *,
+    patches_per_pass: int = 16,
+    progress: bool = True,
+) -> Float[torch.Tensor, "n_patches"]:  # noqa: F821
+    """Run many patches, ``patches_per_pass`` per forward pass (batched mode).
+
+    The building block of the sweeps here and in :mod:`~tl_attnonly.analysis.path_patching`.
+    Each patch is a list of ``(hook_name, fn)``; ``fn(corrupted, clean)`` edits, in place, the
+    ``[batch, ...]`` slice of the activation that belongs to its copy of the batch, given the
+    clean activation ``clean_cache[hook_name]`` (TransformerLens's patch setters, with the index
+    bound, are such functions). A patch may touch several hooks and heads (group patching).
+
+    Returns:
+        ``patching_metric`` of each patched run (default float dtype, as in TransformerLens).
+    """
+    _check_tokens(corrupted_tokens)
+    batch = corrupted_tokens.shape[0]
+    out = torch.zeros(len(patches), device=model.cfg.device)
+    chunks = range(0, len(patches), max(1, patches_per_pass))
+    for start in tqdm(chunks, desc="patching", disable=not progress):
+        chunk = patches[start : start + patches_per_pass]
+        by_hook: dict[str, list[tuple[int, PatchFn]]] = defaultdict(list)
+        for copy, patch in enumerate(chunk):
+            for name, fn in patch:
+                by_hook[name].append((copy, fn))
+
+        fwd_hooks = [
+            (name, _patch_hook(edits, clean_cache, batch)) for name, edits in by_hook.items()
+        ]
+        logits = model.run_with_hooks(corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=fwd_hooks)
+        for copy in range(len(chunk)):
+            out[start + copy] = patching_metric(logits[copy * batch : (copy + 1) * batch]).item()
+    return out
+
+
+def _patch_hook(edits: list[tuple[int, PatchFn]], clean_cache, batch: int) -> Callable:
+    def hook(activation: torch.Tensor, hook) -> torch.Tensor:
+        activation = activation.clone()  # never edit in place (see _cloning)
+        clean = clean_cache[hook.name]
+        for copy, fn in edits:
+            fn(activation[copy * batch : (copy + 1) * batch], clean)
+        return activation
+
+    return hook
+
+
+def get_act_patch_all_heads(
+    model,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    *,
+    heads: Sequence[HeadRef | str] | None = None,
+    patches_per_pass: int = 16,
+    progress: bool = True,
+) -> tuple[Float[torch.Tensor, "n_heads"], list[str]]:  # noqa: F821
+    """Patch the clean ``z`` of each head (attention heads and neuron-heads), all positions.
+
+    The head-level sweep that :func:`~tl_attnonly.analysis.attribution_patch` approximates; same
+    order and labels.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        corrupted_tokens: ``[batch, pos]``.
+        clean_cache: Clean cache with the ``z`` of every head swept
+            (``names_filter=head_names_filter("z")``).
+        patching_metric: Logits -> scalar.
+        heads: Heads to sweep (:class:`HeadRef` or labels); default every head, attention heads
+            first (:func:`tl_attnonly.hooks.all_head_refs`).
+        patches_per_pass: Patches per forward pass (exact batched mode).
+        progress: Show a progress bar.
+
+    Returns:
+        ``(metric after each patch [n_heads], labels)``.
+    """
+    _check_model(model)
+    K = model.n_heads_per_neuron
+    refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
+    patches = []
+    for ref in refs:
+        sub = "attn" if ref.kind == "attn" else "mlp"
+        name = f"blocks.{ref.layer}.{sub}.hook_z"
+        patches.append([(name, _bind(layer_head_vector_patch_setter, [ref.layer, ref.head]))])
+    scores = run_patches(
+        model, corrupted_tokens, clean_cache, patching_metric, patches,
+        patches_per_pass=patches_per_pass, progress=progress,
+    )  # fmt: skip
+    return scores, head_labels(refs, K)

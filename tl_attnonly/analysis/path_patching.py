@@ -1,0 +1,302 @@
+"""Path patching between heads (attention heads and neuron-heads), as in the IOI paper.
+
+Wang et al. (2022), "Interpretability in the Wild", path patching from a set of *sender* heads to
+a set of *receivers*, measured on the output:
+
+1. Run the corrupted input with every head's output (``z``) frozen to its corrupted value, except
+   the senders, whose ``z`` is their clean value. Record each receiver's input there: an
+   attention head's ``q``, ``k``, ``v`` (``blocks.{l}.attn.hook_{q,k,v}``); a neuron-head's query
+   and value (``blocks.{l}.mlp.hook_{q,v}``; its key is the constant 1); or, for ``"logits"``, the
+   final residual stream.
+2. Run the corrupted input again, free, with only the receivers' inputs replaced by those
+   recorded values (for ``"logits"``: the senders' direct change to the final residual stream is
+   added to it). Return ``patching_metric`` of the logits.
+
+So only paths sender -> receiver count (through the residual stream, not through other heads).
+Direction follows TransformerLens's patching: the corrupted run receives clean sender values;
+for the IOI paper's direction (corrupted senders in the clean run) swap the two token tensors.
+
+Receivers are written as labels with an optional input suffix: ``"L2H3"`` (q, k and v),
+``"L2H3:q"``, ``"L2H3:kv"``, ``"L2N17"`` (q and v), ``"L2N17.1:v"``, or ``"logits"``. In models with
+grouped-query attention a ``k``/``v`` receiver is its key/value head, shared by its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from tqdm.auto import tqdm
+from transformer_lens import ActivationCache
+
+from tl_attnonly.hooks import (
+    HeadRef,
+    all_head_refs,
+    exact_names_filter,
+    head_labels,
+    head_names_filter,
+    parse_head_label,
+)
+
+Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
+
+LOGITS = "logits"
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """A receiver of path patching.
+
+    Attributes:
+        head: The receiving head, or None for the logits (the final residual stream).
+        inputs: Which of its inputs receive the senders' paths: a subset of ``"qkv"`` for an
+            attention head, of ``"qv"`` for a neuron-head, ``""`` for the logits.
+    """
+
+    head: HeadRef | None
+    inputs: str
+
+
+def parse_receiver(
+    spec: str | HeadRef | tuple[str | HeadRef, str] | Receiver, n_heads_per_neuron: int = 1
+) -> Receiver:
+    """A :class:`Receiver` from ``"L2H3"``, ``"L2H3:q"``, ``"L2N17.1:v"``, ``"logits"``, ...
+
+    Also accepts a :class:`HeadRef` (all its inputs) or a ``(label_or_ref, inputs)`` tuple.
+    """
+    if isinstance(spec, Receiver):
+        return spec
+    if isinstance(spec, tuple):
+        head, inputs = spec
+    elif isinstance(spec, HeadRef):
+        head, inputs = spec, None
+    elif spec == LOGITS:
+        return Receiver(None, "")
+    else:
+        head, _, inputs = spec.partition(":")
+        inputs = inputs or None
+    ref = parse_head_label(head, n_heads_per_neuron)
+    allowed = "qkv" if ref.kind == "attn" else "qv"
+    inputs = allowed if inputs is None else inputs
+    if not inputs or set(inputs) - set(allowed):
+        what = "an attention head" if ref.kind == "attn" else "a neuron-head (its key is constant)"
+        raise ValueError(
+            f"Receiver {spec!r}: inputs must be a non-empty subset of {allowed!r} for {what}, got "
+            f"{inputs!r}."
+        )
+    return Receiver(ref, "".join(c for c in allowed if c in inputs))
+
+
+def _receiver_hooks(model, receivers: Sequence[Receiver]) -> dict[str, list[int]]:
+    """hook name -> head indices (in that hook's head axis) to patch."""
+    n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
+    group = model.cfg.n_heads // n_kv
+    out: dict[str, list[int]] = {}
+    for rec in receivers:
+        if rec.head is None:
+            out.setdefault(f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", [])
+            continue
+        sub = "attn" if rec.head.kind == "attn" else "mlp"
+        for inp in rec.inputs:
+            head = rec.head.head
+            if rec.head.kind == "attn" and inp in "kv":
+                head //= group
+            heads = out.setdefault(f"blocks.{rec.head.layer}.{sub}.hook_{inp}", [])
+            if head not in heads:
+                heads.append(head)
+    return out
+
+
+def _z_name(kind: str, layer: int) -> str:
+    return f"blocks.{layer}.{'attn' if kind == 'attn' else 'mlp'}.hook_z"
+
+
+def path_patch_caches(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+) -> tuple[ActivationCache, ActivationCache]:
+    """The clean and corrupted caches path patching needs: every head's ``z``, the final resid."""
+    names = head_names_filter("z") | exact_names_filter(
+        f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    )
+    with torch.no_grad():
+        _, clean = model.run_with_cache(clean_tokens, names_filter=names)
+        _, corrupted = model.run_with_cache(corrupted_tokens, names_filter=names)
+    return clean, corrupted
+
+
+def _path_patch_runs(
+    model,
+    corrupted_tokens: torch.Tensor,
+    clean_cache: ActivationCache,
+    corrupted_cache: ActivationCache,
+    sender_sets: Sequence[Sequence[HeadRef]],
+    receivers: Sequence[Receiver],
+    patching_metric: Metric,
+) -> list[float]:
+    """Path patching for several sender sets at once, one batch copy per sender set."""
+    copies, batch = len(sender_sets), corrupted_tokens.shape[0]
+    n_layers, n_heads, n_neuron = model.cfg.n_layers, model.cfg.n_heads, model.n_neuron_heads
+    device = corrupted_tokens.device
+    masks = {
+        "attn": torch.zeros(copies, n_layers, n_heads, dtype=torch.bool, device=device),
+        "neuron": torch.zeros(copies, n_layers, n_neuron, dtype=torch.bool, device=device),
+    }
+    for c, senders in enumerate(sender_sets):
+        for ref in senders:
+            masks[ref.kind][c, ref.layer, ref.head] = True
+    tokens = corrupted_tokens.repeat(copies, 1)
+
+    def freeze(kind: str, layer: int):
+        mask = masks[kind][:, layer]  # [copies, heads]
+        name = _z_name(kind, layer)
+        clean, corrupted = clean_cache[name], corrupted_cache[name]
+
+        def hook(z, hook):
+            m = mask[:, None, None, :, None]  # [copies, 1(batch), 1(pos), heads, 1(d_head)]
+            frozen = torch.where(m, clean[None], corrupted[None])
+            return frozen.reshape(z.shape).to(z.dtype)
+
+        return name, hook
+
+    # step 1: senders clean, everything else frozen; record the receivers' inputs
+    recorded: dict[str, torch.Tensor] = {}
+    targets = _receiver_hooks(model, receivers)
+
+    def record(act, hook):
+        recorded[hook.name] = act.detach().clone()
+
+    step1 = [freeze(kind, li) for li in range(n_layers) for kind in ("attn", "neuron")]
+    step1 += [(name, record) for name in targets]
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=step1)
+
+    # step 2: free run, receivers' inputs replaced
+    final = f"blocks.{n_layers - 1}.hook_resid_post"
+
+    def patch(name: str, heads: list[int]):
+        def hook(act, hook):
+            act = act.clone()  # the neuron-heads' q, v and pre may share storage
+            if name == final and not heads:  # the logits: add the senders' direct effect
+                return act + recorded[name] - corrupted_cache[name].repeat(copies, 1, 1)
+            act[:, :, heads] = recorded[name][:, :, heads]
+            return act
+
+        return hook
+
+    step2 = [(name, patch(name, heads)) for name, heads in targets.items()]
+    with torch.no_grad():
+        logits = model.run_with_hooks(tokens, fwd_hooks=step2)
+    return [patching_metric(logits[c * batch : (c + 1) * batch]).item() for c in range(copies)]
+
+
+def _prepare(model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache):
+    if not hasattr(model, "neuron_heads"):
+        raise TypeError(f"{type(model).__name__} has no neuron-heads: convert it first.")
+    for tokens in (clean_tokens, corrupted_tokens):
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+            raise TypeError("Pass tokens as int tensors [batch, pos] of the same shape.")
+    if clean_tokens.shape != corrupted_tokens.shape:
+        raise ValueError(
+            f"clean_tokens {tuple(clean_tokens.shape)} and corrupted_tokens "
+            f"{tuple(corrupted_tokens.shape)} must have the same shape."
+        )
+    K = model.n_heads_per_neuron
+    if isinstance(receivers, (str, HeadRef, Receiver)):
+        receivers = [receivers]
+    parsed = [parse_receiver(r, K) for r in receivers]
+    if not parsed:
+        raise ValueError("Give at least one receiver (a head label, or 'logits').")
+    if clean_cache is None or corrupted_cache is None:
+        clean_cache, corrupted_cache = path_patch_caches(model, clean_tokens, corrupted_tokens)
+    return parsed, clean_cache, corrupted_cache
+
+
+def path_patch(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    senders: Iterable[str | HeadRef],
+    receivers: str | Iterable[str | HeadRef | tuple | Receiver],
+    patching_metric: Metric,
+    *,
+    clean_cache: ActivationCache | None = None,
+    corrupted_cache: ActivationCache | None = None,
+) -> float:
+    """Path patching from ``senders`` to ``receivers`` (see the module docstring).
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        clean_tokens: ``[batch, pos]``; the senders' values come from this run.
+        corrupted_tokens: ``[batch, pos]``, same shape; the run that is patched.
+        senders: Head labels (``"L0H1"``, ``"L0N5"``, ``"L0N5.1"``) or :class:`HeadRef`s.
+        receivers: Receiver specs (``"L1H0:q"``, ``"L1N3"``, ``"logits"``, ...) or one spec.
+        patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar.
+        clean_cache, corrupted_cache: Caches from :func:`path_patch_caches`, to reuse them.
+
+    Returns:
+        ``patching_metric`` of the path-patched run.
+    """
+    parsed, clean_cache, corrupted_cache = _prepare(
+        model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
+    )
+    K = model.n_heads_per_neuron
+    sender_refs = [parse_head_label(s, K) for s in senders]
+    return _path_patch_runs(
+        model, corrupted_tokens, clean_cache, corrupted_cache, [sender_refs], parsed,
+        patching_metric,
+    )[0]  # fmt: skip
+
+
+def path_patch_sweep(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    receivers: str | Iterable[str | HeadRef | tuple | Receiver],
+    patching_metric: Metric,
+    *,
+    senders: Sequence[str | HeadRef] | None = None,
+    patches_per_pass: int = 16,
+    progress: bool = True,
+    clean_cache: ActivationCache | None = None,
+    corrupted_cache: ActivationCache | None = None,
+) -> tuple[Float[torch.Tensor, "n_senders"], list[str]]:  # noqa: F821
+    """Path patching from each sender alone to ``receivers`` (the IOI paper's per-head plots).
+
+    ``patches_per_pass`` senders share each pair of forward passes (one batch copy each; exact).
+
+    Args:
+        senders: Heads to sweep; default every head (attention heads first, then neuron-heads).
+        Others: As in :func:`path_patch`.
+
+    Returns:
+        ``(metric for each sender [n_senders], sender labels)``.
+    """
+    parsed, clean_cache, corrupted_cache = _prepare(
+        model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
+    )
+    K = model.n_heads_per_neuron
+    refs = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
+    out = torch.zeros(len(refs), device=model.cfg.device)
+    step = max(1, patches_per_pass)
+    for start in tqdm(range(0, len(refs), step), desc="path patching", disable=not progress):
+        chunk = refs[start : start + step]
+        values = _path_patch_runs(
+            model, corrupted_tokens, clean_cache, corrupted_cache, [[r] for r in chunk], parsed,
+            patching_metric,
+        )  # fmt: skip
+        out[start : start + len(chunk)] = torch.tensor(values)
+    return out, head_labels(refs, K)
+
+
+__all__ = [
+    "LOGITS",
+    "Receiver",
+    "parse_receiver",
+    "path_patch",
+    "path_patch_caches",
+    "path_patch_sweep",
+]
