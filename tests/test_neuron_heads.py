@@ -200,3 +200,35 @@ def test_labels_and_names():
     assert neuron_head_label(3, 4097, n_heads_per_neuron=4) == "L3N1024.1"
     with pytest.raises(ValueError, match="expected one of"):
         neuron_act_name("attention", 0)
+
+
+def test_in_place_hook_edits_do_not_leak_between_hooks(silu_pair, tokens):
+    """SiLU's q and v equal pre; an in-place edit of v must change v only."""
+    model, converted = silu_pair
+    captured = {}
+
+    def edit_v_in_place(v, hook):
+        v[:, :, NEURON] *= 3
+
+    def capture(name):
+        def hook(act, hook):
+            captured[name] = act  # no copy: a leaking in-place edit would show here
+
+        return hook
+
+    with torch.no_grad():
+        edited = converted.run_with_hooks(
+            tokens,
+            fwd_hooks=[
+                (neuron_act_name("v", LAYER), edit_v_in_place),
+                (neuron_act_name("q", LAYER), capture("q")),
+                (neuron_act_name("pre", LAYER), capture("pre")),
+            ],
+        )
+        _, cache = converted.run_with_cache(tokens)
+    torch.testing.assert_close(captured["pre"], cache["pre", LAYER], rtol=0, atol=0)
+    torch.testing.assert_close(captured["q"], cache[neuron_act_name("q", LAYER)], rtol=0, atol=0)
+    expected = model.run_with_hooks(
+        tokens, fwd_hooks=[(f"blocks.{LAYER}.mlp.hook_post", _set_neuron(lambda x: 3 * x))]
+    )
+    torch.testing.assert_close(edited, expected, rtol=0, atol=1e-10)

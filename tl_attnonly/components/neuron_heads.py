@@ -55,6 +55,13 @@ def _has_hooks(hook_point: HookPoint) -> bool:
     )
 
 
+def _own_storage(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied if it shares memory with ``other``."""
+    if tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr():
+        return tensor.clone()
+    return tensor
+
+
 class NeuronHeadMLP(CanBeUsedAsMLP):
     """An MLP layer whose every neuron is ``K`` attention heads of internal dimension 1.
 
@@ -241,10 +248,13 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         q, v = self._query_value(pre)
         g = self._coefs(pre)[4]
         shape = (batch, pos, self.n_neuron_heads, 1)
-        q = self.hook_q(q.expand(batch, pos, self.d_mlp, self.n_heads_per_neuron).reshape(shape))
+        expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
+        # Each hook gets its own tensor: with trivial coefficients q and v would be views of pre,
+        # and an in-place edit in one hook would leak into the others.
+        q = self.hook_q(_own_storage(q.expand(expanded).reshape(shape), pre))
         # Every real token's key is 1; expanded, so no memory is spent on it.
         k = self.hook_k(q.new_ones(()).expand(shape))
-        v = self.hook_v(v.expand(batch, pos, self.d_mlp, self.n_heads_per_neuron).reshape(shape))
+        v = self.hook_v(_own_storage(v.expand(expanded).reshape(shape), pre))
         # Scores over the two keys a neuron-head can see: itself (k) and the bias token (key 0).
         score_self = (q * k).squeeze(-1)  # [batch, pos, n_neuron_heads]
         score_bias = (q * self.k_bias_token.to(q.dtype)).squeeze(-1)
