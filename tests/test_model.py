@@ -131,3 +131,11 @@ def test_model_is_a_hooked_transformer():
         name in converted.hook_dict
         for name in ("blocks.0.mlp.hook_pattern", "blocks.0.hook_resid_mid")
     )
+
+
+def test_load_refuses_the_wrong_model_class(tmp_path):
+    from tl_attnonly import AttnOnlyEncoder
+
+    convert(make_model()).save_pretrained(tmp_path / "decoder")
+    with pytest.raises(TypeError, match="AttnOnlyTransformer.load"):
+        AttnOnlyEncoder.load(tmp_path / "decoder")

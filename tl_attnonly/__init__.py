@@ -14,11 +14,15 @@ from tl_attnonly.activations import (  # noqa: E402
 )
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS, NeuronHeadMLP  # noqa: E402
 from tl_attnonly.convert import convert  # noqa: E402
+from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder  # noqa: E402
+from tl_attnonly.hooks import dense_neuron_pattern, neuron_act_name  # noqa: E402
+from tl_attnonly.literal import LiteralTransformer, to_literal  # noqa: E402
 from tl_attnonly.model import AttnOnlyTransformer  # noqa: E402
 from tl_attnonly.options import ConversionOptions  # noqa: E402
 
 __all__ = [
     "__version__",
+    "AttnOnlyEncoder",
     "AttnOnlyTransformer",
     "ConversionOptions",
     "NEURON_HEAD_HOOKS",
@@ -26,6 +30,11 @@ __all__ = [
     "NeuronHeadMLP",
     "SUPPORTED_ACTIVATIONS",
     "activation_error_table",
+    "LiteralTransformer",
     "convert",
+    "convert_encoder",
+    "dense_neuron_pattern",
     "head_coefficients",
+    "neuron_act_name",
+    "to_literal",
 ]

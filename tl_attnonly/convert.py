@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Literal, Optional
 
-from transformer_lens import HookedTransformer
+from transformer_lens import HookedEncoder, HookedTransformer
 
-from tl_attnonly.model import AttnOnlyTransformer, _options
+from tl_attnonly.model import AttnOnlyTransformer
+from tl_attnonly.neuron_head_model import _options
 from tl_attnonly.options import ConversionOptions, check_convertible
 
 
@@ -28,7 +28,8 @@ def convert(
 
     Args:
         model: A TransformerLens ``HookedTransformer`` (any weight processing already applied is
-            kept: a model after ``fold_ln`` converts to one after ``fold_ln``).
+            kept: a model after ``fold_ln`` converts to one after ``fold_ln``), or a
+            ``HookedEncoder`` (structured form only; see :func:`tl_attnonly.convert_encoder`).
         form: ``"structured"`` (default): an :class:`AttnOnlyTransformer`, same FLOPs as the MLP,
             compact patterns. ``"literal"``: every sublayer plain softmax attention over a real
             bias token, masks by Omega (see :func:`tl_attnonly.literal.to_literal`).
@@ -49,12 +50,16 @@ def convert(
         >>> logits, cache = converted.run_with_cache(tokens)
         >>> cache["blocks.0.mlp.hook_pattern"].shape  # [batch, n_neuron_heads, pos, 2]
     """
+    options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
+    if isinstance(model, HookedEncoder) and form == "structured" and not literal_kwargs:
+        from tl_attnonly.encoder import convert_encoder
+
+        return convert_encoder(model, conversion=options)
     if not isinstance(model, HookedTransformer):
         raise TypeError(
-            f"convert() takes a transformer_lens.HookedTransformer, got {type(model).__name__}. "
-            "For BERT-style encoders use tl_attnonly.convert_encoder()."
+            f"convert() takes a transformer_lens.HookedTransformer (or, for the structured form, a "
+            f"HookedEncoder), got {type(model).__name__}."
         )
-    options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
     check_convertible(model.cfg, options)
     if form == "literal":
         from tl_attnonly.literal import to_literal
@@ -73,14 +78,7 @@ def convert(
 def _convert_structured(
     model: HookedTransformer, options: ConversionOptions
 ) -> AttnOnlyTransformer:
-    cfg = copy.deepcopy(model.cfg)
-    init_weights = cfg.init_weights
-    cfg.init_weights = False  # the weights are copied below; skip a random initialisation
-    converted = AttnOnlyTransformer(cfg, model.tokenizer, move_to_device=False, conversion=options)
-    converted.cfg.init_weights = init_weights
-    converted.load_state_dict(model.state_dict(), strict=True)
+    converted = AttnOnlyTransformer._converted_copy(model, options)
     if model.cfg.use_attn_result:
         converted.set_use_attn_result(True)
-    converted.to(next(model.parameters()).device, print_details=False)
-    converted.train(model.training)
     return converted

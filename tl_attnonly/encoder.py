@@ -17,27 +17,23 @@ Example:
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import warnings
 from typing import Any
 
-import torch
 from transformer_lens import HookedEncoder
 from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
 
-from tl_attnonly.components.neuron_heads import NeuronHeadMLP
-from tl_attnonly.model import AttnOnlyTransformer, _options
+from tl_attnonly.neuron_head_model import (
+    NeuronHeadModelMixin,
+    _options,
+    pending_options,
+    resolve_options,
+)
 from tl_attnonly.options import ConversionOptions, check_convertible
 
-# Options for encoders that TransformerLens itself constructs (``HookedEncoder.from_pretrained``
-# calls ``cls(cfg, tokenizer, move_to_device=False)``), as in :mod:`tl_attnonly.model`.
-_PENDING_ENCODER_OPTIONS: contextvars.ContextVar[ConversionOptions | None] = contextvars.ContextVar(
-    "tl_attnonly_pending_encoder_options", default=None
-)
 
-
-class AttnOnlyEncoder(HookedEncoder):
+class AttnOnlyEncoder(NeuronHeadModelMixin, HookedEncoder):
     """A :class:`~transformer_lens.HookedEncoder` whose MLP neurons are attention heads.
 
     Each ``blocks[l].mlp`` is a :class:`~tl_attnonly.components.NeuronHeadMLP` (``K`` heads of
@@ -73,19 +69,11 @@ class AttnOnlyEncoder(HookedEncoder):
         **kwargs: Any,
     ):
         cfg = HookedTransformerConfig.unwrap(cfg)
-        if conversion is None:
-            conversion = _PENDING_ENCODER_OPTIONS.get() or ConversionOptions()
-        check_convertible(cfg, conversion)
+        conversion = resolve_options(cfg, conversion)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # "HookedEncoder is deprecated"
             super().__init__(cfg, tokenizer=tokenizer, move_to_device=False, **kwargs)
-        self.conversion = conversion
-        coefficients = conversion.coefficients(self.cfg.act_fn)
-        for block in self.blocks:
-            neuron_heads = NeuronHeadMLP(self.cfg, coefficients)
-            neuron_heads.fused = conversion.fused
-            neuron_heads.load_state_dict(block.mlp.state_dict())
-            block.mlp = neuron_heads
+        self._install_neuron_heads(conversion)
         if move_to_device:
             if self.cfg.device is None:
                 raise ValueError("Cannot move to device when cfg.device is None.")
@@ -121,46 +109,9 @@ class AttnOnlyEncoder(HookedEncoder):
             **tl_kwargs: Passed to ``HookedEncoder.from_pretrained`` (``device``, ``dtype``, ...).
         """
         options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
-        token = _PENDING_ENCODER_OPTIONS.set(options)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
-        finally:
-            _PENDING_ENCODER_OPTIONS.reset(token)
-
-    # ------------------------------------------------------------------ shared with the decoder
-    neuron_heads = AttnOnlyTransformer.neuron_heads
-    n_heads_per_neuron = AttnOnlyTransformer.n_heads_per_neuron
-    n_neuron_heads = AttnOnlyTransformer.n_neuron_heads
-    coefficients = AttnOnlyTransformer.coefficients
-    set_use_neuron_result = AttnOnlyTransformer.set_use_neuron_result
-    _warn_if_overflows = AttnOnlyTransformer._warn_if_overflows
-    save_pretrained = AttnOnlyTransformer.save_pretrained
-    load = classmethod(AttnOnlyTransformer.load.__func__)  # type: ignore[attr-defined]
-
-    def check_hooks_to_add(
-        self, hook_point, hook_point_name, hook, dir="fwd", is_permanent=False, prepend=False
-    ) -> None:
-        if (
-            hook_point_name.endswith("mlp.hook_result")
-            and not self.neuron_heads[0].use_neuron_result
-        ):
-            raise ValueError(
-                f"Cannot add hook {hook_point_name}: per-neuron-head results are off. Call "
-                "model.set_use_neuron_result(True) first (memory: batch * pos * "
-                f"{self.n_neuron_heads} * d_model per layer)."
-            )
-
-    def to(  # type: ignore[override]
-        self,
-        device_or_dtype: torch.device | str | torch.dtype,
-        print_details: bool = True,
-    ):
-        out = super().to(device_or_dtype, print_details=print_details)
-        if isinstance(device_or_dtype, torch.dtype):
-            self._warn_if_overflows(device_or_dtype)
-        return out
+        with pending_options(options), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
 
     def to_hooked_encoder(self) -> HookedEncoder:
         """The original MLP encoder back: a plain ``HookedEncoder`` with the same weights."""
@@ -208,10 +159,4 @@ def convert_encoder(
         )
     options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
     check_convertible(model.cfg, options)
-    cfg = copy.deepcopy(model.cfg)
-    converted = AttnOnlyEncoder(cfg, model.tokenizer, move_to_device=False, conversion=options)
-    converted.load_state_dict(model.state_dict(), strict=True)
-    device = next(model.parameters()).device
-    HookedEncoder.to(converted, device, print_details=False)
-    converted.train(model.training)
-    return converted
+    return AttnOnlyEncoder._converted_copy(model, options)
