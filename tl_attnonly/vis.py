@@ -680,25 +680,38 @@ def gelu_fit_error_figure(
     fig.add_trace(
         go.Scatter(x=x, y=exact, name=activation, line=dict(color="black", width=3)), row=1, col=1
     )
+    lows, highs = [], []
     for i, ap in enumerate(approximations):
         color = _PALETTE[i % len(_PALETTE)]
         fig.add_trace(
-            go.Scatter(x=x, y=ap.values, name=ap.label, line=dict(color=color, dash="dash")),
+            go.Scatter(
+                x=x,
+                y=ap.values,
+                name=ap.label,
+                legendgroup=ap.label,
+                line=dict(color=color, dash="dash"),
+            ),
             row=1,
             col=1,
         )
-        err = np.maximum(np.abs(ap.values - exact), 1e-18)
+        err = np.maximum(np.abs(ap.values - exact), 1e-18)  # exact zeros still show on log axes
+        lows.append(np.percentile(err, 5))
+        highs.append(err.max())
         fig.add_trace(
             go.Scatter(
                 x=x,
                 y=err,
                 name=f"{ap.label} error (max {err.max():.2g})",
+                legendgroup=ap.label,
                 line=dict(color=color),
             ),
             row=1,
             col=2,
         )
-    fig.update_yaxes(type="log", exponentformat="e", row=1, col=2)
+    # Log range from the bulk of the errors: the exact zeros where curves cross would stretch it.
+    low = math.floor(math.log10(max(min(lows), 1e-17))) - 1
+    high = math.ceil(math.log10(max(max(highs), 1e-16)))
+    fig.update_yaxes(type="log", exponentformat="e", range=[low, high], row=1, col=2)
     fig.update_xaxes(title="pre-activation x")
     fig.update_layout(
         title=f"{activation}: K neuron-heads per neuron ({gelu_method})",
