@@ -108,6 +108,13 @@ def test_fused_and_head_paths_are_bit_identical(act_fn, tokens):
     fused = convert(model)
     unfused = convert(model, conversion=ConversionOptions(fused=False))
     assert torch.equal(fused(tokens), unfused(tokens))
+    with torch.no_grad():  # the fused path reuses temporaries in place without autograd
+        assert torch.equal(fused(tokens), unfused(tokens))
+        # ... but never the hooked pre-activations (which SiLU's queries alias)
+        _, pre_cache = fused.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_pre"))
+        _, full_cache = unfused.run_with_cache(tokens)
+        for layer in range(model.cfg.n_layers):
+            assert torch.equal(pre_cache["pre", layer], full_cache["pre", layer])
     # a hook on the pattern switches the fused model to the head path; still identical
     logits = fused.run_with_hooks(
         tokens, fwd_hooks=[("blocks.1.mlp.hook_pattern", lambda a, hook: a)]

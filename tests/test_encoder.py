@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_model
-from transformer_lens import HookedEncoder, HookedTransformerConfig
+from conftest import make_config, make_model
+from transformer_lens import HookedEncoder
 
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
@@ -22,22 +22,14 @@ BATCH, POS = 3, 9
 
 def make_encoder_config(act_fn: str = "gelu", dtype=torch.float64, **overrides):
     kwargs = dict(
-        n_layers=2,
-        d_model=16,
-        n_heads=2,
-        d_head=8,
-        d_mlp=24,
         d_vocab=D_VOCAB,
         n_ctx=16,
-        act_fn=act_fn,
         attention_dir="bidirectional",
         normalization_type="LN",
         original_architecture="BertForMaskedLM",
-        dtype=dtype,
-        device="cpu",
     )
     kwargs.update(overrides)
-    return HookedTransformerConfig(**kwargs)
+    return make_config(act_fn, dtype, **kwargs)
 
 
 def make_encoder(act_fn: str = "gelu", dtype=torch.float64, seed: int = 0, **overrides):

@@ -55,11 +55,13 @@ def _has_hooks(hook_point: HookPoint) -> bool:
     )
 
 
+def _shares_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+
+
 def _own_storage(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``tensor``, copied if it shares memory with ``other``."""
-    if tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr():
-        return tensor.clone()
-    return tensor
+    return tensor.clone() if _shares_storage(tensor, other) else tensor
 
 
 class NeuronHeadMLP(CanBeUsedAsMLP):
@@ -215,10 +217,10 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         x = pre.unsqueeze(-1)  # [batch, pos, d_mlp, 1]
         q = x if all(val == 1 for val in c.b) else x * b
         if any(val != 0 for val in c.d):
-            q = q + d
+            q = q.add_(d) if q is not x else q + d
         v = x if all(val == 1 for val in c.f) else x * f
         if any(val != 0 for val in c.e):
-            v = v + e
+            v = v.add_(e) if v is not x else v + e
         return q, v
 
     def _fused_post(
@@ -231,9 +233,15 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         """
         q, v = self._query_value(pre)
         g = self._coefs(pre)[4]
-        z = torch.sigmoid(q) * v
+        bias_term = None
         if any(val != 0 for val in self.coefficients.g):
-            z = z + torch.sigmoid(-q) * g
+            bias_term = torch.sigmoid(-q) * g
+        if _shares_storage(q, pre) or (torch.is_grad_enabled() and pre.requires_grad):
+            z = torch.sigmoid(q) * v
+        else:  # q and its sigmoid are temporaries: reuse their memory
+            z = q.sigmoid_().mul_(v)
+        if bias_term is not None:
+            z = z + bias_term
         if self.n_heads_per_neuron == 1:
             return z.squeeze(-1)
         return z.expand(*z.shape[:-1], self.n_heads_per_neuron).sum(-1)
@@ -253,24 +261,30 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         # and an in-place edit in one hook would leak into the others.
         q = self.hook_q(_own_storage(q.expand(expanded).reshape(shape), pre))
         # Every real token's key is 1; expanded, so no memory is spent on it.
-        k = self.hook_k(q.new_ones(()).expand(shape))
+        keys = q.new_ones(()).expand(shape)
+        k = self.hook_k(keys)
         v = self.hook_v(_own_storage(v.expand(expanded).reshape(shape), pre))
         # Scores over the two keys a neuron-head can see: itself (k) and the bias token (key 0).
-        score_self = (q * k).squeeze(-1)  # [batch, pos, n_neuron_heads]
-        score_bias = (q * self.k_bias_token.to(q.dtype)).squeeze(-1)
-        scores = self.hook_attn_scores(
-            torch.stack([score_self, score_bias], dim=-1).transpose(1, 2)
-        )  # [batch, n_neuron_heads, query_pos, 2]
-        # softmax over two keys, written as sigmoids of the score difference
-        diff = scores[..., 0] - scores[..., 1]
-        pattern = self.hook_pattern(
-            torch.stack([torch.sigmoid(diff), torch.sigmoid(-diff)], dim=-1)
-        )  # [batch, n_neuron_heads, query_pos, 2]
-        p = pattern.transpose(1, 2)  # [batch, pos, n_neuron_heads, 2]
-        z = p[..., 0:1] * v
+        # Computed in [batch, pos, head, 2] memory order; hooks see the TL-ordered view
+        # [batch, head, query_pos, 2], so no transposing copies are made.
+        scores = q.new_empty(batch, pos, self.n_neuron_heads, 2)
+        if k is keys:  # untouched keys: q * 1 = q and q * 0 = 0 exactly, so skip the products
+            scores[..., 0] = q.squeeze(-1)
+            scores[..., 1] = 0
+        else:
+            scores[..., 0] = (q * k).squeeze(-1)
+            scores[..., 1] = (q * self.k_bias_token.to(q.dtype)).squeeze(-1)
+        # [batch, n_neuron_heads, query_pos, 2]
+        scores = self.hook_attn_scores(scores.transpose(1, 2)).transpose(1, 2)
+        # softmax over two keys, written as sigmoids of the score differences
+        diff = scores[..., 0] - scores[..., 1]  # and -diff == scores[..., 1] - scores[..., 0]
+        pattern = torch.stack((diff, diff.neg()), dim=-1).sigmoid_()
+        # [batch, n_neuron_heads, query_pos, 2]
+        p = self.hook_pattern(pattern.transpose(1, 2)).transpose(1, 2)
+        z = v * p[..., 0:1]
         if any(val != 0 for val in self.coefficients.g):
-            z = z + p[..., 1:2] * g.repeat(self.d_mlp).unsqueeze(-1)
-        z = self.hook_z(z.contiguous())  # [batch, pos, n_neuron_heads, 1]
+            z += p[..., 1:2] * g.repeat(self.d_mlp).unsqueeze(-1)
+        z = self.hook_z(z)  # [batch, pos, n_neuron_heads, 1]
         post = z.reshape(batch, pos, self.d_mlp, self.n_heads_per_neuron)
         post = post.squeeze(-1) if self.n_heads_per_neuron == 1 else post.sum(-1)
         return post, z
