@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ZOO, make_model, make_tokens
+from conftest import ZOO, make_config, make_model, make_tokens
 from transformer_lens import HookedTransformer
 
 from tl_attnonly import AttnOnlyTransformer, ConversionOptions, convert, head_coefficients
@@ -145,27 +145,12 @@ def test_unconvertible_models_refused_before_any_work():
         with pytest.raises(error, match="upported"):
             convert(model)
     with pytest.raises(ValueError, match="attention-only"):
-        convert(
-            HookedTransformer(
-                make_model().cfg.__class__(
-                    n_layers=1,
-                    d_model=8,
-                    n_heads=2,
-                    d_head=4,
-                    d_vocab=11,
-                    n_ctx=4,
-                    attn_only=True,
-                    act_fn="silu",
-                )
-            )
-        )
+        convert(HookedTransformer(make_config("silu", n_layers=1, attn_only=True)))
     with pytest.raises(ValueError, match="form"):
         convert(make_model(), form="dense")
 
 
 def test_moe_refused():
-    from conftest import make_config
-
     cfg = make_config("silu", num_experts=2, experts_per_token=1)
     with pytest.raises(NotImplementedError, match="experts"):
         AttnOnlyTransformer(cfg)
