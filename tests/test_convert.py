@@ -190,7 +190,7 @@ def test_literal_form_through_convert(tokens):
     from tl_attnonly import LiteralTransformer
 
     model = make_model("silu", torch.float64, normalization_type="LN")
-    literal = convert(model, form="literal", omega=64.0, layout="split")
+    literal = convert(model, form="literal", omega=1000.0, layout="split")
     assert isinstance(literal, LiteralTransformer)
     assert literal.summary()["layout"] == "split"
     torch.testing.assert_close(literal(tokens), model(tokens), rtol=0, atol=1e-8)
