@@ -176,3 +176,16 @@ def test_top_k_and_frames(silu):
         composition_scores(silu, "Q", max_bytes=100)
     with pytest.raises(ValueError, match="mode"):
         composition_scores(silu, "O")  # type: ignore[arg-type]
+
+
+def test_literal_and_unconverted_models_are_refused_with_directions():
+    from conftest import make_model
+
+    from tl_attnonly import to_literal
+    from tl_attnonly.analysis import neuron_ov_circuit
+
+    model = make_model("silu")
+    with pytest.raises(TypeError, match=r"tl_attnonly\.convert\(model\)"):
+        neuron_ov_circuit(model, 0)
+    with pytest.raises(TypeError, match="structured form.*hooks"):
+        neuron_ov_circuit(to_literal(model), 0)

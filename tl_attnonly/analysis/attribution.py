@@ -24,6 +24,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
+from tl_attnonly.analysis._checks import require_neuron_heads
 from tl_attnonly.hooks import all_head_refs, head_labels
 
 Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
@@ -77,8 +78,7 @@ def attribution_patch(
         as :func:`~tl_attnonly.analysis.get_act_patch_all_heads`. Estimates are of
         ``metric(patched) - metric(corrupted)``.
     """
-    if not hasattr(model, "neuron_heads"):
-        raise TypeError(f"{type(model).__name__} has no neuron-heads: convert it first.")
+    require_neuron_heads(model)
     if activation_name not in ATTRIBUTION_KINDS:
         raise ValueError(
             f"activation_name must be one of {sorted(ATTRIBUTION_KINDS)}, got {activation_name!r}."

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
+from tl_attnonly.analysis._checks import require_neuron_heads
 from tl_attnonly.hooks import neuron_act_name, neuron_head_label
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
@@ -45,12 +46,13 @@ Kinds = Sequence[str]
 # helpers
 # ------------------------------------------------------------------------------------------------
 def _model(cache: ActivationCache):
-    model = cache.model
-    if not hasattr(model, "neuron_heads"):
+    model = getattr(cache, "model", None)
+    if model is None:
         raise TypeError(
-            f"This cache belongs to a {type(model).__name__}, which has no neuron-heads. Convert "
-            "the model first (tl_attnonly.convert(model)) and cache the converted model's run."
+            f"Expected a transformer_lens ActivationCache from run_with_cache, got "
+            f"{type(cache).__name__}."
         )
+    require_neuron_heads(model)
     return model
 
 

@@ -42,6 +42,7 @@ from jaxtyping import Float
 from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
+from tl_attnonly.analysis._checks import require_neuron_heads
 from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
 
 #: Default memory budget (bytes) for a matrix of pairwise scores.
@@ -62,8 +63,7 @@ def bias_token_homogeneous(model) -> torch.Tensor:
 
 
 def _layers(model, layer: int | None) -> list[int]:
-    if not hasattr(model, "neuron_heads"):
-        raise TypeError(f"{type(model).__name__} has no neuron-heads: convert it first.")
+    require_neuron_heads(model)
     if layer is None:
         return list(range(model.cfg.n_layers))
     if not 0 <= layer < model.cfg.n_layers:

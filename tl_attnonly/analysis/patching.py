@@ -32,6 +32,7 @@ from transformer_lens.patching import (
     layer_pos_head_vector_patch_setter,
 )
 
+from tl_attnonly.analysis._checks import require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -45,14 +46,6 @@ Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor
 #: Neuron-head activations that can be patched, and their layout.
 VECTOR_KINDS = ("z", "v", "q", "result")  # [batch, pos, head, ...]
 PATTERN_KINDS = ("pattern", "attn_scores")  # [batch, head, query_pos, 2]
-
-
-def _check_model(model) -> None:
-    if not hasattr(model, "neuron_heads"):
-        raise TypeError(
-            f"{type(model).__name__} has no neuron-heads: convert it first "
-            "(tl_attnonly.convert(model))."
-        )
 
 
 def _check_tokens(tokens) -> None:
@@ -123,7 +116,7 @@ def neuron_head_patch_index(
         layers, heads, positions: Subsets to sweep; default all (positions need ``n_pos``).
         n_pos: Number of positions (for ``positions=None``).
     """
-    _check_model(model)
+    require_neuron_heads(model)
     kind = neuron_act_name(activation_name, 0).rsplit("hook_", 1)[1]
     if kind not in VECTOR_KINDS + PATTERN_KINDS:
         raise ValueError(
@@ -194,7 +187,7 @@ def get_act_patch_neuron_heads(
         (vectors per position) or ``[n_layers, n_heads, dest_pos]`` (patterns per position), with
         the sizes of the subsets given; and the index frame if ``return_index_df``.
     """
-    _check_model(model)
+    require_neuron_heads(model)
     _check_tokens(corrupted_tokens)
     index_df = neuron_head_patch_index(
         model,
@@ -334,7 +327,7 @@ def get_act_patch_all_heads(
     Returns:
         ``(metric after each patch [n_heads], labels)``.
     """
-    _check_model(model)
+    require_neuron_heads(model)
     K = model.n_heads_per_neuron
     refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
     patches = []

@@ -31,6 +31,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
+from tl_attnonly.analysis._checks import require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -194,8 +195,7 @@ def _path_patch_runs(
 
 
 def _prepare(model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache):
-    if not hasattr(model, "neuron_heads"):
-        raise TypeError(f"{type(model).__name__} has no neuron-heads: convert it first.")
+    require_neuron_heads(model)
     for tokens in (clean_tokens, corrupted_tokens):
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
             raise TypeError("Pass tokens as int tensors [batch, pos] of the same shape.")
