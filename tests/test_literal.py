@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+from conftest import make_config
+from transformer_lens import HookedTransformer
 
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal import (
@@ -52,23 +53,15 @@ def make_model(
 ) -> HookedTransformer:
     """A tiny random model with non-trivial norm weights and biases everywhere."""
     kwargs = dict(
-        n_layers=2,
-        d_model=16,
-        n_heads=2,
-        d_head=8,
         d_mlp=32,
         d_vocab=D_VOCAB,
-        n_ctx=12,
-        act_fn="silu",
-        seed=0,
         init_weights=True,
         normalization_type=norm,
         attention_dir=attention_dir,
-        dtype=dtype,
-        device="cpu",
     )
     kwargs.update(overrides)
-    model = HookedTransformer(HookedTransformerConfig(**kwargs))
+    act_fn = kwargs.pop("act_fn", "silu")
+    model = HookedTransformer(make_config(act_fn, dtype, **kwargs))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

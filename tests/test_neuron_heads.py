@@ -48,17 +48,22 @@ def _original_with_post_from_pre(model, tokens, fn):
     )
 
 
-def test_all_bias_pattern_equals_ablating_the_neuron(silu_pair, tokens):
-    model, converted = silu_pair
+def _run_with_fixed_pattern(converted, tokens, weight_self: float, weight_bias: float):
+    """Run with neuron NEURON of layer LAYER attending (weight_self, weight_bias) everywhere."""
 
-    def all_bias(pattern, hook):
+    def fix_pattern(pattern, hook):
         pattern = pattern.clone()
-        pattern[:, NEURON] = torch.tensor([0.0, 1.0], dtype=pattern.dtype)
+        pattern[:, NEURON] = torch.tensor([weight_self, weight_bias], dtype=pattern.dtype)
         return pattern
 
-    edited = converted.run_with_hooks(
-        tokens, fwd_hooks=[(neuron_act_name("pattern", LAYER), all_bias)]
+    return converted.run_with_hooks(
+        tokens, fwd_hooks=[(neuron_act_name("pattern", LAYER), fix_pattern)]
     )
+
+
+def test_all_bias_pattern_equals_ablating_the_neuron(silu_pair, tokens):
+    model, converted = silu_pair
+    edited = _run_with_fixed_pattern(converted, tokens, 0.0, 1.0)
     ablated = model.run_with_hooks(
         tokens, fwd_hooks=[(f"blocks.{LAYER}.mlp.hook_post", _set_neuron(torch.zeros_like))]
     )
@@ -70,15 +75,7 @@ def test_all_bias_pattern_equals_ablating_the_neuron(silu_pair, tokens):
 def test_all_self_pattern_makes_the_neuron_linear(silu_pair, tokens):
     """Weight 1 on itself: z = value = pre."""
     model, converted = silu_pair
-
-    def all_self(pattern, hook):
-        pattern = pattern.clone()
-        pattern[:, NEURON] = torch.tensor([1.0, 0.0], dtype=pattern.dtype)
-        return pattern
-
-    edited = converted.run_with_hooks(
-        tokens, fwd_hooks=[(neuron_act_name("pattern", LAYER), all_self)]
-    )
+    edited = _run_with_fixed_pattern(converted, tokens, 1.0, 0.0)
     expected = _original_with_post_from_pre(model, tokens, lambda x: x)
     torch.testing.assert_close(edited, expected, rtol=0, atol=1e-10)
 
