@@ -111,4 +111,7 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
         model = HookedTransformer(cfg, self.tokenizer, move_to_device=False)
         model.cfg.init_weights = init_weights
         model.load_state_dict(self.state_dict(), strict=True)
+        frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in frozen)
         return model.to(next(self.parameters()).device, print_details=False).train(self.training)

@@ -12,6 +12,9 @@ import contextvars
 import copy
 import dataclasses
 import json
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, TypeVar, Union
@@ -19,6 +22,7 @@ from typing import Any, Iterator, Optional, TypeVar, Union
 import torch
 from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
 
+from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.options import ConversionOptions, check_convertible, overflow_warning
 
@@ -33,6 +37,12 @@ _PENDING_OPTIONS: contextvars.ContextVar[Optional[ConversionOptions]] = contextv
     "tl_attnonly_pending_options", default=None
 )
 
+# Coefficients of a saved model (``load``): the model is rebuilt from these, not from the
+# package's current fits, so a later change to the fits cannot change a saved model.
+_PENDING_COEFFICIENTS: contextvars.ContextVar[Optional[NeuronHeadCoefficients]] = (
+    contextvars.ContextVar("tl_attnonly_pending_coefficients", default=None)
+)
+
 M = TypeVar("M", bound="NeuronHeadModelMixin")
 
 
@@ -44,6 +54,15 @@ def pending_options(options: ConversionOptions) -> Iterator[None]:
         yield
     finally:
         _PENDING_OPTIONS.reset(token)
+
+
+@contextlib.contextmanager
+def _pending_coefficients(coefficients: Optional[NeuronHeadCoefficients]) -> Iterator[None]:
+    token = _PENDING_COEFFICIENTS.set(coefficients)
+    try:
+        yield
+    finally:
+        _PENDING_COEFFICIENTS.reset(token)
 
 
 def resolve_options(cfg: HookedTransformerConfig, conversion: Optional[ConversionOptions]):
@@ -65,7 +84,7 @@ class NeuronHeadModelMixin:
     def _install_neuron_heads(self, conversion: ConversionOptions) -> None:
         """Replace every ``blocks[l].mlp`` by a :class:`NeuronHeadMLP` with the same weights."""
         self.conversion = conversion
-        coefficients = conversion.coefficients(self.cfg.act_fn)
+        coefficients = _PENDING_COEFFICIENTS.get() or conversion.coefficients(self.cfg.act_fn)
         for block in self.blocks:
             neuron_heads = NeuronHeadMLP(self.cfg, coefficients)
             neuron_heads.fused = conversion.fused
@@ -82,6 +101,9 @@ class NeuronHeadModelMixin:
         converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
         converted.cfg.init_weights = init_weights
         converted.load_state_dict(model.state_dict(), strict=True)
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        for name, param in converted.named_parameters():
+            param.requires_grad_(name not in frozen)
         converted.to(next(model.parameters()).device, print_details=False)
         converted.train(model.training)
         return converted
@@ -151,7 +173,11 @@ class NeuronHeadModelMixin:
     def save_pretrained(self, directory: Union[str, Path]) -> Path:
         """Write config, weights (safetensors), conversion options and tokenizer to ``directory``.
 
-        :meth:`load` rebuilds the model exactly; no hub access is needed.
+        :meth:`load` rebuilds the model exactly; no hub access is needed. Everything is written
+        to a temporary directory beside ``directory`` first, which then replaces it: a failed
+        save leaves an earlier save untouched, and a new save never keeps files of an old one
+        (a model without a tokenizer drops the old ``tokenizer/``). Files in ``directory`` that
+        :meth:`save_pretrained` does not write are kept.
 
         Returns:
             The directory.
@@ -159,19 +185,30 @@ class NeuronHeadModelMixin:
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / CONFIG_FILE).write_text(json.dumps(_config_to_json(self.cfg), indent=2))
-        conversion = {
-            "model_class": type(self).__name__,
-            "options": self.conversion.to_dict(),
-            "coefficients": self.coefficients.to_dict(),
-            "tl_attnonly_version": _version(),
-        }
-        (directory / CONVERSION_FILE).write_text(json.dumps(conversion, indent=2))
-        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.state_dict().items()}
-        save_file(state, str(directory / WEIGHTS_FILE))
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"Cannot save to {directory}: it is not a directory.")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.saving-", dir=directory.parent))
+        tmp.chmod(_directory_mode(directory))  # mkdtemp's is 0o700
+        try:
+            (tmp / CONFIG_FILE).write_text(json.dumps(_config_to_json(self.cfg), indent=2))
+            conversion = {
+                "model_class": type(self).__name__,
+                "options": self.conversion.to_dict(),
+                "coefficients": self.coefficients.to_dict(),
+                "tl_attnonly_version": _version(),
+            }
+            (tmp / CONVERSION_FILE).write_text(json.dumps(conversion, indent=2))
+            state = {
+                k: v.detach().to("cpu").contiguous().clone() for k, v in self.state_dict().items()
+            }
+            save_file(state, str(tmp / WEIGHTS_FILE))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+            _replace_directory(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return directory
 
     @classmethod
@@ -202,6 +239,10 @@ class NeuronHeadModelMixin:
                 f"{saved_class}.load()."
             )
         options = ConversionOptions.from_dict(conversion["options"])
+        coefficients = None
+        if "coefficients" in conversion:
+            coefficients = NeuronHeadCoefficients.from_dict(conversion["coefficients"])
+            _check_saved_coefficients(cfg_dict.get("act_fn"), options, coefficients, directory)
         tokenizer = None
         if (directory / TOKENIZER_DIR).exists():
             from transformers import AutoTokenizer
@@ -216,8 +257,12 @@ class NeuronHeadModelMixin:
             if not _device_available(device):
                 device = "cpu"
         cfg_dict["device"] = str(device)
+        # A config with a seed reseeds the global RNGs when constructed; loading must not.
+        seed = cfg_dict.pop("seed", None)
         cfg = HookedTransformerConfig.from_dict(cfg_dict)
-        model = cls(cfg, tokenizer, move_to_device=False, conversion=options)
+        cfg.seed = seed
+        with _pending_coefficients(coefficients):
+            model = cls(cfg, tokenizer, move_to_device=False, conversion=options)
         model.cfg.init_weights = init_weights
         model.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=True)
         return model.to(device, print_details=False)
@@ -239,6 +284,69 @@ def _options(
     if gelu_method is not None:
         changes["gelu_method"] = gelu_method
     return dataclasses.replace(options, **changes)
+
+
+def _check_saved_coefficients(
+    act_fn: Optional[str],
+    options: ConversionOptions,
+    saved: NeuronHeadCoefficients,
+    directory: Path,
+) -> None:
+    """Refuse a saved model whose config, options and coefficients contradict each other.
+
+    The model is rebuilt from ``saved``; the config and options must describe the same
+    activation, method and number of heads (an edited ``config.json`` must not load silently as
+    another model). If only the values differ (the package's fits changed since the save), the
+    saved values are used.
+    """
+    if saved.activation != act_fn:
+        raise ValueError(
+            f"{directory}: {CONFIG_FILE} says act_fn={act_fn!r}, but the neuron-head coefficients "
+            f"in {CONVERSION_FILE} were made for {saved.activation!r}. The files contradict each "
+            f"other; restore act_fn={saved.activation!r} or save the model again."
+        )
+    expected = options.coefficients(act_fn)
+    for name in ("method", "n_heads", "relu_k"):
+        if getattr(expected, name) != getattr(saved, name):
+            raise ValueError(
+                f"{directory}: the options in {CONVERSION_FILE} give {name}="
+                f"{getattr(expected, name)!r}, but its saved coefficients have {name}="
+                f"{getattr(saved, name)!r}. The file was edited or is corrupt; save the model "
+                "again."
+            )
+
+
+def _replace_directory(new: Path, target: Path) -> None:
+    """Make ``new`` (a complete save) be ``target``, by renames; foreign files of ``target`` stay.
+
+    ``target`` never holds a mix of two saves: the old directory is renamed aside, ``new`` is
+    renamed into place, then files that :meth:`save_pretrained` does not write are moved from
+    the old directory into the new one and the old one is deleted.
+    """
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.replace(target, old / "save")
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old / "save", target)
+        raise
+    ours = {CONFIG_FILE, CONVERSION_FILE, WEIGHTS_FILE, TOKENIZER_DIR}
+    for entry in (old / "save").iterdir():
+        if entry.name not in ours:
+            os.replace(entry, target / entry.name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _directory_mode(directory: Path) -> int:
+    """``directory``'s permissions if it exists, else those ``mkdir`` would give it."""
+    if directory.exists():
+        return directory.stat().st_mode & 0o7777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
 
 
 def _version() -> str:
