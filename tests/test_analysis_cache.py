@@ -173,8 +173,8 @@ def test_attn_results_use_cached_results_when_present():
 
 
 # ---------------------------------------------------------------- direct logit attribution
-@pytest.mark.parametrize("arch", ["ln_learned", "rmspre", "no_norm"])
-def test_head_dla_matches_transformer_lens(arch):
+@pytest.mark.parametrize("arch", ["ln_learned", "rms_rotary", "rmspre", "no_norm"])
+def test_head_dla_matches_transformer_lens_and_sums_to_the_logit_difference(arch):
     model = _converted("silu", **ZOO[arch])
     tokens = make_tokens()
     _, full = model.run_with_cache(tokens)
@@ -188,20 +188,25 @@ def test_head_dla_matches_transformer_lens(arch):
             full.stack_neuron_results(-1, pos_slice=-1),
         ]
     )
-    expected = full.logit_attrs(heads, answer, wrong, pos_slice=-1)
+    w = getattr(getattr(model, "ln_final", None), "w", None)
+    if w is None:  # nothing to apply after the norm: exactly TransformerLens's logit_attrs
+        expected = full.logit_attrs(heads, answer, wrong, pos_slice=-1)
+    else:  # TL's logit_attrs leaves out ln_final.w (centring does not commute with * w)
+        directions = model.W_U[:, answer].T - model.W_U[:, wrong].T
+        scaled = full.apply_ln_to_stack(heads, layer=-1, pos_slice=-1)
+        expected = (scaled * directions * w).sum(-1)
     assert attrs.shape == (len(labels), tokens.shape[0])
     torch.testing.assert_close(attrs, expected, rtol=0, atol=1e-10)
-    # With embeddings and biases, the attributions sum to the whole final residual stream's.
+    # With embeddings and biases, the attributions add up to the logit difference, less the
+    # constants b_U and ln_final.b.
     total = head_logit_attrs(full, answer, wrong, pos_slice=-1, incl_embeds_and_bias=True).sum(0)
-    resid = full["blocks.1.hook_resid_post"][:, -1][None]
-    torch.testing.assert_close(
-        total, full.logit_attrs(resid, answer, wrong, pos_slice=-1)[0], rtol=0, atol=1e-10
-    )
-    if arch == "no_norm":  # no LayerNorm: the attributions add up to the logit difference
-        logits = model(tokens)[:, -1]
-        diff = logits.gather(-1, answer[:, None]) - logits.gather(-1, wrong[:, None])
-        bias_diff = model.b_U[answer] - model.b_U[wrong]
-        torch.testing.assert_close(total + bias_diff, diff[:, 0], rtol=0, atol=1e-10)
+    logits = model(tokens)[:, -1]
+    diff = logits.gather(-1, answer[:, None])[:, 0] - logits.gather(-1, wrong[:, None])[:, 0]
+    constant = model.b_U[answer] - model.b_U[wrong]
+    b = getattr(getattr(model, "ln_final", None), "b", None)
+    if b is not None:
+        constant = constant + (model.W_U[:, answer].T - model.W_U[:, wrong].T) @ b
+    torch.testing.assert_close(total + constant, diff, rtol=0, atol=1e-10)
 
 
 def test_errors_say_what_to_do():

@@ -112,6 +112,27 @@ def neuron_head_z(
     )
 
 
+def _logit_directions(
+    model, tokens, incorrect_tokens
+) -> Float[torch.Tensor, "*batch_and_pos d_model"]:
+    """``W_U[:, tokens]`` (minus ``W_U[:, incorrect_tokens]``), times ``ln_final.w`` if any.
+
+    The final norm is ``w * normalised + b``: a component's direct effect on the logits is its
+    normalised value times ``w``, dotted with the unembedding column.
+    """
+    directions = model.tokens_to_residual_directions(tokens)
+    if incorrect_tokens is not None:
+        incorrect = model.tokens_to_residual_directions(incorrect_tokens)
+        if incorrect.shape != directions.shape:
+            raise ValueError(
+                f"tokens and incorrect_tokens must have the same shape, got directions of shape "
+                f"{tuple(directions.shape)} and {tuple(incorrect.shape)}."
+            )
+        directions = directions - incorrect
+    w = getattr(getattr(model, "ln_final", None), "w", None)
+    return directions if w is None else directions * w
+
+
 def _project(
     stack: Float[torch.Tensor, "... d_model"], project: torch.Tensor | None
 ) -> torch.Tensor:
@@ -475,14 +496,18 @@ def head_logit_attrs(
 ):
     """Direct logit attribution of every head (attention heads and neuron-heads).
 
-    Each component's result goes through TransformerLens's ``cache.logit_attrs`` (centred and
-    divided by the cached final LayerNorm scale, dotted with ``W_U[:, token]``, or with the
-    difference of two unembedding columns when ``incorrect_tokens`` is given), ``chunk_size``
-    neuron-heads at a time, so ``[n_neuron_heads, batch, pos, d_model]`` is never built.
+    Each component's result is centred and divided by the cached final LayerNorm scale (as in
+    TransformerLens's ``cache.logit_attrs``), then dotted with ``ln_final.w * W_U[:, token]``
+    (or the difference of two unembedding columns when ``incorrect_tokens`` is given),
+    ``chunk_size`` neuron-heads at a time, so ``[n_neuron_heads, batch, pos, d_model]`` is never
+    built. Unlike ``cache.logit_attrs``, the final norm's weight ``ln_final.w`` is applied, so the
+    numbers are right on a model whose final LayerNorm/RMSNorm is not folded (``fold_ln=False``,
+    e.g. :func:`tl_attnonly.bundled.load_bundled_model`); after ``fold_ln`` the weight is 1 and
+    the two agree.
 
     With ``incl_embeds_and_bias=True`` the rows are exactly those of
-    :func:`decompose_resid_heads` at the unembed, so they sum to the attribution of the whole
-    final residual stream.
+    :func:`decompose_resid_heads` at the unembed, so they sum to the logit (difference) minus
+    the constant terms ``ln_final.b @ W_U[:, token] + b_U[token]``.
 
     Args:
         cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run (see
@@ -505,14 +530,14 @@ def head_logit_attrs(
     model = _model(cache)
     _check_kinds(kinds)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    directions = _logit_directions(model, tokens, incorrect_tokens)
     parts, labels = [], []
     for chunk, chunk_labels in _component_chunks(
         cache, model.cfg.n_layers, False, kinds, pos_slice, incl_embeds_and_bias, chunk_size,
         progress,
     ):  # fmt: skip
-        parts.append(
-            cache.logit_attrs(chunk, tokens, incorrect_tokens=incorrect_tokens, pos_slice=pos_slice)
-        )
+        scaled = cache.apply_ln_to_stack(chunk, layer=-1, pos_slice=pos_slice)
+        parts.append((scaled * directions).sum(dim=-1))
         labels += chunk_labels
     attrs = torch.cat(parts, dim=0)
     return (attrs, labels) if return_labels else attrs
