@@ -1,4 +1,4 @@
-"""save_pretrained / load keep data whole: no mixed or stale directories, no silent re-definition."""
+"""save_pretrained / load keep data whole: no silent redefinition."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ def _bundled_tokenizer():
 
     from tl_attnonly.bundled import bundled_model_dir
 
-    return PreTrainedTokenizerFast.from_pretrained(
-        str(bundled_model_dir()), local_files_only=True
-    )
+    return PreTrainedTokenizerFast.from_pretrained(str(bundled_model_dir()), local_files_only=True)
 
 
 def test_failed_save_leaves_the_previous_save_whole(tmp_path, monkeypatch, tokens):
