@@ -1,0 +1,459 @@
+"""The builder: :func:`to_literal`, with its support and memory-budget checks."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from transformer_lens import HookedTransformer
+from transformer_lens.components import (
+    LayerNorm,
+    LayerNormPre,
+    RMSNorm,
+    RMSNormPre,
+)
+from transformer_lens.utilities.activation_functions import softcap_enabled
+
+from tl_attnonly.components.literal_attention import LiteralAttention
+from tl_attnonly.literal.layout import (
+    DEFAULT_BUDGET_BYTES,
+    LayoutName,
+    LiteralBudgetError,
+    MaskOption,
+    ResidualLayout,
+)
+from tl_attnonly.literal.modules import LiteralBlock, LiteralNeuronLayer, PartialNorm
+from tl_attnonly.literal.omega import DEFAULT_OMEGA, omega_warnings
+from tl_attnonly.literal.theorems import (
+    SublayerHeads,
+    _folded,
+    allowed_pattern,
+    linear_map_sublayer,
+    neuron_sublayer,
+    theorem3_neuron_head,
+    theorem6_tweaked_attention_heads,
+    theorem8_activation_heads,
+    theorem9_mask_qk,
+)
+from tl_attnonly.literal.transformer import LiteralTransformer
+
+
+def _norm_parts(norm: nn.Module) -> tuple[Tensor | None, Tensor | None, bool | None]:
+    """(weight, bias, center) of a TransformerLens norm; center ``None`` means no norm."""
+    if isinstance(norm, LayerNorm):
+        return norm.w, norm.b, True
+    if isinstance(norm, LayerNormPre):
+        return None, None, True
+    if isinstance(norm, RMSNorm):
+        return norm.w, None, False
+    if isinstance(norm, RMSNormPre):
+        return None, None, False
+    if isinstance(norm, nn.Identity):
+        return None, None, None
+    raise NotImplementedError(f"Unsupported normalisation module {type(norm).__name__}")
+
+
+def _partial_norm(norm: nn.Module, d_model: int, eps: float) -> nn.Module:
+    center = _norm_parts(norm)[2]
+    return nn.Identity() if center is None else PartialNorm(d_model, eps, center)
+
+
+def check_literal_supported(model: HookedTransformer) -> None:
+    """Refuse, before building, a model the literal form cannot represent exactly.
+
+    Supported: LN, LNPre, RMS, RMSPre or no norm; learned ("standard") or rotary positions;
+    causal or bidirectional attention; grouped-query attention (expanded to full heads); any
+    activation with neuron-head coefficients.
+
+    Raises:
+        NotImplementedError: naming the unsupported feature.
+        ValueError: For an attention-only model (nothing to convert).
+    """
+    cfg = model.cfg
+    if cfg.attn_only:
+        raise ValueError("The model is attention-only already (cfg.attn_only=True).")
+    if cfg.positional_embedding_type not in ("standard", "rotary"):
+        raise NotImplementedError(
+            f"positional_embedding_type={cfg.positional_embedding_type!r} is not supported by the "
+            "literal form (supported: 'standard' learned positions and 'rotary')."
+        )
+    refused = {
+        "parallel_attn_mlp": (
+            "parallel attention + MLP (GPT-J/NeoX): the literal form's MLP sublayers read the "
+            "residual stream after the attention sublayer has written to it"
+        ),
+        "use_qk_norm": "query/key normalisation is not part of plain attention",
+        "use_local_attn": "local (windowed) attention",
+        "use_attention_sinks": "learned attention sinks",
+        "use_logn_attn": "log-n query scaling",
+        "use_dynamic_ntk_rope": "dynamic NTK rotary scaling",
+        "use_normalization_before_and_after": "norms after the sublayers",
+        "post_embedding_ln": "a norm after the embedding",
+    }
+    for flag, why in refused.items():
+        if getattr(cfg, flag, False):
+            raise NotImplementedError(
+                f"cfg.{flag}=True is not supported by the literal form: {why}."
+            )
+    if softcap_enabled(cfg.attn_scores_soft_cap):
+        raise NotImplementedError("Attention score soft-capping is not plain softmax attention.")
+    if cfg.clip_qkv is not None:
+        raise NotImplementedError("cfg.clip_qkv (clamped q/k/v) is not plain attention.")
+    if cfg.normalization_type not in ("LN", "LNPre", "RMS", "RMSPre", None):
+        raise NotImplementedError(f"normalization_type={cfg.normalization_type!r}")
+    if cfg.act_fn is not None and cfg.act_fn.endswith("_ln"):
+        raise NotImplementedError(
+            f"act_fn={cfg.act_fn!r} (a norm inside the MLP) is not supported."
+        )
+
+
+def sublayer_head_counts(
+    cfg: Any, layout: LayoutName, n_heads_per_neuron: int, linear_d_head: int
+) -> dict[str, int]:
+    """Heads in each sublayer of one literal layer (see also :meth:`LiteralTransformer.summary`).
+
+    Args:
+        cfg: The original model's config.
+        layout: ``"neuron"`` or ``"split"``.
+        n_heads_per_neuron: ``K``.
+        linear_d_head: Internal dimension of the linear-map heads.
+
+    Returns:
+        ``{"attn": n_heads + 1, "mlp": d_mlp K + 1}`` (neuron layout) or ``{"attn": n_heads + 1,
+        "mlp_in": ceil(M / d), "mlp": M K, "mlp_out": ceil(D / d) + 2 ceil(M / d)}`` (split).
+    """
+    M, D, d = cfg.d_mlp, cfg.d_model, linear_d_head
+    if layout == "neuron":
+        return {"attn": cfg.n_heads + 1, "mlp": M * n_heads_per_neuron + 1}
+    return {
+        "attn": cfg.n_heads + 1,
+        "mlp_in": math.ceil(M / d),
+        "mlp": M * n_heads_per_neuron,
+        "mlp_out": math.ceil(D / d) + 2 * math.ceil(M / d),
+    }
+
+
+def _check_weight_budget(
+    cfg: Any,
+    lay: ResidualLayout,
+    K: int,
+    layout: LayoutName,
+    mask: str,
+    linear_d_head: int,
+    budget_bytes: int,
+) -> None:
+    """Refuse before allocating: W_Q, W_K, W_V, W_O of every sublayer, built in float64."""
+    counts = sublayer_head_counts(cfg, layout, K, linear_d_head)
+    dims = {"attn": (cfg.d_head, cfg.d_head), "mlp": (1, 1)}  # (real q/k dims, value dims)
+    extra_qk = 0 if mask == "ordinary" else lay.n_pos
+    per_layer = sum(
+        h * lay.d_resid * (2 * (dims.get(name, (0, linear_d_head))[0] + extra_qk)
+                           + 2 * dims.get(name, (0, linear_d_head))[1])
+        for name, h in counts.items()
+    )  # fmt: skip
+    size = 8 * cfg.n_layers * per_layer
+    if size > budget_bytes:
+        raise LiteralBudgetError(
+            f"The literal form of this model needs about {size / 2**30:.2f} GiB of weights "
+            f"(D'={lay.d_resid}, {sum(counts.values())} heads per layer, each with "
+            f"{extra_qk} one-hot position dimensions in W_Q/W_K, built in float64): above "
+            f"budget_bytes={budget_bytes} ({budget_bytes / 2**30:.2f} GiB). Lower max_len=..., "
+            "use mask='ordinary' (no position dimensions in W_Q/W_K), or pass budget_bytes=...."
+        )
+
+
+def assemble_sublayer(
+    spec: SublayerHeads,
+    layout: ResidualLayout,
+    mask: str,
+    omega: float,
+    causal: bool,
+    use_attn_result: bool,
+    rotary_adjacent_pairs: bool = False,
+    module_cls: type = LiteralAttention,
+    **module_kwargs: Any,
+) -> LiteralAttention:
+    """Turn a sublayer's heads into a :class:`LiteralAttention`, masks included.
+
+    Args:
+        spec: The heads' real parts.
+        layout: The augmented residual stream.
+        mask: ``"omega"`` (masks written into ``W_Q``/``W_K`` by :func:`theorem9_mask_qk`),
+            ``"causal_ordinary"`` (only the model's causal mask is an ordinary mask) or
+            ``"ordinary"`` (ordinary masks only).
+        omega: The penalty.
+        causal: Whether the model's own heads are causal.
+        use_attn_result: Materialise per-head results.
+        rotary_adjacent_pairs: GPT-J style rotary pairs.
+        module_cls: :class:`LiteralAttention` or a subclass.
+        **module_kwargs: Passed to ``module_cls``.
+
+    Returns:
+        The module, in float64.
+    """
+    n_pos = layout.n_pos
+    allowed = torch.stack([allowed_pattern(k, n_pos, causal) for k in spec.kinds])
+    if mask == "ordinary":
+        W_Q, W_K, mask_mode = spec.W_Q, spec.W_K, "allowed"
+    else:
+        if mask == "causal_ordinary":
+            in_weights = [allowed_pattern(k, n_pos, causal=False) for k in spec.kinds]
+            mask_mode = "causal" if causal and "attn" in spec.kinds else "none"
+        else:
+            in_weights, mask_mode = list(allowed), "none"
+        blocks = [theorem9_mask_qk(a, omega) for a in in_weights]
+        H, R = spec.n_heads, layout.d_resid
+        q_mask = torch.zeros(H, R, n_pos, dtype=torch.float64)
+        k_mask = torch.zeros(H, R, n_pos, dtype=torch.float64)
+        q_mask[:, layout.pos_dims] = torch.stack([b[0] for b in blocks])[spec.head_kind]
+        k_mask[:, layout.pos_dims] = torch.stack([b[1] for b in blocks])[spec.head_kind]
+        W_Q = torch.cat([spec.W_Q, q_mask], dim=-1)
+        W_K = torch.cat([spec.W_K, k_mask], dim=-1)
+    module = module_cls(
+        spec.n_heads,
+        layout.d_resid,
+        W_Q.shape[-1],
+        spec.W_V.shape[-1],
+        n_pos,
+        n_mask_kinds=len(spec.kinds),
+        mask_mode=mask_mode,
+        rotary_dim=spec.rotary_dim,
+        rotary_adjacent_pairs=rotary_adjacent_pairs,
+        use_attn_result=use_attn_result,
+        dtype=torch.float64,
+        **module_kwargs,
+    )
+    with torch.no_grad():
+        module.W_Q.copy_(W_Q)
+        module.W_K.copy_(W_K)
+        module.W_V.copy_(spec.W_V)
+        module.W_O.copy_(spec.W_O)
+        module.allowed.copy_(allowed)
+        module.head_kind.copy_(spec.head_kind)
+    return module
+
+
+def _rotary_tables(attn: nn.Module, max_len: int) -> tuple[Tensor, Tensor]:
+    """TransformerLens's own rotary tables for positions ``0..max_len-1``, in float64."""
+    cfg = attn.cfg
+    if attn.rotary_cos.shape[0] >= max_len:
+        return attn.rotary_cos[:max_len].double(), attn.rotary_sin[:max_len].double()
+    sin, cos = attn.calculate_sin_cos_rotary(
+        cfg.rotary_dim, max_len, base=attn._rotary_base(), dtype=torch.float64
+    )
+    return cos, sin
+
+
+def _coefficients(model: HookedTransformer, conversion: Any, coefficients: Any) -> Any:
+    if coefficients is not None:
+        return coefficients
+    from tl_attnonly.options import ConversionOptions, check_convertible
+
+    options = conversion if conversion is not None else ConversionOptions()
+    check_convertible(model.cfg, options)
+    return options.coefficients(model.cfg.act_fn)
+
+
+def to_literal(
+    model: HookedTransformer,
+    omega: float | None = None,
+    layout: LayoutName = "neuron",
+    mask: MaskOption = "omega",
+    *,
+    conversion: Any = None,
+    coefficients: Any = None,
+    max_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    tol: float | None = None,
+    linear_d_head: int | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    use_attn_result: bool = False,
+) -> LiteralTransformer:
+    """Build the literal attention-only form of ``model`` (Huben & Morris 2023, Thms 3, 6-9).
+
+    Args:
+        model: A TransformerLens ``HookedTransformer`` (not modified).
+        omega: Penalty for disallowed (query, key) pairs; default :data:`DEFAULT_OMEGA` (1e4,
+            see there). Warns if it overflows ``dtype`` or is too small for ``tol``.
+        layout: ``"neuron"``: per layer the model's attention sublayer and one sublayer of
+            ``d_mlp * K`` neuron-heads (Theorems 3 and 6). ``"split"``: the post's four sublayers
+            per layer: attention, ``W_in`` heads (Theorem 7), activation heads (Theorem 8),
+            ``W_out`` heads (Theorem 7) that also clear the hidden coordinates.
+        mask: ``"omega"``: every mask (causal, self + bias token, self only) written into the
+            weights (Theorem 9); the attention has no mask at all. ``"causal_ordinary"``: the
+            model's own causal mask is an ordinary mask, the rest as ``"omega"``.
+            ``"ordinary"``: every mask an ordinary ``-inf`` mask (exact; no omega).
+        conversion: A :class:`tl_attnonly.ConversionOptions` (heads per neuron, ReLU sharpness).
+        coefficients: Per-head ``b, d, f, e, g`` to use instead (overrides ``conversion``).
+        max_len: Longest input; sets the ``1 + max_len`` one-hot position coordinates
+            (default ``cfg.n_ctx``).
+        dtype: Dtype of the result (default the model's). Built in float64, then cast.
+        tol: Attention mass allowed to leak to masked keys, for the omega warning.
+        linear_d_head: Internal dimension of the linear-map heads (split layout; default
+            ``cfg.d_head``).
+        budget_bytes: Refuse to build weights, or to run inputs whose patterns, exceed this.
+        use_attn_result: Materialise per-head results (``hook_result``) in every sublayer.
+
+    Returns:
+        A :class:`LiteralTransformer`.
+
+    Raises:
+        NotImplementedError, ValueError: For unsupported models or options, before any work.
+        LiteralBudgetError: If the weights would exceed ``budget_bytes``.
+    """
+    if layout not in ("neuron", "split"):
+        raise ValueError(f"layout must be 'neuron' or 'split', got {layout!r}")
+    if mask not in ("omega", "ordinary", "causal_ordinary"):
+        raise ValueError(f"mask must be 'omega', 'ordinary' or 'causal_ordinary', got {mask!r}")
+    check_literal_supported(model)
+    coefs = _coefficients(model, conversion, coefficients)
+    cfg = copy.deepcopy(model.cfg)
+    dtype = dtype or cfg.dtype
+    omega = DEFAULT_OMEGA if omega is None else float(omega)
+    max_len = cfg.n_ctx if max_len is None else int(max_len)
+    if not 1 <= max_len <= cfg.n_ctx:
+        raise ValueError(f"max_len must be in [1, n_ctx={cfg.n_ctx}], got {max_len}")
+    lay = ResidualLayout(cfg.d_model, cfg.d_mlp, max_len + 1, hidden=layout == "split")
+    if mask != "ordinary":
+        for message in omega_warnings(omega, dtype, lay.n_pos, tol):
+            warnings.warn(message, stacklevel=2)
+    dh_lin = linear_d_head or cfg.d_head
+    _check_weight_budget(cfg, lay, len(coefs.b), layout, mask, dh_lin, budget_bytes)
+    build = _Builder(cfg, lay, coefs, mask, omega, use_attn_result, dh_lin)
+    with torch.no_grad():
+        blocks = [build.block(block, max_len, layout) for block in model.blocks]
+        final = model.ln_final if cfg.normalization_type is not None else nn.Identity()
+        wf, bf, _ = _norm_parts(final)
+        W_U, b_U = _folded(model.unembed.W_U, model.unembed.b_U, wf, bf)
+        unembed = copy.deepcopy(model.unembed)
+        unembed.W_U = nn.Parameter(W_U)
+        unembed.b_U = nn.Parameter(b_U)
+        W_pos = None
+        if cfg.positional_embedding_type == "standard":
+            W_pos = model.pos_embed.W_pos[:max_len].double().clone()
+        literal = LiteralTransformer(
+            cfg,
+            lay,
+            layout,
+            blocks,
+            model.embed.W_E.double().clone(),
+            W_pos,
+            _partial_norm(final, cfg.d_model, cfg.eps),
+            unembed,
+            None if mask == "ordinary" else omega,
+            mask,
+            budget_bytes,
+        )
+    literal.tokenizer = model.tokenizer
+    cfg.dtype = dtype
+    return literal.to(dtype)
+
+
+class _Builder:
+    """Builds the literal sublayers of one original layer (state shared by all layers)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        layout: ResidualLayout,
+        coefficients: Any,
+        mask: str,
+        omega: float,
+        use_attn_result: bool,
+        linear_d_head: int,
+    ):
+        self.cfg, self.lay, self.coefs = cfg, layout, coefficients
+        self.mask, self.omega, self.use_attn_result = mask, omega, use_attn_result
+        self.linear_d_head = linear_d_head
+        self.causal = cfg.attention_dir == "causal"
+        self.K = len(coefficients.b)
+        self.g_sum = float(sum(coefficients.g))
+
+    def assemble(self, spec: SublayerHeads, **kwargs: Any) -> LiteralAttention:
+        return assemble_sublayer(
+            spec, self.lay, self.mask, self.omega, self.causal, self.use_attn_result, **kwargs
+        )
+
+    def block(self, block: nn.Module, max_len: int, layout: str) -> LiteralBlock:
+        """The literal form of one TransformerLens block."""
+        D, eps = self.cfg.d_model, self.cfg.eps
+        ln1, ln2 = _partial_norm(block.ln1, D, eps), _partial_norm(block.ln2, D, eps)
+        attn = self.attention(block, max_len)
+        w2, b2, _ = _norm_parts(block.ln2)
+        W_in, b_in = _folded(block.mlp.W_in, block.mlp.b_in, w2, b2)  # [D, M], [M]
+        W_out, b_out = block.mlp.W_out.double(), block.mlp.b_out.double()  # [M, D], [D]
+        if layout == "neuron":
+            return LiteralBlock(ln1, attn, ln2, self.neuron_heads(W_in, b_in, W_out, b_out))
+        mlp_in, activation, mlp_out = self.split_mlp(W_in, b_in, W_out, b_out)
+        return LiteralBlock(ln1, attn, ln2, activation, mlp_in=mlp_in, mlp_out=mlp_out)
+
+    def attention(self, block: nn.Module, max_len: int) -> LiteralAttention:
+        """The model's own heads, tweaked (Theorem 6), plus the ``b_O`` head."""
+        a, cfg = block.attn, self.cfg
+        w1, b1, _ = _norm_parts(block.ln1)
+        rotary_dim = (cfg.rotary_dim or 0) if cfg.positional_embedding_type == "rotary" else 0
+        spec = theorem6_tweaked_attention_heads(
+            a.W_Q, a.b_Q, a.W_K, a.b_K, a.W_V, a.b_V, a.W_O, a.b_O, self.lay,
+            float(a.attn_scale), w1, b1, rotary_dim,
+        )  # fmt: skip
+        attn = self.assemble(spec, rotary_adjacent_pairs=bool(cfg.rotary_adjacent_pairs))
+        if rotary_dim:
+            cos, sin = _rotary_tables(a, max_len)
+            # augmented position p uses original position p - 1 (the bias token's is masked)
+            attn.rotary_cos.copy_(torch.cat([cos[:1], cos]))
+            attn.rotary_sin.copy_(torch.cat([sin[:1], sin]))
+        return attn
+
+    def neuron_heads(
+        self, W_in: Tensor, b_in: Tensor, W_out: Tensor, b_out: Tensor
+    ) -> LiteralNeuronLayer:
+        """Neuron layout: one sublayer of ``d_mlp * K`` neuron-heads (Theorem 3) + ``b_out``."""
+        lay, M = self.lay, W_in.shape[1]
+        heads = theorem3_neuron_head(W_in.T, b_in, W_out, self.coefs)
+        spec = neuron_sublayer(heads, lay, lay.model_dims, lay.model_dims, b_out)
+        neurons = self.assemble(
+            spec, module_cls=LiteralNeuronLayer, d_mlp=M, n_heads_per_neuron=self.K,
+            pre_start=None,
+        )  # fmt: skip
+        neurons.pre_read[lay.model_dims] = W_in
+        neurons.pre_read[lay.real_rows] = b_in
+        neurons.post_write[:, lay.model_dims] = W_out
+        neurons.post_offset.fill_(self.g_sum)
+        return neurons
+
+    def split_mlp(
+        self, W_in: Tensor, b_in: Tensor, W_out: Tensor, b_out: Tensor
+    ) -> tuple[LiteralAttention, LiteralNeuronLayer, LiteralAttention]:
+        """Split layout: ``W_in`` heads (Thm 7), activation heads (Thm 8), ``W_out`` heads."""
+        lay, M, D = self.lay, W_in.shape[1], W_in.shape[0]
+        R, real, dh = lay.d_resid, lay.real_rows, self.linear_d_head
+        # 1. pre <- normalised x W_in + b_in
+        W_map_in = torch.zeros(R, M, dtype=torch.float64)
+        W_map_in[lay.model_dims], W_map_in[real] = W_in, b_in
+        mlp_in = self.assemble(linear_map_sublayer([(W_map_in, lay.pre_dims)], lay, dh))
+        # 2. post <- act(pre) - sum_k g_k
+        spec = neuron_sublayer(
+            theorem8_activation_heads(self.coefs, M), lay, lay.pre_dims, lay.post_dims, None
+        )
+        activation = self.assemble(
+            spec, module_cls=LiteralNeuronLayer, d_mlp=M, n_heads_per_neuron=self.K,
+            pre_start=lay.pre_dims.start,
+        )  # fmt: skip
+        activation.post_offset.fill_(self.g_sum)
+        activation.post_write[:, lay.post_dims] = torch.eye(M, dtype=torch.float64)
+        # 3. x <- post W_out + b_out (+ the g constants); pre, post <- 0
+        W_map_out = torch.zeros(R, D, dtype=torch.float64)
+        W_map_out[lay.post_dims] = W_out
+        W_map_out[real] = b_out + self.g_sum * W_out.sum(0)
+        clear_pre = torch.zeros(R, M, dtype=torch.float64)
+        clear_pre[lay.pre_dims] = -torch.eye(M, dtype=torch.float64)
+        clear_post = torch.zeros(R, M, dtype=torch.float64)
+        clear_post[lay.post_dims] = -torch.eye(M, dtype=torch.float64)
+        maps = [(W_map_out, lay.model_dims), (clear_pre, lay.pre_dims), (clear_post, lay.post_dims)]
+        mlp_out = self.assemble(linear_map_sublayer(maps, lay, dh))
+        return mlp_in, activation, mlp_out
