@@ -284,7 +284,7 @@ def test_save_html_is_self_contained(tmp_path, cache, tokens):
 
 
 def test_png_falls_back_to_html_with_a_clear_message(tmp_path, monkeypatch, cache, tokens):
-    import tl_attnonly.vis as vis
+    import tl_attnonly.vis.export as vis
 
     fig = patching_heatmap(torch.ones(2, 3))
 
@@ -304,7 +304,7 @@ def test_png_falls_back_to_html_with_a_clear_message(tmp_path, monkeypatch, cach
 
 @pytest.mark.slow
 def test_png_export_when_chrome_is_available(tmp_path, cache, tokens):
-    import tl_attnonly.vis as vis
+    import tl_attnonly.vis.export as vis
 
     if vis.find_chromium() is None:
         pytest.skip("no chromium on PATH")

@@ -1,0 +1,168 @@
+"""Export: standalone HTML and PNG files, and text that is safe inside a ``<script>`` element."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+from circuitsvis.utils.render import RenderedHTML
+
+
+def circuitsvis_js() -> str:
+    """circuitsvis's bundled JavaScript (defines ``CircuitsVis``), safe to inline in ``<script>``.
+
+    It is the file circuitsvis itself inlines for offline rendering (``dist/cdn/iife.js``); it loads
+    nothing from the network.
+    """
+    return _circuitsvis_js()
+
+
+_JS_CACHE: dict[str, str] = {}
+
+
+def _circuitsvis_js() -> str:
+    if "js" not in _JS_CACHE:
+        import circuitsvis
+
+        path = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"circuitsvis's bundled JavaScript is missing ({path.name}); reinstall circuitsvis "
+                "(pip install --force-reinstall 'circuitsvis>=1.43')."
+            )
+        js = path.read_text(encoding="utf-8")
+        # Keep the bundle from closing the <script> element; "<\/" means "</" in JavaScript.
+        js = js.replace("</script", "<\\/script").replace("//# sourceMappingURL=iife.js.map", "")
+        _JS_CACHE["js"] = js
+    return _JS_CACHE["js"]
+
+
+_ZERO = re.compile(r"(?<=[\[ ])0\.0(?=[,\]])")
+
+
+def script_safe_json(obj: Any) -> str:
+    """JSON for inside ``<script>``: tensors/arrays as lists, ``<``, ``>``, ``&`` escaped."""
+
+    def default(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return o.tolist()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        if isinstance(o, np.generic):
+            return o.item()
+        raise TypeError(f"Cannot serialise {type(o).__name__} for circuitsvis.")
+
+    text = json.dumps({k: v for k, v in obj.items() if v is not None}, default=default)
+    text = _ZERO.sub("0", text)  # the many exact zeros of masked cells: "0" instead of "0.0"
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def save_figure(
+    fig: go.Figure | RenderedHTML,
+    path: str | Path,
+    *,
+    width: int | None = None,
+    height: int | None = None,
+    scale: float = 2.0,
+) -> Path:
+    """Write a plotly figure or a circuitsvis view to ``.html`` or ``.png``.
+
+    HTML is self-contained (plotly.js / circuitsvis's JavaScript inlined) and works offline. PNG
+    needs a Chrome/Chromium: plotly uses kaleido, circuitsvis views are screenshotted by a
+    headless Chromium. If none is found, the figure is written as HTML next to the requested path
+    and a warning says how to get PNGs (``plotly_get_chrome``, or install ``chromium``).
+
+    Args:
+        fig: A plotly Figure or a circuitsvis RenderedHTML (e.g. a ``NeuronHeadView``).
+        path: Output path ending in ``.html`` or ``.png``.
+        width: PNG width in CSS pixels (default: the figure's, or 1000).
+        height: PNG height in CSS pixels (default: the figure's, or 800 for views).
+        scale: PNG pixel ratio.
+
+    Returns:
+        The path written (``.html`` instead of ``.png`` when PNG export was not possible).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".html", ".htm", ".png"):
+        raise ValueError(f"Can write .html or .png, got {path.name!r}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    is_plotly = isinstance(fig, go.Figure)
+    if not is_plotly and not isinstance(fig, RenderedHTML):
+        raise TypeError(
+            f"save_figure takes a plotly Figure or a circuitsvis view, got {type(fig).__name__}."
+        )
+    if suffix in (".html", ".htm"):
+        path.write_text(_standalone_html(fig), encoding="utf-8")
+        return path
+    try:
+        if is_plotly:
+            fig.write_image(str(path), width=width, height=height, scale=scale)
+        else:
+            _screenshot(_standalone_html(fig), path, width or 1000, height or 800, scale)
+        return path
+    except Exception as err:  # kaleido/Chrome errors have many types
+        fallback = path.with_suffix(".html")
+        fallback.write_text(_standalone_html(fig), encoding="utf-8")
+        warnings.warn(
+            f"Could not write {path.name} ({type(err).__name__}: {str(err).splitlines()[0]}). PNG "
+            "export needs Chrome or Chromium: run `plotly_get_chrome` (plotly figures) or install "
+            f"chromium (e.g. `apt-get install chromium`). Wrote {fallback} instead.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return fallback
+
+
+def find_chromium() -> str | None:
+    """Path of a Chrome/Chromium executable, or ``None``."""
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _standalone_html(fig: go.Figure | RenderedHTML) -> str:
+    if isinstance(fig, go.Figure):
+        return fig.to_html(include_plotlyjs=True, full_html=True)
+    if callable(getattr(fig, "to_html", None)):  # a NeuronHeadView: its own offline page
+        return fig.to_html()
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"></head><body>\n'
+        f"{fig.local_src}\n</body></html>\n"
+    )
+
+
+def _screenshot(page: str, path: Path, width: int, height: int, scale: float) -> None:
+    chromium = find_chromium()
+    if chromium is None:
+        raise FileNotFoundError("no chromium/chrome executable on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "view.html"
+        src.write_text(page, encoding="utf-8")
+        cmd = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--force-device-scale-factor={scale}",
+            f"--window-size={width},{height}",
+            "--virtual-time-budget=10000",
+            f"--user-data-dir={Path(tmp) / 'profile'}",
+            f"--screenshot={path.resolve()}",
+            src.resolve().as_uri(),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0 or not path.exists():
+            raise RuntimeError(f"chromium failed: {done.stderr.strip()[-300:]}")

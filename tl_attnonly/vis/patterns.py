@@ -1,0 +1,415 @@
+"""Pattern views: neuron-head patterns as square patterns, head selection, circuitsvis views.
+
+A neuron-head sees two keys: its own token and the *bias token*. The views draw the bias token as a
+real first token, ``"<bias>"``, so a neuron-head's pattern looks like any attention pattern: each
+query row puts ``sigmoid(q)`` on itself (the diagonal) and the rest on ``"<bias>"`` (column 0).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from circuitsvis.utils.render import RenderedHTML, render_cdn
+from jaxtyping import Float
+from transformer_lens import ActivationCache
+
+from tl_attnonly.hooks import neuron_act_name, neuron_head_label
+from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
+
+#: How the bias token is drawn in every view.
+BIAS_TOKEN = "<bias>"
+
+#: Neuron-heads per circuitsvis page by default.
+DEFAULT_PAGE_SIZE = 32
+
+#: Most neuron-heads one circuitsvis view may hold: circuitsvis draws one chart per head, and a page
+#: slows down past a few hundred.
+MAX_HEADS_PER_VIEW = 256
+
+#: How neuron-heads can be ranked (see :func:`neuron_head_scores`).
+RANK_BY = ("z", "self", "contrast", "output")
+
+_RANK_DESCRIPTIONS = {
+    "z": "max |z| over tokens (the neuron's activation, for K = 1)",
+    "self": "max weight on self over tokens",
+    "contrast": "max - min weight on self over tokens",
+    "output": "max |z| * |W_O| over tokens (size of what it writes)",
+}
+
+
+TokensLike = str | torch.Tensor | Sequence[str]
+HeadsLike = int | Sequence[int] | torch.Tensor | None
+
+
+# ------------------------------------------------------------------------------------------------
+# data: patterns, scores, head selection
+# ------------------------------------------------------------------------------------------------
+def square_neuron_pattern(
+    pattern: Float[torch.Tensor, "head query_pos 2"],
+) -> Float[torch.Tensor, "head 1+query_pos 1+query_pos"]:
+    """Compact neuron-head patterns as square patterns with the bias token as token 0.
+
+    circuitsvis needs ``[head, dest, src]`` with ``dest == src``. Row 0 is the bias token, which
+    attends only to itself; row ``1 + q`` puts ``pattern[..., q, 1]`` on the bias token (column 0)
+    and ``pattern[..., q, 0]`` on itself (column ``1 + q``). The result is lower-triangular, like a
+    causal pattern.
+
+    Args:
+        pattern: ``blocks.{l}.mlp.hook_pattern`` of one prompt (``[head, query_pos, 2]``, last axis
+            (self, bias)).
+
+    Returns:
+        ``[head, 1 + query_pos, 1 + query_pos]``; every row sums to 1.
+    """
+    if pattern.ndim != 3 or pattern.shape[-1] != 2:
+        raise ValueError(
+            f"Expected one prompt's compact pattern [head, query_pos, 2], got "
+            f"{tuple(pattern.shape)}. Index the batch first: cache[name][batch_index]."
+        )
+    n_heads, n_pos, _ = pattern.shape
+    square = pattern.new_zeros(n_heads, n_pos + 1, n_pos + 1)
+    square[:, 0, 0] = 1.0
+    square[:, 1:, 0] = pattern[..., 1]
+    square[:, 1:, 1:].diagonal(dim1=-2, dim2=-1).copy_(pattern[..., 0])
+    return square
+
+
+def neuron_head_scores(
+    cache: ActivationCache,
+    layer: int,
+    rank_by: str = "z",
+    batch_index: int = 0,
+) -> torch.Tensor:
+    """How active each neuron-head of a layer is on one prompt.
+
+    Args:
+        cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run holding
+            ``blocks.{layer}.mlp.hook_pattern`` (and ``hook_z`` for ``"z"``/``"output"``).
+        layer: Layer index.
+        rank_by: ``"z"``: max over tokens of ``|z|`` (for ``K = 1`` the neuron's activation);
+            ``"self"``: max weight on self; ``"contrast"``: max minus min weight on self (heads that
+            switch between self and the bias token); ``"output"``: max ``|z| * |W_O|`` (size of
+            what the head writes to the residual stream).
+        batch_index: Which prompt of the batch.
+
+    Returns:
+        One score per neuron-head, ``[n_neuron_heads]``, higher = more active.
+    """
+    if rank_by not in RANK_BY:
+        raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}.")
+    if rank_by in ("self", "contrast"):
+        weight_self = _cached(cache, "pattern", layer)[batch_index, :, :, 0].float()
+        if rank_by == "self":
+            return weight_self.amax(-1)
+        return weight_self.amax(-1) - weight_self.amin(-1)
+    z = _cached(cache, "z", layer)[batch_index, :, :, 0].float().abs().amax(0)
+    if rank_by == "z":
+        return z
+    w_o = _model(cache).neuron_heads[layer].W_O.detach().float().norm(dim=-1).squeeze(-1)
+    return z * w_o.to(z.device)
+
+
+def select_neuron_heads(
+    scores: torch.Tensor | None,
+    n_neuron_heads: int,
+    heads: HeadsLike = None,
+    top_k: int | None = None,
+) -> list[int]:
+    """Neuron-heads to show, in display order.
+
+    Args:
+        scores: One score per head (used when ``heads`` is None): heads are ordered by descending
+            score. ``None`` keeps index order.
+        n_neuron_heads: Heads in the layer.
+        heads: Explicit head indices (kept in the order given).
+        top_k: Keep only the first ``top_k`` of the order.
+
+    Returns:
+        Head indices.
+    """
+    if heads is not None:
+        if isinstance(heads, int):
+            heads = [heads]
+        order = [int(h) for h in torch.as_tensor(heads).flatten().tolist()]
+        bad = [h for h in order if not 0 <= h < n_neuron_heads]
+        if bad:
+            raise IndexError(
+                f"Neuron-head indices must be in [0, {n_neuron_heads}), got {bad[:5]}. A "
+                "neuron-head index is neuron * K + k; pass neurons=[...] to select neurons instead."
+            )
+    elif scores is None:
+        order = list(range(n_neuron_heads))
+    else:
+        order = torch.argsort(scores.float().cpu(), descending=True, stable=True).tolist()
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}.")
+        order = order[:top_k]
+    return order
+
+
+# ------------------------------------------------------------------------------------------------
+# circuitsvis
+# ------------------------------------------------------------------------------------------------
+class NeuronHeadView(RenderedHTML):
+    """A circuitsvis attention view of neuron-heads, with what it shows.
+
+    A :class:`~circuitsvis.utils.render.RenderedHTML`: Jupyter shows it inline. Unlike plain
+    circuitsvis objects it always renders from the JavaScript bundled with circuitsvis (no CDN,
+    no connectivity check), so it also works offline. ``str(view)`` is circuitsvis's CDN version.
+
+    Attributes:
+        layer: Layer of the neuron-heads.
+        heads: Neuron-head indices shown, in order.
+        labels: Their labels (``L0N17``, or ``L0N17.2`` for ``K > 1``).
+        str_tokens: Tokens drawn, ``"<bias>"`` first.
+        page: Page shown (0-based).
+        n_pages: Pages in the selection.
+        n_selected: Heads in the whole selection (all pages).
+        component: The circuitsvis React component (``"AttentionHeads"``).
+        props: The component's properties, as a JSON string safe to put inside ``<script>``.
+        caption: One line saying what is shown.
+    """
+
+    def __init__(
+        self,
+        *,
+        layer: int,
+        heads: list[int],
+        labels: list[str],
+        str_tokens: list[str],
+        page: int,
+        n_pages: int,
+        n_selected: int,
+        props: dict[str, Any],
+        caption: str,
+        component: str = "AttentionHeads",
+    ):
+        self.layer = layer
+        self.heads = heads
+        self.labels = labels
+        self.str_tokens = str_tokens
+        self.page = page
+        self.n_pages = n_pages
+        self.n_selected = n_selected
+        self.component = component
+        self.props = script_safe_json(props)
+        self.caption = caption
+        div_id = _div_id()
+        local_src = (
+            f'<p style="font-family: sans-serif; font-size: 13px;">{html.escape(caption)}</p>'
+            f'<div id="{div_id}" style="margin: 15px 0;"></div>\n'
+            f'<script crossorigin type="module">\n{circuitsvis_js()}\n'
+            f"{self.render_call(div_id)}\n</script>"
+        )
+        super().__init__(local_src, render_cdn(component, **props))
+
+    def render_call(self, div_id: str) -> str:
+        """JavaScript that draws this view into ``div_id`` once ``CircuitsVis`` is loaded."""
+        return f'CircuitsVis.render("{div_id}", CircuitsVis.{self.component}, {self.props});'
+
+    def _repr_html_(self) -> str:
+        return self.local_src
+
+    def to_html(self, title: str | None = None) -> str:
+        """A standalone HTML page (JavaScript inlined, works offline)."""
+        title = html.escape(title or self.caption)
+        return (
+            f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>'
+            f"<body>\n{self.local_src}\n</body></html>\n"
+        )
+
+    def __repr__(self) -> str:
+        return f"<NeuronHeadView {self.caption}>"
+
+
+def neuron_head_attention_view(
+    source: Any,
+    layer: int,
+    tokens: TokensLike | None = None,
+    *,
+    heads: HeadsLike = None,
+    neurons: HeadsLike = None,
+    top_k: int | None = None,
+    rank_by: str = "z",
+    page: int = 0,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    batch_index: int = 0,
+) -> NeuronHeadView:
+    """circuitsvis attention view of a layer's neuron-heads, the bias token drawn as ``"<bias>"``.
+
+    Heads are chosen by ``heads`` or ``neurons`` (explicit), else ranked by ``rank_by`` (most
+    active first); ``top_k`` keeps the first ``k``; the selection is then cut into pages of
+    ``page_size`` and page ``page`` is drawn. A page never holds more than
+    :data:`MAX_HEADS_PER_VIEW` heads: circuitsvis draws one chart per head.
+
+    Args:
+        source: An :class:`~tl_attnonly.AttnOnlyTransformer` (it is run on ``tokens``) or the
+            :class:`~transformer_lens.ActivationCache` of its run (holding
+            ``blocks.{layer}.mlp.hook_pattern``, and ``hook_z`` to rank by ``"z"``/``"output"``).
+        layer: Layer index.
+        tokens: The prompt: text, token ids ``[pos]``/``[batch, pos]``, or (with a cache) its
+            string tokens. Needed to label the tokens.
+        heads: Neuron-head indices to show (``h = neuron * K + k``).
+        neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
+        top_k: Keep only the ``top_k`` first heads of the selection.
+        rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
+        page: Which page of the selection (0-based).
+        page_size: Heads per page (at most :data:`MAX_HEADS_PER_VIEW`).
+        batch_index: Which prompt of a batch.
+
+    Returns:
+        A :class:`NeuronHeadView`; ``view.heads`` and ``view.n_pages`` say what it holds.
+
+    Example:
+        >>> view = neuron_head_attention_view(converted, 0, "x = 1", top_k=64, page_size=16)
+        >>> view.n_pages  # 4; pass page=1, 2, 3 for the rest
+    """
+    if page_size < 1 or page_size > MAX_HEADS_PER_VIEW:
+        raise ValueError(
+            f"page_size must be in [1, {MAX_HEADS_PER_VIEW}] (circuitsvis draws one chart per "
+            f"head), got {page_size}. Use page=... to go through a larger selection."
+        )
+    cache, str_tokens = _cache_and_tokens(source, tokens, layer, batch_index)
+    model = _model(cache)
+    n_heads = model.n_neuron_heads
+    k_per_neuron = model.n_heads_per_neuron
+    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp)
+    scores = None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
+    selection = select_neuron_heads(scores, n_heads, heads, top_k)
+    n_pages = max(1, math.ceil(len(selection) / page_size))
+    if not 0 <= page < n_pages:
+        raise IndexError(f"page must be in [0, {n_pages}) for {len(selection)} heads, got {page}.")
+    shown = selection[page * page_size : (page + 1) * page_size]
+    pattern = _cached(cache, "pattern", layer)[batch_index, shown]
+    if len(str_tokens) != pattern.shape[1]:
+        raise ValueError(
+            f"{len(str_tokens)} tokens given for a cache of {pattern.shape[1]} positions: pass the "
+            "prompt the cache was computed on."
+        )
+    square = square_neuron_pattern(pattern.detach().float().cpu())
+    labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
+    how = "chosen" if heads is not None else f"ranked by {_RANK_DESCRIPTIONS[rank_by]}"
+    caption = (
+        f"Layer {layer}: neuron-heads {page * page_size + 1}-{page * page_size + len(shown)} of "
+        f"{len(selection)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "
+        f"Column 0 is the bias token {BIAS_TOKEN}; the diagonal is each token's weight on itself."
+    )
+    props = {
+        "attention": np.round(square.double().numpy(), 4),
+        "tokens": [BIAS_TOKEN, *str_tokens],
+        "attentionHeadNames": labels,
+        "maxValue": 1.0,
+        "minValue": 0.0,
+        "maskUpperTri": True,
+    }
+    return NeuronHeadView(
+        layer=layer,
+        heads=shown,
+        labels=labels,
+        str_tokens=[BIAS_TOKEN, *str_tokens],
+        page=page,
+        n_pages=n_pages,
+        n_selected=len(selection),
+        props=props,
+        caption=caption,
+    )
+
+
+def _model(cache_or_model: Any) -> Any:
+    model = (
+        getattr(cache_or_model, "model", None)
+        if isinstance(cache_or_model, ActivationCache)
+        else cache_or_model
+    )
+    if model is None or not hasattr(model, "neuron_heads"):
+        name = type(model).__name__
+        raise TypeError(
+            f"Expected a converted model (tl_attnonly.AttnOnlyTransformer) or its cache, got "
+            f"{name}. Convert first: converted = tl_attnonly.convert(model)."
+        )
+    return model
+
+
+def _cached(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor:
+    tensor = _optional(cache, kind, layer)
+    if tensor is None:
+        name = neuron_act_name(kind, layer)
+        raise KeyError(
+            f"{name} is not in the cache. Run the converted model with it cached, e.g. "
+            f"converted.run_with_cache(tokens, names_filter=lambda n: n.endswith(('mlp.hook_"
+            "pattern', 'mlp.hook_z')))."
+        )
+    return tensor
+
+
+def _optional(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor | None:
+    name = neuron_act_name(kind, layer)
+    return cache[name] if name in cache.cache_dict else None
+
+
+def _heads_from_neurons(
+    heads: HeadsLike, neurons: HeadsLike, k_per_neuron: int, d_mlp: int
+) -> list[int] | None:
+    if neurons is None:
+        return None if heads is None else heads  # type: ignore[return-value]
+    if heads is not None:
+        raise ValueError("Pass heads=... or neurons=..., not both.")
+    if isinstance(neurons, int):
+        neurons = [neurons]
+    out = []
+    for n in torch.as_tensor(neurons).flatten().tolist():
+        if not 0 <= n < d_mlp:
+            raise IndexError(f"Neuron indices must be in [0, {d_mlp}), got {n}.")
+        out.extend(range(n * k_per_neuron, (n + 1) * k_per_neuron))
+    return out
+
+
+def _cache_and_tokens(
+    source: Any, tokens: TokensLike | None, layer: int, batch_index: int
+) -> tuple[ActivationCache, list[str]]:
+    if isinstance(source, ActivationCache):
+        model = _model(source)
+        if tokens is None:
+            raise ValueError(
+                "Pass tokens=...: the prompt (text or ids) or its string tokens, to label the view."
+            )
+        if isinstance(tokens, (list, tuple)):
+            return source, [str(t) for t in tokens]
+        return source, _str_tokens(model, tokens, batch_index)
+    model = _model(source)
+    if tokens is None:
+        raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
+    if isinstance(tokens, (list, tuple)):
+        raise TypeError("With a model, pass the prompt as text or token ids, not string tokens.")
+    ids = model.to_tokens(tokens) if isinstance(tokens, str) else torch.as_tensor(tokens)
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0)
+    if not 0 <= layer < model.cfg.n_layers:
+        raise IndexError(f"layer must be in [0, {model.cfg.n_layers}), got {layer}.")
+    names = (neuron_act_name("pattern", layer), neuron_act_name("z", layer))
+    with torch.inference_mode():
+        _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names)
+    return cache, _str_tokens(model, ids, batch_index)
+
+
+def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
+    if isinstance(tokens, str):
+        return list(model.to_str_tokens(tokens))
+    ids = torch.as_tensor(tokens)
+    if ids.ndim == 2:
+        ids = ids[batch_index]
+    if model.tokenizer is None:
+        return [str(int(t)) for t in ids]
+    return list(model.to_str_tokens(ids))
+
+
+def _div_id() -> str:
+    import uuid
+
+    return "circuits-vis-" + uuid.uuid4().hex[:12]
