@@ -34,6 +34,43 @@ ZOO: dict[str, dict] = {
     ),
 }
 
+_LLAMA = dict(
+    normalization_type="RMS",
+    positional_embedding_type="rotary",
+    rotary_dim=4,
+    rotary_adjacent_pairs=False,
+    n_heads=4,
+    d_head=4,
+    n_key_value_heads=2,
+    final_rms=True,
+    gated_mlp=True,
+)
+_GEMMA = dict(
+    _LLAMA,
+    act_fn="gelu_pytorch_tanh",
+    use_normalization_before_and_after=True,
+    attn_scores_soft_cap=5.0,
+    output_logits_soft_cap=3.0,
+    use_local_attn=True,
+    window_size=3,
+    attn_types=["global", "local"],
+)
+
+#: name -> overrides of gated-MLP configs mirroring TransformerLens's gated model families (act_fn
+#: silu unless given). Issue 13: LLaMA/Mistral RMS+rotary+GQA; Qwen2 QKV biases (every TL attention
+#: has b_Q/b_K/b_V, made non-zero by randomize_); Gemma 2 GeGLU tanh + norms before and after + soft
+#: caps + local windows; Gemma 3 qk-norm; OLMo-2 post-norm; Phi-3.
+GATED_ZOO: dict[str, dict] = {
+    "llama": _LLAMA,
+    "mistral_window": dict(_LLAMA, use_local_attn=True, window_size=3, attn_types=["local"] * 2),
+    "qwen2": dict(_LLAMA, rotary_base=1_000_000),
+    "gemma2": _GEMMA,
+    "gemma3": dict(_GEMMA, use_qk_norm=True, rotary_base_local=10_000),
+    "olmo2": dict(_LLAMA, n_key_value_heads=None, original_architecture="Olmo2ForCausalLM"),
+    "phi3": dict(_LLAMA, n_key_value_heads=None, rotary_dim=4),
+    "reglu_ln": dict(normalization_type="LN", act_fn="relu", gated_mlp=True),
+}
+
 
 def make_config(
     act_fn: str = "silu", dtype: torch.dtype = torch.float64, seed: int = 0, **overrides
@@ -65,7 +102,7 @@ def randomize_(model: HookedTransformer, seed: int = 0) -> HookedTransformer:
                 p.copy_(1.0 + 0.3 * noise)
             elif name.split(".")[-1].startswith("b"):  # biases (b_in, b_out, b_Q, ...)
                 p.copy_(0.3 * noise)
-            elif name.endswith("W_in"):  # pre-activations over a useful range
+            elif name.endswith(("W_in", "W_gate")):  # pre-activations over a useful range
                 p.mul_(3.0)
     return model
 

@@ -139,7 +139,10 @@ def test_unconvertible_models_refused_before_any_work():
         (dict(act_fn="solu_ln"), ValueError),
         (dict(act_fn="relu2"), ValueError),
         (dict(act_fn="xielu"), ValueError),
-        (dict(act_fn="silu", gated_mlp=True), NotImplementedError),
+        (
+            dict(num_experts=2, experts_per_token=1, original_architecture="GptOssForCausalLM"),
+            NotImplementedError,
+        ),
     ]:
         model = make_model(**overrides)
         with pytest.raises(error, match="upported"):

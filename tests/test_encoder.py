@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import make_config, make_model
 from transformer_lens import HookedEncoder
 
-from tl_attnonly.components.neuron_heads import NeuronHeadMLP
+from tl_attnonly.components import GatedNeuronHeadMLP, NeuronHeadMLP
 from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
 from tl_attnonly.options import ConversionOptions
 
@@ -213,11 +213,20 @@ def test_original_untouched_and_round_trip():
     assert torch.equal(hidden(back, tokens, tt, mask), hidden(model, tokens, tt, mask))
 
 
+def test_gated_encoder_converts_exactly():
+    """HookedEncoder builds its MLPs with TL's MLPFactory too: a SwiGLU encoder converts exactly."""
+    model = make_encoder("silu", gated_mlp=True)
+    converted = convert_encoder(model)
+    assert all(isinstance(block.mlp, GatedNeuronHeadMLP) for block in converted.blocks)
+    tokens, tt, mask = make_inputs()
+    torch.testing.assert_close(
+        hidden(converted, tokens, tt, mask), hidden(model, tokens, tt, mask), rtol=0, atol=1e-12
+    )
+
+
 def test_refuses_what_it_cannot_convert():
     with pytest.raises(TypeError, match="convert_encoder"):
         convert_encoder(make_model("silu"))
-    with pytest.raises(NotImplementedError, match="Gated"):
-        AttnOnlyEncoder(make_encoder_config("gelu", gated_mlp=True), move_to_device=False)
     with pytest.raises(ValueError, match="solu_ln|act_fn|activation|supported"):
         convert_encoder(make_encoder("solu_ln"))
 

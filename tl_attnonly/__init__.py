@@ -12,6 +12,7 @@ from tl_attnonly.activations import (  # noqa: E402
     activation_error_table,
     head_coefficients,
 )
+from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP  # noqa: E402
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS, NeuronHeadMLP  # noqa: E402
 from tl_attnonly.convert import convert  # noqa: E402
 from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder  # noqa: E402
@@ -25,6 +26,7 @@ __all__ = [
     "AttnOnlyEncoder",
     "AttnOnlyTransformer",
     "ConversionOptions",
+    "GatedNeuronHeadMLP",
     "NEURON_HEAD_HOOKS",
     "NeuronHeadCoefficients",
     "NeuronHeadMLP",

@@ -60,7 +60,7 @@ def convert(
             f"convert() takes a transformer_lens.HookedTransformer (or, for the structured form, a "
             f"HookedEncoder), got {type(model).__name__}."
         )
-    check_convertible(model.cfg, options)
+    check_convertible(model.cfg, options, form=form)
     if form == "literal":
         from tl_attnonly.literal import to_literal
 

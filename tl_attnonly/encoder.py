@@ -158,5 +158,5 @@ def convert_encoder(
             "tl_attnonly.convert()."
         )
     options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
-    check_convertible(model.cfg, options)
+    check_convertible(model.cfg, options, form="structured")
     return AttnOnlyEncoder._converted_copy(model, options)

@@ -23,7 +23,8 @@ import torch
 from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
 
 from tl_attnonly.activations import NeuronHeadCoefficients
-from tl_attnonly.components.neuron_heads import NeuronHeadMLP
+from tl_attnonly.components.factory import neuron_heads_for
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.options import ConversionOptions, check_convertible, overflow_warning
 
 CONFIG_FILE = "config.json"
@@ -69,7 +70,7 @@ def resolve_options(cfg: HookedTransformerConfig, conversion: Optional[Conversio
     """The options to build with (given, pending, or default), checked against ``cfg``."""
     if conversion is None:
         conversion = _PENDING_OPTIONS.get() or ConversionOptions()
-    check_convertible(cfg, conversion)
+    check_convertible(cfg, conversion, form="structured")
     return conversion
 
 
@@ -82,11 +83,16 @@ class NeuronHeadModelMixin:
     conversion: ConversionOptions
 
     def _install_neuron_heads(self, conversion: ConversionOptions) -> None:
-        """Replace every ``blocks[l].mlp`` by a :class:`NeuronHeadMLP` with the same weights."""
+        """Replace every ``blocks[l].mlp`` by its neuron-head form with the same weights.
+
+        TL's ``MLP`` becomes a :class:`~tl_attnonly.components.NeuronHeadMLP`, ``GatedMLP`` a
+        :class:`~tl_attnonly.components.GatedNeuronHeadMLP` (see
+        :func:`~tl_attnonly.components.neuron_heads_for`).
+        """
         self.conversion = conversion
         coefficients = _PENDING_COEFFICIENTS.get() or conversion.coefficients(self.cfg.act_fn)
         for block in self.blocks:
-            neuron_heads = NeuronHeadMLP(self.cfg, coefficients)
+            neuron_heads = neuron_heads_for(block.mlp, coefficients)
             neuron_heads.fused = conversion.fused
             # Keep TransformerLens's initialisation (or loaded weights) of the MLP.
             neuron_heads.load_state_dict(block.mlp.state_dict())
@@ -110,7 +116,7 @@ class NeuronHeadModelMixin:
 
     # ------------------------------------------------------------------ neuron-head state
     @property
-    def neuron_heads(self) -> list[NeuronHeadMLP]:
+    def neuron_heads(self) -> list[NeuronHeadBase]:
         """The neuron-head module of every layer (``blocks[l].mlp``)."""
         return [block.mlp for block in self.blocks]  # type: ignore[misc]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
@@ -69,38 +69,69 @@ class ConversionOptions:
         return cls(**d)
 
 
-def check_convertible(cfg: HookedTransformerConfig, options: ConversionOptions) -> None:
+def tl_mlp_class_name(cfg: HookedTransformerConfig) -> str:
+    """The name of the MLP class TransformerLens builds for ``cfg``.
+
+    Mirrors ``transformer_lens.factories.mlp_factory.MLPFactory.create_mlp`` without building it:
+    ``"MLP"``, ``"GatedMLP"``, ``"GatedMLP4Bit"``, ``"MoE"`` or ``"GptOssMoE"``.
+    """
+    if cfg.num_experts:
+        return "GptOssMoE" if cfg.original_architecture == "GptOssForCausalLM" else "MoE"
+    if cfg.gated_mlp:
+        return "GatedMLP4Bit" if cfg.load_in_4bit else "GatedMLP"
+    return "MLP"
+
+
+def check_convertible(
+    cfg: HookedTransformerConfig,
+    options: ConversionOptions,
+    *,
+    form: Literal["structured", "literal"] = "literal",
+) -> None:
     """Refuse, before anything is built or copied, a model the conversion cannot represent.
 
     Args:
         cfg: The config of the model to convert.
         options: The conversion options.
+        form: ``"structured"`` (neuron-head layers: plain and gated MLPs, mixture-of-experts) or
+            ``"literal"`` (plain softmax attention everywhere: plain MLPs only). The default is
+            the stricter literal form.
 
     Raises:
         ValueError: No MLPs (``attn_only``), or an activation that is not supported.
-        NotImplementedError: Gated MLPs, mixture-of-experts, 4-bit weights.
+        NotImplementedError: An MLP class or option the form cannot represent (named).
     """
+    if form not in ("structured", "literal"):
+        raise ValueError(f"form must be 'structured' or 'literal', got {form!r}.")
     supported = ", ".join(SUPPORTED_ACTIVATIONS)
     if cfg.attn_only:
         raise ValueError(
             "This model is already attention-only (cfg.attn_only=True): it has no MLP neurons to "
             "convert."
         )
-    if cfg.gated_mlp:
+    mlp_class = tl_mlp_class_name(cfg)
+    if cfg.load_in_4bit:
         raise NotImplementedError(
-            f"Gated MLPs (act(x W_gate) * (x W_in), act_fn={cfg.act_fn!r}) are not supported: a "
-            "neuron-head's output is linear in its value, so a product of two projections is not "
-            f"one head. Supported: non-gated MLPs with act_fn in {supported}."
+            f"4-bit quantised MLP weights (load_in_4bit=True, TL's {mlp_class}) are not supported; "
+            "load the model in float32 or float64 first."
         )
-    if cfg.num_experts:
+    if mlp_class == "GptOssMoE":
+        raise NotImplementedError(
+            "GPT-OSS mixture-of-experts MLPs (TL's GptOssMoE) are not supported: each expert "
+            "clamps its gate to <= 7 and its linear branch to [-7, 7] before the product, and a "
+            "clamp is not an attention head. Supported: dense MLPs, gated MLPs and TL's MoE "
+            "(Mixtral/OLMoE style)."
+        )
+    if mlp_class == "MoE":
         raise NotImplementedError(
             f"Mixture-of-experts MLPs (num_experts={cfg.num_experts}) are not supported: routing "
             f"is not an attention head. Supported: dense MLPs with act_fn in {supported}."
         )
-    if cfg.load_in_4bit:
+    if form == "literal" and mlp_class == "GatedMLP":
         raise NotImplementedError(
-            "4-bit quantised MLP weights are not supported; load the model in float32 or "
-            "float64 first."
+            f"Gated MLPs (act(x W_gate) * (x W_in), act_fn={cfg.act_fn!r}) are not supported by "
+            "the literal form yet: the product of two projections is not one softmax head. Use "
+            "form='structured' (gated neuron-heads), or a non-gated model."
         )
     options.coefficients(cfg.act_fn)  # raises ValueError naming the activation
 

@@ -35,24 +35,15 @@ from typing import Dict, Optional, Union
 import torch
 import torch.nn as nn
 from jaxtyping import Float
-from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
 from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.addmm import batch_addmm
 
-from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
+from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 
 #: Hook points of the neuron-heads, in the order the forward pass reaches them.
 NEURON_HEAD_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z", "result")
-
-
-def _has_hooks(hook_point: HookPoint) -> bool:
-    return bool(
-        hook_point._forward_hooks
-        or hook_point._forward_pre_hooks
-        or hook_point._backward_hooks
-        or hook_point._backward_pre_hooks
-    )
 
 
 def _shares_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
@@ -64,7 +55,7 @@ def _own_storage(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if _shares_storage(tensor, other) else tensor
 
 
-class NeuronHeadMLP(CanBeUsedAsMLP):
+class NeuronHeadMLP(NeuronHeadBase):
     """An MLP layer whose every neuron is ``K`` attention heads of internal dimension 1.
 
     Drop-in replacement for :class:`transformer_lens.components.MLP` (same parameters, same
@@ -83,19 +74,7 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         cfg: Union[Dict, HookedTransformerConfig],
         coefficients: Optional[NeuronHeadCoefficients] = None,
     ):
-        super().__init__(cfg)
-        self.select_activation_function()
-        self.coefficients = (
-            coefficients if coefficients is not None else head_coefficients(self.cfg.act_fn)
-        )
-        self.n_heads_per_neuron = self.coefficients.n_heads
-        self.n_neuron_heads = self.d_mlp * self.n_heads_per_neuron
-        #: Whether to compute and hook per-head results (like TL's ``cfg.use_attn_result``).
-        self.use_neuron_result = False
-        #: Whether the fused path (no q/k/scores/pattern materialised) may be used when no hook is
-        #: attached to the neuron-head hook points.
-        self.fused = True
-        self._coef_cache: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
+        super().__init__(cfg, coefficients)
 
         self.W_in = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
         self.b_in = nn.Parameter(torch.zeros(self.d_mlp, dtype=self.cfg.dtype))
@@ -112,22 +91,6 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         self.hook_result = HookPoint()  # [batch, pos, n_neuron_heads, d_model]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
-    # ------------------------------------------------------------------ coefficients
-    def _coefs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(b, d, f, e, g), each ``[K]``, in ``like``'s dtype and device (cached)."""
-        key = (like.dtype, like.device)
-        if key not in self._coef_cache:
-            c = self.coefficients
-            self._coef_cache[key] = tuple(
-                torch.tensor(vals, dtype=like.dtype, device=like.device)
-                for vals in (c.b, c.d, c.f, c.e, c.g)
-            )
-        return self._coef_cache[key]
-
-    def _per_head(self, per_neuron: torch.Tensor, per_k: torch.Tensor) -> torch.Tensor:
-        """``[..., d_mlp] x [K] -> [..., d_mlp * K]`` (head ``i*K + k``)."""
-        return (per_neuron.unsqueeze(-1) * per_k).flatten(-2)
-
     # ------------------------------------------------------------------ derived head weights
     @property
     def W_Q(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
@@ -140,21 +103,6 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         """Query biases: ``b_k * b_in[i] + d_k``."""
         b, d = self._coefs(self.b_in)[:2]
         return (self.b_in.unsqueeze(-1) * b + d).flatten().unsqueeze(-1)
-
-    @property
-    def W_K(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
-        """Key weights of the real tokens: zero (every real token's key is the constant 1)."""
-        return self.W_in.new_zeros(self.n_neuron_heads, self.cfg.d_model, 1)
-
-    @property
-    def b_K(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
-        """Key biases of the real tokens: one."""
-        return self.W_in.new_ones(self.n_neuron_heads, 1)
-
-    @property
-    def k_bias_token(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
-        """The bias token's key: zero, so its score is 0 whatever the query."""
-        return self.W_in.new_zeros(self.n_neuron_heads, 1)
 
     @property
     def W_V(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
@@ -174,36 +122,7 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         g = self._coefs(self.W_in)[4]
         return g.repeat(self.d_mlp).unsqueeze(-1)
 
-    @property
-    def W_O(self) -> Float[torch.Tensor, "n_neuron_heads 1 d_model"]:
-        """Output weights: ``W_out[i]`` for every head of neuron ``i``."""
-        return self.W_out.repeat_interleave(self.n_heads_per_neuron, dim=0).unsqueeze(1)
-
-    @property
-    def b_O(self) -> Float[torch.Tensor, " d_model"]:
-        """Output bias of the layer (``b_out``)."""
-        return self.b_out
-
-    def neuron_of_head(self, head: int) -> tuple[int, int]:
-        """``(neuron, k)`` of a neuron-head index."""
-        return divmod(head, self.n_heads_per_neuron)
-
     # ------------------------------------------------------------------ forward
-    def _uses_head_path(self) -> bool:
-        if self.use_neuron_result or not self.fused:
-            return True
-        return any(
-            _has_hooks(hp)
-            for hp in (
-                self.hook_q,
-                self.hook_k,
-                self.hook_v,
-                self.hook_attn_scores,
-                self.hook_pattern,
-                self.hook_z,
-            )
-        )
-
     def _query_value(
         self, pre: Float[torch.Tensor, "batch pos d_mlp"]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,34 +179,14 @@ class NeuronHeadMLP(CanBeUsedAsMLP):
         # Each hook gets its own tensor: with trivial coefficients q and v would be views of pre,
         # and an in-place edit in one hook would leak into the others.
         q = self.hook_q(_own_storage(q.expand(expanded).reshape(shape), pre))
-        # Every real token's key is 1; expanded, so no memory is spent on it.
-        keys = q.new_ones(()).expand(shape)
-        k = self.hook_k(keys)
+        k, keys_untouched = self._keys(q)
         v = self.hook_v(_own_storage(v.expand(expanded).reshape(shape), pre))
-        # Scores over the two keys a neuron-head can see: itself (k) and the bias token (key 0).
-        # Computed in [batch, pos, head, 2] memory order; hooks see the TL-ordered view
-        # [batch, head, query_pos, 2], so no transposing copies are made.
-        scores = q.new_empty(batch, pos, self.n_neuron_heads, 2)
-        if k is keys:  # untouched keys: q * 1 = q and q * 0 = 0 exactly, so skip the products
-            scores[..., 0] = q.squeeze(-1)
-            scores[..., 1] = 0
-        else:
-            scores[..., 0] = (q * k).squeeze(-1)
-            scores[..., 1] = (q * self.k_bias_token.to(q.dtype)).squeeze(-1)
-        # [batch, n_neuron_heads, query_pos, 2]
-        scores = self.hook_attn_scores(scores.transpose(1, 2)).transpose(1, 2)
-        # softmax over two keys, written as sigmoids of the score differences
-        diff = scores[..., 0] - scores[..., 1]  # and -diff == scores[..., 1] - scores[..., 0]
-        pattern = torch.stack((diff, diff.neg()), dim=-1).sigmoid_()
-        # [batch, n_neuron_heads, query_pos, 2]
-        p = self.hook_pattern(pattern.transpose(1, 2)).transpose(1, 2)
+        p = self._attend(q, k, keys_untouched)  # [batch, pos, n_neuron_heads, 2]
         z = v * p[..., 0:1]
         if any(val != 0 for val in self.coefficients.g):
             z += p[..., 1:2] * g.repeat(self.d_mlp).unsqueeze(-1)
         z = self.hook_z(z)  # [batch, pos, n_neuron_heads, 1]
-        post = z.reshape(batch, pos, self.d_mlp, self.n_heads_per_neuron)
-        post = post.squeeze(-1) if self.n_heads_per_neuron == 1 else post.sum(-1)
-        return post, z
+        return self._sum_heads(z), z
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"]

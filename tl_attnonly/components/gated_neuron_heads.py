@@ -1,0 +1,237 @@
+"""Gated neuron-heads: a gated MLP (SwiGLU, GeGLU, ReGLU) written as neuron-heads.
+
+TransformerLens's :class:`~transformer_lens.components.mlps.gated_mlp.GatedMLP` computes, per
+neuron ``i``, ``post = act(g) * u + b_in`` with the gate ``g = x W_gate[:, i]`` (``hook_pre``) and
+the linear branch ``u = x W_in[:, i]`` (``hook_pre_linear``); ``b_in`` is added after the product.
+
+Here every neuron is ``K`` heads of internal dimension 1 over two keys, the token itself and a
+bias token, exactly as for plain MLPs (:mod:`tl_attnonly.components.neuron_heads`), with the gate
+in the query and the product in the value (reading (a) of ``docs/gated_mlps.md``). For neuron
+``i`` and head ``k`` (global head index ``h = i * K + k``):
+
+=============================  ================================================================
+query                          ``q = b_k * g + d_k``  (reads the residual through ``W_gate``)
+key of the token itself        ``1``
+key of the bias token          ``0``
+scores (self, bias)            ``(q, 0)``
+pattern (self, bias)           ``(sigmoid(q), sigmoid(-q))``: standard softmax attention
+value of the token itself      ``v = (f_k * g + e_k - g_k) * u``: bilinear in the residual,
+                               *not* a linear map of it
+value of the bias token        ``0``
+z                              ``pattern_self * v``
+result                         ``z * W_out[i]``
+hook_post                      ``sum_k z[..., i*K + k] + b_in[i]``
+=============================  ================================================================
+
+Because the fitted coefficients satisfy ``sum_k g_k = 0``, the plain head's bias-token term
+``g_k (1 - s_k) u`` moves onto the token itself (``-g_k s_k u``, summing to ``g_k u - g_k u``
+overall), so the bias token's value is the constant 0 and ``sum_k z = act_K(g) * u`` where
+``act_K`` is the plain neuron-heads' approximation of ``act``. Hence:
+
+* SwiGLU (``silu``, K = 1): exact; ``z = sigmoid(g) * (g * u) = SiLU(g) * u``.
+* ReGLU (``relu``): ``|post - TL| <= |u| * 0.2785 / relu_k``.
+* GeGLU (the GELU family): ``|post - TL| <= |u| * max_abs_error(K)`` for ``|g| <= 20`` (the
+  plain-GELU bound of :func:`tl_attnonly.activation_error_table`, scaled by ``|u|``).
+
+An all-bias pattern (``(0, 1)``) gives ``z = 0``: the neuron's gated product is off and
+``hook_post`` is TL's ``b_in``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from jaxtyping import Float
+from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens.hook_points import HookPoint
+
+from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.components.neuron_heads import _own_storage
+
+
+class GatedNeuronHeadMLP(NeuronHeadBase):
+    """A gated MLP layer whose every neuron is ``K`` attention heads of internal dimension 1.
+
+    Drop-in replacement for TransformerLens's ``GatedMLP``: the same parameters (``W_gate, W_in,
+    b_in, W_out, b_out``), the same ``hook_pre`` (gate), ``hook_pre_linear`` (linear branch) and
+    ``hook_post``, the same output (exactly for SwiGLU), plus the neuron-head hooks of
+    :class:`~tl_attnonly.components.NeuronHeadMLP` with the same names and compact shapes.
+
+    The pattern is standard softmax attention over (self, bias token); the value of the token
+    itself, ``(f_k g + e_k - g_k) * u``, is a product of two projections of the residual, so these
+    heads are *generalised* attention heads: their OV map scales with the input-dependent ``u``.
+    :attr:`W_V_per_unit_u` gives the value per unit of ``u``; :attr:`W_V` refuses.
+
+    Args:
+        cfg: The model config (``d_model``, ``d_mlp``, ``act_fn``, ``gated_mlp=True``, ``dtype``).
+        coefficients: Per-head coefficients; default: :func:`head_coefficients` of ``cfg.act_fn``.
+
+    Raises:
+        ValueError: If the coefficients' bias-token values do not sum to 0 (the bias token's
+            value could then not be a constant).
+    """
+
+    def __init__(
+        self,
+        cfg: Union[Dict, HookedTransformerConfig],
+        coefficients: Optional[NeuronHeadCoefficients] = None,
+    ):
+        super().__init__(cfg, coefficients)
+        if sum(self.coefficients.g) != 0:
+            raise ValueError(
+                f"Gated neuron-heads need coefficients whose bias-token values g sum to 0 (got "
+                f"sum(g) = {sum(self.coefficients.g)!r}); every built-in fit satisfies this."
+            )
+        # TL's GatedMLP's parameters, in its order (initialisation draws them in this order)
+        self.W_in = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
+        self.W_out = nn.Parameter(torch.empty(self.d_mlp, self.cfg.d_model, dtype=self.cfg.dtype))
+        self.W_gate = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
+        self.b_in = nn.Parameter(torch.zeros(self.d_mlp, dtype=self.cfg.dtype))
+        self.b_out = nn.Parameter(torch.zeros(self.cfg.d_model, dtype=self.cfg.dtype))
+
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp] (gate g = x W_gate)
+        self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp] (linear branch u = x W_in)
+        self.hook_q = HookPoint()  # [batch, pos, n_neuron_heads, 1]
+        self.hook_k = HookPoint()  # [batch, pos, n_neuron_heads, 1] (keys of the real tokens)
+        self.hook_v = HookPoint()  # [batch, pos, n_neuron_heads, 1] (values of the real tokens)
+        self.hook_attn_scores = HookPoint()  # [batch, n_neuron_heads, query_pos, 2] (self, bias)
+        self.hook_pattern = HookPoint()  # [batch, n_neuron_heads, query_pos, 2] (self, bias)
+        self.hook_z = HookPoint()  # [batch, pos, n_neuron_heads, 1]
+        self.hook_result = HookPoint()  # [batch, pos, n_neuron_heads, d_model]
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    # ------------------------------------------------------------------ derived head weights
+    @property
+    def W_Q(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+        """Query weights: ``b_k * W_gate[:, i]``."""
+        b = self._coefs(self.W_gate)[0]
+        return self._per_head(self.W_gate, b).T.unsqueeze(-1)
+
+    @property
+    def b_Q(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """Query biases: ``d_k`` (TL's gate has no bias)."""
+        d = self._coefs(self.W_gate)[1]
+        return d.repeat(self.d_mlp).unsqueeze(-1)
+
+    @property
+    def W_V_per_unit_u(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+        """Value weights per unit of the linear branch: ``v = (x W_V_per_unit_u + b) * u``.
+
+        ``f_k * W_gate[:, i]``; the value itself is this times ``u = x W_in[:, i]``.
+        """
+        f = self._coefs(self.W_gate)[2]
+        return self._per_head(self.W_gate, f).T.unsqueeze(-1)
+
+    @property
+    def b_V_per_unit_u(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """Value biases per unit of the linear branch: ``e_k - g_k``."""
+        _, _, _, e, g = self._coefs(self.W_gate)
+        return (e - g).repeat(self.d_mlp).unsqueeze(-1)
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        """Refuses: a gated neuron-head's value ``(f_k g + e_k - g_k) * u`` is not linear in x."""
+        raise TypeError(
+            "A gated neuron-head's value (f_k * x W_gate + e_k - g_k) * (x W_in) is bilinear in "
+            "the residual, so it has no W_V matrix. Use W_V_per_unit_u / b_V_per_unit_u (the "
+            "value per unit of the linear branch u = hook_pre_linear), or the circuit at a given "
+            "prompt (tl_attnonly.analysis.ov_circuit(..., prompt=...))."
+        )
+
+    @property
+    def b_V(self) -> torch.Tensor:
+        """Refuses, like :attr:`W_V`."""
+        return self.W_V
+
+    @property
+    def v_bias_token(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
+        """The bias token's value: zero (the bias-token terms of the fits sit on the token)."""
+        return self.W_out.new_zeros(self.n_neuron_heads, 1)
+
+    # ------------------------------------------------------------------ forward
+    def _query_value(
+        self,
+        gate: Float[torch.Tensor, "batch pos d_mlp"],
+        linear: Float[torch.Tensor, "batch pos d_mlp"],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``b_k g + d_k`` and values ``(f_k g + e_k - g_k) u``, ``[b, p, d_mlp, K|1]``.
+
+        Multiplications by 1 and additions of 0 are skipped (same result, less work); a trailing
+        axis of size 1 broadcasts over the K heads.
+        """
+        c = self.coefficients
+        b, d, f, e, g = self._coefs(gate)
+        x = gate.unsqueeze(-1)  # [batch, pos, d_mlp, 1]
+        q = x if all(val == 1 for val in c.b) else x * b
+        if any(val != 0 for val in c.d):
+            q = q + d
+        v = x if all(val == 1 for val in c.f) else x * f
+        if any(val_e != val_g for val_e, val_g in zip(c.e, c.g)):
+            v = v + (e - g)
+        return q, v * linear.unsqueeze(-1)
+
+    def _fused_post(
+        self,
+        gate: Float[torch.Tensor, "batch pos d_mlp"],
+        linear: Float[torch.Tensor, "batch pos d_mlp"],
+    ) -> Float[torch.Tensor, "batch pos d_mlp"]:
+        """``sum_k z + b_in`` without materialising keys, scores or patterns (same arithmetic)."""
+        q, v = self._query_value(gate, linear)
+        z = torch.sigmoid(q) * v
+        if self.n_heads_per_neuron == 1:
+            return z.squeeze(-1) + self.b_in
+        return z.expand(*z.shape[:-1], self.n_heads_per_neuron).sum(-1) + self.b_in
+
+    def _head_z(
+        self,
+        gate: Float[torch.Tensor, "batch pos d_mlp"],
+        linear: Float[torch.Tensor, "batch pos d_mlp"],
+    ) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"]:
+        """The neuron-heads as attention heads, every hook point on the way; returns ``z``."""
+        batch, pos, _ = gate.shape
+        q, v = self._query_value(gate, linear)
+        shape = (batch, pos, self.n_neuron_heads, 1)
+        expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
+        # Each hook gets its own tensor (q may be a view of the gate).
+        q = self.hook_q(_own_storage(q.expand(expanded).reshape(shape), gate))
+        k, keys_untouched = self._keys(q)
+        v = self.hook_v(v.expand(expanded).reshape(shape))
+        p = self._attend(q, k, keys_untouched)  # [batch, pos, n_neuron_heads, 2]
+        # The bias token's value is 0: the bias column of the pattern contributes nothing.
+        return self.hook_z(p[..., 0:1] * v)  # [batch, pos, n_neuron_heads, 1]
+
+    def forward(
+        self, x: Float[torch.Tensor, "batch pos d_model"]
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        # The same projections as TL's GatedMLP (F.linear with contiguous transposed weights), so
+        # hook_pre and hook_pre_linear are bit-identical to the original's.
+        if self.W_gate.device != x.device:
+            x = x.to(self.W_gate.device)
+        gate = self.hook_pre(F.linear(x, self.W_gate.T.contiguous()))  # [batch, pos, d_mlp]
+        linear = self.hook_pre_linear(F.linear(x, self.W_in.T.contiguous()))  # [batch, pos, d_mlp]
+        W_out = self.W_out.T.contiguous()
+        if not self._uses_head_path():
+            return F.linear(self.hook_post(self._fused_post(gate, linear)), W_out, self.b_out)
+        z = self._head_z(gate, linear)
+        post = self._sum_heads(z) + self.b_in
+        hooked_post = self.hook_post(post)  # [batch, pos, d_mlp]
+        if not self.use_neuron_result:
+            return F.linear(hooked_post, W_out, self.b_out)
+        # [batch, pos, n_neuron_heads, d_model]
+        result = self.hook_result(z * self.W_O.squeeze(1))
+        out = result.sum(-2) + (self.b_in @ self.W_out + self.b_out)
+        if hooked_post is not post:  # a hook edited post: its edit still reaches the output
+            out = out + (hooked_post - post) @ self.W_out
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.coefficients
+        return (
+            f"d_mlp={self.d_mlp}, heads_per_neuron={self.n_heads_per_neuron}, "
+            f"n_neuron_heads={self.n_neuron_heads}, gated activation={c.activation!r}, "
+            f"method={c.method!r}"
+        )
