@@ -69,10 +69,10 @@ def parse_receiver(
     """
     if isinstance(spec, Receiver):
         return spec
-    if isinstance(spec, tuple):
-        head, inputs = spec
-    elif isinstance(spec, HeadRef):
+    if isinstance(spec, HeadRef):  # before tuple: a HeadRef is a NamedTuple
         head, inputs = spec, None
+    elif isinstance(spec, tuple):
+        head, inputs = spec
     elif spec == LOGITS:
         return Receiver(None, "")
     else:
