@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 import torch
 from jaxtyping import Float
 
+from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
 
 #: Neuron-head hook -> shape, for docs and checks.
@@ -191,7 +192,7 @@ def neuron_head_refs(layer: int, neuron: int, n_heads_per_neuron: int = 1) -> li
 
 
 def all_head_refs(
-    model, kinds: Sequence[str] = ("attn", "neuron"), layers: Iterable[int] | None = None
+    model, kinds: Kinds = ("attn", "neuron"), layers: Iterable[int] | None = None
 ) -> list[HeadRef]:
     """Every head of ``model``: attention heads of all layers first, then neuron-heads.
 
@@ -203,7 +204,7 @@ def all_head_refs(
         kinds: Which kinds of head, ``"attn"`` and/or ``"neuron"``.
         layers: Which layers; default all.
     """
-    _check_kinds(kinds)
+    check_kinds(kinds)
     layer_list = list(range(model.cfg.n_layers)) if layers is None else list(layers)
     refs: list[HeadRef] = []
     if "attn" in kinds:
@@ -217,12 +218,6 @@ def all_head_refs(
 def head_labels(refs: Iterable[HeadRef], n_heads_per_neuron: int = 1) -> list[str]:
     """Labels of many heads (see :meth:`HeadRef.label`)."""
     return [ref.label(n_heads_per_neuron) for ref in refs]
-
-
-def _check_kinds(kinds: Sequence[str]) -> None:
-    bad = set(kinds) - {"attn", "neuron"}
-    if bad or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of ('attn', 'neuron'), got {kinds!r}.")
 
 
 # ---------------------------------------------------------------------------------------------

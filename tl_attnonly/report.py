@@ -21,7 +21,8 @@ from plotly.offline import get_plotlyjs
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
-from tl_attnonly.hooks import NEURON_HOOK_SHAPES, neuron_act_name
+from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.hooks import NEURON_HOOK_SHAPES, neuron_act_name, neuron_head_label
 from tl_attnonly.vis import (
     BIAS_TOKEN,
     NeuronHeadView,
@@ -30,6 +31,7 @@ from tl_attnonly.vis import (
     neuron_activity_heatmap,
     neuron_head_attention_view,
     patching_heatmap,
+    script_safe,
 )
 
 #: Neuron-heads per layer in the report's circuitsvis views.
@@ -82,11 +84,7 @@ def write_demo_report(
     Returns:
         The path written.
     """
-    if not hasattr(converted, "neuron_heads"):
-        raise TypeError(
-            f"converted must be a tl_attnonly.AttnOnlyTransformer, got {type(converted).__name__}; "
-            "build it with tl_attnonly.convert(model)."
-        )
+    require_neuron_heads(converted)
     if converted.tokenizer is None:
         raise ValueError("The report needs a model with a tokenizer (to show the prompt's tokens).")
     path = Path(path)
@@ -242,7 +240,7 @@ def _patching(converted: Any, tokens: torch.Tensor, corrupted_prompt: str | None
     rows = []
     for flat in top.indices.tolist():
         layer, head = divmod(flat, converted.n_neuron_heads)
-        label = f"L{layer}N{head}" if k == 1 else f"L{layer}N{head // k}.{head % k}"
+        label = neuron_head_label(layer, head, k)
         rows.append({"neuron-head": label, "effect": neuron[layer, head].item()})
     return (
         '<p class="note">Attribution patching (Nanda 2023): a first-order estimate, for every '
@@ -304,7 +302,7 @@ def _page(
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8">\n'
         f"<title>tl-attnonly report: {html.escape(cfg.model_name)}</title>\n"
         f"<style>{_CSS}</style>\n"
-        f"<script>{_script_safe(get_plotlyjs())}</script>\n"
+        f"<script>{script_safe(get_plotlyjs())}</script>\n"
         f"<script>{circuitsvis_js()}</script>\n"
         "</head><body>\n"
         f"<h1>Every MLP neuron as an attention head: {html.escape(cfg.model_name)}</h1>\n"
@@ -326,10 +324,6 @@ def _df_html(df: pd.DataFrame) -> str:
         float_format=lambda v: f"{v:.3g}",
         na_rep="",
     )
-
-
-def _script_safe(js: str) -> str:
-    return js.replace("</script", "<\\/script")
 
 
 class _Steps:

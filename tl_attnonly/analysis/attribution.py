@@ -17,17 +17,15 @@ is a linearisation, best for small clean/corrupted differences.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly.analysis._checks import require_neuron_heads
+from tl_attnonly._types import Metric, check_kinds, require_neuron_heads
 from tl_attnonly.hooks import all_head_refs, head_labels
-
-Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
 
 #: Activations attribution patching supports, and where their head axis is.
 ATTRIBUTION_KINDS = {"z": 2, "v": 2, "q": 2, "pattern": 1}
@@ -83,9 +81,7 @@ def attribution_patch(
         raise ValueError(
             f"activation_name must be one of {sorted(ATTRIBUTION_KINDS)}, got {activation_name!r}."
         )
-    if isinstance(kinds, str) or not kinds or set(kinds) - {"attn", "neuron"}:
-        raise ValueError(f"kinds must be a non-empty subset of ('attn', 'neuron'), got {kinds!r}.")
-    kinds = [k for k in ("attn", "neuron") if k in kinds]
+    kinds = check_kinds(kinds)
     names = _names(model, activation_name, kinds)
     missing = [name for _, name, _ in names if name not in clean_cache.cache_dict]
     if missing:

@@ -22,7 +22,7 @@ two are identical, labels included).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from jaxtyping import Float, Int
@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
-from tl_attnonly.analysis._checks import require_neuron_heads
+from tl_attnonly._types import Kinds, check_kinds, require_neuron_heads
 from tl_attnonly.hooks import neuron_act_name, neuron_head_label
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
@@ -38,8 +38,6 @@ STACK_BUDGET = 2 * 2**30
 
 #: Default number of neuron-heads materialised at once (``chunk * batch * pos * d_model``).
 DEFAULT_CHUNK = 1024
-
-Kinds = Sequence[str]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,11 +52,6 @@ def _model(cache: ActivationCache):
         )
     require_neuron_heads(model)
     return model
-
-
-def _check_kinds(kinds: Kinds) -> None:
-    if isinstance(kinds, str) or not kinds or set(kinds) - {"attn", "neuron"}:
-        raise ValueError(f"kinds must be a non-empty subset of ('attn', 'neuron'), got {kinds!r}.")
 
 
 def _resolve_layer(model, layer: int | None) -> int:
@@ -304,7 +297,7 @@ def _stack(
     progress: bool,
 ) -> tuple[torch.Tensor, list[str]]:
     model = _model(cache)
-    _check_kinds(kinds)
+    check_kinds(kinds)
     layer = _resolve_layer(model, layer)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
     project, squeeze = _normalize_projection(project_output_onto)
@@ -528,7 +521,7 @@ def head_logit_attrs(
         ``return_labels``.
     """
     model = _model(cache)
-    _check_kinds(kinds)
+    check_kinds(kinds)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
     directions = _logit_directions(model, tokens, incorrect_tokens)
     parts, labels = [], []

@@ -42,7 +42,7 @@ from jaxtyping import Float
 from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
-from tl_attnonly.analysis._checks import require_neuron_heads
+from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
 
 #: Default memory budget (bytes) for a matrix of pairwise scores.

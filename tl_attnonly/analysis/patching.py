@@ -32,7 +32,7 @@ from transformer_lens.patching import (
     layer_pos_head_vector_patch_setter,
 )
 
-from tl_attnonly.analysis._checks import require_neuron_heads
+from tl_attnonly._types import Metric, require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -40,8 +40,6 @@ from tl_attnonly.hooks import (
     neuron_act_name,
     parse_head_label,
 )
-
-Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
 
 #: Neuron-head activations that can be patched, and their layout.
 VECTOR_KINDS = ("z", "v", "q", "result")  # [batch, pos, head, ...]

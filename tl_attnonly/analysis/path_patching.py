@@ -23,7 +23,7 @@ grouped-query attention a ``k``/``v`` receiver is its key/value head, shared by 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly.analysis._checks import require_neuron_heads
+from tl_attnonly._types import Metric, require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -40,8 +40,6 @@ from tl_attnonly.hooks import (
     head_names_filter,
     parse_head_label,
 )
-
-Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
 
 LOGITS = "logits"
 

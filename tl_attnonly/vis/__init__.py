@@ -22,7 +22,13 @@ Example:
     >>> neuron_activity_heatmap(cache, layer=0, str_tokens=converted.to_str_tokens("def f(x):"))
 """
 
-from tl_attnonly.vis.export import circuitsvis_js, find_chromium, save_figure, script_safe_json
+from tl_attnonly.vis.export import (
+    circuitsvis_js,
+    find_chromium,
+    save_figure,
+    script_safe,
+    script_safe_json,
+)
 from tl_attnonly.vis.figures import (
     error_table_figure,
     gelu_fit_error_figure,
@@ -64,6 +70,7 @@ __all__ = [
     "omega_error_figure",
     "patching_heatmap",
     "save_figure",
+    "script_safe",
     "script_safe_json",
     "select_neuron_heads",
     "square_neuron_pattern",

@@ -40,10 +40,18 @@ def _circuitsvis_js() -> str:
                 "(pip install --force-reinstall 'circuitsvis>=1.43')."
             )
         js = path.read_text(encoding="utf-8")
-        # Keep the bundle from closing the <script> element; "<\/" means "</" in JavaScript.
-        js = js.replace("</script", "<\\/script").replace("//# sourceMappingURL=iife.js.map", "")
+        js = script_safe(js).replace("//# sourceMappingURL=iife.js.map", "")
         _JS_CACHE["js"] = js
     return _JS_CACHE["js"]
+
+
+def script_safe(js: str) -> str:
+    """JavaScript that cannot close the ``<script>`` element it is inlined in.
+
+    ``"</script"`` becomes ``"<\\/script"``, which means the same in JavaScript strings and
+    regular expressions (the only places it can occur in a bundle).
+    """
+    return js.replace("</script", "<\\/script")
 
 
 _ZERO = re.compile(r"(?<=[\[ ])0\.0(?=[,\]])")

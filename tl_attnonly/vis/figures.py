@@ -16,6 +16,7 @@ import torch
 from plotly.subplots import make_subplots
 from transformer_lens import ActivationCache
 
+from tl_attnonly.activations import TL_ACTIVATIONS, NeuronHeadCoefficients
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.vis.patterns import (
     HeadsLike,
@@ -243,10 +244,13 @@ class _Approximation:
     values: np.ndarray
 
 
-def neuron_head_activation(coefficients: Any, x: np.ndarray | torch.Tensor) -> np.ndarray:
+def neuron_head_activation(
+    coefficients: NeuronHeadCoefficients, x: np.ndarray | torch.Tensor
+) -> np.ndarray:
     """What ``K`` neuron-heads compute for a neuron with pre-activation ``x``.
 
-    ``sum_k sigmoid(b_k x + d_k) (f_k x + e_k) + sigmoid(-(b_k x + d_k)) g_k`` (see
+    ``sum_k sigmoid(b_k x + d_k) (f_k x + e_k) + sigmoid(-(b_k x + d_k)) g_k``, i.e.
+    :meth:`~tl_attnonly.NeuronHeadCoefficients.evaluate` in float64 (see
     :mod:`tl_attnonly.components.neuron_heads`).
 
     Args:
@@ -256,14 +260,7 @@ def neuron_head_activation(coefficients: Any, x: np.ndarray | torch.Tensor) -> n
     Returns:
         The approximated activation at ``x`` (float64).
     """
-    x = torch.as_tensor(np.asarray(x), dtype=torch.float64).unsqueeze(-1)
-    b, d, f, e, g = (
-        torch.tensor(list(getattr(coefficients, name)), dtype=torch.float64)
-        for name in ("b", "d", "f", "e", "g")
-    )
-    q = b * x + d
-    out = torch.sigmoid(q) * (f * x + e) + torch.sigmoid(-q) * g
-    return out.sum(-1).numpy()
+    return coefficients.evaluate(torch.as_tensor(np.asarray(x), dtype=torch.float64)).numpy()
 
 
 def gelu_fit_error_figure(
@@ -357,13 +354,11 @@ _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
 
 
 def _exact_activation(activation: str, x: np.ndarray) -> np.ndarray:
-    from transformer_lens.utilities.activation_functions import SUPPORTED_ACTIVATIONS
-
-    if activation not in SUPPORTED_ACTIVATIONS:
+    if activation not in TL_ACTIVATIONS:
         raise ValueError(
-            f"Unknown activation {activation!r}; expected one of {sorted(SUPPORTED_ACTIVATIONS)}."
+            f"Unknown activation {activation!r}; expected one of {sorted(TL_ACTIVATIONS)}."
         )
-    fn = SUPPORTED_ACTIVATIONS[activation]
+    fn = TL_ACTIVATIONS[activation]
     return fn(torch.as_tensor(x, dtype=torch.float64)).numpy()
 
 

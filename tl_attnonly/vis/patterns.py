@@ -18,7 +18,9 @@ from circuitsvis.utils.render import RenderedHTML, render_cdn
 from jaxtyping import Float
 from transformer_lens import ActivationCache
 
+from tl_attnonly._types import HeadsLike, require_neuron_heads
 from tl_attnonly.hooks import neuron_act_name, neuron_head_label
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
 
 #: How the bias token is drawn in every view.
@@ -43,7 +45,6 @@ _RANK_DESCRIPTIONS = {
 
 
 TokensLike = str | torch.Tensor | Sequence[str]
-HeadsLike = int | Sequence[int] | torch.Tensor | None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,19 +322,11 @@ def neuron_head_attention_view(
     )
 
 
-def _model(cache_or_model: Any) -> Any:
-    model = (
-        getattr(cache_or_model, "model", None)
-        if isinstance(cache_or_model, ActivationCache)
-        else cache_or_model
-    )
-    if model is None or not hasattr(model, "neuron_heads"):
-        name = type(model).__name__
-        raise TypeError(
-            f"Expected a converted model (tl_attnonly.AttnOnlyTransformer) or its cache, got "
-            f"{name}. Convert first: converted = tl_attnonly.convert(model)."
-        )
-    return model
+def _model(cache_or_model: Any) -> NeuronHeadModelMixin:
+    """The converted model itself, or the one whose run made a cache."""
+    if isinstance(cache_or_model, ActivationCache):
+        return require_neuron_heads(getattr(cache_or_model, "model", None))
+    return require_neuron_heads(cache_or_model)
 
 
 def _cached(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""The shared types and checks (tl_attnonly._types)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_model
+
+from tl_attnonly import convert, to_literal
+from tl_attnonly._types import check_kinds, require_neuron_heads
+
+
+def test_check_kinds_orders_attention_heads_first():
+    assert check_kinds(("neuron", "attn")) == ("attn", "neuron")
+    assert check_kinds(["neuron"]) == ("neuron",)
+
+
+@pytest.mark.parametrize("kinds", ["attn", (), ("attn", "mlp")])
+def test_check_kinds_refuses_strings_empty_and_unknown(kinds):
+    with pytest.raises(ValueError, match="non-empty subset of \\('attn', 'neuron'\\)"):
+        check_kinds(kinds)
+
+
+def test_require_neuron_heads_accepts_converted_models_only():
+    model = make_model(n_layers=1)
+    converted = convert(model)
+    assert require_neuron_heads(converted) is converted
+    with pytest.raises(TypeError, match=r"HookedTransformer has no neuron-heads.*convert\(model\)"):
+        require_neuron_heads(model)
+    with pytest.raises(TypeError, match="structured form"):
+        require_neuron_heads(to_literal(model, max_len=4))
+    # Duck typing is not enough: an object with a neuron_heads attribute is not a converted model.
+    with pytest.raises(TypeError, match="SimpleNamespace has no neuron-heads"):
+        from types import SimpleNamespace
+
+        require_neuron_heads(SimpleNamespace(neuron_heads=[]))
