@@ -35,9 +35,8 @@ from typing import Any, NamedTuple, Optional
 import pandas as pd
 import torch
 from jaxtyping import Float
-from transformer_lens.utilities.activation_functions import (
-    SUPPORTED_ACTIVATIONS as TL_ACTIVATIONS,
-)
+
+from tl_attnonly._compat import TL_ACTIVATIONS
 
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = (
     "silu",

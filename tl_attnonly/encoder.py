@@ -21,8 +21,7 @@ import copy
 import warnings
 from typing import Any
 
-from transformer_lens import HookedEncoder
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedEncoder, HookedTransformerConfig
 
 from tl_attnonly.neuron_head_model import (
     NeuronHeadModelMixin,

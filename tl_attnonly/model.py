@@ -13,8 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal, Optional, Union
 
-from transformer_lens import HookedTransformer
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from tl_attnonly.neuron_head_model import (
     NeuronHeadModelMixin,

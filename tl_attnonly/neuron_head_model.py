@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, TypeVar, Union
 
 import torch
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformerConfig
 
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.factory import neuron_heads_for

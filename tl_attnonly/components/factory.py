@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
-from transformer_lens.components.mlps.gated_mlp import GatedMLP
-from transformer_lens.components.mlps.mlp import MLP
+from transformer_lens.components import MLP, GatedMLP
 
+from tl_attnonly._compat import CanBeUsedAsMLP
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase

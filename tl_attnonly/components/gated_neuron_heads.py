@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jaxtyping import Float
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients

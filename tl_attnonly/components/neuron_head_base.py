@@ -14,21 +14,11 @@ from typing import Dict, Optional, Union
 
 import torch
 from jaxtyping import Float
-from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
+from tl_attnonly._compat import CanBeUsedAsMLP, has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
-
-
-def has_hooks(hook_point: HookPoint) -> bool:
-    """Whether any forward or backward hook is attached to ``hook_point``."""
-    return bool(
-        hook_point._forward_hooks
-        or hook_point._forward_pre_hooks
-        or hook_point._backward_hooks
-        or hook_point._backward_pre_hooks
-    )
 
 
 class NeuronHeadBase(CanBeUsedAsMLP):

@@ -35,10 +35,10 @@ from typing import Dict, Optional, Union
 import torch
 import torch.nn as nn
 from jaxtyping import Float
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
-from transformer_lens.utilities.addmm import batch_addmm
 
+from tl_attnonly._compat import batch_addmm
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 

@@ -17,8 +17,8 @@ from transformer_lens.components import (
     RMSNorm,
     RMSNormPre,
 )
-from transformer_lens.utilities.activation_functions import softcap_enabled
 
+from tl_attnonly._compat import rotary_base, softcap_enabled
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal.layout import (
     DEFAULT_BUDGET_BYTES,
@@ -244,7 +244,7 @@ def _rotary_tables(attn: nn.Module, max_len: int) -> tuple[Tensor, Tensor]:
     if attn.rotary_cos.shape[0] >= max_len:
         return attn.rotary_cos[:max_len].double(), attn.rotary_sin[:max_len].double()
     sin, cos = attn.calculate_sin_cos_rotary(
-        cfg.rotary_dim, max_len, base=attn._rotary_base(), dtype=torch.float64
+        cfg.rotary_dim, max_len, base=rotary_base(attn), dtype=torch.float64
     )
     return cos, sin
 

@@ -1,0 +1,95 @@
+"""The seam onto TransformerLens and torch internals (tl_attnonly._compat), against the installed
+versions: if a TransformerLens release moves one of them, these tests say which."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_model
+from transformer_lens.hook_points import HookPoint
+
+from tl_attnonly import SUPPORTED_ACTIVATIONS, NeuronHeadMLP, convert
+from tl_attnonly._compat import (
+    TL_ACTIVATIONS,
+    CanBeUsedAsMLP,
+    batch_addmm,
+    convert_bert_weights,
+    convert_llama_weights,
+    has_hooks,
+    rotary_base,
+    softcap_enabled,
+)
+
+
+def _identity_hook(tensor, hook):
+    return tensor
+
+
+def test_has_hooks_sees_transformer_lens_hooks_both_directions():
+    hp = HookPoint()
+    assert not has_hooks(hp)
+    hp.add_hook(_identity_hook)
+    assert has_hooks(hp) and hp.has_hooks()  # TL's public answer agrees
+    hp.remove_hooks()
+    assert not has_hooks(hp)
+    hp.add_hook(lambda grad, hook: None, dir="bwd")
+    assert has_hooks(hp)
+    hp.remove_hooks(dir="bwd")
+    assert not has_hooks(hp)
+
+
+def test_has_hooks_falls_back_to_hooks_registered_with_torch_directly():
+    hp = HookPoint()
+    handle = hp.register_forward_hook(lambda module, args, out: out)
+    assert not hp.has_hooks()  # TransformerLens does not know of it ...
+    assert has_hooks(hp)  # ... but its value must still be computed
+    handle.remove()
+    assert not has_hooks(hp)
+    handle = hp.register_forward_pre_hook(lambda module, args: None)
+    assert has_hooks(hp)
+    handle.remove()
+
+
+def test_a_torch_level_hook_sees_the_real_pattern_on_the_fused_path():
+    model = make_model(n_layers=1)
+    converted = convert(model)
+    tokens = torch.arange(6)[None]
+    _, cache = converted.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_pattern")
+    seen = []
+    hp = converted.blocks[0].mlp.hook_pattern
+    handle = hp.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    try:
+        converted(tokens)
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], cache["blocks.0.mlp.hook_pattern"], rtol=0, atol=0)
+
+
+def test_rotary_base_is_the_one_transformer_lens_builds_its_tables_with():
+    model = make_model(positional_embedding_type="rotary", rotary_dim=8, rotary_base=500)
+    attn = model.blocks[0].attn
+    assert rotary_base(attn) == 500
+    sin, cos = attn.calculate_sin_cos_rotary(
+        8, model.cfg.n_ctx, base=rotary_base(attn), dtype=attn.rotary_sin.dtype
+    )
+    torch.testing.assert_close(sin, attn.rotary_sin, rtol=0, atol=0)
+    torch.testing.assert_close(cos, attn.rotary_cos, rtol=0, atol=0)
+    # Without TL's private method, the config's base.
+    assert rotary_base(SimpleNamespace(cfg=SimpleNamespace(rotary_base=123))) == 123
+
+
+def test_the_rest_of_the_seam_resolves():
+    assert issubclass(NeuronHeadMLP, CanBeUsedAsMLP)
+    assert set(SUPPORTED_ACTIVATIONS) <= set(TL_ACTIVATIONS)
+    x, W, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5), torch.randn(5)
+    W = W.double()
+    b = b.double()
+    torch.testing.assert_close(batch_addmm(b, W, x), x @ W + b)
+    assert not softcap_enabled(None) and softcap_enabled(30.0)
+    with pytest.raises((KeyError, AttributeError, TypeError)):
+        convert_bert_weights({}, SimpleNamespace())  # imported and called: fails on no weights
+    with pytest.raises((KeyError, AttributeError, TypeError)):
+        convert_llama_weights({}, SimpleNamespace())

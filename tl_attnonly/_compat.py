@@ -1,0 +1,103 @@
+"""The one seam onto TransformerLens and torch internals.
+
+Everything the package takes from a private attribute or a non-top-level module of
+TransformerLens or torch is imported or wrapped here, so that a TransformerLens release that moves
+one of them breaks (and is fixed in) this file only. ``tests/test_compat.py`` checks each item
+against the installed versions.
+
+==================================  ==============================================================
+:func:`has_hooks`                   TL's public ``HookPoint.has_hooks()``, plus the hooks torch
+                                    holds that TL does not know of (registered with torch directly)
+:func:`rotary_base`                 TL's private ``AbstractAttention._rotary_base()``
+``CanBeUsedAsMLP``                  the MLP extension point (``components/mlps/``)
+``batch_addmm``                     TL's ``x @ W + b`` kernel (``utilities/addmm``)
+``TL_ACTIVATIONS``                  TL's activation functions by ``act_fn`` name
+``softcap_enabled``                 whether a config soft-caps scores
+``convert_bert_weights``            TL's BERT / LLaMA state-dict conversions (``pretrained.``
+``convert_llama_weights``           ``weight_conversions``, imported when called)
+==================================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.utilities.activation_functions import (
+    SUPPORTED_ACTIVATIONS as TL_ACTIVATIONS,
+)
+from transformer_lens.utilities.activation_functions import softcap_enabled
+from transformer_lens.utilities.addmm import batch_addmm
+
+#: torch's per-module hook dictionaries (private attributes of ``nn.Module``).
+_TORCH_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def has_hooks(hook_point: HookPoint) -> bool:
+    """Whether any hook would see the value passed through ``hook_point``.
+
+    TransformerLens's public ``HookPoint.has_hooks()`` knows the hooks added through
+    TransformerLens (``add_hook``, ``run_with_hooks``, ``hooks()``, ``run_with_cache``). A hook
+    registered with torch directly (``hook_point.register_forward_hook``, as some tools do)
+    bypasses that bookkeeping; skipping its value would silently change what the hook sees, so
+    torch's own hook dictionaries are checked as well (the fallback).
+
+    Args:
+        hook_point: A TransformerLens ``HookPoint``.
+
+    Returns:
+        ``True`` if a forward or backward hook of either kind is attached.
+    """
+    tl_has_hooks = getattr(hook_point, "has_hooks", None)
+    if callable(tl_has_hooks) and tl_has_hooks():
+        return True
+    return any(getattr(hook_point, name, None) for name in _TORCH_HOOK_DICTS)
+
+
+def rotary_base(attn: nn.Module) -> float:
+    """The rotary base a TransformerLens attention layer uses for its sin/cos tables.
+
+    TransformerLens 3.x decides it in the private ``AbstractAttention._rotary_base()`` (local
+    attention may use ``cfg.rotary_base_local``); without that method, ``cfg.rotary_base``.
+
+    Args:
+        attn: A TransformerLens attention module (``block.attn``).
+    """
+    private = getattr(attn, "_rotary_base", None)
+    if callable(private):
+        return private()
+    cfg: Any = attn.cfg
+    return cfg.rotary_base
+
+
+def convert_bert_weights(*args: Any, **kwargs: Any) -> Any:
+    """TransformerLens's ``convert_bert_weights`` (``pretrained.weight_conversions``), lazily."""
+    from transformer_lens.pretrained.weight_conversions import convert_bert_weights as convert
+
+    return convert(*args, **kwargs)
+
+
+def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
+    """TransformerLens's ``convert_llama_weights`` (``pretrained.weight_conversions``), lazily."""
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights as convert
+
+    return convert(*args, **kwargs)
+
+
+__all__ = [
+    "TL_ACTIVATIONS",
+    "CanBeUsedAsMLP",
+    "batch_addmm",
+    "convert_bert_weights",
+    "convert_llama_weights",
+    "has_hooks",
+    "rotary_base",
+    "softcap_enabled",
+]
