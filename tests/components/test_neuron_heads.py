@@ -222,9 +222,17 @@ def test_in_place_hook_edits_do_not_leak_between_hooks(silu_pair, tokens):
                 (neuron_act_name("pre", LAYER), capture("pre")),
             ],
         )
-        _, cache = converted.run_with_cache(tokens)
-    torch.testing.assert_close(captured["pre"], cache["pre", LAYER], rtol=0, atol=0)
-    torch.testing.assert_close(captured["q"], cache[neuron_act_name("q", LAYER)], rtol=0, atol=0)
+        clean = {}  # the same hooks, without the edit
+        converted.run_with_hooks(
+            tokens,
+            fwd_hooks=[
+                (neuron_act_name("v", LAYER), lambda v, hook: None),
+                (neuron_act_name("q", LAYER), lambda q, hook: clean.update(q=q.clone())),
+                (neuron_act_name("pre", LAYER), lambda p, hook: clean.update(pre=p.clone())),
+            ],
+        )
+    torch.testing.assert_close(captured["pre"], clean["pre"], rtol=0, atol=0)
+    torch.testing.assert_close(captured["q"], clean["q"], rtol=0, atol=0)
     expected = model.run_with_hooks(
         tokens, fwd_hooks=[(f"blocks.{LAYER}.mlp.hook_post", _set_neuron(lambda x: 3 * x))]
     )

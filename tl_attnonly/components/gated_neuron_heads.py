@@ -75,6 +75,8 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
             value could then not be a constant).
     """
 
+    derive_inputs = ("hook_pre", "hook_pre_linear")
+
     def __init__(
         self,
         cfg: Union[Dict, HookedTransformerConfig],
@@ -197,12 +199,12 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         shape = (batch, pos, self.n_neuron_heads, 1)
         expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
         # Each hook gets its own tensor (q may be a view of the gate).
-        q = self.hook_q(_own_storage(q.expand(expanded).reshape(shape), gate))
-        k, keys_untouched = self._keys(q)
-        v = self.hook_v(v.expand(expanded).reshape(shape))
-        p = self._attend(q, k, keys_untouched)  # [batch, pos, n_neuron_heads, 2]
+        q = self._hook("q", _own_storage(q.expand(expanded).reshape(shape), gate))
+        k = self._keys(q)
+        v = self._hook("v", v.expand(expanded).reshape(shape))
+        p = self._attend(q, k)  # [batch, pos, n_neuron_heads, 2]
         # The bias token's value is 0: the bias column of the pattern contributes nothing.
-        return self.hook_z(p[..., 0:1] * v)  # [batch, pos, n_neuron_heads, 1]
+        return self._hook("z", p[..., 0:1] * v)  # [batch, pos, n_neuron_heads, 1]
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"]
@@ -218,15 +220,13 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
             return F.linear(self.hook_post(self._fused_post(gate, linear)), W_out, self.b_out)
         z = self._head_z(gate, linear)
         post = self._sum_heads(z) + self.b_in
-        hooked_post = self.hook_post(post)  # [batch, pos, d_mlp]
         if not self.use_neuron_result:
-            return F.linear(hooked_post, W_out, self.b_out)
+            return F.linear(self.hook_post(post), W_out, self.b_out)  # [batch, pos, d_mlp]
         # [batch, pos, n_neuron_heads, d_model]
         result = self.hook_result(z * self.W_O.squeeze(1))
         out = result.sum(-2) + (self.b_in @ self.W_out + self.b_out)
-        if hooked_post is not post:  # a hook edited post: its edit still reaches the output
-            out = out + (hooked_post - post) @ self.W_out
-        return out
+        correction = self._post_correction(post)  # an edit of post still reaches the output
+        return out if correction is None else out + correction @ self.W_out
 
     def extra_repr(self) -> str:
         c = self.coefficients

@@ -10,15 +10,29 @@ here once.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Any, ClassVar, Dict, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly._compat import CanBeUsedAsMLP, has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
+
+#: Neuron-head quantities that are functions of the layer's pre-activations alone (see
+#: :meth:`NeuronHeadBase.derive_activation`); ``result`` also needs ``W_out``.
+DERIVABLE_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z")
+
+
+#: Elements per chunk (``K * rows * d_mlp``) of the fused path's temporaries: small enough to stay
+#: in a CPU core's cache, large enough that the per-chunk overhead stays small.
+FUSED_CHUNK_ELEMENTS = 1 << 17
+
+#: Measured bound of the fused path against the head path, in units of the dtype's machine
+#: epsilon times ``sum_k (|f_k x| + |e_k| + 2 |g_k|)`` (see ``NeuronHeadBase._fused_activation``).
+FUSED_ERROR_ULPS = 4.0
 
 
 class NeuronHeadBase(CanBeUsedAsMLP):
@@ -32,6 +46,11 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         coefficients: Per-head coefficients; default: :func:`head_coefficients` of ``cfg.act_fn``.
     """
 
+    #: The hook points whose values determine every derivable neuron-head quantity, in the order
+    #: :meth:`_head_z` takes them (a gated layer adds ``hook_pre_linear``).
+    derive_inputs: ClassVar[tuple[str, ...]] = ("hook_pre",)
+
+    hook_post: HookPoint
     hook_q: HookPoint
     hook_k: HookPoint
     hook_v: HookPoint
@@ -56,7 +75,10 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         #: Whether the fused path (no q/k/scores/pattern materialised) may be used when no hook is
         #: attached to the neuron-head hook points.
         self.fused = True
-        self._coef_cache: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
+        self._coef_cache: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
+        # While deriving (see derive_activation): the quantity wanted, and where it is put.
+        self._deriving: Optional[str] = None
+        self._derived: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ coefficients
     def _coefs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -69,6 +91,61 @@ class NeuronHeadBase(CanBeUsedAsMLP):
                 for vals in (c.b, c.d, c.f, c.e, c.g)
             )
         return self._coef_cache[key]
+
+    @property
+    def _exact_silu(self) -> bool:
+        """One head with ``b = f = 1`` and ``d = e = g = 0``: the activation is exactly SiLU."""
+        c = self.coefficients
+        return c.n_heads == 1 and (c.b, c.d, c.f, c.e, c.g) == ((1,), (0,), (1,), (0,), (0,))
+
+    def _fused_coefs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(b, d, f, e - g), each ``[K, 1, 1]``, for the fused path (cached)."""
+        key = (like.dtype, like.device, "fused")
+        if key not in self._coef_cache:
+            b, d, f, e, g = self._coefs(like)
+            self._coef_cache[key] = tuple(t.view(-1, 1, 1) for t in (b, d, f, e - g))
+        return self._coef_cache[key]
+
+    def _fused_activation(
+        self, x: Float[torch.Tensor, "batch pos d_mlp"]
+    ) -> Float[torch.Tensor, "batch pos d_mlp"]:
+        """The sum of a neuron's K heads as one scalar function of ``x``, no per-head tensor.
+
+        ``sum_k z_k = sum_k (f_k x + e_k - g_k) sigmoid(b_k x + d_k) + sum_k g_k``. Exact SiLU
+        heads use ``F.silu`` (TransformerLens's own function, so the output is the original's bit
+        for bit). Otherwise, without autograd, the K terms are evaluated on row chunks small
+        enough to stay in cache (``[K, rows, d_mlp]``, about :data:`FUSED_CHUNK_ELEMENTS`
+        elements), never materialising ``[..., d_mlp, K]`` for the whole input.
+
+        The same function as the head path's ``sum_k z``, but not the same arithmetic: the two
+        agree to rounding, not bit for bit. Bound, tested over many shapes and scales
+        (``tests/components/test_fused_heads.py``): ``|fused - head path| <= FUSED_ERROR_ULPS *
+        eps(dtype) * sum_k (|f_k x| + |e_k| + 2 |g_k|)`` elementwise.
+        """
+        if self._exact_silu:
+            return F.silu(x)
+        shape = x.shape
+        x = x.reshape(-1, self.d_mlp)
+        b, d, f, ce = self._fused_coefs(x)
+        g_sum = sum(self.coefficients.g)
+        if torch.is_grad_enabled() and x.requires_grad:
+            out = (torch.addcmul(ce, f, x) * torch.sigmoid(torch.addcmul(d, b, x))).sum(0)
+            return (out + g_sum if g_sum != 0 else out).reshape(shape)
+        out = torch.empty_like(x)
+        n_heads = self.n_heads_per_neuron
+        rows = max(1, FUSED_CHUNK_ELEMENTS // (n_heads * self.d_mlp))
+        for r0 in range(0, x.shape[0], rows):
+            xc, oc = x[r0 : r0 + rows], out[r0 : r0 + rows]
+            if n_heads == 1:
+                torch.addcmul(d[0], b[0], xc, out=oc).sigmoid_()
+                oc.mul_(torch.addcmul(ce[0], f[0], xc))
+                continue
+            s = torch.addcmul(d, b, xc).sigmoid_()  # [K, rows, d_mlp], in cache
+            s.mul_(torch.addcmul(ce, f, xc))
+            torch.sum(s, 0, out=oc)
+        if g_sum != 0:
+            out.add_(g_sum)
+        return out.reshape(shape)
 
     def _per_head(self, per_neuron: torch.Tensor, per_k: torch.Tensor) -> torch.Tensor:
         """``[..., d_mlp] x [K] -> [..., d_mlp * K]`` (head ``i*K + k``)."""
@@ -109,59 +186,110 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         """Whether the hooked head path must run (a head hook is attached, results are on, ...)."""
         if self.use_neuron_result or not self.fused:
             return True
-        return any(
-            has_hooks(hp)
-            for hp in (
-                self.hook_q,
-                self.hook_k,
-                self.hook_v,
-                self.hook_attn_scores,
-                self.hook_pattern,
-                self.hook_z,
+        return any(has_hooks(getattr(self, f"hook_{name}")) for name in DERIVABLE_HOOKS)
+
+    def _hook(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``hook_{name}(tensor)`` in a forward pass; while deriving, no hook runs and the wanted
+        quantity is recorded instead."""
+        if self._deriving is None:
+            return getattr(self, f"hook_{name}")(tensor)
+        if name == self._deriving:
+            self._derived = tensor
+        return tensor
+
+    def _head_z(self, *inputs: torch.Tensor) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"]:
+        """The neuron-heads as attention heads, every hook point (via :meth:`_hook`) on the way;
+        ``inputs`` are the values of :attr:`derive_inputs`. Returns ``z``."""
+        raise NotImplementedError
+
+    def derive_activation(self, name: str, **inputs: torch.Tensor) -> torch.Tensor:
+        """A neuron-head quantity recomputed from the layer's inputs, exactly as an unedited
+        forward pass with a caching hook on it would have stored it (same arithmetic, same
+        shapes, so bit for bit).
+
+        Args:
+            name: One of :data:`DERIVABLE_HOOKS` (``q, k, v, attn_scores, pattern, z``).
+            **inputs: The values of :attr:`derive_inputs` in that pass (``hook_pre=...``; a
+                gated layer also ``hook_pre_linear=...``), ``[batch, pos, d_mlp]``.
+
+        Returns:
+            The quantity in its hook's shape.
+
+        Raises:
+            ValueError: For another name, or missing inputs.
+        """
+        if name not in DERIVABLE_HOOKS:
+            raise ValueError(
+                f"Cannot derive {name!r} from the pre-activations; derivable: {DERIVABLE_HOOKS}."
             )
-        )
+        missing = [hook for hook in self.derive_inputs if hook not in inputs]
+        if missing:
+            raise ValueError(f"derive_activation({name!r}) needs {missing} as keyword arguments.")
+        self._deriving, self._derived = name, None
+        try:
+            self._head_z(*(inputs[hook] for hook in self.derive_inputs))
+            derived = self._derived
+        finally:
+            self._deriving, self._derived = None, None
+        assert derived is not None
+        return derived
 
     def _keys(
         self, q: Float[torch.Tensor, "batch pos n_neuron_heads 1"]
-    ) -> tuple[Float[torch.Tensor, "batch pos n_neuron_heads 1"], bool]:
-        """The real tokens' keys (all 1, expanded: no memory spent) through ``hook_k``, and whether
-        a hook left them untouched."""
-        keys = q.new_ones(()).expand(q.shape)
-        k = self.hook_k(keys)
-        return k, k is keys
+    ) -> Optional[Float[torch.Tensor, "batch pos n_neuron_heads 1"]]:
+        """The real tokens' keys (all 1) through ``hook_k``; ``None`` when nothing can see them.
+
+        Hooked (or derived), the keys get their own memory, so an edit made in place takes effect
+        exactly like a returned one; with no hook the product ``q * 1 = q`` is skipped.
+        """
+        if self._deriving == "k" or (self._deriving is None and has_hooks(self.hook_k)):
+            return self._hook("k", q.new_ones(q.shape))
+        return None
 
     def _attend(
         self,
         q: Float[torch.Tensor, "batch pos n_neuron_heads 1"],
-        k: Float[torch.Tensor, "batch pos n_neuron_heads 1"],
-        keys_untouched: bool = False,
+        k: Optional[Float[torch.Tensor, "batch pos n_neuron_heads 1"]],
     ) -> Float[torch.Tensor, "batch pos n_neuron_heads 2"]:
         """Scores and the softmax over (self, bias) of hooked queries and keys, through the hooks.
 
-        ``keys_untouched`` (from :meth:`_keys`): every key is 1, so ``q * 1 = q`` and ``q * 0 = 0``
-        exactly and the products are skipped. Returns the (hooked) pattern in ``[batch, pos, head,
-        2]`` memory order; the hooks see the TransformerLens-ordered view ``[batch, head,
-        query_pos, 2]`` (no transposing copies).
+        ``k is None`` (from :meth:`_keys`): every key is 1, so ``q * 1 = q`` is skipped. The bias
+        token's key is 0 and not a hook point, so its score is 0 whatever the query (even an
+        infinite one). Returns the (hooked) pattern in ``[batch, pos, head, 2]`` memory order; the
+        hooks see the TransformerLens-ordered view ``[batch, head, query_pos, 2]`` (no
+        transposing copies).
         """
         batch, pos, n_heads, _ = q.shape
         scores = q.new_empty(batch, pos, n_heads, 2)
-        if keys_untouched:  #: q * 1 = q and q * 0 = 0 exactly, so skip the products
-            scores[..., 0] = q.squeeze(-1)
-            scores[..., 1] = 0
-        else:
-            scores[..., 0] = (q * k).squeeze(-1)
-            scores[..., 1] = (q * self.k_bias_token.to(q.dtype)).squeeze(-1)
+        scores[..., 0] = q.squeeze(-1) if k is None else (q * k).squeeze(-1)
+        scores[..., 1] = 0
         # [batch, n_neuron_heads, query_pos, 2]
-        scores = self.hook_attn_scores(scores.transpose(1, 2)).transpose(1, 2)
+        scores = self._hook("attn_scores", scores.transpose(1, 2)).transpose(1, 2)
         # softmax over two keys, written as sigmoids of the score differences
         diff = scores[..., 0] - scores[..., 1]  # and -diff == scores[..., 1] - scores[..., 0]
         pattern = torch.stack((diff, diff.neg()), dim=-1).sigmoid_()
         # [batch, n_neuron_heads, query_pos, 2]
-        return self.hook_pattern(pattern.transpose(1, 2)).transpose(1, 2)
+        return self._hook("pattern", pattern.transpose(1, 2)).transpose(1, 2)
+
+    def _post_correction(
+        self, post: Float[torch.Tensor, "batch pos d_mlp"]
+    ) -> Optional[Float[torch.Tensor, "batch pos d_mlp"]]:
+        """Run ``hook_post`` when the output is built from per-head results: returns the edit
+        (hooked minus unhooked, exactly 0 where nothing changed, whether the hook returned a
+        tensor or edited in place), or ``None`` when no hook is attached."""
+        if not has_hooks(self.hook_post):
+            self.hook_post(post)
+            return None
+        before = post.clone()
+        return self.hook_post(post) - before
 
     def _sum_heads(
         self, z: Float[torch.Tensor, "batch pos n_neuron_heads 1"]
     ) -> Float[torch.Tensor, "batch pos d_mlp"]:
-        """Sum each neuron's ``K`` head outputs."""
+        """Sum each neuron's ``K`` head outputs (never a view of ``z`` that ``hook_post`` could
+        edit in place)."""
         post = z.reshape(*z.shape[:2], self.d_mlp, self.n_heads_per_neuron)
-        return post.squeeze(-1) if self.n_heads_per_neuron == 1 else post.sum(-1)
+        if self.n_heads_per_neuron > 1:
+            return post.sum(-1)
+        post = post.squeeze(-1)
+        return post.clone() if has_hooks(self.hook_post) else post

@@ -40,7 +40,20 @@ from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly._compat import batch_addmm
 from tl_attnonly.activations import NeuronHeadCoefficients
-from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.components.neuron_head_base import (
+    DERIVABLE_HOOKS,
+    FUSED_CHUNK_ELEMENTS,
+    FUSED_ERROR_ULPS,
+    NeuronHeadBase,
+)
+
+__all__ = [
+    "DERIVABLE_HOOKS",
+    "FUSED_CHUNK_ELEMENTS",
+    "FUSED_ERROR_ULPS",
+    "NEURON_HEAD_HOOKS",
+    "NeuronHeadMLP",
+]
 
 #: Hook points of the neuron-heads, in the order the forward pass reaches them.
 NEURON_HEAD_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z", "result")
@@ -145,32 +158,13 @@ class NeuronHeadMLP(NeuronHeadBase):
     def _fused_post(
         self, pre: Float[torch.Tensor, "batch pos d_mlp"]
     ) -> Float[torch.Tensor, "batch pos d_mlp"]:
-        """``sum_k z`` without materialising keys, scores or patterns.
+        """``sum_k z`` as one scalar function of ``pre`` (see :meth:`_fused_activation`)."""
+        return self._fused_activation(pre)
 
-        Performs exactly the head path's arithmetic (bit-identical results), skipping only work
-        whose result is known: multiplying by 1, adding 0, or a bias-token value of 0.
-        """
-        q, v = self._query_value(pre)
-        g = self._coefs(pre)[4]
-        bias_term = None
-        if any(val != 0 for val in self.coefficients.g):
-            bias_term = torch.sigmoid(-q) * g
-        if _shares_storage(q, pre) or (torch.is_grad_enabled() and pre.requires_grad):
-            z = torch.sigmoid(q) * v
-        else:  # q and its sigmoid are temporaries: reuse their memory
-            z = q.sigmoid_().mul_(v)
-        if bias_term is not None:
-            z = z + bias_term
-        if self.n_heads_per_neuron == 1:
-            return z.squeeze(-1)
-        return z.expand(*z.shape[:-1], self.n_heads_per_neuron).sum(-1)
-
-    def _head_post(
+    def _head_z(
         self, pre: Float[torch.Tensor, "batch pos d_mlp"]
-    ) -> tuple[
-        Float[torch.Tensor, "batch pos d_mlp"], Float[torch.Tensor, "batch pos n_neuron_heads 1"]
-    ]:
-        """The neuron-heads as attention heads, every hook point on the way."""
+    ) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"]:
+        """The neuron-heads as attention heads, every hook point on the way; returns ``z``."""
         batch, pos, _ = pre.shape
         q, v = self._query_value(pre)
         g = self._coefs(pre)[4]
@@ -178,15 +172,14 @@ class NeuronHeadMLP(NeuronHeadBase):
         expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
         # Each hook gets its own tensor: with trivial coefficients q and v would be views of pre,
         # and an in-place edit in one hook would leak into the others.
-        q = self.hook_q(_own_storage(q.expand(expanded).reshape(shape), pre))
-        k, keys_untouched = self._keys(q)
-        v = self.hook_v(_own_storage(v.expand(expanded).reshape(shape), pre))
-        p = self._attend(q, k, keys_untouched)  # [batch, pos, n_neuron_heads, 2]
+        q = self._hook("q", _own_storage(q.expand(expanded).reshape(shape), pre))
+        k = self._keys(q)
+        v = self._hook("v", _own_storage(v.expand(expanded).reshape(shape), pre))
+        p = self._attend(q, k)  # [batch, pos, n_neuron_heads, 2]
         z = v * p[..., 0:1]
         if any(val != 0 for val in self.coefficients.g):
             z += p[..., 1:2] * g.repeat(self.d_mlp).unsqueeze(-1)
-        z = self.hook_z(z)  # [batch, pos, n_neuron_heads, 1]
-        return self._sum_heads(z), z
+        return self._hook("z", z)  # [batch, pos, n_neuron_heads, 1]
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"]
@@ -194,16 +187,15 @@ class NeuronHeadMLP(NeuronHeadBase):
         pre = self.hook_pre(batch_addmm(self.b_in, self.W_in, x))  # [batch, pos, d_mlp]
         if not self._uses_head_path():
             return batch_addmm(self.b_out, self.W_out, self.hook_post(self._fused_post(pre)))
-        post, z = self._head_post(pre)
-        hooked_post = self.hook_post(post)  # [batch, pos, d_mlp]
+        z = self._head_z(pre)
+        post = self._sum_heads(z)
         if not self.use_neuron_result:
-            return batch_addmm(self.b_out, self.W_out, hooked_post)
+            return batch_addmm(self.b_out, self.W_out, self.hook_post(post))  # [batch, pos, d_mlp]
         # [batch, pos, n_neuron_heads, d_model]
         result = self.hook_result(z * self.W_O.squeeze(1))
         out = result.sum(-2) + self.b_out
-        if hooked_post is not post:  # a hook edited post: its edit still reaches the output
-            out = out + (hooked_post - post) @ self.W_out
-        return out
+        correction = self._post_correction(post)  # an edit of post still reaches the output
+        return out if correction is None else out + correction @ self.W_out
 
     def extra_repr(self) -> str:
         c = self.coefficients
