@@ -32,7 +32,14 @@ def _in_place(edit):
     return hook
 
 
-@pytest.mark.parametrize("act_fn", ["silu", "gelu_new"])
+MODELS = {
+    "silu": dict(act_fn="silu"),
+    "gelu_new": dict(act_fn="gelu_new"),
+    "geglu": dict(act_fn="gelu_new", gated_mlp=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
 @pytest.mark.parametrize(
     "edit",
     [
@@ -42,8 +49,8 @@ def _in_place(edit):
     ],
     ids=["list-index", "int-index", "mul_"],
 )
-def test_key_edits_in_place_equal_returned_edits(act_fn, edit):
-    converted = convert(make_model(act_fn, torch.float64, normalization_type="LN"))
+def test_key_edits_in_place_equal_returned_edits(kind, edit):
+    converted = convert(make_model(dtype=torch.float64, normalization_type="LN", **MODELS[kind]))
     reference = converted(make_tokens())
     returned = _run(converted, "k", _returned(edit))
     in_place = _run(converted, "k", _in_place(edit))
@@ -59,9 +66,9 @@ def test_unedited_keys_change_nothing():
     assert torch.equal(_run(converted, "k", lambda k, hook: None), reference)
 
 
-@pytest.mark.parametrize("act_fn", ["silu", "gelu_new"])
-def test_post_edits_in_place_reach_the_output_with_neuron_results(act_fn):
-    converted = convert(make_model(act_fn, torch.float64, normalization_type="LN"))
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_post_edits_in_place_reach_the_output_with_neuron_results(kind):
+    converted = convert(make_model(dtype=torch.float64, normalization_type="LN", **MODELS[kind]))
     converted.set_use_neuron_result(True)
 
     def edit(post):
