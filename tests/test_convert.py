@@ -148,8 +148,6 @@ def test_unconvertible_models_refused_before_any_work():
         model = make_model(**overrides)
         with pytest.raises(error, match="upported"):
             convert(model)
-    with pytest.raises(ValueError, match="attention-only"):
-        convert(HookedTransformer(make_config("silu", n_layers=1, attn_only=True)))
     with pytest.raises(ValueError, match="form"):
         convert(make_model(), form="dense")
 

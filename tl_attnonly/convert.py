@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal, Optional
 
 from transformer_lens import HookedEncoder, HookedTransformer
@@ -71,6 +72,14 @@ def convert(
         raise TypeError(
             f"Unexpected options for the structured form: {sorted(literal_kwargs)} (these belong "
             "to form='literal')."
+        )
+    if model.cfg.attn_only:
+        warnings.warn(
+            "The model is attention-only already (cfg.attn_only=True): it has no MLP neurons, so "
+            "convert() returns an AttnOnlyTransformer copy with zero neuron-heads and the same "
+            "outputs.",
+            UserWarning,
+            stacklevel=2,
         )
     return _convert_structured(model, options)
 

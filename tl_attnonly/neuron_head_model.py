@@ -90,6 +90,8 @@ class NeuronHeadModelMixin:
         :func:`~tl_attnonly.components.neuron_heads_for`).
         """
         self.conversion = conversion
+        if self.cfg.attn_only:  # no MLPs: zero neuron-heads, the model as TL builds it
+            return
         coefficients = _PENDING_COEFFICIENTS.get() or conversion.coefficients(self.cfg.act_fn)
         for block in self.blocks:
             neuron_heads = neuron_heads_for(block.mlp, coefficients)
@@ -117,18 +119,20 @@ class NeuronHeadModelMixin:
     # ------------------------------------------------------------------ neuron-head state
     @property
     def neuron_heads(self) -> list[NeuronHeadBase]:
-        """The neuron-head module of every layer (``blocks[l].mlp``)."""
+        """The neuron-head module of every layer (``blocks[l].mlp``); empty if ``attn_only``."""
+        if self.cfg.attn_only:
+            return []
         return [block.mlp for block in self.blocks]  # type: ignore[misc]
 
     @property
     def n_heads_per_neuron(self) -> int:
-        """Heads per MLP neuron (K)."""
-        return self.neuron_heads[0].n_heads_per_neuron
+        """Heads per MLP neuron (K); 0 for an attention-only config (no neurons)."""
+        return self.neuron_heads[0].n_heads_per_neuron if self.neuron_heads else 0
 
     @property
     def n_neuron_heads(self) -> int:
-        """Neuron-heads per layer: ``d_mlp * K``."""
-        return self.neuron_heads[0].n_neuron_heads
+        """Neuron-heads per layer: ``d_mlp * K``; 0 for an attention-only config."""
+        return self.neuron_heads[0].n_neuron_heads if self.neuron_heads else 0
 
     def set_use_neuron_result(self, use_neuron_result: bool) -> None:
         """Compute and hook per-neuron-head results ``[batch, pos, n_neuron_heads, d_model]``.
@@ -141,8 +145,11 @@ class NeuronHeadModelMixin:
 
     @property
     def coefficients(self):
-        """The :class:`~tl_attnonly.activations.NeuronHeadCoefficients` every neuron uses."""
-        return self.neuron_heads[0].coefficients
+        """The :class:`~tl_attnonly.activations.NeuronHeadCoefficients` every neuron uses.
+
+        ``None`` for an attention-only config (``attn_only=True``: no neurons).
+        """
+        return self.neuron_heads[0].coefficients if self.neuron_heads else None
 
     def check_hooks_to_add(
         self, hook_point, hook_point_name, hook, dir="fwd", is_permanent=False, prepend=False
@@ -171,6 +178,8 @@ class NeuronHeadModelMixin:
         return out
 
     def _warn_if_overflows(self, dtype: torch.dtype) -> None:
+        if self.coefficients is None:
+            return
         message = overflow_warning(self.coefficients, dtype)
         if message is not None:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -201,7 +210,7 @@ class NeuronHeadModelMixin:
             conversion = {
                 "model_class": type(self).__name__,
                 "options": self.conversion.to_dict(),
-                "coefficients": self.coefficients.to_dict(),
+                "coefficients": None if self.coefficients is None else self.coefficients.to_dict(),
                 "tl_attnonly_version": _version(),
             }
             (tmp / CONVERSION_FILE).write_text(json.dumps(conversion, indent=2))
@@ -246,7 +255,7 @@ class NeuronHeadModelMixin:
             )
         options = ConversionOptions.from_dict(conversion["options"])
         coefficients = None
-        if "coefficients" in conversion:
+        if conversion.get("coefficients") is not None:
             coefficients = NeuronHeadCoefficients.from_dict(conversion["coefficients"])
             _check_saved_coefficients(cfg_dict.get("act_fn"), options, coefficients, directory)
         tokenizer = None

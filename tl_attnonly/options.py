@@ -93,6 +93,9 @@ def check_convertible(
 ) -> None:
     """Refuse, before anything is built or copied, a model the conversion cannot represent.
 
+    An attention-only config (``attn_only=True``) passes for the structured form: it has no
+    neurons, so its attention-only form is the model itself, with zero neuron-heads.
+
     Args:
         cfg: The config of the model to convert.
         options: The conversion options.
@@ -101,16 +104,19 @@ def check_convertible(
             the stricter literal form.
 
     Raises:
-        ValueError: No MLPs (``attn_only``), or an activation that is not supported.
+        ValueError: An activation that is not supported; an attention-only model for the
+            literal form.
         NotImplementedError: An MLP class or option the form cannot represent (named).
     """
     if form not in ("structured", "literal"):
         raise ValueError(f"form must be 'structured' or 'literal', got {form!r}.")
     supported = ", ".join(SUPPORTED_ACTIVATIONS)
     if cfg.attn_only:
+        if form == "structured":
+            return  # no MLPs: nothing to convert, built exactly like the HookedTransformer
         raise ValueError(
-            "This model is already attention-only (cfg.attn_only=True): it has no MLP neurons to "
-            "convert."
+            "This model is already attention-only (cfg.attn_only=True): it has no MLP neurons for "
+            "the literal form to convert; tl_attnonly.convert(model) returns a copy."
         )
     mlp_class = tl_mlp_class_name(cfg)
     if cfg.load_in_4bit:
