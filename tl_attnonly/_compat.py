@@ -30,6 +30,7 @@ from transformer_lens.utilities.activation_functions import (
 )
 from transformer_lens.utilities.activation_functions import softcap_enabled
 from transformer_lens.utilities.addmm import batch_addmm
+from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
 
 #: torch's per-module hook dictionaries (private attributes of ``nn.Module``).
 _TORCH_HOOK_DICTS = (
@@ -92,6 +93,7 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
 
 
 __all__ = [
+    "POST_NORM_ARCHITECTURES",
     "TL_ACTIVATIONS",
     "CanBeUsedAsMLP",
     "batch_addmm",

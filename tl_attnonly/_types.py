@@ -4,6 +4,7 @@
 * :data:`HeadsLike`: a selection of head indices.
 * :data:`Kinds` and :func:`check_kinds`: which kinds of head (``"attn"``, ``"neuron"``).
 * :func:`require_neuron_heads`: refuse, with directions, a model that is not converted.
+* :func:`require_additive_residual`: refuse decompositions on post-norm models.
 """
 
 from __future__ import annotations
@@ -69,6 +70,45 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     )
 
 
+def require_additive_residual(model: object, what: str) -> None:
+    """Refuse ``what`` on a model whose residual stream is not a sum of head outputs.
+
+    A BERT-style encoder (post-LN: ``LN(resid + sublayer_out)``, embeddings through ``embed.ln``)
+    or a decoder that normalises each sublayer's output before adding it (OLMo 2/3,
+    ``use_normalization_before_and_after``) has no decomposition of the residual stream into head
+    results, so a decomposition or direct logit attribution would be wrong.
+
+    Raises:
+        NotImplementedError: Naming the model's kind and what works instead.
+    """
+    from transformer_lens import HookedEncoder
+
+    from tl_attnonly._compat import POST_NORM_ARCHITECTURES
+
+    cfg = model.cfg  # type: ignore[attr-defined]
+    if isinstance(model, HookedEncoder):
+        reason = (
+            "a BERT-style encoder normalises the residual stream after every sublayer "
+            "(LN(resid + attn_out), LN(resid_mid + mlp_out)) and after the embeddings"
+        )
+    elif cfg.use_normalization_before_and_after or (
+        cfg.original_architecture in POST_NORM_ARCHITECTURES
+    ):
+        reason = (
+            f"this model ({cfg.original_architecture or 'use_normalization_before_and_after'}) "
+            "normalises each sublayer's output before adding it to the residual stream"
+        )
+    else:
+        return
+    raise NotImplementedError(
+        f"{what} needs a residual stream that is a sum of head outputs, but {reason}, so it is "
+        "not one. What works: per-head results (stack_all_head_results without incl_remainder, "
+        "get_neuron_head_results), activation patching, and attribution_patch with a metric on "
+        "the output (for sentence embeddings: metric_input=the final hidden states, "
+        "patching_metric=pooled_cosine_metric(mask))."
+    )
+
+
 __all__ = [
     "HEAD_KINDS",
     "HeadKind",
@@ -76,5 +116,6 @@ __all__ = [
     "Kinds",
     "Metric",
     "check_kinds",
+    "require_additive_residual",
     "require_neuron_heads",
 ]

