@@ -28,7 +28,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import (
     SUPPORTED_ACTIVATIONS as TL_ACTIVATIONS,
 )
-from transformer_lens.utilities.activation_functions import softcap_enabled
+from transformer_lens.utilities.activation_functions import apply_softcap, softcap_enabled
 from transformer_lens.utilities.addmm import batch_addmm
 from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
 
@@ -95,6 +95,7 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
 __all__ = [
     "POST_NORM_ARCHITECTURES",
     "TL_ACTIVATIONS",
+    "apply_softcap",
     "CanBeUsedAsMLP",
     "batch_addmm",
     "convert_bert_weights",

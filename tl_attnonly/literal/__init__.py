@@ -50,13 +50,13 @@ Modules: :mod:`~tl_attnonly.literal.layout` (the augmented residual stream),
 :mod:`~tl_attnonly.literal.theorems` (one function per theorem), :mod:`~tl_attnonly.literal.modules`
 (partial norm, neuron layer, block), :mod:`~tl_attnonly.literal.transformer`
 (:class:`LiteralTransformer`), :mod:`~tl_attnonly.literal.build` (:func:`to_literal` and its
-checks) and :mod:`~tl_attnonly.literal.omega` (how large omega must be; the error table).
+checks), :mod:`~tl_attnonly.literal.support` (every config field: built or refused) and
+:mod:`~tl_attnonly.literal.omega` (how large omega must be; the error table).
 """
 
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal.build import (
     assemble_sublayer,
-    check_literal_supported,
     sublayer_head_counts,
     to_literal,
 )
@@ -75,6 +75,7 @@ from tl_attnonly.literal.omega import (
     omega_requirement,
     omega_warnings,
 )
+from tl_attnonly.literal.support import CONFIG_AUDIT, check_literal_supported
 from tl_attnonly.literal.theorems import (
     NeuronHeadWeights,
     SublayerHeads,
@@ -90,6 +91,7 @@ from tl_attnonly.literal.theorems import (
 from tl_attnonly.literal.transformer import LiteralTransformer, neuron_pattern_compact
 
 __all__ = [
+    "CONFIG_AUDIT",
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_OMEGA",
     "SHARED_NEURON_HOOKS",

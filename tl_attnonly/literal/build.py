@@ -18,7 +18,7 @@ from transformer_lens.components import (
     RMSNormPre,
 )
 
-from tl_attnonly._compat import rotary_base, softcap_enabled
+from tl_attnonly._compat import rotary_base
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal.layout import (
     DEFAULT_BUDGET_BYTES,
@@ -29,6 +29,7 @@ from tl_attnonly.literal.layout import (
 )
 from tl_attnonly.literal.modules import LiteralBlock, LiteralNeuronLayer, PartialNorm
 from tl_attnonly.literal.omega import DEFAULT_OMEGA, omega_warnings
+from tl_attnonly.literal.support import check_literal_supported
 from tl_attnonly.literal.theorems import (
     SublayerHeads,
     _folded,
@@ -61,55 +62,6 @@ def _norm_parts(norm: nn.Module) -> tuple[Tensor | None, Tensor | None, bool | N
 def _partial_norm(norm: nn.Module, d_model: int, eps: float) -> nn.Module:
     center = _norm_parts(norm)[2]
     return nn.Identity() if center is None else PartialNorm(d_model, eps, center)
-
-
-def check_literal_supported(model: HookedTransformer) -> None:
-    """Refuse, before building, a model the literal form cannot represent exactly.
-
-    Supported: LN, LNPre, RMS, RMSPre or no norm; learned ("standard") or rotary positions;
-    causal or bidirectional attention; grouped-query attention (expanded to full heads); any
-    activation with neuron-head coefficients.
-
-    Raises:
-        NotImplementedError: naming the unsupported feature.
-        ValueError: For an attention-only model (nothing to convert).
-    """
-    cfg = model.cfg
-    if cfg.attn_only:
-        raise ValueError("The model is attention-only already (cfg.attn_only=True).")
-    if cfg.positional_embedding_type not in ("standard", "rotary"):
-        raise NotImplementedError(
-            f"positional_embedding_type={cfg.positional_embedding_type!r} is not supported by the "
-            "literal form (supported: 'standard' learned positions and 'rotary')."
-        )
-    refused = {
-        "parallel_attn_mlp": (
-            "parallel attention + MLP (GPT-J/NeoX): the literal form's MLP sublayers read the "
-            "residual stream after the attention sublayer has written to it"
-        ),
-        "use_qk_norm": "query/key normalisation is not part of plain attention",
-        "use_local_attn": "local (windowed) attention",
-        "use_attention_sinks": "learned attention sinks",
-        "use_logn_attn": "log-n query scaling",
-        "use_dynamic_ntk_rope": "dynamic NTK rotary scaling",
-        "use_normalization_before_and_after": "norms after the sublayers",
-        "post_embedding_ln": "a norm after the embedding",
-    }
-    for flag, why in refused.items():
-        if getattr(cfg, flag, False):
-            raise NotImplementedError(
-                f"cfg.{flag}=True is not supported by the literal form: {why}."
-            )
-    if softcap_enabled(cfg.attn_scores_soft_cap):
-        raise NotImplementedError("Attention score soft-capping is not plain softmax attention.")
-    if cfg.clip_qkv is not None:
-        raise NotImplementedError("cfg.clip_qkv (clamped q/k/v) is not plain attention.")
-    if cfg.normalization_type not in ("LN", "LNPre", "RMS", "RMSPre", None):
-        raise NotImplementedError(f"normalization_type={cfg.normalization_type!r}")
-    if cfg.act_fn is not None and cfg.act_fn.endswith("_ln"):
-        raise NotImplementedError(
-            f"act_fn={cfg.act_fn!r} (a norm inside the MLP) is not supported."
-        )
 
 
 def sublayer_head_counts(

@@ -13,6 +13,7 @@ from transformer_lens.components import Unembed
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import lm_cross_entropy_loss
 
+from tl_attnonly._compat import apply_softcap
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal.layout import LiteralBudgetError, ResidualLayout
 from tl_attnonly.literal.modules import LiteralBlock
@@ -198,6 +199,8 @@ class LiteralTransformer(HookedRootModule):
             return None
         real = resid[:, 1:, self.layout.model_dims]
         logits = self.unembed(self.ln_final(real))  # [batch, pos, d_vocab]
+        # TransformerLens's output soft cap (Gemma 2), applied after the unembedding as there
+        logits = apply_softcap(logits, self.cfg.output_logits_soft_cap)
         if return_type == "logits":
             return logits
         loss = lm_cross_entropy_loss(logits, tokens, per_token=loss_per_token)
