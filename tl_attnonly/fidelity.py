@@ -36,6 +36,7 @@ from jaxtyping import Float
 from transformer_lens import HookedEncoder
 
 from tl_attnonly.encoder import convert_encoder
+from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.minilm import DEFAULT_MAX_LENGTH, encode_sentences, tokenize
 from tl_attnonly.options import ConversionOptions
 
@@ -287,7 +288,7 @@ def preactivation_stats(
         position = torch.arange(real.shape[1], device=device).expand_as(real)
         is_cls.append(position[real] == 0)
         for layer in range(n_layers):
-            pres[layer].append(cache[f"blocks.{layer}.mlp.hook_pre"][real].double())
+            pres[layer].append(cache[neuron_act_name("pre", layer)][real].double())
     cls = torch.cat(is_cls)
     records = []
     for layer in range(n_layers):

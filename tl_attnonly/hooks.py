@@ -46,13 +46,50 @@ def neuron_act_name(kind: str, layer: int) -> str:
     Returns:
         E.g. ``neuron_act_name("pattern", 3) == "blocks.3.mlp.hook_pattern"``.
     """
+    return _hook_name(layer, "mlp", neuron_hook_kind(kind))
+
+
+def neuron_hook_kind(kind: str) -> str:
+    """The neuron-head hook that ``kind`` names, aliases resolved (``"scores"``: ``attn_scores``).
+
+    Raises:
+        ValueError: For a kind that no neuron-head hook has.
+    """
     kind = _ALIASES.get(kind, kind)
     if kind not in NEURON_HOOK_SHAPES:
         raise ValueError(
             f"Unknown neuron-head activation {kind!r}; expected one of "
             f"{sorted(NEURON_HOOK_SHAPES)}."
         )
-    return f"blocks.{layer}.mlp.hook_{kind}"
+    return kind
+
+
+def head_act_name(kind: str, layer: int, head_kind: str) -> str:
+    """Hook name of a per-head activation of either kind of head.
+
+    Args:
+        kind: The activation (``"z"``, ``"q"``, ``"v"``, ``"pattern"``, ...).
+        layer: Layer index.
+        head_kind: ``"attn"`` (``blocks.{layer}.attn``) or ``"neuron"`` (``blocks.{layer}.mlp``).
+
+    Returns:
+        E.g. ``head_act_name("z", 2, "neuron") == "blocks.2.mlp.hook_z"``.
+    """
+    if head_kind == "neuron":
+        return neuron_act_name(kind, layer)
+    if head_kind != "attn":
+        raise ValueError(f"head_kind must be 'attn' or 'neuron', got {head_kind!r}.")
+    return _hook_name(layer, "attn", _ALIASES.get(kind, kind))
+
+
+def block_act_name(kind: str, layer: int) -> str:
+    """Hook name of a block-level activation: ``block_act_name("resid_post", 3)``."""
+    return _hook_name(layer, "", kind)
+
+
+def _hook_name(layer: int, sublayer: str, kind: str) -> str:
+    """``blocks.{layer}.{sublayer}.hook_{kind}`` (no sublayer: ``blocks.{layer}.hook_{kind}``)."""
+    return f"blocks.{layer}.{sublayer + '.' if sublayer else ''}hook_{kind}"
 
 
 def neuron_head_hook_names(layer: int) -> list[str]:
@@ -138,6 +175,11 @@ class HeadRef(NamedTuple):
         if self.kind == "attn":
             return attn_head_label(self.layer, self.head)
         return neuron_head_label(self.layer, self.head, n_heads_per_neuron)
+
+    def act_name(self, kind: str) -> str:
+        """Hook name of this head's activation ``kind``: ``HeadRef("neuron", 2, 7).act_name("z")``
+        is ``"blocks.2.mlp.hook_z"`` (index the head axis with ``self.head``)."""
+        return head_act_name(kind, self.layer, self.kind)
 
 
 def attn_head_label(layer: int, head: int) -> str:
@@ -297,7 +339,7 @@ def neuron_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) 
     """
     if not kinds:
         raise ValueError("Name at least one kind, e.g. neuron_names_filter('pattern').")
-    kinds_full = [neuron_act_name(kind, 0).rsplit("hook_", 1)[1] for kind in kinds]
+    kinds_full = [neuron_hook_kind(kind) for kind in kinds]
     layer_set = _layer_set(layers)
     return NamesFilter([("mlp", kind, layer_set) for kind in kinds_full])
 

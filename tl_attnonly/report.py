@@ -22,7 +22,12 @@ from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from tl_attnonly._types import require_neuron_heads
-from tl_attnonly.hooks import NEURON_HOOK_SHAPES, neuron_act_name, neuron_head_label
+from tl_attnonly.hooks import (
+    NEURON_HOOK_SHAPES,
+    head_names_filter,
+    neuron_act_name,
+    neuron_head_label,
+)
 from tl_attnonly.vis import (
     BIAS_TOKEN,
     NeuronHeadView,
@@ -221,7 +226,7 @@ def _patching(converted: Any, tokens: torch.Tensor, corrupted_prompt: str | None
         return logprobs.gather(-1, clean_ids.unsqueeze(-1)).mean()
 
     n_layers = converted.cfg.n_layers
-    z_names = {f"blocks.{lay}.{sub}.hook_z" for lay in range(n_layers) for sub in ("attn", "mlp")}
+    z_names = set(head_names_filter("z").resolve(converted))
     with torch.inference_mode():
         _, clean_cache = converted.run_with_cache(tokens, names_filter=lambda n: n in z_names)
     scores, _ = attribution_patch(converted, clean_cache, corrupted, metric)

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import Metric, check_kinds, require_neuron_heads
-from tl_attnonly.hooks import all_head_refs, head_labels
+from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels
 
 #: Activations attribution patching supports, and where their head axis is.
 ATTRIBUTION_KINDS = {"z": 2, "v": 2, "q": 2, "pattern": 1}
@@ -42,7 +42,7 @@ def _names(model, kind: str, kinds: Sequence[str]) -> list[tuple[str, str, int]]
                 "use activation_name='z' or kinds=('neuron',)."
             )
         for li in range(model.cfg.n_layers):
-            out.append((sub, f"blocks.{li}.{'attn' if sub == 'attn' else 'mlp'}.hook_{kind}", li))
+            out.append((sub, head_act_name(kind, li, sub), li))
     return out
 
 

@@ -31,7 +31,7 @@ from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds, require_additive_residual, require_neuron_heads
-from tl_attnonly.hooks import neuron_act_name, neuron_head_label
+from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
 STACK_BUDGET = 2 * 2**30
@@ -212,11 +212,11 @@ def get_attn_head_results(
     ``blocks.{layer}.attn.hook_result`` instead if it was cached (``use_attn_result``).
     """
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
-    name = f"blocks.{layer}.attn.hook_result"
+    name = head_act_name("result", layer, "attn")
     cached = cache.cache_dict.get(name)
     if cached is not None and cached.ndim >= 3 and cached.shape[-2] == cache.model.cfg.n_heads:
         return pos_slice.apply(cached, dim=-3)
-    z = pos_slice.apply(cache[f"blocks.{layer}.attn.hook_z"], dim=-3)  # [..., head, d_head]
+    z = pos_slice.apply(cache[head_act_name("z", layer, "attn")], dim=-3)  # [..., head, d_head]
     W_O = cache.model.blocks[layer].attn.W_O  # [head, d_head, d_model]
     return torch.einsum("...hd,hdm->...hm", z, W_O)
 

@@ -38,6 +38,7 @@ from tl_attnonly.hooks import (
     all_head_refs,
     head_labels,
     neuron_act_name,
+    neuron_hook_kind,
     parse_head_label,
 )
 
@@ -115,7 +116,7 @@ def neuron_head_patch_index(
         n_pos: Number of positions (for ``positions=None``).
     """
     require_neuron_heads(model)
-    kind = neuron_act_name(activation_name, 0).rsplit("hook_", 1)[1]
+    kind = neuron_hook_kind(activation_name)
     if kind not in VECTOR_KINDS + PATTERN_KINDS:
         raise ValueError(
             f"Cannot patch neuron-head {activation_name!r}: choose one of "
@@ -196,7 +197,7 @@ def get_act_patch_neuron_heads(
         positions=positions,
         n_pos=corrupted_tokens.shape[-1],
     )
-    kind = neuron_act_name(activation_name, 0).rsplit("hook_", 1)[1]
+    kind = neuron_hook_kind(activation_name)
     if kind == "result" and not model.neuron_heads[0].use_neuron_result:
         raise ValueError(
             "Patching neuron-head results needs model.set_use_neuron_result(True) (and a clean "
@@ -330,9 +331,9 @@ def get_act_patch_all_heads(
     refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
     patches = []
     for ref in refs:
-        sub = "attn" if ref.kind == "attn" else "mlp"
-        name = f"blocks.{ref.layer}.{sub}.hook_z"
-        patches.append([(name, _bind(layer_head_vector_patch_setter, [ref.layer, ref.head]))])
+        patches.append(
+            [(ref.act_name("z"), _bind(layer_head_vector_patch_setter, [ref.layer, ref.head]))]
+        )
     scores = run_patches(
         model, corrupted_tokens, clean_cache, patching_metric, patches,
         patches_per_pass=patches_per_pass, progress=progress,

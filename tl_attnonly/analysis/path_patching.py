@@ -35,7 +35,9 @@ from tl_attnonly._types import Metric, require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
+    block_act_name,
     exact_names_filter,
+    head_act_name,
     head_labels,
     head_names_filter,
     parse_head_label,
@@ -95,21 +97,16 @@ def _receiver_hooks(model, receivers: Sequence[Receiver]) -> dict[str, list[int]
     out: dict[str, list[int]] = {}
     for rec in receivers:
         if rec.head is None:
-            out.setdefault(f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", [])
+            out.setdefault(block_act_name("resid_post", model.cfg.n_layers - 1), [])
             continue
-        sub = "attn" if rec.head.kind == "attn" else "mlp"
         for inp in rec.inputs:
             head = rec.head.head
             if rec.head.kind == "attn" and inp in "kv":
                 head //= group
-            heads = out.setdefault(f"blocks.{rec.head.layer}.{sub}.hook_{inp}", [])
+            heads = out.setdefault(rec.head.act_name(inp), [])
             if head not in heads:
                 heads.append(head)
     return out
-
-
-def _z_name(kind: str, layer: int) -> str:
-    return f"blocks.{layer}.{'attn' if kind == 'attn' else 'mlp'}.hook_z"
 
 
 def path_patch_caches(
@@ -119,7 +116,7 @@ def path_patch_caches(
 ) -> tuple[ActivationCache, ActivationCache]:
     """The clean and corrupted caches path patching needs: every head's ``z``, the final resid."""
     names = head_names_filter("z") | exact_names_filter(
-        f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+        block_act_name("resid_post", model.cfg.n_layers - 1)
     )
     with torch.no_grad():
         _, clean = model.run_with_cache(clean_tokens, names_filter=names)
@@ -151,7 +148,7 @@ def _path_patch_runs(
 
     def freeze(kind: str, layer: int):
         mask = masks[kind][:, layer]  # [copies, heads]
-        name = _z_name(kind, layer)
+        name = head_act_name("z", layer, kind)
         clean, corrupted = clean_cache[name], corrupted_cache[name]
 
         def hook(z, hook):
@@ -174,7 +171,7 @@ def _path_patch_runs(
         model.run_with_hooks(tokens, fwd_hooks=step1)
 
     # step 2: free run, receivers' inputs replaced
-    final = f"blocks.{n_layers - 1}.hook_resid_post"
+    final = block_act_name("resid_post", n_layers - 1)
 
     def patch(name: str, heads: list[int]):
         def hook(act, hook):
