@@ -19,13 +19,14 @@ from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder  # noqa: E402
 from tl_attnonly.hooks import dense_neuron_pattern, neuron_act_name  # noqa: E402
 from tl_attnonly.literal import LiteralTransformer, to_literal  # noqa: E402
 from tl_attnonly.model import AttnOnlyTransformer  # noqa: E402
-from tl_attnonly.options import ConversionOptions  # noqa: E402
+from tl_attnonly.options import ConversionOptions, LiteralOptions  # noqa: E402
 
 __all__ = [
     "__version__",
     "AttnOnlyEncoder",
     "AttnOnlyTransformer",
     "ConversionOptions",
+    "LiteralOptions",
     "GatedNeuronHeadMLP",
     "NEURON_HEAD_HOOKS",
     "NeuronHeadCoefficients",

@@ -10,12 +10,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, Union
+from typing import Literal, Protocol, Union
 
 import torch
 from jaxtyping import Float
 
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
+
+class CoefficientsLike(Protocol):
+    """Per-head neuron-head coefficients (:class:`~tl_attnonly.NeuronHeadCoefficients` or any
+    object with these five sequences, one entry per head)."""
+
+    @property
+    def b(self) -> Sequence[float]: ...
+    @property
+    def d(self) -> Sequence[float]: ...
+    @property
+    def f(self) -> Sequence[float]: ...
+    @property
+    def e(self) -> Sequence[float]: ...
+    @property
+    def g(self) -> Sequence[float]: ...
+
 
 #: A patching metric: logits ``[batch, pos, d_vocab]`` -> a scalar.
 Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
@@ -111,6 +128,7 @@ def require_additive_residual(model: object, what: str) -> None:
 
 __all__ = [
     "HEAD_KINDS",
+    "CoefficientsLike",
     "HeadKind",
     "HeadsLike",
     "Kinds",

@@ -3,25 +3,61 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
 
 from transformer_lens import HookedEncoder, HookedTransformer
 
 from tl_attnonly.model import AttnOnlyTransformer
-from tl_attnonly.neuron_head_model import _options
-from tl_attnonly.options import ConversionOptions, check_convertible
+from tl_attnonly.options import ConversionOptions, LiteralOptions, check_convertible
+
+if TYPE_CHECKING:
+    from tl_attnonly.encoder import AttnOnlyEncoder
+    from tl_attnonly.literal import LiteralTransformer
 
 
+@overload
 def convert(
     model: HookedTransformer,
+    *,
+    form: Literal["structured"] = "structured",
+    conversion: Optional[ConversionOptions] = None,
+    n_heads_per_neuron: Optional[int] = None,
+    relu_k: Optional[float] = None,
+    gelu_method: Optional[str] = None,
+) -> AttnOnlyTransformer: ...
+@overload
+def convert(
+    model: HookedEncoder,
+    *,
+    form: Literal["structured"] = "structured",
+    conversion: Optional[ConversionOptions] = None,
+    n_heads_per_neuron: Optional[int] = None,
+    relu_k: Optional[float] = None,
+    gelu_method: Optional[str] = None,
+) -> AttnOnlyEncoder: ...
+@overload
+def convert(
+    model: HookedTransformer,
+    *,
+    form: Literal["literal"],
+    conversion: Optional[ConversionOptions] = None,
+    n_heads_per_neuron: Optional[int] = None,
+    relu_k: Optional[float] = None,
+    gelu_method: Optional[str] = None,
+    literal: Optional[LiteralOptions] = None,
+    **literal_kwargs: Any,
+) -> LiteralTransformer: ...
+def convert(
+    model: Union[HookedTransformer, HookedEncoder],
     *,
     form: Literal["structured", "literal"] = "structured",
     conversion: Optional[ConversionOptions] = None,
     n_heads_per_neuron: Optional[int] = None,
     relu_k: Optional[float] = None,
     gelu_method: Optional[str] = None,
+    literal: Optional[LiteralOptions] = None,
     **literal_kwargs: Any,
-):
+) -> Union[AttnOnlyTransformer, AttnOnlyEncoder, LiteralTransformer]:
     """Rewrite every MLP neuron of ``model`` as attention heads (Huben & Morris 2023, Thm. 6).
 
     The original model is not modified: the result has its own copy of the weights (the tokenizer
@@ -38,7 +74,10 @@ def convert(
         n_heads_per_neuron: Heads per GELU-family neuron (see :class:`ConversionOptions`).
         relu_k: Sharpness of the ReLU approximation.
         gelu_method: ``"fit"`` or ``"paper"``.
-        **literal_kwargs: Options of the literal form (``omega``, ``layout``, ...).
+        literal: Options of the literal form (:class:`~tl_attnonly.LiteralOptions`); or give them
+            one by one:
+        **literal_kwargs: Fields of :class:`~tl_attnonly.LiteralOptions` (``omega``,
+            ``layout``, ...), replacing those of ``literal``.
 
     Returns:
         The converted model.
@@ -51,8 +90,11 @@ def convert(
         >>> logits, cache = converted.run_with_cache(tokens)
         >>> cache["blocks.0.mlp.hook_pattern"].shape  # [batch, n_neuron_heads, pos, 2]
     """
-    options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
-    if isinstance(model, HookedEncoder) and form == "structured" and not literal_kwargs:
+    options = (conversion or ConversionOptions()).with_overrides(
+        n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
+    )
+    literal_given = literal is not None or bool(literal_kwargs)
+    if isinstance(model, HookedEncoder) and form == "structured" and not literal_given:
         from tl_attnonly.encoder import convert_encoder
 
         return convert_encoder(model, conversion=options)
@@ -65,13 +107,13 @@ def convert(
     if form == "literal":
         from tl_attnonly.literal import to_literal
 
-        return to_literal(model, conversion=options, **literal_kwargs)
+        return to_literal(model, literal, conversion=options, **literal_kwargs)
     if form != "structured":
         raise ValueError(f"form must be 'structured' or 'literal', got {form!r}.")
-    if literal_kwargs:
+    if literal_given:
+        given = sorted(literal_kwargs) or ["literal"]
         raise TypeError(
-            f"Unexpected options for the structured form: {sorted(literal_kwargs)} (these belong "
-            "to form='literal')."
+            f"Unexpected options for the structured form: {given} (these belong to form='literal')."
         )
     if model.cfg.attn_only:
         warnings.warn(

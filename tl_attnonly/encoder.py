@@ -25,7 +25,6 @@ from transformer_lens import HookedEncoder, HookedTransformerConfig
 
 from tl_attnonly.neuron_head_model import (
     NeuronHeadModelMixin,
-    _options,
     pending_options,
     resolve_options,
 )
@@ -107,7 +106,9 @@ class AttnOnlyEncoder(NeuronHeadModelMixin, HookedEncoder):
             gelu_method: See :class:`ConversionOptions`.
             **tl_kwargs: Passed to ``HookedEncoder.from_pretrained`` (``device``, ``dtype``, ...).
         """
-        options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
+        options = (conversion or ConversionOptions()).with_overrides(
+            n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
+        )
         with pending_options(options), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
@@ -156,6 +157,8 @@ def convert_encoder(
             f"{type(model).__name__}. For decoder models (HookedTransformer) use "
             "tl_attnonly.convert()."
         )
-    options = _options(conversion, n_heads_per_neuron, relu_k, gelu_method)
+    options = (conversion or ConversionOptions()).with_overrides(
+        n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
+    )
     check_convertible(model.cfg, options, form="structured")
     return AttnOnlyEncoder._converted_copy(model, options)

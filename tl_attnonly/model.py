@@ -17,7 +17,6 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from tl_attnonly.neuron_head_model import (
     NeuronHeadModelMixin,
-    _options,
     pending_options,
     resolve_options,
 )
@@ -97,7 +96,11 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
             **tl_kwargs: Passed to ``HookedTransformer.from_pretrained`` (``fold_ln``,
                 ``device``, ``dtype``, ...).
         """
-        with pending_options(_options(conversion, n_heads_per_neuron, relu_k, gelu_method)):
+        with pending_options(
+            (conversion or ConversionOptions()).with_overrides(
+                n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
+            )
+        ):
             return super().from_pretrained(model_name, **tl_kwargs)
 
     def to_hooked_transformer(self) -> HookedTransformer:

@@ -283,24 +283,6 @@ class NeuronHeadModelMixin:
         return model.to(device, print_details=False)
 
 
-def _options(
-    conversion: Optional[ConversionOptions],
-    n_heads_per_neuron: Optional[int],
-    relu_k: Optional[float],
-    gelu_method: Optional[str],
-) -> ConversionOptions:
-    """Merge a ConversionOptions with individually given options (the latter win)."""
-    options = conversion or ConversionOptions()
-    changes: dict[str, Any] = {}
-    if n_heads_per_neuron is not None:
-        changes["n_heads_per_neuron"] = n_heads_per_neuron
-    if relu_k is not None:
-        changes["relu_k"] = relu_k
-    if gelu_method is not None:
-        changes["gelu_method"] = gelu_method
-    return dataclasses.replace(options, **changes)
-
-
 def _check_saved_coefficients(
     act_fn: Optional[str],
     options: ConversionOptions,

@@ -1,14 +1,15 @@
-"""Conversion options: how MLP neurons are turned into neuron-heads.
+"""Options: how MLP neurons are turned into neuron-heads, and how the literal form is built.
 
-The options are small, frozen and JSON-serialisable, so a converted model can be saved and rebuilt
-exactly (:meth:`tl_attnonly.AttnOnlyTransformer.save_pretrained`).
+:class:`ConversionOptions` are small, frozen and JSON-serialisable, so a converted model can be
+saved and rebuilt exactly (:meth:`tl_attnonly.AttnOnlyTransformer.save_pretrained`).
+:class:`LiteralOptions` are the options of :func:`tl_attnonly.literal.to_literal`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from transformer_lens import HookedTransformerConfig
@@ -21,6 +22,9 @@ from tl_attnonly.activations import (
     head_coefficients,
     max_score_magnitude,
 )
+
+if TYPE_CHECKING:
+    from tl_attnonly._types import CoefficientsLike
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,30 @@ class ConversionOptions:
             gelu_method=self.gelu_method,
         )
 
+    def with_overrides(
+        self,
+        n_heads_per_neuron: Optional[int] = None,
+        relu_k: Optional[float] = None,
+        gelu_method: Optional[str] = None,
+        fused: Optional[bool] = None,
+    ) -> ConversionOptions:
+        """A copy with the options that are given (not ``None``) replaced.
+
+        This is how ``convert(model, conversion=..., relu_k=...)`` and the ``from_pretrained``
+        methods merge an options object with options given one by one (the latter win).
+
+        Example:
+            >>> ConversionOptions(relu_k=50).with_overrides(n_heads_per_neuron=2)
+            ConversionOptions(n_heads_per_neuron=2, relu_k=50, gelu_method='fit', fused=True)
+        """
+        changes = {
+            "n_heads_per_neuron": n_heads_per_neuron,
+            "relu_k": relu_k,
+            "gelu_method": gelu_method,
+            "fused": fused,
+        }
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (see :meth:`from_dict`)."""
         return dataclasses.asdict(self)
@@ -70,6 +98,78 @@ class ConversionOptions:
     def from_dict(cls, d: dict[str, Any]) -> ConversionOptions:
         """Inverse of :meth:`to_dict`; unknown keys raise ``TypeError``."""
         return cls(**d)
+
+
+#: Layouts of the literal form: ``"neuron"`` (Theorems 3, 6) or ``"split"`` (Theorems 7, 8).
+LayoutName = Literal["neuron", "split"]
+#: How the literal form masks: in the weights (Theorem 9), or with ordinary masks.
+MaskOption = Literal["omega", "ordinary", "causal_ordinary"]
+#: Default memory budget (bytes) for the literal model's weights and for one input's patterns.
+DEFAULT_BUDGET_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class LiteralOptions:
+    """How :func:`tl_attnonly.literal.to_literal` builds the literal attention-only form.
+
+    Attributes:
+        omega: Penalty for disallowed (query, key) pairs; ``None``: the default
+            (:data:`tl_attnonly.literal.DEFAULT_OMEGA`, 1e4). A warning says when it overflows
+            ``dtype`` or is too small for ``tol``.
+        layout: ``"neuron"``: per layer the model's attention sublayer and one sublayer of
+            ``d_mlp * K`` neuron-heads (Theorems 3 and 6). ``"split"``: the post's four sublayers
+            per layer: attention, ``W_in`` heads (Theorem 7), activation heads (Theorem 8),
+            ``W_out`` heads (Theorem 7) that also clear the hidden coordinates.
+        mask: ``"omega"``: every mask (causal, self + bias token, self only) written into the
+            weights (Theorem 9); the attention has no mask at all. ``"causal_ordinary"``: the
+            model's own causal mask is an ordinary mask, the rest as ``"omega"``.
+            ``"ordinary"``: every mask an ordinary ``-inf`` mask (exact; no omega).
+        coefficients: Per-head ``b, d, f, e, g`` to use instead of those of the conversion
+            options.
+        max_len: Longest input; sets the ``1 + max_len`` one-hot position coordinates
+            (``None``: ``cfg.n_ctx``).
+        dtype: Dtype of the result (``None``: the model's). Built in float64, then cast.
+        tol: Attention mass allowed to leak to masked keys, for the omega warning (``None``: the
+            dtype's rounding unit).
+        linear_d_head: Internal dimension of the linear-map heads (split layout; ``None``:
+            ``cfg.d_head``).
+        budget_bytes: Refuse to build weights, or to run inputs whose patterns, exceed this.
+        use_attn_result: Materialise per-head results (``hook_result``) in every sublayer.
+    """
+
+    omega: Optional[float] = None
+    layout: LayoutName = "neuron"
+    mask: MaskOption = "omega"
+    coefficients: Optional[CoefficientsLike] = None
+    max_len: Optional[int] = None
+    dtype: Optional[torch.dtype] = None
+    tol: Optional[float] = None
+    linear_d_head: Optional[int] = None
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    use_attn_result: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("neuron", "split"):
+            raise ValueError(f"layout must be 'neuron' or 'split', got {self.layout!r}")
+        if self.mask not in ("omega", "ordinary", "causal_ordinary"):
+            raise ValueError(
+                f"mask must be 'omega', 'ordinary' or 'causal_ordinary', got {self.mask!r}"
+            )
+
+    def with_overrides(self, **changes: Any) -> LiteralOptions:
+        """A copy with the given fields replaced (``to_literal(model, omega=..., ...)``).
+
+        Raises:
+            TypeError: For a name that is not an option, listing the options.
+        """
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(
+                f"Unknown literal-form option(s) {unknown}; the options are {names} "
+                "(tl_attnonly.LiteralOptions)."
+            )
+        return dataclasses.replace(self, **changes)
 
 
 def tl_mlp_class_name(cfg: HookedTransformerConfig) -> str:

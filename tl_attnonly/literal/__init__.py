@@ -89,6 +89,7 @@ from tl_attnonly.literal.theorems import (
     theorem9_mask_qk,
 )
 from tl_attnonly.literal.transformer import LiteralTransformer, neuron_pattern_compact
+from tl_attnonly.options import LiteralOptions
 
 __all__ = [
     "CONFIG_AUDIT",
@@ -101,6 +102,7 @@ __all__ = [
     "LiteralBlock",
     "LiteralBudgetError",
     "LiteralNeuronLayer",
+    "LiteralOptions",
     "LiteralTransformer",
     "MaskOption",
     "NeuronHeadWeights",

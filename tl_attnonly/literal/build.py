@@ -19,14 +19,9 @@ from transformer_lens.components import (
 )
 
 from tl_attnonly._compat import rotary_base
+from tl_attnonly._types import CoefficientsLike
 from tl_attnonly.components.literal_attention import LiteralAttention
-from tl_attnonly.literal.layout import (
-    DEFAULT_BUDGET_BYTES,
-    LayoutName,
-    LiteralBudgetError,
-    MaskOption,
-    ResidualLayout,
-)
+from tl_attnonly.literal.layout import LiteralBudgetError, ResidualLayout
 from tl_attnonly.literal.modules import LiteralBlock, LiteralNeuronLayer, PartialNorm
 from tl_attnonly.literal.omega import DEFAULT_OMEGA, omega_warnings
 from tl_attnonly.literal.support import check_literal_supported
@@ -42,6 +37,12 @@ from tl_attnonly.literal.theorems import (
     theorem9_mask_qk,
 )
 from tl_attnonly.literal.transformer import LiteralTransformer
+from tl_attnonly.options import (
+    ConversionOptions,
+    LayoutName,
+    LiteralOptions,
+    check_convertible,
+)
 
 
 def _norm_parts(norm: nn.Module) -> tuple[Tensor | None, Tensor | None, bool | None]:
@@ -201,11 +202,13 @@ def _rotary_tables(attn: nn.Module, max_len: int) -> tuple[Tensor, Tensor]:
     return cos, sin
 
 
-def _coefficients(model: HookedTransformer, conversion: Any, coefficients: Any) -> Any:
+def _coefficients(
+    model: HookedTransformer,
+    conversion: ConversionOptions | None,
+    coefficients: CoefficientsLike | None,
+) -> CoefficientsLike:
     if coefficients is not None:
         return coefficients
-    from tl_attnonly.options import ConversionOptions, check_convertible
-
     options = conversion if conversion is not None else ConversionOptions()
     check_convertible(model.cfg, options)
     return options.coefficients(model.cfg.act_fn)
@@ -213,70 +216,56 @@ def _coefficients(model: HookedTransformer, conversion: Any, coefficients: Any) 
 
 def to_literal(
     model: HookedTransformer,
-    omega: float | None = None,
-    layout: LayoutName = "neuron",
-    mask: MaskOption = "omega",
+    options: LiteralOptions | None = None,
     *,
-    conversion: Any = None,
-    coefficients: Any = None,
-    max_len: int | None = None,
-    dtype: torch.dtype | None = None,
-    tol: float | None = None,
-    linear_d_head: int | None = None,
-    budget_bytes: int = DEFAULT_BUDGET_BYTES,
-    use_attn_result: bool = False,
+    conversion: ConversionOptions | None = None,
+    **overrides: Any,
 ) -> LiteralTransformer:
     """Build the literal attention-only form of ``model`` (Huben & Morris 2023, Thms 3, 6-9).
 
     Args:
         model: A TransformerLens ``HookedTransformer`` (not modified).
-        omega: Penalty for disallowed (query, key) pairs; default :data:`DEFAULT_OMEGA` (1e4,
-            see there). Warns if it overflows ``dtype`` or is too small for ``tol``.
-        layout: ``"neuron"``: per layer the model's attention sublayer and one sublayer of
-            ``d_mlp * K`` neuron-heads (Theorems 3 and 6). ``"split"``: the post's four sublayers
-            per layer: attention, ``W_in`` heads (Theorem 7), activation heads (Theorem 8),
-            ``W_out`` heads (Theorem 7) that also clear the hidden coordinates.
-        mask: ``"omega"``: every mask (causal, self + bias token, self only) written into the
-            weights (Theorem 9); the attention has no mask at all. ``"causal_ordinary"``: the
-            model's own causal mask is an ordinary mask, the rest as ``"omega"``.
-            ``"ordinary"``: every mask an ordinary ``-inf`` mask (exact; no omega).
-        conversion: A :class:`tl_attnonly.ConversionOptions` (heads per neuron, ReLU sharpness).
-        coefficients: Per-head ``b, d, f, e, g`` to use instead (overrides ``conversion``).
-        max_len: Longest input; sets the ``1 + max_len`` one-hot position coordinates
-            (default ``cfg.n_ctx``).
-        dtype: Dtype of the result (default the model's). Built in float64, then cast.
-        tol: Attention mass allowed to leak to masked keys, for the omega warning.
-        linear_d_head: Internal dimension of the linear-map heads (split layout; default
-            ``cfg.d_head``).
-        budget_bytes: Refuse to build weights, or to run inputs whose patterns, exceed this.
-        use_attn_result: Materialise per-head results (``hook_result``) in every sublayer.
+        options: A :class:`~tl_attnonly.LiteralOptions` (omega, layout, mask, max_len, dtype,
+            budget, ...; see there); default ``LiteralOptions()``.
+        conversion: A :class:`tl_attnonly.ConversionOptions` (heads per neuron, ReLU sharpness);
+            ignored when ``coefficients`` are given.
+        **overrides: Fields of :class:`~tl_attnonly.LiteralOptions` given by keyword, replacing
+            those of ``options``: ``to_literal(model, layout="split", max_len=32)``.
 
     Returns:
         A :class:`LiteralTransformer`.
 
     Raises:
         NotImplementedError, ValueError: For unsupported models or options, before any work.
+        TypeError: For an unknown option, or options that are not a ``LiteralOptions``.
         LiteralBudgetError: If the weights would exceed ``budget_bytes``.
+
+    Example:
+        >>> literal = to_literal(model, LiteralOptions(layout="split"), max_len=16)
     """
-    if layout not in ("neuron", "split"):
-        raise ValueError(f"layout must be 'neuron' or 'split', got {layout!r}")
-    if mask not in ("omega", "ordinary", "causal_ordinary"):
-        raise ValueError(f"mask must be 'omega', 'ordinary' or 'causal_ordinary', got {mask!r}")
+    if options is not None and not isinstance(options, LiteralOptions):
+        raise TypeError(
+            f"to_literal(model, options): options must be a tl_attnonly.LiteralOptions, got "
+            f"{type(options).__name__} {options!r}. Give single options by keyword: "
+            "to_literal(model, omega=..., layout=..., mask=...)."
+        )
+    opts = (options or LiteralOptions()).with_overrides(**overrides)
+    layout, mask, tol, budget_bytes = opts.layout, opts.mask, opts.tol, opts.budget_bytes
     check_literal_supported(model)
-    coefs = _coefficients(model, conversion, coefficients)
+    coefs = _coefficients(model, conversion, opts.coefficients)
     cfg = copy.deepcopy(model.cfg)
-    dtype = dtype or cfg.dtype
-    omega = DEFAULT_OMEGA if omega is None else float(omega)
-    max_len = cfg.n_ctx if max_len is None else int(max_len)
+    dtype = opts.dtype or cfg.dtype
+    omega = DEFAULT_OMEGA if opts.omega is None else float(opts.omega)
+    max_len = cfg.n_ctx if opts.max_len is None else int(opts.max_len)
     if not 1 <= max_len <= cfg.n_ctx:
         raise ValueError(f"max_len must be in [1, n_ctx={cfg.n_ctx}], got {max_len}")
     lay = ResidualLayout(cfg.d_model, cfg.d_mlp, max_len + 1, hidden=layout == "split")
     if mask != "ordinary":
         for message in omega_warnings(omega, dtype, lay.n_pos, tol):
             warnings.warn(message, stacklevel=2)
-    dh_lin = linear_d_head or cfg.d_head
+    dh_lin = opts.linear_d_head or cfg.d_head
     _check_weight_budget(cfg, lay, len(coefs.b), layout, mask, dh_lin, budget_bytes)
-    build = _Builder(cfg, lay, coefs, mask, omega, use_attn_result, dh_lin)
+    build = _Builder(cfg, lay, coefs, mask, omega, opts.use_attn_result, dh_lin)
     with torch.no_grad():
         blocks = [build.block(block, max_len, layout) for block in model.blocks]
         final = model.ln_final if cfg.normalization_type is not None else nn.Identity()

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-#: Default memory budget (bytes) for the literal model's weights and for one input's patterns.
-DEFAULT_BUDGET_BYTES = 2**30
-
-LayoutName = Literal["neuron", "split"]
-MaskOption = Literal["omega", "ordinary", "causal_ordinary"]
+from tl_attnonly.options import DEFAULT_BUDGET_BYTES, LayoutName, MaskOption
 
 #: Hooks of ``blocks.{l}.mlp`` shared, by name, with the structured form's neuron-heads.
 SHARED_NEURON_HOOKS = ("hook_pre", "hook_q", "hook_k", "hook_v", "hook_attn_scores",
@@ -82,3 +77,13 @@ class ResidualLayout:
     def d_resid(self) -> int:
         """``D'``, the augmented residual width."""
         return self.pos_start + self.n_pos
+
+
+__all__ = [
+    "DEFAULT_BUDGET_BYTES",
+    "SHARED_NEURON_HOOKS",
+    "LayoutName",
+    "LiteralBudgetError",
+    "MaskOption",
+    "ResidualLayout",
+]
