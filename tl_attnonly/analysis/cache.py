@@ -285,17 +285,19 @@ def _target_resid(cache: ActivationCache, layer: int, mlp_input: bool) -> torch.
 def _stack(
     cache: ActivationCache,
     layer: int | None,
-    mlp_input: bool,
-    kinds: Kinds,
-    pos_slice: None | SliceInput | Slice,
-    apply_ln: bool,
-    incl_embeds_and_bias: bool,
-    incl_remainder: bool,
-    project_output_onto: torch.Tensor | None,
-    max_bytes: int,
-    chunk_size: int,
-    progress: bool,
+    *,
+    mlp_input: bool = False,
+    kinds: Kinds = ("attn", "neuron"),
+    pos_slice: None | SliceInput | Slice = None,
+    apply_ln: bool = False,
+    incl_embeds_and_bias: bool = False,
+    incl_remainder: bool = False,
+    project_output_onto: torch.Tensor | None = None,
+    max_bytes: int = STACK_BUDGET,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
 ) -> tuple[torch.Tensor, list[str]]:
+    """The stack behind :func:`stack_all_head_results` and :func:`decompose_resid_heads`."""
     model = _model(cache)
     if incl_embeds_and_bias or incl_remainder:
         require_additive_residual(
@@ -377,11 +379,19 @@ def stack_neuron_head_results(
         ``[layer * n_neuron_heads (+1), batch, pos, d_model]``, and labels ``L{l}N{i}`` /
         ``L{l}N{i}.{k}`` if ``return_labels``.
     """
-    stack, labels = _stack(
-        cache, layer, False, ("neuron",), pos_slice, apply_ln, False, incl_remainder,
-        project_output_onto, max_bytes, chunk_size, progress,
-    )  # fmt: skip
-    return (stack, labels) if return_labels else stack
+    return stack_all_head_results(
+        cache,
+        layer,
+        kinds=("neuron",),
+        pos_slice=pos_slice,
+        apply_ln=apply_ln,
+        return_labels=return_labels,
+        incl_remainder=incl_remainder,
+        project_output_onto=project_output_onto,
+        max_bytes=max_bytes,
+        chunk_size=chunk_size,
+        progress=progress,
+    )
 
 
 def stack_all_head_results(
@@ -428,9 +438,18 @@ def stack_all_head_results(
         ``n_outputs`` or squeezed when projecting), and the labels if ``return_labels``.
     """
     stack, labels = _stack(
-        cache, layer, mlp_input, kinds, pos_slice, apply_ln, False, incl_remainder,
-        project_output_onto, max_bytes, chunk_size, progress,
-    )  # fmt: skip
+        cache,
+        layer,
+        mlp_input=mlp_input,
+        kinds=kinds,
+        pos_slice=pos_slice,
+        apply_ln=apply_ln,
+        incl_remainder=incl_remainder,
+        project_output_onto=project_output_onto,
+        max_bytes=max_bytes,
+        chunk_size=chunk_size,
+        progress=progress,
+    )
     return (stack, labels) if return_labels else stack
 
 
@@ -469,9 +488,17 @@ def decompose_resid_heads(
         shape options), and the labels if ``return_labels``.
     """
     stack, labels = _stack(
-        cache, layer, mlp_input, ("attn", "neuron"), pos_slice, apply_ln, True, False,
-        project_output_onto, max_bytes, chunk_size, progress,
-    )  # fmt: skip
+        cache,
+        layer,
+        mlp_input=mlp_input,
+        pos_slice=pos_slice,
+        apply_ln=apply_ln,
+        incl_embeds_and_bias=True,
+        project_output_onto=project_output_onto,
+        max_bytes=max_bytes,
+        chunk_size=chunk_size,
+        progress=progress,
+    )
     return (stack, labels) if return_labels else stack
 
 
@@ -530,10 +557,17 @@ def head_logit_attrs(
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
     directions = _logit_directions(model, tokens, incorrect_tokens)
     parts, labels = [], []
-    for chunk, chunk_labels in _component_chunks(
-        cache, model.cfg.n_layers, False, kinds, pos_slice, incl_embeds_and_bias, chunk_size,
+    chunks = _component_chunks(
+        cache,
+        model.cfg.n_layers,
+        False,
+        kinds,
+        pos_slice,
+        incl_embeds_and_bias,
+        chunk_size,
         progress,
-    ):  # fmt: skip
+    )
+    for chunk, chunk_labels in chunks:
         scaled = cache.apply_ln_to_stack(chunk, layer=-1, pos_slice=pos_slice)
         parts.append((scaled * directions).sum(dim=-1))
         labels += chunk_labels
