@@ -166,6 +166,33 @@ class NeuronHeadModelMixin:
             hook_point, hook_point_name, hook, dir=dir, is_permanent=is_permanent, prepend=prepend
         )
 
+    def run_with_cache(self, *model_args: Any, derive: bool = True, **kwargs: Any):  # type: ignore[override]
+        """TransformerLens's ``run_with_cache``, returning a
+        :class:`~tl_attnonly.analysis.derived_cache.NeuronHeadActivationCache`.
+
+        Neuron-head entries (``q, k, v, attn_scores, pattern, z``) that no hook touched in the
+        run are derived from ``hook_pre`` when first read, bit for bit what a stored cache holds,
+        so the run takes the fused path and the cache holds about what the original model's
+        does. Entries of layers whose neuron-head hooks had hooks attached are stored as edited.
+        ``cache["pattern", l, "mlp"]`` reaches the neuron-heads.
+
+        Args:
+            *model_args: Forward-pass arguments.
+            derive: ``False``: store every entry (TransformerLens's behaviour).
+            **kwargs: As for TransformerLens's ``run_with_cache`` (``names_filter``, ``device``,
+                ``remove_batch_dim``, ``incl_bwd``, ``pos_slice``, ``return_cache_object``) and
+                the forward pass.
+        """
+        from tl_attnonly.analysis.derived_cache import run_with_derived_cache
+
+        return run_with_derived_cache(
+            self,
+            super().run_with_cache,
+            model_args,
+            derive=derive,
+            **kwargs,  # type: ignore[misc]
+        )
+
     # ------------------------------------------------------------------ dtype / device
     def to(  # type: ignore[override]
         self,
