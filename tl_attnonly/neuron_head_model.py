@@ -23,8 +23,7 @@ import torch
 from transformer_lens import HookedTransformerConfig
 
 from tl_attnonly.activations import NeuronHeadCoefficients
-from tl_attnonly.components.factory import neuron_heads_for
-from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.components.factory import NeuronHeadLayer, neuron_heads_for
 from tl_attnonly.options import ConversionOptions, check_convertible, overflow_warning
 
 CONFIG_FILE = "config.json"
@@ -86,7 +85,8 @@ class NeuronHeadModelMixin:
         """Replace every ``blocks[l].mlp`` by its neuron-head form with the same weights.
 
         TL's ``MLP`` becomes a :class:`~tl_attnonly.components.NeuronHeadMLP`, ``GatedMLP`` a
-        :class:`~tl_attnonly.components.GatedNeuronHeadMLP` (see
+        :class:`~tl_attnonly.components.GatedNeuronHeadMLP`, ``MoE`` a
+        :class:`~tl_attnonly.components.NeuronHeadMoE` (see
         :func:`~tl_attnonly.components.neuron_heads_for`).
         """
         self.conversion = conversion
@@ -118,7 +118,7 @@ class NeuronHeadModelMixin:
 
     # ------------------------------------------------------------------ neuron-head state
     @property
-    def neuron_heads(self) -> list[NeuronHeadBase]:
+    def neuron_heads(self) -> list[NeuronHeadLayer]:
         """The neuron-head module of every layer (``blocks[l].mlp``); empty if ``attn_only``."""
         if self.cfg.attn_only:
             return []
@@ -154,7 +154,7 @@ class NeuronHeadModelMixin:
     def check_hooks_to_add(
         self, hook_point, hook_point_name, hook, dir="fwd", is_permanent=False, prepend=False
     ) -> None:
-        if hook_point_name.endswith("mlp.hook_result"):
+        if ".mlp." in hook_point_name and hook_point_name.endswith("hook_result"):
             if not self.neuron_heads[0].use_neuron_result:
                 raise ValueError(
                     f"Cannot add hook {hook_point_name}: per-neuron-head results are off. Call "

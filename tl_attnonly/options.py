@@ -231,10 +231,12 @@ def check_convertible(
             "clamp is not an attention head. Supported: dense MLPs, gated MLPs and TL's MoE "
             "(Mixtral/OLMoE style)."
         )
-    if mlp_class == "MoE":
+    if form == "literal" and mlp_class == "MoE":
         raise NotImplementedError(
-            f"Mixture-of-experts MLPs (num_experts={cfg.num_experts}) are not supported: routing "
-            f"is not an attention head. Supported: dense MLPs with act_fn in {supported}."
+            f"Mixture-of-experts MLPs (TL's MoE, num_experts={cfg.num_experts}) are not supported "
+            "by the literal form: top-k routing is not a softmax head. Use form='structured' "
+            f"(experts as neuron-heads, TL's router). Literal form: dense MLPs with act_fn in "
+            f"{supported}."
         )
     if form == "literal" and mlp_class == "GatedMLP":
         raise NotImplementedError(

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
-from transformer_lens.components import MLP, GatedMLP
+from transformer_lens.components import MLP, GatedMLP, MoE
 
 from tl_attnonly._compat import CanBeUsedAsMLP
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
+from tl_attnonly.components.moe_neuron_heads import NeuronHeadMoE
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 
+#: A neuron-head layer: one that replaces a TransformerLens MLP module.
+NeuronHeadLayer = Union[NeuronHeadBase, NeuronHeadMoE]
+
 #: TransformerLens MLP class -> its neuron-head replacement (same parameters and hooks).
-NEURON_HEAD_CLASSES: dict[type[CanBeUsedAsMLP], type[NeuronHeadBase]] = {
+NEURON_HEAD_CLASSES: dict[type[CanBeUsedAsMLP], type[NeuronHeadLayer]] = {
     MLP: NeuronHeadMLP,
     GatedMLP: GatedNeuronHeadMLP,
+    MoE: NeuronHeadMoE,
 }
 
 
 def neuron_heads_for(
     mlp: CanBeUsedAsMLP, coefficients: Optional[NeuronHeadCoefficients] = None
-) -> NeuronHeadBase:
+) -> NeuronHeadLayer:
     """A new (uninitialised) neuron-head layer for a TransformerLens MLP module, same config.
 
     Args:
@@ -31,7 +36,7 @@ def neuron_heads_for(
     Raises:
         NotImplementedError: For an MLP class with no neuron-head form (named).
     """
-    if isinstance(mlp, NeuronHeadBase):
+    if isinstance(mlp, (NeuronHeadBase, NeuronHeadMoE)):
         return type(mlp)(mlp.cfg, coefficients)
     cls = NEURON_HEAD_CLASSES.get(type(mlp))
     if cls is None:

@@ -88,7 +88,11 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
                 f"Gated neuron-heads need coefficients whose bias-token values g sum to 0 (got "
                 f"sum(g) = {sum(self.coefficients.g)!r}); every built-in fit satisfies this."
             )
-        # TL's GatedMLP's parameters, in its order (initialisation draws them in this order)
+        self._init_parameters_and_hooks()
+
+    def _init_parameters_and_hooks(self) -> None:
+        """TL's ``GatedMLP`` parameters (in its order: initialisation draws them in this order)
+        and hook points, plus the neuron-head hook points."""
         self.W_in = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
         self.W_out = nn.Parameter(torch.empty(self.d_mlp, self.cfg.d_model, dtype=self.cfg.dtype))
         self.W_gate = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
@@ -108,15 +112,25 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
 
     # ------------------------------------------------------------------ derived head weights
     @property
+    def _gate_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        """``W_gate`` as a ``[d_model, d_mlp]`` tensor."""
+        return self.W_gate
+
+    @property
+    def _linear_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        """``W_in`` (the linear branch) as a ``[d_model, d_mlp]`` tensor."""
+        return self.W_in
+
+    @property
     def W_Q(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
         """Query weights: ``b_k * W_gate[:, i]``."""
-        b = self._coefs(self.W_gate)[0]
-        return self._per_head(self.W_gate, b).T.unsqueeze(-1)
+        b = self._coefs(self._gate_matrix)[0]
+        return self._per_head(self._gate_matrix, b).T.unsqueeze(-1)
 
     @property
     def b_Q(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
         """Query biases: ``d_k`` (TL's gate has no bias)."""
-        d = self._coefs(self.W_gate)[1]
+        d = self._coefs(self._gate_matrix)[1]
         return d.repeat(self.d_mlp).unsqueeze(-1)
 
     @property
@@ -125,14 +139,19 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
 
         ``f_k * W_gate[:, i]``; the value itself is this times ``u = x W_in[:, i]``.
         """
-        f = self._coefs(self.W_gate)[2]
-        return self._per_head(self.W_gate, f).T.unsqueeze(-1)
+        f = self._coefs(self._gate_matrix)[2]
+        return self._per_head(self._gate_matrix, f).T.unsqueeze(-1)
 
     @property
     def b_V_per_unit_u(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
         """Value biases per unit of the linear branch: ``e_k - g_k``."""
-        _, _, _, e, g = self._coefs(self.W_gate)
+        _, _, _, e, g = self._coefs(self._gate_matrix)
         return (e - g).repeat(self.d_mlp).unsqueeze(-1)
+
+    @property
+    def W_U_linear(self) -> Float[torch.Tensor, "n_neuron_heads d_model"]:
+        """The linear branch read by each head: ``u = x W_U_linear[h]`` (``W_in[:, i]``)."""
+        return self._linear_matrix.repeat_interleave(self.n_heads_per_neuron, dim=1).T
 
     @property
     def W_V(self) -> torch.Tensor:
@@ -152,7 +171,7 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
     @property
     def v_bias_token(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
         """The bias token's value: zero (the bias-token terms of the fits sit on the token)."""
-        return self.W_out.new_zeros(self.n_neuron_heads, 1)
+        return self._out_matrix.new_zeros(self.n_neuron_heads, 1)
 
     # ------------------------------------------------------------------ forward
     def _query_value(
@@ -176,17 +195,17 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
             v = v + (e - g)
         return q, v * linear.unsqueeze(-1)
 
-    def _fused_post(
+    def _fused_sum(
         self,
         gate: Float[torch.Tensor, "batch pos d_mlp"],
         linear: Float[torch.Tensor, "batch pos d_mlp"],
     ) -> Float[torch.Tensor, "batch pos d_mlp"]:
-        """``sum_k z + b_in`` without materialising keys, scores or patterns (same arithmetic)."""
+        """``sum_k z`` without materialising keys, scores or patterns (same arithmetic)."""
         q, v = self._query_value(gate, linear)
         z = torch.sigmoid(q) * v
         if self.n_heads_per_neuron == 1:
-            return z.squeeze(-1) + self.b_in
-        return z.expand(*z.shape[:-1], self.n_heads_per_neuron).sum(-1) + self.b_in
+            return z.squeeze(-1)
+        return z.expand(*z.shape[:-1], self.n_heads_per_neuron).sum(-1)
 
     def _head_z(
         self,
@@ -217,7 +236,8 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         linear = self.hook_pre_linear(F.linear(x, self.W_in.T.contiguous()))  # [batch, pos, d_mlp]
         W_out = self.W_out.T.contiguous()
         if not self._uses_head_path():
-            return F.linear(self.hook_post(self._fused_post(gate, linear)), W_out, self.b_out)
+            post = self.hook_post(self._fused_sum(gate, linear) + self.b_in)  # [batch, pos, d_mlp]
+            return F.linear(post, W_out, self.b_out)
         z = self._head_z(gate, linear)
         post = self._sum_heads(z) + self.b_in
         if not self.use_neuron_result:

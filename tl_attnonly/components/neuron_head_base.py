@@ -153,24 +153,29 @@ class NeuronHeadBase(CanBeUsedAsMLP):
 
     # ------------------------------------------------------------------ derived head weights
     @property
+    def _out_matrix(self) -> Float[torch.Tensor, "d_mlp d_model"]:
+        """``W_out`` as a ``[d_mlp, d_model]`` tensor (TL's MoE experts store an ``nn.Linear``)."""
+        return self.W_out
+
+    @property
     def W_K(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
         """Key weights of the real tokens: zero (every real token's key is the constant 1)."""
-        return self.W_out.new_zeros(self.n_neuron_heads, self.cfg.d_model, 1)
+        return self._out_matrix.new_zeros(self.n_neuron_heads, self.cfg.d_model, 1)
 
     @property
     def b_K(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
         """Key biases of the real tokens: one."""
-        return self.W_out.new_ones(self.n_neuron_heads, 1)
+        return self._out_matrix.new_ones(self.n_neuron_heads, 1)
 
     @property
     def k_bias_token(self) -> Float[torch.Tensor, "n_neuron_heads 1"]:
         """The bias token's key: zero, so its score is 0 whatever the query."""
-        return self.W_out.new_zeros(self.n_neuron_heads, 1)
+        return self._out_matrix.new_zeros(self.n_neuron_heads, 1)
 
     @property
     def W_O(self) -> Float[torch.Tensor, "n_neuron_heads 1 d_model"]:
         """Output weights: ``W_out[i]`` for every head of neuron ``i``."""
-        return self.W_out.repeat_interleave(self.n_heads_per_neuron, dim=0).unsqueeze(1)
+        return self._out_matrix.repeat_interleave(self.n_heads_per_neuron, dim=0).unsqueeze(1)
 
     @property
     def b_O(self) -> Float[torch.Tensor, " d_model"]:

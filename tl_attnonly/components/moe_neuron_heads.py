@@ -1,0 +1,161 @@
+"""Mixture-of-experts (Mixtral / OLMoE style) with every expert's neurons as gated neuron-heads.
+
+TransformerLens's :class:`~transformer_lens.components.mlps.moe.MoE` routes each token to
+``experts_per_token`` of ``num_experts`` gated experts (``MoEGatedMLP``) and sums their outputs
+scaled by the router's weights. :class:`NeuronHeadMoE` *is* that class (a subclass; TL's own
+``forward``), with each expert replaced by a :class:`GatedNeuronHeadExpert`: the router,
+``hook_expert_weights`` and ``hook_expert_indices`` are TransformerLens's, untouched, and the
+experts keep TL's parameter names (``experts.{e}.W_gate / W_in / W_out``, ``nn.Linear``) and hooks
+(``experts.{e}.hook_gate`` = gate ``g``, ``hook_pre`` = linear branch ``u``, ``hook_post``).
+
+Each expert's neurons are gated neuron-heads exactly as in
+:class:`~tl_attnonly.components.GatedNeuronHeadMLP` (``docs/gated_mlps.md``), with their hooks at
+``blocks.{l}.mlp.experts.{e}.hook_{q,k,v,attn_scores,pattern,z,result}``. An expert only sees the
+tokens routed to it, so its "positions" are those tokens, in the order TL's ``MoE`` gathers them
+(``torch.where`` over the routing mask), with a leading batch axis of 1: e.g. the pattern is
+``[1, n_neuron_heads, n_routed_tokens, 2]``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float
+from transformer_lens.components import MoE
+from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
+from transformer_lens.hook_points import HookPoint
+
+from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
+
+
+class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
+    """One expert of TL's ``MoE`` (``MoEGatedMLP``: no biases) as gated neuron-heads.
+
+    Same parameters (``W_gate, W_in, W_out`` as ``nn.Linear`` without bias) and hooks
+    (``hook_gate``, ``hook_pre``, ``hook_post``) as TL's expert, plus the neuron-head hooks.
+
+    Args:
+        cfg: The model config.
+        coefficients: Per-head coefficients; default: from ``cfg.act_fn``.
+    """
+
+    def _init_parameters_and_hooks(self) -> None:
+        """TL's ``MoEGatedMLP`` layers and hooks, in its order, plus the neuron-head hooks."""
+        d_model, dtype = self.cfg.d_model, self.cfg.dtype
+        self.W_in = nn.Linear(d_model, self.d_mlp, bias=False, dtype=dtype)  # type: ignore[assignment]
+        self.W_out = nn.Linear(self.d_mlp, d_model, bias=False, dtype=dtype)  # type: ignore[assignment]
+        self.W_gate = nn.Linear(d_model, self.d_mlp, bias=False, dtype=dtype)  # type: ignore[assignment]
+
+        self.hook_gate = HookPoint()  # [pos, d_mlp] (gate g; TL's name in MoE experts)
+        self.hook_pre = HookPoint()  # [pos, d_mlp] (linear branch u; TL's name in MoE experts)
+        self.hook_q = HookPoint()  # [1, pos, n_neuron_heads, 1]
+        self.hook_k = HookPoint()  # [1, pos, n_neuron_heads, 1] (keys of the real tokens)
+        self.hook_v = HookPoint()  # [1, pos, n_neuron_heads, 1] (values of the real tokens)
+        self.hook_attn_scores = HookPoint()  # [1, n_neuron_heads, query_pos, 2] (self, bias)
+        self.hook_pattern = HookPoint()  # [1, n_neuron_heads, query_pos, 2] (self, bias)
+        self.hook_z = HookPoint()  # [1, pos, n_neuron_heads, 1]
+        self.hook_result = HookPoint()  # [1, pos, n_neuron_heads, d_model]
+        self.hook_post = HookPoint()  # [pos, d_mlp]
+
+    @property
+    def _gate_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        return self.W_gate.weight.T  # type: ignore[attr-defined]
+
+    @property
+    def _linear_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        return self.W_in.weight.T  # type: ignore[attr-defined]
+
+    @property
+    def _out_matrix(self) -> Float[torch.Tensor, "d_mlp d_model"]:
+        return self.W_out.weight.T  # type: ignore[attr-defined]
+
+    def forward(self, x: Float[torch.Tensor, "pos d_model"]) -> Float[torch.Tensor, "pos d_model"]:
+        # TL's own projections (nn.Linear), so hook_gate and hook_pre are bit-identical to TL's.
+        gate = self.hook_gate(self.W_gate(x))  # [pos, d_mlp]
+        linear = self.hook_pre(self.W_in(x))  # [pos, d_mlp]
+        if not self._uses_head_path():
+            return self.W_out(self.hook_post(self._fused_sum(gate, linear)))
+        z = self._head_z(gate.unsqueeze(0), linear.unsqueeze(0))  # [1, pos, n_neuron_heads, 1]
+        post = self._sum_heads(z).squeeze(0)
+        hooked_post = self.hook_post(post)  # [pos, d_mlp]
+        if not self.use_neuron_result:
+            return self.W_out(hooked_post)
+        # [1, pos, n_neuron_heads, d_model]
+        out = self.hook_result(z * self.W_O.squeeze(1)).sum(-2).squeeze(0)
+        if hooked_post is not post:  # a hook edited post: its edit still reaches the output
+            out = out + (hooked_post - post) @ self._out_matrix
+        return out
+
+    @property
+    def b_in(self) -> torch.Tensor:  # type: ignore[override]
+        """TL's MoE experts have no ``b_in``: zero."""
+        return self._out_matrix.new_zeros(self.d_mlp)
+
+
+class NeuronHeadMoE(MoE):
+    """TransformerLens's ``MoE`` with every expert's neurons as gated neuron-heads.
+
+    The router and the combination of the experts are TL's ``MoE.forward``, unchanged; only the
+    experts are :class:`GatedNeuronHeadExpert`. Same parameters, same outputs (exactly for SwiGLU
+    experts), same ``hook_expert_weights`` / ``hook_expert_indices``.
+
+    Args:
+        cfg: The model config (``num_experts``, ``experts_per_token``, ``act_fn``, ...).
+        coefficients: Per-head coefficients of every expert's neurons.
+    """
+
+    experts: nn.ModuleList
+
+    def __init__(
+        self,
+        cfg: Union[Dict, HookedTransformerConfig],
+        coefficients: Optional[NeuronHeadCoefficients] = None,
+    ):
+        super().__init__(cfg)
+        # TL builds the router without a dtype (float32); build it in the model's dtype.
+        self.W_gate.to(self.cfg.dtype)
+        # Replaces TL's experts in place: the module keeps its position (parameter order).
+        self.experts = nn.ModuleList(
+            GatedNeuronHeadExpert(self.cfg, coefficients) for _ in range(self.num_experts)
+        )
+
+    def _expert_list(self) -> list[GatedNeuronHeadExpert]:
+        return list(self.experts)  # type: ignore[arg-type]
+
+    @property
+    def coefficients(self) -> NeuronHeadCoefficients:
+        """The per-head coefficients every expert's neurons use."""
+        return self._expert_list()[0].coefficients
+
+    @property
+    def n_heads_per_neuron(self) -> int:
+        """Heads per neuron (K)."""
+        return self._expert_list()[0].n_heads_per_neuron
+
+    @property
+    def n_neuron_heads(self) -> int:
+        """Neuron-heads per expert: ``d_mlp * K``."""
+        return self._expert_list()[0].n_neuron_heads
+
+    @property
+    def use_neuron_result(self) -> bool:
+        """Whether the experts compute and hook per-neuron-head results."""
+        return self._expert_list()[0].use_neuron_result
+
+    @use_neuron_result.setter
+    def use_neuron_result(self, value: bool) -> None:
+        for expert in self._expert_list():
+            expert.use_neuron_result = value
+
+    @property
+    def fused(self) -> bool:
+        """Whether the experts may use the fused (hook-free) path."""
+        return self._expert_list()[0].fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        for expert in self._expert_list():
+            expert.fused = value
