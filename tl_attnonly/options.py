@@ -119,7 +119,9 @@ class LiteralOptions:
         layout: ``"neuron"``: per layer the model's attention sublayer and one sublayer of
             ``d_mlp * K`` neuron-heads (Theorems 3 and 6). ``"split"``: the post's four sublayers
             per layer: attention, ``W_in`` heads (Theorem 7), activation heads (Theorem 8),
-            ``W_out`` heads (Theorem 7) that also clear the hidden coordinates.
+            ``W_out`` heads (Theorem 7) that also clear the hidden coordinates. A gated MLP
+            needs ``"split"`` and gets five: attention, ``W_gate``/``W_in`` heads, product heads
+            (:func:`tl_attnonly.literal.product_heads`), activation heads, ``W_out`` heads.
         mask: ``"omega"``: every mask (causal, self + bias token, self only) written into the
             weights (Theorem 9); the attention has no mask at all. ``"causal_ordinary"``: the
             model's own causal mask is an ordinary mask, the rest as ``"omega"``.
@@ -135,6 +137,9 @@ class LiteralOptions:
             ``cfg.d_head``).
         budget_bytes: Refuse to build weights, or to run inputs whose patterns, exceed this.
         use_attn_result: Materialise per-head results (``hook_result``) in every sublayer.
+        product_eps: Gated MLPs (``layout="split"``): the product heads' score scale; their error
+            is ``eps^2 |g u|^3 / 12`` plus rounding of order ``(2 / eps) u``. ``None``:
+            :func:`tl_attnonly.literal.default_product_eps` of ``dtype``. Ignored otherwise.
     """
 
     omega: Optional[float] = None
@@ -147,8 +152,11 @@ class LiteralOptions:
     linear_d_head: Optional[int] = None
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     use_attn_result: bool = False
+    product_eps: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if self.product_eps is not None and not self.product_eps > 0:
+            raise ValueError(f"product_eps must be positive, got {self.product_eps}")
         if self.layout not in ("neuron", "split"):
             raise ValueError(f"layout must be 'neuron' or 'split', got {self.layout!r}")
         if self.mask not in ("omega", "ordinary", "causal_ordinary"):
@@ -200,8 +208,9 @@ def check_convertible(
         cfg: The config of the model to convert.
         options: The conversion options.
         form: ``"structured"`` (neuron-head layers: plain and gated MLPs, mixture-of-experts) or
-            ``"literal"`` (plain softmax attention everywhere: plain MLPs only). The default is
-            the stricter literal form.
+            ``"literal"`` (plain softmax attention everywhere: plain MLPs, and gated MLPs in the
+            ``"split"`` layout, which :func:`tl_attnonly.literal.check_literal_supported`
+            checks). The default is the stricter literal form.
 
     Raises:
         ValueError: An activation that is not supported; an attention-only model for the
@@ -237,12 +246,6 @@ def check_convertible(
             "by the literal form: top-k routing is not a softmax head. Use form='structured' "
             f"(experts as neuron-heads, TL's router). Literal form: dense MLPs with act_fn in "
             f"{supported}."
-        )
-    if form == "literal" and mlp_class == "GatedMLP":
-        raise NotImplementedError(
-            f"Gated MLPs (act(x W_gate) * (x W_in), act_fn={cfg.act_fn!r}) are not supported by "
-            "the literal form yet: the product of two projections is not one softmax head. Use "
-            "form='structured' (gated neuron-heads), or a non-gated model."
         )
     options.coefficients(cfg.act_fn)  # raises ValueError naming the activation
 

@@ -7,8 +7,9 @@ paper states it, so that the theorems can be checked on a whole model:
 
 * the sequence gets a real **bias token** at position 0 (real token ``j`` sits at ``1 + j``);
 * the residual stream is augmented to width ``D'``: the original ``D`` coordinates, (for the
-  ``"split"`` layout) ``2 * d_mlp`` hidden coordinates, and ``1 + max_len`` one-hot position
-  coordinates (the bias token's embedding is its own one-hot coordinate);
+  ``"split"`` layout) ``2 * d_mlp`` hidden coordinates (``4 * d_mlp`` for a gated MLP), and
+  ``1 + max_len`` one-hot position coordinates (the bias token's embedding is its own one-hot
+  coordinate);
 * every sublayer is a :class:`~tl_attnonly.components.LiteralAttention`,
   ``softmax(X W_QK X^T) X W_OV`` with no bias parameters and **no mask**: which keys a head may
   see is encoded in ``W_Q``/``W_K`` through the one-hot position coordinates and ``-omega``
@@ -23,6 +24,8 @@ Where each theorem lives (all but :func:`to_literal` in :mod:`tl_attnonly.litera
 :func:`theorem8_activation_heads`           an entry-wise activation, one head per coordinate
 :func:`theorem9_mask_qk`                    a mask written into ``W_Q``/``W_K``
 :func:`to_literal`                          the whole model (Theorem 6 with 3, or 7 + 8; with 9)
+:func:`product_heads`                       gated MLPs: ``g * u`` from softmax heads (not in the
+                                            paper; :mod:`tl_attnonly.literal.gated`)
 ==========================================  ====================================================
 
 Conventions that keep the construction exact:
@@ -47,7 +50,8 @@ through unchanged), and the norm's weight and bias are folded into the heads' ``
 See ``docs/literal_form.md`` for exactly what is and is not standard attention in that case.
 
 Modules: :mod:`~tl_attnonly.literal.layout` (the augmented residual stream),
-:mod:`~tl_attnonly.literal.theorems` (one function per theorem), :mod:`~tl_attnonly.literal.modules`
+:mod:`~tl_attnonly.literal.theorems` (one function per theorem), :mod:`~tl_attnonly.literal.gated`
+(gated MLPs: product and activation heads, eps, error tables), :mod:`~tl_attnonly.literal.modules`
 (partial norm, neuron layer, block), :mod:`~tl_attnonly.literal.transformer`
 (:class:`LiteralTransformer`), :mod:`~tl_attnonly.literal.build` (:func:`to_literal` and its
 checks), :mod:`~tl_attnonly.literal.support` (every config field: built or refused) and
@@ -59,6 +63,15 @@ from tl_attnonly.literal.build import (
     assemble_sublayer,
     sublayer_head_counts,
     to_literal,
+)
+from tl_attnonly.literal.gated import (
+    DEFAULT_PRODUCT_RANGE,
+    default_product_eps,
+    gated_activation_heads,
+    gated_literal_error_table,
+    product_error_bound,
+    product_error_table,
+    product_heads,
 )
 from tl_attnonly.literal.layout import (
     DEFAULT_BUDGET_BYTES,
@@ -95,6 +108,7 @@ __all__ = [
     "CONFIG_AUDIT",
     "DEFAULT_BUDGET_BYTES",
     "DEFAULT_OMEGA",
+    "DEFAULT_PRODUCT_RANGE",
     "SHARED_NEURON_HOOKS",
     "TYPICAL_SCORE_RANGE",
     "LayoutName",
@@ -112,11 +126,17 @@ __all__ = [
     "allowed_pattern",
     "assemble_sublayer",
     "check_literal_supported",
+    "default_product_eps",
+    "gated_activation_heads",
+    "gated_literal_error_table",
     "linear_map_sublayer",
     "neuron_pattern_compact",
     "neuron_sublayer",
     "omega_requirement",
     "omega_warnings",
+    "product_error_bound",
+    "product_error_table",
+    "product_heads",
     "sublayer_head_counts",
     "theorem3_neuron_head",
     "theorem6_tweaked_attention_heads",

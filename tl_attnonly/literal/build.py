@@ -21,6 +21,13 @@ from transformer_lens.components import (
 from tl_attnonly._compat import rotary_base
 from tl_attnonly._types import CoefficientsLike
 from tl_attnonly.components.literal_attention import LiteralAttention
+from tl_attnonly.literal.gated import (
+    DEFAULT_PRODUCT_RANGE,
+    check_product_range,
+    default_product_eps,
+    gated_activation_heads,
+    product_heads,
+)
 from tl_attnonly.literal.layout import LiteralBudgetError, ResidualLayout
 from tl_attnonly.literal.modules import LiteralBlock, LiteralNeuronLayer, PartialNorm
 from tl_attnonly.literal.omega import DEFAULT_OMEGA, omega_warnings
@@ -83,6 +90,14 @@ def sublayer_head_counts(
     M, D, d = cfg.d_mlp, cfg.d_model, linear_d_head
     if layout == "neuron":
         return {"attn": cfg.n_heads + 1, "mlp": M * n_heads_per_neuron + 1}
+    if cfg.gated_mlp:
+        return {
+            "attn": cfg.n_heads + 1,
+            "mlp_in": 2 * math.ceil(M / d),
+            "mlp_prod": M + 1,
+            "mlp": M * n_heads_per_neuron,
+            "mlp_out": math.ceil(D / d) + 4 * math.ceil(M / d),
+        }
     return {
         "attn": cfg.n_heads + 1,
         "mlp_in": math.ceil(M / d),
@@ -102,7 +117,8 @@ def _check_weight_budget(
 ) -> None:
     """Refuse before allocating: W_Q, W_K, W_V, W_O of every sublayer, built in float64."""
     counts = sublayer_head_counts(cfg, layout, K, linear_d_head)
-    dims = {"attn": (cfg.d_head, cfg.d_head), "mlp": (1, 1)}  # (real q/k dims, value dims)
+    # (real q/k dims, value dims) per head
+    dims = {"attn": (cfg.d_head, cfg.d_head), "mlp": (1, 1), "mlp_prod": (1, 1)}
     extra_qk = 0 if mask == "ordinary" else lay.n_pos
     per_layer = sum(
         h * lay.d_resid * (2 * (dims.get(name, (0, linear_d_head))[0] + extra_qk)
@@ -251,21 +267,30 @@ def to_literal(
         )
     opts = (options or LiteralOptions()).with_overrides(**overrides)
     layout, mask, tol, budget_bytes = opts.layout, opts.mask, opts.tol, opts.budget_bytes
-    check_literal_supported(model)
+    check_literal_supported(model, layout)
     coefs = _coefficients(model, conversion, opts.coefficients)
     cfg = copy.deepcopy(model.cfg)
     dtype = opts.dtype or cfg.dtype
+    product_eps = opts.product_eps
+    if cfg.gated_mlp:
+        if product_eps is None:
+            product_eps = default_product_eps(dtype)
+        message = check_product_range(product_eps, DEFAULT_PRODUCT_RANGE, dtype)
+        if message is not None:
+            warnings.warn(message, stacklevel=2)
     omega = DEFAULT_OMEGA if opts.omega is None else float(opts.omega)
     max_len = cfg.n_ctx if opts.max_len is None else int(opts.max_len)
     if not 1 <= max_len <= cfg.n_ctx:
         raise ValueError(f"max_len must be in [1, n_ctx={cfg.n_ctx}], got {max_len}")
-    lay = ResidualLayout(cfg.d_model, cfg.d_mlp, max_len + 1, hidden=layout == "split")
+    lay = ResidualLayout(
+        cfg.d_model, cfg.d_mlp, max_len + 1, hidden=layout == "split", gated=bool(cfg.gated_mlp)
+    )
     if mask != "ordinary":
         for message in omega_warnings(omega, dtype, lay.n_pos, tol):
             warnings.warn(message, stacklevel=2)
     dh_lin = opts.linear_d_head or cfg.d_head
     _check_weight_budget(cfg, lay, len(coefs.b), layout, mask, dh_lin, budget_bytes)
-    build = _Builder(cfg, lay, coefs, mask, omega, opts.use_attn_result, dh_lin)
+    build = _Builder(cfg, lay, coefs, mask, omega, opts.use_attn_result, dh_lin, product_eps)
     with torch.no_grad():
         blocks = [build.block(block, max_len, layout) for block in model.blocks]
         final = model.ln_final if cfg.normalization_type is not None else nn.Identity()
@@ -307,10 +332,12 @@ class _Builder:
         omega: float,
         use_attn_result: bool,
         linear_d_head: int,
+        product_eps: float | None = None,
     ):
         self.cfg, self.lay, self.coefs = cfg, layout, coefficients
         self.mask, self.omega, self.use_attn_result = mask, omega, use_attn_result
         self.linear_d_head = linear_d_head
+        self.product_eps = product_eps
         self.causal = cfg.attention_dir == "causal"
         self.K = len(coefficients.b)
         self.g_sum = float(sum(coefficients.g))
@@ -326,6 +353,8 @@ class _Builder:
         ln1, ln2 = _partial_norm(block.ln1, D, eps), _partial_norm(block.ln2, D, eps)
         attn = self.attention(block, max_len)
         w2, b2, _ = _norm_parts(block.ln2)
+        if self.lay.gated:
+            return LiteralBlock(ln1, attn, ln2, *self.gated_mlp(block.mlp, w2, b2))
         W_in, b_in = _folded(block.mlp.W_in, block.mlp.b_in, w2, b2)  # [D, M], [M]
         W_out, b_out = block.mlp.W_out.double(), block.mlp.b_out.double()  # [M, D], [D]
         if layout == "neuron":
@@ -398,3 +427,51 @@ class _Builder:
         maps = [(W_map_out, lay.model_dims), (clear_pre, lay.pre_dims), (clear_post, lay.post_dims)]
         mlp_out = self.assemble(linear_map_sublayer(maps, lay, dh))
         return mlp_in, activation, mlp_out
+
+    def gated_mlp(
+        self, mlp: nn.Module, norm_w: Tensor | None, norm_b: Tensor | None
+    ) -> tuple[LiteralNeuronLayer, LiteralAttention, LiteralAttention, LiteralAttention]:
+        """Gated split layout: ``W_gate``/``W_in``, product, activation and ``W_out`` heads.
+
+        TransformerLens's ``GatedMLP``: ``post = act(x W_gate) * (x W_in) + b_in``,
+        ``out = post W_out + b_out`` (``b_in`` is added after the product: here it goes into the
+        ``W_out`` heads' bias, and into ``post_offset`` so that ``hook_post`` equals TL's).
+
+        Returns:
+            ``(mlp, mlp_in, mlp_out, mlp_prod)`` in :class:`LiteralBlock`'s argument order.
+        """
+        lay, M = self.lay, self.cfg.d_mlp
+        R, real, dh = lay.d_resid, lay.real_rows, self.linear_d_head
+        W_gate, c_gate = _folded(mlp.W_gate, None, norm_w, norm_b)  # [D, M], [M]
+        W_in, c_in = _folded(mlp.W_in, None, norm_w, norm_b)
+        b_in, W_out, b_out = mlp.b_in.double(), mlp.W_out.double(), mlp.b_out.double()
+        # 1. g <- normalised x W_gate, u <- normalised x W_in
+        maps = []
+        for W, c, write in ((W_gate, c_gate, lay.pre_dims), (W_in, c_in, lay.linear_dims)):
+            W_map = torch.zeros(R, M, dtype=torch.float64)
+            W_map[lay.model_dims], W_map[real] = W, c
+            maps.append((W_map, write))
+        mlp_in = self.assemble(linear_map_sublayer(maps, lay, dh))
+        # 2. p <- (2 / eps) tanh(eps g u / 2) ~ g u
+        if self.product_eps is None:
+            raise ValueError("A gated MLP needs product_eps (to_literal chooses it).")
+        mlp_prod = self.assemble(product_heads(lay, self.product_eps))
+        # 3. post <- act(g) u (the activation heads read g, p and u)
+        activation = self.assemble(
+            gated_activation_heads(self.coefs, lay), module_cls=LiteralNeuronLayer, d_mlp=M,
+            n_heads_per_neuron=self.K, pre_start=lay.pre_dims.start,
+            linear_start=lay.linear_dims.start,
+        )  # fmt: skip
+        activation.post_offset.copy_(b_in)
+        activation.post_write[:, lay.post_dims] = torch.eye(M, dtype=torch.float64)
+        # 4. x <- post W_out + b_in W_out + b_out; g, u, p, post <- 0
+        W_map_out = torch.zeros(R, self.cfg.d_model, dtype=torch.float64)
+        W_map_out[lay.post_dims] = W_out
+        W_map_out[real] = b_out + b_in @ W_out
+        out_maps = [(W_map_out, lay.model_dims)]
+        for dims in (lay.pre_dims, lay.linear_dims, lay.product_dims, lay.post_dims):
+            clear = torch.zeros(R, M, dtype=torch.float64)
+            clear[dims] = -torch.eye(M, dtype=torch.float64)
+            out_maps.append((clear, dims))
+        mlp_out = self.assemble(linear_map_sublayer(out_maps, lay, dh))
+        return activation, mlp_in, mlp_out, mlp_prod

@@ -23,20 +23,28 @@ class ResidualLayout:
     """Coordinates of the augmented residual stream (width ``d_resid = D'``).
 
     ``[0, D)`` the original residual stream; for the split layout ``[D, D + M)`` the MLP's
-    pre-activations and ``[D + M, D + 2M)`` its post-activations; then ``n_pos = 1 + max_len``
-    one-hot position coordinates, the first of which is the bias token's.
+    pre-activations and ``[D + M, D + 2M)`` its post-activations; for a gated MLP (split layout)
+    also ``[D + 2M, D + 3M)`` the linear branch ``u`` (TransformerLens's ``hook_pre_linear``) and
+    ``[D + 3M, D + 4M)`` the products ``g * u``; then ``n_pos = 1 + max_len`` one-hot position
+    coordinates, the first of which is the bias token's.
 
     Attributes:
         d_model: ``D``, the original residual width.
         d_mlp: ``M``, neurons per MLP layer.
         n_pos: ``N' = 1 + max_len`` augmented positions.
         hidden: Whether there are hidden (pre/post-activation) coordinates (split layout).
+        gated: Whether there are also linear-branch and product coordinates (gated MLP).
     """
 
     d_model: int
     d_mlp: int
     n_pos: int
     hidden: bool
+    gated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gated and not self.hidden:
+            raise ValueError("A gated layout needs the hidden coordinates (hidden=True).")
 
     @property
     def model_dims(self) -> slice:
@@ -54,9 +62,24 @@ class ResidualLayout:
         return slice(self.d_model + self.d_mlp, self.d_model + 2 * self.d_mlp)
 
     @property
+    def linear_dims(self) -> slice:
+        """Hidden linear-branch coordinates ``u = x W_in`` (gated split layout)."""
+        return slice(self.d_model + 2 * self.d_mlp, self.d_model + 3 * self.d_mlp)
+
+    @property
+    def product_dims(self) -> slice:
+        """Hidden product coordinates ``~ g * u`` (gated split layout)."""
+        return slice(self.d_model + 3 * self.d_mlp, self.d_model + 4 * self.d_mlp)
+
+    @property
+    def n_hidden(self) -> int:
+        """Number of hidden coordinates: 0, ``2M`` (split) or ``4M`` (gated split)."""
+        return (4 if self.gated else 2 if self.hidden else 0) * self.d_mlp
+
+    @property
     def pos_start(self) -> int:
         """First one-hot position coordinate (the bias token's)."""
-        return self.d_model + (2 * self.d_mlp if self.hidden else 0)
+        return self.d_model + self.n_hidden
 
     @property
     def pos_dims(self) -> slice:

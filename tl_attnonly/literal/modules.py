@@ -66,11 +66,18 @@ class LiteralNeuronLayer(LiteralAttention):
       g_k``, i.e. the activation. An edit reaches the output (its difference is written through
       the neuron's output weights), as in TransformerLens.
 
+    A gated MLP (``linear_start`` given; split layout) has TransformerLens's hooks too:
+    ``hook_pre`` is the gate ``g`` and ``hook_pre_linear`` the linear branch ``u`` (both read-only
+    here: the product heads before this sublayer have already used them; edit the hidden
+    coordinates of ``blocks.{l}.hook_resid_hidden`` instead), and ``hook_post`` is
+    ``act(g) u + b_in`` (``post_offset`` holds ``b_in``).
+
     Args:
         *args: As for :class:`LiteralAttention`.
         d_mlp: Neurons ``M``.
         n_heads_per_neuron: ``K``.
         pre_start: First hidden pre-activation coordinate (split layout), else ``None``.
+        linear_start: First hidden linear-branch coordinate (gated split layout), else ``None``.
         **kwargs: As for :class:`LiteralAttention`.
     """
 
@@ -79,13 +86,22 @@ class LiteralNeuronLayer(LiteralAttention):
     post_write: torch.Tensor
 
     def __init__(
-        self, *args: Any, d_mlp: int, n_heads_per_neuron: int, pre_start: int | None, **kwargs
+        self,
+        *args: Any,
+        d_mlp: int,
+        n_heads_per_neuron: int,
+        pre_start: int | None,
+        linear_start: int | None = None,
+        **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        if linear_start is not None and pre_start is None:
+            raise ValueError("A gated neuron layer (linear_start) needs pre_start (split layout).")
         self.d_mlp = d_mlp
         self.n_heads_per_neuron = n_heads_per_neuron
         self.n_neuron_heads = d_mlp * n_heads_per_neuron
         self.pre_start = pre_start
+        self.linear_start = linear_start
         dtype = self.W_Q.dtype
         # [d_resid, d_mlp]: how the neuron layout reads pre-activations (for hook_pre only).
         self.register_buffer("pre_read", torch.zeros(self.d_model, d_mlp, dtype=dtype))
@@ -94,6 +110,8 @@ class LiteralNeuronLayer(LiteralAttention):
         # [d_mlp, d_resid]: where each neuron's activation is written (for hook_post edits).
         self.register_buffer("post_write", torch.zeros(d_mlp, self.d_model, dtype=dtype))
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
+        if linear_start is not None:
+            self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
     def forward(
@@ -105,6 +123,16 @@ class LiteralNeuronLayer(LiteralAttention):
         else:
             pre = real @ self.pre_read
         hooked_pre = self.hook_pre(pre)  # [batch, pos, d_mlp]
+        if self.linear_start is not None:
+            linear = real[..., self.linear_start : self.linear_start + self.d_mlp]
+            hooked_linear = self.hook_pre_linear(linear)  # [batch, pos, d_mlp]
+            if hooked_pre is not pre or hooked_linear is not linear:
+                raise NotImplementedError(
+                    "hook_pre / hook_pre_linear are read-only in the gated literal form: the "
+                    "product heads (blocks.{l}.mlp_prod) have already read g and u. Edit them "
+                    "where both are read: the hidden coordinates (layout.pre_dims, "
+                    "layout.linear_dims) of blocks.{l}.hook_resid_hidden."
+                )
         if hooked_pre is not pre:
             if self.pre_start is None:
                 raise NotImplementedError(
@@ -133,12 +161,13 @@ def _pad_bias_row(x: Float[Tensor, "batch pos d"]) -> Float[Tensor, "batch pos_p
 
 
 class LiteralBlock(nn.Module):
-    """One layer of the literal form: 2 sublayers (neuron layout) or 4 (split layout).
+    """One layer of the literal form: 2 sublayers (neuron layout), 4 (split) or 5 (gated split).
 
     Hooks (all over the augmented sequence and residual, ``[batch, 1 + pos, d_resid]``):
     ``hook_resid_pre``, ``hook_attn_out``, ``hook_resid_mid``, ``hook_mlp_out`` (everything the MLP
     sublayers add), ``hook_resid_post``; split layout also ``hook_resid_hidden`` (after ``mlp_in``)
-    and ``hook_resid_act`` (after ``mlp``).
+    and ``hook_resid_act`` (after ``mlp``); gated split layout also ``hook_resid_product`` (after
+    ``mlp_prod``).
 
     Args:
         ln1: Norm before ``attn`` (:class:`PartialNorm` or identity).
@@ -148,6 +177,8 @@ class LiteralBlock(nn.Module):
         mlp_in: Split layout: the ``W_in`` heads (Theorem 7).
         mlp_out: Split layout: the ``W_out`` heads (Theorem 7), which also clear the hidden
             coordinates.
+        mlp_prod: Gated split layout: the product heads (``~ g * u``), between ``mlp_in`` and
+            ``mlp``.
     """
 
     def __init__(
@@ -158,27 +189,38 @@ class LiteralBlock(nn.Module):
         mlp: LiteralNeuronLayer,
         mlp_in: LiteralAttention | None = None,
         mlp_out: LiteralAttention | None = None,
+        mlp_prod: LiteralAttention | None = None,
     ):
         super().__init__()
+        if mlp_prod is not None and mlp_in is None:
+            raise ValueError("mlp_prod (gated MLP) needs the split layout's mlp_in / mlp_out.")
         self.ln1, self.attn, self.ln2 = ln1, attn, ln2
         if mlp_in is not None:
             self.mlp_in = mlp_in
+        if mlp_prod is not None:
+            self.mlp_prod = mlp_prod
         self.mlp = mlp
         if mlp_out is not None:
             self.mlp_out = mlp_out
         self.split = mlp_in is not None
+        self.gated = mlp_prod is not None
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_resid]
         self.hook_attn_out = HookPoint()  # [batch, pos, d_resid]
         self.hook_resid_mid = HookPoint()  # [batch, pos, d_resid]
         if self.split:
             self.hook_resid_hidden = HookPoint()  # [batch, pos, d_resid]
             self.hook_resid_act = HookPoint()  # [batch, pos, d_resid]
+        if self.gated:
+            self.hook_resid_product = HookPoint()  # [batch, pos, d_resid]
         self.hook_mlp_out = HookPoint()  # [batch, pos, d_resid]
         self.hook_resid_post = HookPoint()  # [batch, pos, d_resid]
 
     def sublayers(self) -> list[tuple[str, LiteralAttention]]:
         """``(name, module)`` of every attention sublayer, in order."""
-        names = ["attn", "mlp_in", "mlp", "mlp_out"] if self.split else ["attn", "mlp"]
+        if self.gated:
+            names = ["attn", "mlp_in", "mlp_prod", "mlp", "mlp_out"]
+        else:
+            names = ["attn", "mlp_in", "mlp", "mlp_out"] if self.split else ["attn", "mlp"]
         return [(name, getattr(self, name)) for name in names]
 
     def forward(
@@ -192,8 +234,14 @@ class LiteralBlock(nn.Module):
         else:
             written_in = self.mlp_in(self.ln2(resid_mid))
             resid_hidden = self.hook_resid_hidden(resid_mid + written_in)
-            written_act = self.mlp(resid_hidden)
-            resid_act = self.hook_resid_act(resid_hidden + written_act)
+            if self.gated:
+                written_prod = self.mlp_prod(resid_hidden)
+                resid_prod = self.hook_resid_product(resid_hidden + written_prod)
+                written_in = written_in + written_prod
+            else:
+                resid_prod = resid_hidden
+            written_act = self.mlp(resid_prod)
+            resid_act = self.hook_resid_act(resid_prod + written_act)
             mlp_out = written_in + written_act + self.mlp_out(resid_act)
         mlp_out = self.hook_mlp_out(mlp_out)
         return self.hook_resid_post(resid_mid + mlp_out)

@@ -53,11 +53,11 @@ CONFIG_AUDIT: dict[str, tuple[Treatment, str]] = {
     ),
     # MLP
     "act_fn": ("refused", "activations with neuron-head coefficients (check_convertible)"),
-    "gated_mlp": ("refused", "False is built (refused by check_convertible)"),
+    "gated_mlp": ("refused", "built in layout='split' (product heads); refused in 'neuron'"),
     "num_experts": ("refused", "None is built (no mixture-of-experts)"),
     "experts_per_token": ("inert", "only with num_experts (refused)"),
     "norm_topk_prob": ("inert", "only with num_experts (refused)"),
-    "load_in_4bit": ("refused", "False is built (refused by check_convertible)"),
+    "load_in_4bit": ("refused", "False is built"),
     "quantization_method": ("inert", "not read by HookedTransformer"),
     "attn_only": ("refused", "False is built (an attention-only model has nothing to convert)"),
     "parallel_attn_mlp": ("refused", "False is built; MLP sublayers read after attention"),
@@ -141,7 +141,7 @@ _REFUSED_FLAGS = {
 }
 
 
-def check_literal_supported(model: Any) -> None:
+def check_literal_supported(model: Any, layout: str = "split") -> None:
     """Refuse, before building, a model the literal form cannot represent exactly.
 
     Every ``HookedTransformerConfig`` field is either built or refused, here or (activation,
@@ -150,7 +150,12 @@ def check_literal_supported(model: Any) -> None:
     norm (``final_rms`` too); learned ("standard") or rotary positions, with any rotary scaling
     TransformerLens bakes into its tables (linear, NTK-by-parts, YaRN); causal or bidirectional
     attention; grouped-query attention (expanded to full heads); ``output_logits_soft_cap``; any
-    activation with neuron-head coefficients.
+    activation with neuron-head coefficients; gated MLPs in the ``"split"`` layout (product heads,
+    :mod:`tl_attnonly.literal.gated`).
+
+    Args:
+        model: The model.
+        layout: The layout asked for (``"neuron"`` refuses gated MLPs).
 
     Raises:
         NotImplementedError: Naming the unsupported option and what is supported.
@@ -200,6 +205,17 @@ def check_literal_supported(model: Any) -> None:
         raise NotImplementedError(
             f"num_experts={cfg.num_experts}: mixture-of-experts MLPs are not supported by the "
             "literal form. Supported: dense MLPs."
+        )
+    if cfg.load_in_4bit:
+        raise NotImplementedError(
+            "load_in_4bit=True: 4-bit quantised weights are not supported by the literal form. "
+            "Load the model in float32 or float64 first."
+        )
+    if cfg.gated_mlp and layout != "split":
+        raise NotImplementedError(
+            f"Gated MLPs (act(x W_gate) * (x W_in)) need layout='split' in the literal form "
+            f"(got layout={layout!r}): the product g * u gets its own sublayer of product heads "
+            "before the activation heads. Supported: gated_mlp=True with layout='split'."
         )
     if cfg.n_devices != 1:
         raise NotImplementedError(
