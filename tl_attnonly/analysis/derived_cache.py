@@ -253,7 +253,7 @@ def run_with_derived_cache(
         **kwargs: Passed to the forward pass.
     """
     from tl_attnonly._compat import has_hooks
-    from tl_attnonly.components.neuron_head_base import DERIVABLE_HOOKS
+    from tl_attnonly.components.neuron_head_base import DERIVABLE_HOOKS, NeuronHeadBase
 
     options = dict(
         device=device,
@@ -274,6 +274,8 @@ def run_with_derived_cache(
     wanted = _as_filter(names_filter)
     derived: dict[int, list[str]] = {}
     for layer, mlp in enumerate(model.neuron_heads):
+        if not isinstance(mlp, NeuronHeadBase):
+            continue  # mixture-of-experts: the experts' entries are stored
         if mlp.use_neuron_result or any(
             has_hooks(getattr(mlp, f"hook_{kind}")) for kind in DERIVABLE_HOOKS
         ):
