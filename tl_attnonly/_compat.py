@@ -13,6 +13,7 @@ against the installed versions.
 ``batch_addmm``                     TL's ``x @ W + b`` kernel (``utilities/addmm``)
 ``TL_ACTIVATIONS``                  TL's activation functions by ``act_fn`` name
 ``softcap_enabled``                 whether a config soft-caps scores
+``TypedModuleList``                 the typed ``nn.ModuleList`` TL's models declare ``blocks`` as
 ``convert_bert_weights``            TL's BERT / LLaMA state-dict conversions (``pretrained.``
 ``convert_llama_weights``           ``weight_conversions``, imported when called)
 ==================================  ==============================================================
@@ -31,6 +32,7 @@ from transformer_lens.utilities.activation_functions import (
 from transformer_lens.utilities.activation_functions import apply_softcap, softcap_enabled
 from transformer_lens.utilities.addmm import batch_addmm
 from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
+from transformer_lens.utilities.typed_module_list import TypedModuleList
 
 #: torch's per-module hook dictionaries (private attributes of ``nn.Module``).
 _TORCH_HOOK_DICTS = (
@@ -95,6 +97,7 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
 __all__ = [
     "POST_NORM_ARCHITECTURES",
     "TL_ACTIVATIONS",
+    "TypedModuleList",
     "apply_softcap",
     "CanBeUsedAsMLP",
     "batch_addmm",

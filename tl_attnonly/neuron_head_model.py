@@ -17,11 +17,12 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeVar, Union, cast
 
 import torch
-from transformer_lens import HookedTransformerConfig
+from transformer_lens import HookedRootModule, HookedTransformerConfig
 
+from tl_attnonly._compat import TypedModuleList
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.factory import NeuronHeadLayer, neuron_heads_for
 from tl_attnonly.options import ConversionOptions, check_convertible, overflow_warning
@@ -73,13 +74,33 @@ def resolve_options(cfg: HookedTransformerConfig, conversion: Optional[Conversio
     return conversion
 
 
-class NeuronHeadModelMixin:
+if TYPE_CHECKING:  # what the mixin is mixed into, for the type checker
+    _MixedInto = HookedRootModule
+else:
+    _MixedInto = object
+
+
+class NeuronHeadModelMixin(_MixedInto):
     """Neuron-head state and persistence for a TransformerLens model whose MLPs are neuron-heads.
 
     Mixed in before the TransformerLens base class (``class M(NeuronHeadModelMixin, HookedX)``).
+    At run time it derives from ``object``; for the type checker from ``HookedRootModule``, with
+    the attributes below, which the TransformerLens base class provides.
     """
 
     conversion: ConversionOptions
+    if TYPE_CHECKING:
+        cfg: HookedTransformerConfig
+        blocks: TypedModuleList[Any]  # of TransformerBlock (decoder) or BertBlock (encoder)
+        tokenizer: Any
+
+        def __init__(
+            self,
+            cfg: Any,
+            tokenizer: Any = None,
+            move_to_device: bool = True,
+            **kwargs: Any,
+        ) -> None: ...
 
     def _install_neuron_heads(self, conversion: ConversionOptions) -> None:
         """Replace every ``blocks[l].mlp`` by its neuron-head form with the same weights.
@@ -94,10 +115,11 @@ class NeuronHeadModelMixin:
             return
         coefficients = _PENDING_COEFFICIENTS.get() or conversion.coefficients(self.cfg.act_fn)
         for block in self.blocks:
-            neuron_heads = neuron_heads_for(block.mlp, coefficients)
+            mlp = block.mlp
+            neuron_heads = neuron_heads_for(mlp, coefficients)
             neuron_heads.fused = conversion.fused
             # Keep TransformerLens's initialisation (or loaded weights) of the MLP.
-            neuron_heads.load_state_dict(block.mlp.state_dict())
+            neuron_heads.load_state_dict(mlp.state_dict())
             block.mlp = neuron_heads
 
     @classmethod
@@ -122,7 +144,7 @@ class NeuronHeadModelMixin:
         """The neuron-head module of every layer (``blocks[l].mlp``); empty if ``attn_only``."""
         if self.cfg.attn_only:
             return []
-        return [block.mlp for block in self.blocks]  # type: ignore[misc]
+        return [cast(NeuronHeadBase, block.mlp) for block in self.blocks]
 
     @property
     def n_heads_per_neuron(self) -> int:
@@ -162,7 +184,7 @@ class NeuronHeadModelMixin:
                     f"{self.n_neuron_heads} * d_model per layer)."
                 )
             return
-        super().check_hooks_to_add(  # type: ignore[misc]
+        super().check_hooks_to_add(
             hook_point, hook_point_name, hook, dir=dir, is_permanent=is_permanent, prepend=prepend
         )
 
@@ -199,7 +221,7 @@ class NeuronHeadModelMixin:
         device_or_dtype: Union[torch.device, str, torch.dtype],
         print_details: bool = True,
     ):
-        out = super().to(device_or_dtype, print_details=print_details)  # type: ignore[misc]
+        out = super().to(device_or_dtype, print_details=print_details)  # type: ignore[call-overload]
         if isinstance(device_or_dtype, torch.dtype):
             self._warn_if_overflows(device_or_dtype)
         return out

@@ -82,7 +82,7 @@ class ConversionOptions:
             >>> ConversionOptions(relu_k=50).with_overrides(n_heads_per_neuron=2)
             ConversionOptions(n_heads_per_neuron=2, relu_k=50, gelu_method='fit', fused=True)
         """
-        changes = {
+        changes: dict[str, Any] = {
             "n_heads_per_neuron": n_heads_per_neuron,
             "relu_k": relu_k,
             "gelu_method": gelu_method,

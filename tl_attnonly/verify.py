@@ -43,7 +43,7 @@ def equivalence_table(
     names = lambda name: any(re.search(p, name) for p in HOOK_GROUPS.values())
     logits_a, cache_a = original.run_with_cache(tokens, names_filter=names)
     logits_b, cache_b = converted.run_with_cache(tokens, names_filter=names)
-    rows = [_row("logits", [(logits_a, logits_b)])]
+    rows = [_row("logits", [(torch.as_tensor(logits_a), torch.as_tensor(logits_b))])]
     for group, pattern in HOOK_GROUPS.items():
         pairs = [(cache_a[n], cache_b[n]) for n in cache_a.keys() if re.search(pattern, n)]
         if pairs:

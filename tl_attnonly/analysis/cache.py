@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from jaxtyping import Float, Int
@@ -64,12 +65,14 @@ def _resolve_layer(model, layer: int | None) -> int:
 
 
 def _head_index(
-    heads: None | SliceInput | Slice, n_heads: int, device: torch.device
+    heads: None | slice | SliceInput | Slice, n_heads: int, device: torch.device
 ) -> Int[torch.Tensor, "n_selected"]:  # noqa: F821
     if heads is None:
         return torch.arange(n_heads, device=device)
+    # TL's Slice takes a builtin slice too; its SliceInput alias does not list it.
+    selection = Slice.unwrap(cast(SliceInput, heads))
     try:
-        idx = torch.as_tensor(Slice.unwrap(heads).indices(n_heads), device=device)
+        idx = torch.as_tensor(selection.indices(n_heads), device=device)
     except IndexError as err:
         raise IndexError(f"Neuron-head indices must be in [0, {n_heads}), got {heads}.") from err
     return idx
@@ -165,7 +168,7 @@ def _accumulated_bias(model, layer: int, mlp_input: bool) -> torch.Tensor:
 def get_neuron_head_results(
     cache: ActivationCache,
     layer: int,
-    heads: None | SliceInput | Slice = None,
+    heads: None | slice | SliceInput | Slice = None,
     pos_slice: None | SliceInput | Slice = None,
     project_output_onto: torch.Tensor | None = None,
 ) -> torch.Tensor:

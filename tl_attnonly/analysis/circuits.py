@@ -288,7 +288,7 @@ def _composition_scores(model, mode, senders, receivers, max_bytes, progress) ->
         fm = _right_matrix(model, kind, layer, mode)
         if fm is None:
             continue
-        fm = fm[heads]
+        fm = fm[(heads,)]
         collapsed = fm.collapse_r()  # [n, d_model, rank]
         right[(kind, layer)] = (collapsed, collapsed.norm(dim=(-2, -1)), torch.tensor(cols))
 
@@ -299,14 +299,14 @@ def _composition_scores(model, mode, senders, receivers, max_bytes, progress) ->
         list(send_groups.items()), desc="composition", disable=not progress
     ):
         heads = torch.tensor([send[i].head for i in rows])
-        left = _left_matrix(model, kind, layer)[heads].collapse_l()  # [n, rank, d_model]
+        left = _left_matrix(model, kind, layer)[(heads,)].collapse_l()  # [n, rank, d_model]
         l_norms = left.norm(dim=(-2, -1))
         stage = _stage(model, kind, layer)
-        for (r_kind, r_layer), (r_coll, r_norms, cols) in right.items():
+        for (r_kind, r_layer), (r_coll, r_norms, col_index) in right.items():
             if _stage(model, r_kind, r_layer) <= stage:
                 continue  # the receiver reads before the sender writes: score 0, as in TL
             block = _pair_norms(left, r_coll) / l_norms[:, None] / r_norms[None, :]
-            scores[torch.tensor(rows)[:, None], cols[None, :]] = block.to(scores.dtype)
+            scores[torch.tensor(rows)[:, None], col_index[None, :]] = block.to(scores.dtype)
     return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
 
 

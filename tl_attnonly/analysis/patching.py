@@ -215,10 +215,10 @@ def get_act_patch_neuron_heads(
         )
     setter = _setter(kind, per_position)
     if patches_per_pass <= 1:
-        flat = generic_activation_patch(
-            _NeuronHeadNames(model),  # type: ignore[arg-type]
+        flat = generic_activation_patch(  # type: ignore[call-overload]  # duck-typed model, cache
+            _NeuronHeadNames(model),
             corrupted_tokens,
-            _NeuronHeadCacheView(clean_cache),  # type: ignore[arg-type]
+            _NeuronHeadCacheView(clean_cache),
             patching_metric,
             patch_setter=_cloning(setter),
             activation_name=kind,

@@ -69,6 +69,8 @@ def parse_receiver(
     """
     if isinstance(spec, Receiver):
         return spec
+    head: str | HeadRef
+    inputs: str | None
     if isinstance(spec, HeadRef):  # before tuple: a HeadRef is a NamedTuple
         head, inputs = spec, None
     elif isinstance(spec, tuple):
@@ -76,8 +78,8 @@ def parse_receiver(
     elif spec == LOGITS:
         return Receiver(None, "")
     else:
-        head, _, inputs = spec.partition(":")
-        inputs = inputs or None
+        head, _, given = spec.partition(":")
+        inputs = given or None
     ref = parse_head_label(head, n_heads_per_neuron)
     allowed = "qkv" if ref.kind == "attn" else "qv"
     inputs = allowed if inputs is None else inputs

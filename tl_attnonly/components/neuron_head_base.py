@@ -10,6 +10,7 @@ here once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Dict, Optional, Union
 
 import torch
@@ -202,10 +203,10 @@ class NeuronHeadBase(CanBeUsedAsMLP):
             self._derived = tensor
         return tensor
 
-    def _head_z(self, *inputs: torch.Tensor) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"]:
-        """The neuron-heads as attention heads, every hook point (via :meth:`_hook`) on the way;
-        ``inputs`` are the values of :attr:`derive_inputs`. Returns ``z``."""
-        raise NotImplementedError
+    #: The neuron-heads as attention heads, every hook point (via :meth:`_hook`) on the way:
+    #: ``_head_z(*inputs) -> z`` ``[batch, pos, n_neuron_heads, 1]``, ``inputs`` the values of
+    #: :attr:`derive_inputs` (a method of each subclass, whose parameters name those inputs).
+    _head_z: Callable[..., Float[torch.Tensor, "batch pos n_neuron_heads 1"]]
 
     def derive_activation(self, name: str, **inputs: torch.Tensor) -> torch.Tensor:
         """A neuron-head quantity recomputed from the layer's inputs, exactly as an unedited

@@ -5,17 +5,20 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from transformer_lens import HookedTransformer
+from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.components import (
+    MLP,
+    AbstractAttention,
     LayerNorm,
     LayerNormPre,
     RMSNorm,
     RMSNormPre,
+    TransformerBlock,
 )
 
 from tl_attnonly._compat import rotary_base
@@ -73,7 +76,7 @@ def _partial_norm(norm: nn.Module, d_model: int, eps: float) -> nn.Module:
 
 
 def sublayer_head_counts(
-    cfg: Any, layout: LayoutName, n_heads_per_neuron: int, linear_d_head: int
+    cfg: HookedTransformerConfig, layout: LayoutName, n_heads_per_neuron: int, linear_d_head: int
 ) -> dict[str, int]:
     """Heads in each sublayer of one literal layer (see also :meth:`LiteralTransformer.summary`).
 
@@ -87,7 +90,7 @@ def sublayer_head_counts(
         ``{"attn": n_heads + 1, "mlp": d_mlp K + 1}`` (neuron layout) or ``{"attn": n_heads + 1,
         "mlp_in": ceil(M / d), "mlp": M K, "mlp_out": ceil(D / d) + 2 ceil(M / d)}`` (split).
     """
-    M, D, d = cfg.d_mlp, cfg.d_model, linear_d_head
+    M, D, d = cfg.d_mlp or 0, cfg.d_model, linear_d_head
     if layout == "neuron":
         return {"attn": cfg.n_heads + 1, "mlp": M * n_heads_per_neuron + 1}
     if cfg.gated_mlp:
@@ -107,7 +110,7 @@ def sublayer_head_counts(
 
 
 def _check_weight_budget(
-    cfg: Any,
+    cfg: HookedTransformerConfig,
     lay: ResidualLayout,
     K: int,
     layout: LayoutName,
@@ -207,13 +210,13 @@ def assemble_sublayer(
     return module
 
 
-def _rotary_tables(attn: nn.Module, max_len: int) -> tuple[Tensor, Tensor]:
+def _rotary_tables(attn: AbstractAttention, max_len: int) -> tuple[Tensor, Tensor]:
     """TransformerLens's own rotary tables for positions ``0..max_len-1``, in float64."""
     cfg = attn.cfg
     if attn.rotary_cos.shape[0] >= max_len:
         return attn.rotary_cos[:max_len].double(), attn.rotary_sin[:max_len].double()
     sin, cos = attn.calculate_sin_cos_rotary(
-        cfg.rotary_dim, max_len, base=rotary_base(attn), dtype=torch.float64
+        cfg.rotary_dim or 0, max_len, base=rotary_base(attn), dtype=torch.float64
     )
     return cos, sin
 
@@ -283,7 +286,11 @@ def to_literal(
     if not 1 <= max_len <= cfg.n_ctx:
         raise ValueError(f"max_len must be in [1, n_ctx={cfg.n_ctx}], got {max_len}")
     lay = ResidualLayout(
-        cfg.d_model, cfg.d_mlp, max_len + 1, hidden=layout == "split", gated=bool(cfg.gated_mlp)
+        cfg.d_model,
+        cfg.d_mlp or 0,
+        max_len + 1,
+        hidden=layout == "split",
+        gated=bool(cfg.gated_mlp),
     )
     if mask != "ordinary":
         for message in omega_warnings(omega, dtype, lay.n_pos, tol):
@@ -325,9 +332,9 @@ class _Builder:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: HookedTransformerConfig,
         layout: ResidualLayout,
-        coefficients: Any,
+        coefficients: CoefficientsLike,
         mask: str,
         omega: float,
         use_attn_result: bool,
@@ -347,7 +354,7 @@ class _Builder:
             spec, self.lay, self.mask, self.omega, self.causal, self.use_attn_result, **kwargs
         )
 
-    def block(self, block: nn.Module, max_len: int, layout: str) -> LiteralBlock:
+    def block(self, block: TransformerBlock, max_len: int, layout: str) -> LiteralBlock:
         """The literal form of one TransformerLens block."""
         D, eps = self.cfg.d_model, self.cfg.eps
         ln1, ln2 = _partial_norm(block.ln1, D, eps), _partial_norm(block.ln2, D, eps)
@@ -355,14 +362,15 @@ class _Builder:
         w2, b2, _ = _norm_parts(block.ln2)
         if self.lay.gated:
             return LiteralBlock(ln1, attn, ln2, *self.gated_mlp(block.mlp, w2, b2))
-        W_in, b_in = _folded(block.mlp.W_in, block.mlp.b_in, w2, b2)  # [D, M], [M]
-        W_out, b_out = block.mlp.W_out.double(), block.mlp.b_out.double()  # [M, D], [D]
+        mlp = cast(MLP, block.mlp)  # a plain MLP: check_convertible refused the other classes
+        W_in, b_in = _folded(mlp.W_in, mlp.b_in, w2, b2)  # [D, M], [M]
+        W_out, b_out = mlp.W_out.double(), mlp.b_out.double()  # [M, D], [D]
         if layout == "neuron":
             return LiteralBlock(ln1, attn, ln2, self.neuron_heads(W_in, b_in, W_out, b_out))
         mlp_in, activation, mlp_out = self.split_mlp(W_in, b_in, W_out, b_out)
         return LiteralBlock(ln1, attn, ln2, activation, mlp_in=mlp_in, mlp_out=mlp_out)
 
-    def attention(self, block: nn.Module, max_len: int) -> LiteralAttention:
+    def attention(self, block: TransformerBlock, max_len: int) -> LiteralAttention:
         """The model's own heads, tweaked (Theorem 6), plus the ``b_O`` head."""
         a, cfg = block.attn, self.cfg
         w1, b1, _ = _norm_parts(block.ln1)
@@ -386,10 +394,10 @@ class _Builder:
         lay, M = self.lay, W_in.shape[1]
         heads = theorem3_neuron_head(W_in.T, b_in, W_out, self.coefs)
         spec = neuron_sublayer(heads, lay, lay.model_dims, lay.model_dims, b_out)
-        neurons = self.assemble(
+        neurons = cast(LiteralNeuronLayer, self.assemble(
             spec, module_cls=LiteralNeuronLayer, d_mlp=M, n_heads_per_neuron=self.K,
             pre_start=None,
-        )  # fmt: skip
+        ))  # fmt: skip
         neurons.pre_read[lay.model_dims] = W_in
         neurons.pre_read[lay.real_rows] = b_in
         neurons.post_write[:, lay.model_dims] = W_out
@@ -410,10 +418,10 @@ class _Builder:
         spec = neuron_sublayer(
             theorem8_activation_heads(self.coefs, M), lay, lay.pre_dims, lay.post_dims, None
         )
-        activation = self.assemble(
+        activation = cast(LiteralNeuronLayer, self.assemble(
             spec, module_cls=LiteralNeuronLayer, d_mlp=M, n_heads_per_neuron=self.K,
             pre_start=lay.pre_dims.start,
-        )  # fmt: skip
+        ))  # fmt: skip
         activation.post_offset.fill_(self.g_sum)
         activation.post_write[:, lay.post_dims] = torch.eye(M, dtype=torch.float64)
         # 3. x <- post W_out + b_out (+ the g constants); pre, post <- 0

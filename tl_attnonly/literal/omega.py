@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -142,7 +142,9 @@ def _logits_and_leak(
 
         return hook
 
-    hooks = [(f"{name}.hook_pattern", make_hook(module)) for name, module in model.sublayers()]
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
+        (f"{name}.hook_pattern", make_hook(module)) for name, module in model.sublayers()
+    ]
     with torch.no_grad():
         logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
     return logits, worst[0]

@@ -335,7 +335,8 @@ def neuron_sublayer(
     W_V[nh, read, 0] = heads.v_in.reshape(n_neuron_heads, d_in)
     W_V[nh, real, 0] = heads.v_real.reshape(n_neuron_heads, 1)
     W_O[nh, 0, write] = heads.w_out.reshape(n_neuron_heads, -1)
-    kinds, head_kind = ("self_bias",), [0] * n_neuron_heads
+    kinds: tuple[str, ...] = ("self_bias",)
+    head_kind = [0] * n_neuron_heads
     if b_out is not None:
         W_V[n_neuron_heads, real, 0] = 1.0
         W_O[n_neuron_heads, 0, write] = b_out.double() + heads.out_shift.sum(0)

@@ -13,7 +13,7 @@ from transformer_lens.components import Unembed
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import lm_cross_entropy_loss
 
-from tl_attnonly._compat import apply_softcap
+from tl_attnonly._compat import TypedModuleList, apply_softcap
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal.layout import LiteralBudgetError, ResidualLayout
 from tl_attnonly.literal.modules import LiteralBlock
@@ -44,6 +44,8 @@ class LiteralTransformer(HookedRootModule):
     omega: float | None
     mask: str
     budget_bytes: int
+    blocks: TypedModuleList[LiteralBlock]
+    tokenizer: Any  # the original model's (a transformers tokenizer) or None
 
     def __init__(
         self,
@@ -70,7 +72,7 @@ class LiteralTransformer(HookedRootModule):
         self.W_pos = nn.Parameter(W_pos) if W_pos is not None else None
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.hook_pos_embed = HookPoint()  # [batch, pos, d_model]
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = TypedModuleList(blocks)
         self.ln_final = ln_final
         self.unembed = unembed
         self.setup()

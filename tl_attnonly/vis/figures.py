@@ -80,10 +80,10 @@ def neuron_activity_heatmap(
                 f"{len(str_tokens)} tokens given for a cache of {weight_self.shape[-1]} positions: "
                 "pass the string tokens of the prompt the cache was computed on."
             )
-        z = _optional(cache, "z", lay)
+        z_cached = _optional(cache, "z", lay)
         z = (
-            z[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
-            if z is not None
+            z_cached[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
+            if z_cached is not None
             else np.full(weight_self.shape, np.nan)
         )
         labels = [neuron_head_label(lay, h, model.n_heads_per_neuron) for h in shown]
@@ -323,14 +323,14 @@ def gelu_fit_error_figure(
             row=1,
             col=1,
         )
-        err = np.maximum(np.abs(ap.values - exact), 1e-18)  # exact zeros still show on log axes
-        lows.append(np.percentile(err, 5))
-        highs.append(err.max())
+        abs_err = np.maximum(np.abs(ap.values - exact), 1e-18)  # exact zeros show on log axes
+        lows.append(np.percentile(abs_err, 5))
+        highs.append(abs_err.max())
         fig.add_trace(
             go.Scatter(
                 x=x,
-                y=err,
-                name=f"{ap.label} error (max {err.max():.2g})",
+                y=abs_err,
+                name=f"{ap.label} error (max {abs_err.max():.2g})",
                 legendgroup=ap.label,
                 line=dict(color=color),
             ),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -280,7 +280,7 @@ def neuron_head_attention_view(
     model = _model(cache)
     n_heads = model.n_neuron_heads
     k_per_neuron = model.n_heads_per_neuron
-    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp)
+    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
     scores = None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
     selection = select_neuron_heads(scores, n_heads, heads, top_k)
     n_pages = max(1, math.ceil(len(selection) / page_size))
@@ -355,7 +355,7 @@ def _heads_from_neurons(
         raise ValueError("Pass heads=... or neurons=..., not both.")
     if isinstance(neurons, int):
         neurons = [neurons]
-    out = []
+    out: list[int] = []
     for n in torch.as_tensor(neurons).flatten().tolist():
         if not 0 <= n < d_mlp:
             raise IndexError(f"Neuron indices must be in [0, {d_mlp}), got {n}.")
@@ -374,7 +374,7 @@ def _cache_and_tokens(
             )
         if isinstance(tokens, (list, tuple)):
             return source, [str(t) for t in tokens]
-        return source, _str_tokens(model, tokens, batch_index)
+        return source, _str_tokens(model, cast("str | torch.Tensor", tokens), batch_index)
     model = _model(source)
     if tokens is None:
         raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
