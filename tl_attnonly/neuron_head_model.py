@@ -144,7 +144,7 @@ class NeuronHeadModelMixin(_MixedInto):
         """The neuron-head module of every layer (``blocks[l].mlp``); empty if ``attn_only``."""
         if self.cfg.attn_only:
             return []
-        return [cast(NeuronHeadBase, block.mlp) for block in self.blocks]
+        return [cast(NeuronHeadLayer, block.mlp) for block in self.blocks]
 
     @property
     def n_heads_per_neuron(self) -> int:
@@ -188,7 +188,7 @@ class NeuronHeadModelMixin(_MixedInto):
             hook_point, hook_point_name, hook, dir=dir, is_permanent=is_permanent, prepend=prepend
         )
 
-    def run_with_cache(self, *model_args: Any, derive: bool = True, **kwargs: Any):  # type: ignore[override]
+    def run_with_cache(self, *model_args: Any, derive: bool = True, **kwargs: Any):
         """TransformerLens's ``run_with_cache``, returning a
         :class:`~tl_attnonly.analysis.derived_cache.NeuronHeadActivationCache`.
 
@@ -212,7 +212,7 @@ class NeuronHeadModelMixin(_MixedInto):
             super().run_with_cache,
             model_args,
             derive=derive,
-            **kwargs,  # type: ignore[misc]
+            **kwargs,
         )
 
     # ------------------------------------------------------------------ dtype / device

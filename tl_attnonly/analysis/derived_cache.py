@@ -176,7 +176,8 @@ class NeuronHeadActivationCache(ActivationCache):
     def remove_batch_dim(self) -> NeuronHeadActivationCache:
         """Remove the batch dimension (batch size 1), lazily for entries not derived yet."""
         if not self.has_batch_dim:
-            return super().remove_batch_dim()
+            super().remove_batch_dim()  # TL's: warns and returns self
+            return self
         batch_size = self._batch_size()
         if batch_size != 1:
             raise ValueError(

@@ -18,7 +18,7 @@ tokens routed to it, so its "positions" are those tokens, in the order TL's ``Mo
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Union, cast
 
 import torch
 import torch.nn as nn
@@ -74,15 +74,16 @@ class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
 
     def forward(self, x: Float[torch.Tensor, "pos d_model"]) -> Float[torch.Tensor, "pos d_model"]:
         # TL's own projections (nn.Linear), so hook_gate and hook_pre are bit-identical to TL's.
-        gate = self.hook_gate(self.W_gate(x))  # [pos, d_mlp]
-        linear = self.hook_pre(self.W_in(x))  # [pos, d_mlp]
+        W_gate, W_in, W_out = (cast(nn.Linear, m) for m in (self.W_gate, self.W_in, self.W_out))
+        gate = self.hook_gate(W_gate(x))  # [pos, d_mlp]
+        linear = self.hook_pre(W_in(x))  # [pos, d_mlp]
         if not self._uses_head_path():
-            return self.W_out(self.hook_post(self._fused_sum(gate, linear)))
+            return W_out(self.hook_post(self._fused_sum(gate, linear)))
         z = self._head_z(gate.unsqueeze(0), linear.unsqueeze(0))  # [1, pos, n_neuron_heads, 1]
         post = self._sum_heads(z).squeeze(0)
         hooked_post = self.hook_post(post)  # [pos, d_mlp]
         if not self.use_neuron_result:
-            return self.W_out(hooked_post)
+            return W_out(hooked_post)
         # [1, pos, n_neuron_heads, d_model]
         out = self.hook_result(z * self.W_O.squeeze(1)).sum(-2).squeeze(0)
         if hooked_post is not post:  # a hook edited post: its edit still reaches the output

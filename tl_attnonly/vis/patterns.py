@@ -19,6 +19,7 @@ from jaxtyping import Float
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import HeadsLike, require_neuron_heads
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.hooks import neuron_act_name, neuron_head_label
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
@@ -111,7 +112,13 @@ def neuron_head_scores(
     z = _cached(cache, "z", layer)[batch_index, :, :, 0].float().abs().amax(0)
     if rank_by == "z":
         return z
-    w_o = _model(cache).neuron_heads[layer].W_O.detach().float().norm(dim=-1).squeeze(-1)
+    mlp = _model(cache).neuron_heads[layer]
+    if not isinstance(mlp, NeuronHeadBase):
+        raise NotImplementedError(
+            f"rank_by='output' needs one output vector per neuron-head; layer {layer} is a "
+            f"{type(mlp).__name__}, whose heads' outputs depend on the routing. Use rank_by='z'."
+        )
+    w_o = mlp.W_O.detach().float().norm(dim=-1).squeeze(-1)
     return z * w_o.to(z.device)
 
 
