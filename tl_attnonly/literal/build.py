@@ -14,6 +14,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.components import (
     MLP,
     AbstractAttention,
+    GatedMLP,
     LayerNorm,
     LayerNormPre,
     RMSNorm,
@@ -361,7 +362,7 @@ class _Builder:
         attn = self.attention(block, max_len)
         w2, b2, _ = _norm_parts(block.ln2)
         if self.lay.gated:
-            return LiteralBlock(ln1, attn, ln2, *self.gated_mlp(block.mlp, w2, b2))
+            return LiteralBlock(ln1, attn, ln2, *self.gated_mlp(cast(GatedMLP, block.mlp), w2, b2))
         mlp = cast(MLP, block.mlp)  # a plain MLP: check_convertible refused the other classes
         W_in, b_in = _folded(mlp.W_in, mlp.b_in, w2, b2)  # [D, M], [M]
         W_out, b_out = mlp.W_out.double(), mlp.b_out.double()  # [M, D], [D]
@@ -437,7 +438,7 @@ class _Builder:
         return mlp_in, activation, mlp_out
 
     def gated_mlp(
-        self, mlp: nn.Module, norm_w: Tensor | None, norm_b: Tensor | None
+        self, mlp: GatedMLP, norm_w: Tensor | None, norm_b: Tensor | None
     ) -> tuple[LiteralNeuronLayer, LiteralAttention, LiteralAttention, LiteralAttention]:
         """Gated split layout: ``W_gate``/``W_in``, product, activation and ``W_out`` heads.
 
@@ -448,7 +449,7 @@ class _Builder:
         Returns:
             ``(mlp, mlp_in, mlp_out, mlp_prod)`` in :class:`LiteralBlock`'s argument order.
         """
-        lay, M = self.lay, self.cfg.d_mlp
+        lay, M = self.lay, self.lay.d_mlp
         R, real, dh = lay.d_resid, lay.real_rows, self.linear_d_head
         W_gate, c_gate = _folded(mlp.W_gate, None, norm_w, norm_b)  # [D, M], [M]
         W_in, c_in = _folded(mlp.W_in, None, norm_w, norm_b)
@@ -465,11 +466,11 @@ class _Builder:
             raise ValueError("A gated MLP needs product_eps (to_literal chooses it).")
         mlp_prod = self.assemble(product_heads(lay, self.product_eps))
         # 3. post <- act(g) u (the activation heads read g, p and u)
-        activation = self.assemble(
+        activation = cast(LiteralNeuronLayer, self.assemble(
             gated_activation_heads(self.coefs, lay), module_cls=LiteralNeuronLayer, d_mlp=M,
             n_heads_per_neuron=self.K, pre_start=lay.pre_dims.start,
             linear_start=lay.linear_dims.start,
-        )  # fmt: skip
+        ))  # fmt: skip
         activation.post_offset.copy_(b_in)
         activation.post_write[:, lay.post_dims] = torch.eye(M, dtype=torch.float64)
         # 4. x <- post W_out + b_in W_out + b_out; g, u, p, post <- 0
