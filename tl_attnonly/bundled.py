@@ -97,3 +97,10 @@ def load_bundled_model(
     model.load_state_dict(state_dict, strict=True)
     model.eval()
     return model
+
+
+__all__ = [
+    "BUNDLED_MODEL_NAME",
+    "bundled_model_dir",
+    "load_bundled_model",
+]

@@ -153,3 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = [
+    "DEFAULT_PROMPT",
+    "build_parser",
+    "convert_cmd",
+    "demo",
+    "main",
+    "verify_cmd",
+]

@@ -133,3 +133,8 @@ def _convert_structured(
     if model.cfg.use_attn_result:
         converted.set_use_attn_result(True)
     return converted
+
+
+__all__ = [
+    "convert",
+]

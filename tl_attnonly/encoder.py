@@ -162,3 +162,9 @@ def convert_encoder(
     )
     check_convertible(model.cfg, options, form="structured")
     return AttnOnlyEncoder._converted_copy(model, options)
+
+
+__all__ = [
+    "AttnOnlyEncoder",
+    "convert_encoder",
+]

@@ -344,3 +344,21 @@ def to_markdown(df: pd.DataFrame, floatfmt: dict[str, str] | None = None) -> str
                 cells.append(str(value))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+__all__ = [
+    "FIDELITY_COLUMNS",
+    "LARGE_PREACTIVATION",
+    "EncodedSentences",
+    "activation_error_at",
+    "compare_encoders",
+    "discordant_pairs",
+    "encode_for_fidelity",
+    "fidelity_table",
+    "load_sentences",
+    "pair_similarities",
+    "per_sentence_fidelity",
+    "preactivation_stats",
+    "spearman",
+    "to_markdown",
+]

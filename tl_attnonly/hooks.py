@@ -385,3 +385,29 @@ def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> Nam
         | NamesFilter([("", "resid_post", layer_set)])
         | exact_names_filter("hook_embed", "hook_pos_embed", "ln_final.hook_scale")
     )
+
+
+__all__ = [
+    "ATTN_HEAD_HOOKS",
+    "DENSE_PATTERN_BUDGET",
+    "NEURON_HOOK_SHAPES",
+    "HeadRef",
+    "NamesFilter",
+    "all_head_refs",
+    "attn_head_label",
+    "attn_names_filter",
+    "block_act_name",
+    "decomposition_names_filter",
+    "dense_neuron_pattern",
+    "exact_names_filter",
+    "head_act_name",
+    "head_labels",
+    "head_names_filter",
+    "neuron_act_name",
+    "neuron_head_hook_names",
+    "neuron_head_label",
+    "neuron_head_refs",
+    "neuron_hook_kind",
+    "neuron_names_filter",
+    "parse_head_label",
+]

@@ -246,3 +246,16 @@ def encode_sentences(
     if normalize:
         pooled = F.normalize(pooled, p=2, dim=1)
     return hidden, pooled, mask
+
+
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "MINILM_EXTRA",
+    "MINILM_PACKAGE",
+    "encode_sentences",
+    "load_minilm",
+    "mean_pool",
+    "minilm_config",
+    "minilm_path",
+    "tokenize",
+]

@@ -117,3 +117,8 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
         for name, param in model.named_parameters():
             param.requires_grad_(name not in frozen)
         return model.to(next(self.parameters()).device, print_details=False).train(self.training)
+
+
+__all__ = [
+    "AttnOnlyTransformer",
+]

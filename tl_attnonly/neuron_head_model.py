@@ -438,3 +438,14 @@ def _config_from_json(d: dict[str, Any]) -> dict[str, Any]:
         k: getattr(torch, v["__dtype__"]) if isinstance(v, dict) and "__dtype__" in v else v
         for k, v in d.items()
     }
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "CONVERSION_FILE",
+    "TOKENIZER_DIR",
+    "WEIGHTS_FILE",
+    "NeuronHeadModelMixin",
+    "pending_options",
+    "resolve_options",
+]

@@ -265,3 +265,15 @@ def overflow_warning(
         f"beyond the largest {dtype} ({limit:.3g}): outputs will overflow to inf/NaN. Use a "
         "smaller relu_k, fewer heads per neuron, or float32/bfloat16."
     )
+
+
+__all__ = [
+    "DEFAULT_BUDGET_BYTES",
+    "ConversionOptions",
+    "LayoutName",
+    "LiteralOptions",
+    "MaskOption",
+    "check_convertible",
+    "overflow_warning",
+    "tl_mlp_class_name",
+]

@@ -353,3 +353,10 @@ class _Step:
 
     def __exit__(self, *exc: Any) -> None:
         self.bar.update(1)
+
+
+__all__ = [
+    "REPORT_HEATMAP_TOP_K",
+    "REPORT_TOP_K",
+    "write_demo_report",
+]

@@ -245,3 +245,17 @@ def load_smollm2(
     model = smollm2_from_hf(hf_model, tokenizer, dtype=dtype, device=device)
     del hf_model
     return model
+
+
+__all__ = [
+    "SMOLLM2_EXTRA",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_MODULE",
+    "SMOLLM2_NAME",
+    "SMOLLM2_PACKAGE",
+    "load_smollm2",
+    "load_smollm2_hf",
+    "smollm2_config",
+    "smollm2_from_hf",
+    "smollm2_path",
+]

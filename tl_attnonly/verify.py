@@ -60,3 +60,9 @@ def _row(name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         "mean_abs_diff": sum(d.mean().item() for d in diffs) / len(diffs),
         "max_abs_value": max(a.abs().max().item() for a, _ in pairs),
     }
+
+
+__all__ = [
+    "HOOK_GROUPS",
+    "equivalence_table",
+]

@@ -225,3 +225,11 @@ def rank_agreement(
     idx = b.abs().argsort(descending=True)[: top or len(b)]
     sign = float((a[idx].sign() == b[idx].sign()).double().mean())
     return {"spearman": spearman, "sign_agreement": sign}
+
+
+__all__ = [
+    "ATTRIBUTION_KINDS",
+    "attribution_patch",
+    "pooled_cosine_metric",
+    "rank_agreement",
+]

@@ -576,3 +576,16 @@ def head_logit_attrs(
         labels += chunk_labels
     attrs = torch.cat(parts, dim=0)
     return (attrs, labels) if return_labels else attrs
+
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "STACK_BUDGET",
+    "decompose_resid_heads",
+    "get_attn_head_results",
+    "get_neuron_head_results",
+    "head_logit_attrs",
+    "neuron_head_z",
+    "stack_all_head_results",
+    "stack_neuron_head_results",
+]

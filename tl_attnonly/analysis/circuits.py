@@ -369,3 +369,18 @@ def top_k(
             "score": flat[idx].cpu().numpy(),
         }
     )
+
+
+__all__ = [
+    "SCORES_BUDGET",
+    "CompositionScores",
+    "bias_token_homogeneous",
+    "composition_scores",
+    "homogeneous",
+    "neuron_attn_scores_from_circuit",
+    "neuron_full_ov_circuit",
+    "neuron_full_qk_circuit",
+    "neuron_ov_circuit",
+    "neuron_qk_circuit",
+    "top_k",
+]

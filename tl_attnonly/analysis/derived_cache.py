@@ -372,3 +372,12 @@ def _as_filter(names_filter: Any) -> Callable[[str], bool]:
     if callable(names_filter):
         return names_filter
     raise ValueError("names_filter must be a string, list of strings, or function")
+
+
+__all__ = [
+    "NEURON_TUPLE_KINDS",
+    "DerivingDict",
+    "NeuronHeadActivationCache",
+    "Transform",
+    "run_with_derived_cache",
+]

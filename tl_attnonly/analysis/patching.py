@@ -339,3 +339,14 @@ def get_act_patch_all_heads(
         patches_per_pass=patches_per_pass, progress=progress,
     )  # fmt: skip
     return scores, head_labels(refs, K)
+
+
+__all__ = [
+    "PATTERN_KINDS",
+    "VECTOR_KINDS",
+    "PatchFn",
+    "get_act_patch_all_heads",
+    "get_act_patch_neuron_heads",
+    "neuron_head_patch_index",
+    "run_patches",
+]

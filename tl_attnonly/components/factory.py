@@ -46,3 +46,10 @@ def neuron_heads_for(
             f"{supported}."
         )
     return cls(mlp.cfg, coefficients)
+
+
+__all__ = [
+    "NEURON_HEAD_CLASSES",
+    "NeuronHeadLayer",
+    "neuron_heads_for",
+]

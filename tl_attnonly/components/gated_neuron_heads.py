@@ -255,3 +255,8 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
             f"n_neuron_heads={self.n_neuron_heads}, gated activation={c.activation!r}, "
             f"method={c.method!r}"
         )
+
+
+__all__ = [
+    "GatedNeuronHeadMLP",
+]

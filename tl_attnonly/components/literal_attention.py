@@ -215,3 +215,9 @@ class LiteralAttention(nn.Module):
             f"n_heads={self.n_heads}, d_model={self.d_model}, d_qk={self.d_qk}, d_v={self.d_v}, "
             f"n_pos={self.n_pos}, mask_mode={self.mask_mode!r}, rotary_dim={self.rotary_dim}"
         )
+
+
+__all__ = [
+    "LiteralAttention",
+    "MaskMode",
+]

@@ -160,3 +160,9 @@ class NeuronHeadMoE(MoE):
     def fused(self, value: bool) -> None:
         for expert in self._expert_list():
             expert.fused = value
+
+
+__all__ = [
+    "GatedNeuronHeadExpert",
+    "NeuronHeadMoE",
+]

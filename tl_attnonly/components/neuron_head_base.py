@@ -299,3 +299,11 @@ class NeuronHeadBase(CanBeUsedAsMLP):
             return post.sum(-1)
         post = post.squeeze(-1)
         return post.clone() if has_hooks(self.hook_post) else post
+
+
+__all__ = [
+    "DERIVABLE_HOOKS",
+    "FUSED_CHUNK_ELEMENTS",
+    "FUSED_ERROR_ULPS",
+    "NeuronHeadBase",
+]

@@ -484,3 +484,10 @@ class _Builder:
             out_maps.append((clear, dims))
         mlp_out = self.assemble(linear_map_sublayer(out_maps, lay, dh))
         return activation, mlp_in, mlp_out, mlp_prod
+
+
+__all__ = [
+    "assemble_sublayer",
+    "sublayer_head_counts",
+    "to_literal",
+]

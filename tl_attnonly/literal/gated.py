@@ -297,3 +297,19 @@ def check_product_range(eps: float, product_range: float, dtype: torch.dtype) ->
         f"{product_range:g} in {dtype}, over 10x the best ({best:.2g} at eps={best_eps:.2g}); "
         "pass product_eps=None to choose it automatically."
     )
+
+
+__all__ = [
+    "DEFAULT_EPS_GRID",
+    "DEFAULT_PRODUCT_RANGE",
+    "ROUNDING_FACTOR",
+    "check_product_range",
+    "default_product_eps",
+    "gated_activation_heads",
+    "gated_literal_error_table",
+    "product_error_bound",
+    "product_error_table",
+    "product_heads",
+    "product_through_heads",
+    "rounding_error_estimate",
+]

@@ -245,3 +245,10 @@ class LiteralBlock(nn.Module):
             mlp_out = written_in + written_act + self.mlp_out(resid_act)
         mlp_out = self.hook_mlp_out(mlp_out)
         return self.hook_resid_post(resid_mid + mlp_out)
+
+
+__all__ = [
+    "LiteralBlock",
+    "LiteralNeuronLayer",
+    "PartialNorm",
+]

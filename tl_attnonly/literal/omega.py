@@ -345,3 +345,18 @@ def error_table_markdown(df: pd.DataFrame, column: str = "max_abs_err") -> str:
         "| original model in dtype | " + " | ".join(f"{base[d]:.1e}" for d in dtypes) + " |"
     )
     return "\n".join(lines)
+
+
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_DTYPES",
+    "DEFAULT_OMEGA",
+    "DEFAULT_OMEGAS",
+    "TYPICAL_SCORE_RANGE",
+    "error_table_markdown",
+    "max_masked_attention",
+    "omega_error_table",
+    "omega_requirement",
+    "omega_warnings",
+    "plot_omega_error",
+]

@@ -231,3 +231,11 @@ def check_literal_supported(model: Any, layout: str = "split") -> None:
         raise NotImplementedError(
             f"act_fn={cfg.act_fn!r} (a norm inside the MLP) is not supported by the literal form."
         )
+
+
+__all__ = [
+    "CONFIG_AUDIT",
+    "QK_NORM_ARCHITECTURES",
+    "Treatment",
+    "check_literal_supported",
+]

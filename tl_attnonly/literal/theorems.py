@@ -372,3 +372,17 @@ def linear_map_sublayer(
     return SublayerHeads(
         empty, empty.clone(), W_V, W_O, ("self",), torch.zeros(H, dtype=torch.long)
     )
+
+
+__all__ = [
+    "NeuronHeadWeights",
+    "SublayerHeads",
+    "allowed_pattern",
+    "linear_map_sublayer",
+    "neuron_sublayer",
+    "theorem3_neuron_head",
+    "theorem6_tweaked_attention_heads",
+    "theorem7_linear_map_heads",
+    "theorem8_activation_heads",
+    "theorem9_mask_qk",
+]

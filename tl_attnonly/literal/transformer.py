@@ -232,3 +232,9 @@ def neuron_pattern_compact(
     p = pattern[:, :n_neuron_heads, 1:]  # real queries
     self_part = torch.diagonal(p[..., 1:], dim1=-2, dim2=-1)
     return torch.stack([self_part, p[..., 0]], dim=-1)
+
+
+__all__ = [
+    "LiteralTransformer",
+    "neuron_pattern_compact",
+]

@@ -174,3 +174,12 @@ def _screenshot(page: str, path: Path, width: int, height: int, scale: float) ->
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0 or not path.exists():
             raise RuntimeError(f"chromium failed: {done.stderr.strip()[-300:]}")
+
+
+__all__ = [
+    "circuitsvis_js",
+    "find_chromium",
+    "save_figure",
+    "script_safe",
+    "script_safe_json",
+]

@@ -400,3 +400,13 @@ def _layer_head_matrix(result: Any, value_name: str) -> tuple[np.ndarray, list[A
     if values.ndim != 2:
         raise ValueError(f"Expected a [layer, head] result, got shape {values.shape}.")
     return values, list(range(values.shape[0])), list(range(values.shape[1]))
+
+
+__all__ = [
+    "error_table_figure",
+    "gelu_fit_error_figure",
+    "neuron_activity_heatmap",
+    "neuron_head_activation",
+    "omega_error_figure",
+    "patching_heatmap",
+]

@@ -433,3 +433,17 @@ def _div_id() -> str:
     import uuid
 
     return "circuits-vis-" + uuid.uuid4().hex[:12]
+
+
+__all__ = [
+    "BIAS_TOKEN",
+    "DEFAULT_PAGE_SIZE",
+    "MAX_HEADS_PER_VIEW",
+    "RANK_BY",
+    "NeuronHeadView",
+    "TokensLike",
+    "neuron_head_attention_view",
+    "neuron_head_scores",
+    "select_neuron_heads",
+    "square_neuron_pattern",
+]
