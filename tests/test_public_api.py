@@ -50,6 +50,8 @@ def test_every_name_in_all_imports(module_name):
         ("tl_attnonly.vis", "save_figure"),
         ("tl_attnonly.vis", "neuron_head_attention_view"),
         ("tl_attnonly", "LiteralOptions"),
+        ("tl_attnonly.analysis.cache", "stack_all_head_results"),
+        ("tl_attnonly.analysis.cache", "head_logit_attrs"),
     ],
 )
 def test_import_paths_from_before_the_split_still_work(old_path, name):

@@ -22,13 +22,9 @@ from tl_attnonly.analysis.attribution import (
     rank_agreement,
 )
 from tl_attnonly.analysis.cache import (
-    decompose_resid_heads,
     get_attn_head_results,
     get_neuron_head_results,
-    head_logit_attrs,
     neuron_head_z,
-    stack_all_head_results,
-    stack_neuron_head_results,
 )
 from tl_attnonly.analysis.circuits import (
     CompositionScores,
@@ -41,6 +37,12 @@ from tl_attnonly.analysis.circuits import (
     neuron_ov_circuit,
     neuron_qk_circuit,
     top_k,
+)
+from tl_attnonly.analysis.decomposition import (
+    decompose_resid_heads,
+    head_logit_attrs,
+    stack_all_head_results,
+    stack_neuron_head_results,
 )
 from tl_attnonly.analysis.patching import (
     get_act_patch_all_heads,

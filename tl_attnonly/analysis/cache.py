@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -106,33 +106,6 @@ def neuron_head_z(
         + ". Cache it, e.g. model.run_with_cache(tokens, names_filter="
         "tl_attnonly.hooks.decomposition_names_filter())."
     )
-
-
-def _logit_directions(
-    model, tokens, incorrect_tokens
-) -> Float[torch.Tensor, "*batch_and_pos d_model"]:
-    """``W_U[:, tokens]`` (minus ``W_U[:, incorrect_tokens]``), times ``ln_final.w`` if any.
-
-    The final norm is ``w * normalised + b``: a component's direct effect on the logits is its
-    normalised value times ``w``, dotted with the unembedding column.
-    """
-    directions = model.tokens_to_residual_directions(tokens)
-    if incorrect_tokens is not None:
-        incorrect = model.tokens_to_residual_directions(incorrect_tokens)
-        if incorrect.shape != directions.shape:
-            raise ValueError(
-                f"tokens and incorrect_tokens must have the same shape, got directions of shape "
-                f"{tuple(directions.shape)} and {tuple(incorrect.shape)}."
-            )
-        directions = directions - incorrect
-    w = getattr(getattr(model, "ln_final", None), "w", None)
-    return directions if w is None else directions * w
-
-
-def _project(
-    stack: Float[torch.Tensor, "... d_model"], project: torch.Tensor | None
-) -> torch.Tensor:
-    return stack if project is None else stack @ project
 
 
 def _normalize_projection(
@@ -357,235 +330,30 @@ def _stack(
     return stack, labels
 
 
-# ------------------------------------------------------------------------------------------------
-# public stacking / decomposition / DLA
-# ------------------------------------------------------------------------------------------------
-def stack_neuron_head_results(
-    cache: ActivationCache,
-    layer: int | None = -1,
-    *,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
-    return_labels: bool = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
-):
-    """Every neuron-head's result in layers before ``layer``, stacked.
-
-    The neuron-head analogue of ``ActivationCache.stack_neuron_results`` (for ``K = 1`` the two
-    are equal). Arguments as in :func:`stack_all_head_results`.
-
-    Returns:
-        ``[layer * n_neuron_heads (+1), batch, pos, d_model]``, and labels ``L{l}N{i}`` /
-        ``L{l}N{i}.{k}`` if ``return_labels``.
-    """
-    return stack_all_head_results(
-        cache,
-        layer,
-        kinds=("neuron",),
-        pos_slice=pos_slice,
-        apply_ln=apply_ln,
-        return_labels=return_labels,
-        incl_remainder=incl_remainder,
-        project_output_onto=project_output_onto,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        progress=progress,
-    )
+#: Moved to :mod:`tl_attnonly.analysis.decomposition` (which imports this module); still importable
+#: from here.
+_MOVED = frozenset(
+    {
+        "decompose_resid_heads",
+        "head_logit_attrs",
+        "stack_all_head_results",
+        "stack_neuron_head_results",
+    }
+)
 
 
-def stack_all_head_results(
-    cache: ActivationCache,
-    layer: int | None = -1,
-    *,
-    kinds: Kinds = ("attn", "neuron"),
-    mlp_input: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
-    return_labels: bool = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
-):
-    """``stack_head_results`` over all heads: attention heads and neuron-heads.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from tl_attnonly.analysis import decomposition
 
-    Equals TransformerLens's ``cache.stack_head_results`` for the attention heads, but computes
-    them from ``z`` layer by layer (:func:`get_attn_head_results`) instead of storing them in the
-    cache; neuron-head results are computed from ``z`` in chunks of ``chunk_size`` heads.
-
-    Args:
-        cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run (see
-            :func:`tl_attnonly.hooks.decomposition_names_filter`).
-        layer: Heads in layers strictly before ``layer``; ``-1``/``None``/``n_layers``: all.
-        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
-        mlp_input: Also include the attention heads of ``layer`` (they feed its MLP).
-        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics).
-        apply_ln: Apply the LayerNorm scale cached at the input of ``layer`` (TransformerLens's
-            ``apply_ln_to_stack``).
-        return_labels: Also return the labels (``L{l}H{h}``, ``L{l}N{i}``, ``L{l}N{i}.{k}``).
-        incl_remainder: Append ``resid - sum(heads)`` (embeddings and biases), labelled
-            ``"remainder"``.
-        project_output_onto: ``[d_model]`` or ``[d_model, n_outputs]`` directions to project
-            each component onto (after ``apply_ln``).
-        max_bytes: Refuse to build a larger stack; see the error for ways to narrow it.
-        chunk_size: Neuron-heads materialised at once.
-        progress: Show a progress bar over neuron-head chunks.
-
-    Returns:
-        ``[n_components, batch, pos, d_model]`` (pos dropped for an int ``pos_slice``; last axis
-        ``n_outputs`` or squeezed when projecting), and the labels if ``return_labels``.
-    """
-    stack, labels = _stack(
-        cache,
-        layer,
-        mlp_input=mlp_input,
-        kinds=kinds,
-        pos_slice=pos_slice,
-        apply_ln=apply_ln,
-        incl_remainder=incl_remainder,
-        project_output_onto=project_output_onto,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        progress=progress,
-    )
-    return (stack, labels) if return_labels else stack
-
-
-def decompose_resid_heads(
-    cache: ActivationCache,
-    layer: int | None = None,
-    *,
-    mlp_input: bool = False,
-    apply_ln: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
-    return_labels: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
-):
-    """The residual stream as a sum of heads, embeddings and biases: nothing else.
-
-    ``sum(stack, 0)`` equals ``resid_pre[layer]`` (``resid_mid[layer]`` with ``mlp_input``;
-    ``resid_post`` of the last block for ``layer = n_layers``). Components: every attention head
-    and every neuron-head of earlier layers, ``embed``, ``pos_embed`` (if the model has one) and
-    ``bias`` (all ``b_O`` and ``b_out``). A neuron-head's result includes its value bias and its
-    bias-token value (they pass through its pattern), so ``bias`` holds only ``b_O`` and
-    ``b_out``.
-
-    For ``K = 1`` this equals TransformerLens's ``cache.get_full_resid_decomposition(
-    expand_neurons=True)``, labels included (neuron ``i`` is neuron-head ``i``); this function also
-    splits GELU neurons into their ``K`` heads and keeps the bias in the model's dtype.
-
-    Args:
-        cache, layer, mlp_input, apply_ln, pos_slice, return_labels, project_output_onto,
-        max_bytes, chunk_size, progress: As in :func:`stack_all_head_results`.
-
-    Returns:
-        ``[n_components, batch, pos, d_model]`` (see :func:`stack_all_head_results` for the
-        shape options), and the labels if ``return_labels``.
-    """
-    stack, labels = _stack(
-        cache,
-        layer,
-        mlp_input=mlp_input,
-        pos_slice=pos_slice,
-        apply_ln=apply_ln,
-        incl_embeds_and_bias=True,
-        project_output_onto=project_output_onto,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        progress=progress,
-    )
-    return (stack, labels) if return_labels else stack
-
-
-def head_logit_attrs(
-    cache: ActivationCache,
-    tokens: str
-    | int
-    | Int[torch.Tensor, ""]
-    | Int[torch.Tensor, "batch"]  # noqa: F821
-    | Int[torch.Tensor, "batch pos"],
-    incorrect_tokens: None | str | int | torch.Tensor = None,
-    *,
-    pos_slice: None | SliceInput | Slice = None,
-    kinds: Kinds = ("attn", "neuron"),
-    incl_embeds_and_bias: bool = False,
-    return_labels: bool = False,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
-):
-    """Direct logit attribution of every head (attention heads and neuron-heads).
-
-    Each component's result is centred and divided by the cached final LayerNorm scale (as in
-    TransformerLens's ``cache.logit_attrs``), then dotted with ``ln_final.w * W_U[:, token]``
-    (or the difference of two unembedding columns when ``incorrect_tokens`` is given),
-    ``chunk_size`` neuron-heads at a time, so ``[n_neuron_heads, batch, pos, d_model]`` is never
-    built. Unlike ``cache.logit_attrs``, the final norm's weight ``ln_final.w`` is applied, so the
-    numbers are right on a model whose final LayerNorm/RMSNorm is not folded (``fold_ln=False``,
-    e.g. :func:`tl_attnonly.bundled.load_bundled_model`); after ``fold_ln`` the weight is 1 and
-    the two agree.
-
-    With ``incl_embeds_and_bias=True`` the rows are exactly those of
-    :func:`decompose_resid_heads` at the unembed, so they sum to the logit (difference) minus
-    the constant terms ``ln_final.b @ W_U[:, token] + b_U[token]``.
-
-    Args:
-        cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run (see
-            :func:`tl_attnonly.hooks.decomposition_names_filter`).
-        tokens: Tokens to attribute to, as for ``ActivationCache.logit_attrs``: shaped like the
-            cache's ``[batch, pos]`` after ``pos_slice`` (e.g. ``[batch]`` with
-            ``pos_slice=-1``).
-        incorrect_tokens: Optional; attribute the logit difference ``tokens - incorrect_tokens``.
-        pos_slice: Positions to attribute at; ``-1`` for the last.
-        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
-        incl_embeds_and_bias: Also attribute ``embed``, ``pos_embed`` and ``bias``.
-        return_labels: Also return the labels.
-        chunk_size: Neuron-heads materialised at once.
-        progress: Show a progress bar over neuron-head chunks.
-
-    Returns:
-        ``[n_components, batch, pos]`` (pos dropped for an int ``pos_slice``), and the labels if
-        ``return_labels``.
-    """
-    model = _model(cache)
-    require_additive_residual(model, "head_logit_attrs (direct logit attribution)")
-    check_kinds(kinds)
-    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
-    directions = _logit_directions(model, tokens, incorrect_tokens)
-    parts, labels = [], []
-    chunks = _component_chunks(
-        cache,
-        model.cfg.n_layers,
-        False,
-        kinds,
-        pos_slice,
-        incl_embeds_and_bias,
-        chunk_size,
-        progress,
-    )
-    for chunk, chunk_labels in chunks:
-        scaled = cache.apply_ln_to_stack(chunk, layer=-1, pos_slice=pos_slice)
-        parts.append((scaled * directions).sum(dim=-1))
-        labels += chunk_labels
-    attrs = torch.cat(parts, dim=0)
-    return (attrs, labels) if return_labels else attrs
+        return getattr(decomposition, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "DEFAULT_CHUNK",
     "STACK_BUDGET",
-    "decompose_resid_heads",
     "get_attn_head_results",
     "get_neuron_head_results",
-    "head_logit_attrs",
     "neuron_head_z",
-    "stack_all_head_results",
-    "stack_neuron_head_results",
 ]
