@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, Union
+from typing import Any, Literal, Protocol, Union
 
 import torch
 from jaxtyping import Float
@@ -36,6 +36,9 @@ class CoefficientsLike(Protocol):
 
 #: A patching metric: logits ``[batch, pos, d_vocab]`` -> a scalar.
 Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
+
+#: ``fwd_hooks`` of ``run_with_hooks``: (hook name or name filter, hook function) pairs.
+FwdHooks = list[tuple[Union[str, Callable[..., Any]], Callable[..., Any]]]
 
 #: Head indices: one, several, a tensor of them, or ``None`` (all / ranked).
 HeadsLike = Union[int, Sequence[int], torch.Tensor, None]
@@ -129,6 +132,7 @@ def require_additive_residual(model: object, what: str) -> None:
 __all__ = [
     "HEAD_KINDS",
     "CoefficientsLike",
+    "FwdHooks",
     "HeadKind",
     "HeadsLike",
     "Kinds",

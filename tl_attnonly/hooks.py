@@ -13,9 +13,11 @@ from typing import Literal, NamedTuple
 
 import torch
 from jaxtyping import Float
+from transformer_lens import HookedRootModule
 
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Neuron-head hook -> shape, for docs and checks.
 NEURON_HOOK_SHAPES = {
@@ -234,7 +236,9 @@ def neuron_head_refs(layer: int, neuron: int, n_heads_per_neuron: int = 1) -> li
 
 
 def all_head_refs(
-    model, kinds: Kinds = ("attn", "neuron"), layers: Iterable[int] | None = None
+    model: NeuronHeadModelMixin,
+    kinds: Kinds = ("attn", "neuron"),
+    layers: Iterable[int] | None = None,
 ) -> list[HeadRef]:
     """Every head of ``model``: attention heads of all layers first, then neuron-heads.
 
@@ -316,7 +320,7 @@ class NamesFilter:
             return NotImplemented
         return NamesFilter(self.rules + other.rules, self.names | other.names)
 
-    def resolve(self, model) -> list[str]:
+    def resolve(self, model: HookedRootModule) -> list[str]:
         """The hook names of ``model`` this filter selects, in the model's order."""
         return [name for name in model.hook_dict if self(name)]
 

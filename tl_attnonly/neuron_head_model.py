@@ -93,6 +93,7 @@ class NeuronHeadModelMixin(_MixedInto):
         cfg: HookedTransformerConfig
         blocks: TypedModuleList[Any]  # of TransformerBlock (decoder) or BertBlock (encoder)
         tokenizer: Any
+        W_E: torch.Tensor
 
         def __init__(
             self,

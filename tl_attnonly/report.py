@@ -12,7 +12,7 @@ import html
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -39,6 +39,9 @@ from tl_attnonly.vis import (
     script_safe,
 )
 
+if TYPE_CHECKING:
+    from tl_attnonly.model import AttnOnlyTransformer
+
 #: Neuron-heads per layer in the report's circuitsvis views.
 REPORT_TOP_K = 16
 #: Neuron-heads per layer in the report's activity heatmaps.
@@ -60,7 +63,7 @@ code { background: #f3f3f3; padding: 0 3px; }
 
 def write_demo_report(
     model: HookedTransformer,
-    converted: Any,
+    converted: AttnOnlyTransformer,
     prompt: str,
     path: str | Path,
     *,
@@ -110,7 +113,7 @@ def write_demo_report(
 
     with steps.step("run with cache"):
         tokens = converted.to_tokens(prompt)
-        str_tokens = list(converted.to_str_tokens(prompt))
+        str_tokens = [str(t) for t in converted.to_str_tokens(prompt)]  # one prompt: strings
         names = {neuron_act_name(kind, lay) for kind in ("pattern", "z") for lay in range(n_layers)}
         with torch.inference_mode():
             _, cache = converted.run_with_cache(tokens, names_filter=lambda n: n in names)
@@ -165,7 +168,7 @@ def _equivalence(tables: dict[str, pd.DataFrame]) -> str:
     return "\n".join(parts)
 
 
-def _views(views: Sequence[NeuronHeadView], converted: Any) -> str:
+def _views(views: Sequence[NeuronHeadView], converted: AttnOnlyTransformer) -> str:
     k = converted.n_heads_per_neuron
     labels = (
         "Heads are labelled <code>L{layer}N{neuron}</code>."
@@ -203,7 +206,9 @@ def _activity_intro() -> str:
     )
 
 
-def _patching(converted: Any, tokens: torch.Tensor, corrupted_prompt: str | None) -> str:
+def _patching(
+    converted: AttnOnlyTransformer, tokens: torch.Tensor, corrupted_prompt: str | None
+) -> str:
     from tl_attnonly.analysis.attribution import attribution_patch
 
     if corrupted_prompt is None:
@@ -260,7 +265,7 @@ def _patching(converted: Any, tokens: torch.Tensor, corrupted_prompt: str | None
     )
 
 
-def _gelu(converted: Any) -> str:
+def _gelu(converted: AttnOnlyTransformer) -> str:
     from tl_attnonly import activation_error_table
 
     fig = gelu_fit_error_figure()
@@ -280,7 +285,10 @@ def _gelu(converted: Any) -> str:
 # page
 # ------------------------------------------------------------------------------------------------
 def _page(
-    converted: Any, prompt: str, str_tokens: list[str], sections: list[tuple[str, str, str]]
+    converted: AttnOnlyTransformer,
+    prompt: str,
+    str_tokens: list[str],
+    sections: list[tuple[str, str, str]],
 ) -> str:
     cfg = converted.cfg
     hooks = "".join(

@@ -25,14 +25,17 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import Metric, check_kinds, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, check_kinds, require_neuron_heads
 from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Activations attribution patching supports, and where their head axis is.
 ATTRIBUTION_KINDS = {"z": 2, "v": 2, "q": 2, "pattern": 1}
 
 
-def _names(model, kind: str, kinds: Sequence[str]) -> list[tuple[str, str, int]]:
+def _names(
+    model: NeuronHeadModelMixin, kind: str, kinds: Sequence[str]
+) -> list[tuple[str, str, int]]:
     """(sublayer kind, hook name, layer) for every layer and every requested kind of head."""
     out = []
     for sub in kinds:
@@ -47,7 +50,7 @@ def _names(model, kind: str, kinds: Sequence[str]) -> list[tuple[str, str, int]]
 
 
 def attribution_patch(
-    model,
+    model: NeuronHeadModelMixin,
     clean_cache: ActivationCache,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     patching_metric: Metric,
@@ -129,7 +132,8 @@ def attribution_patch(
     # The first hook of the forward pass: the decoder's hook_embed, the encoder's embed.hook_embed.
     embed_hook = "hook_embed" if "hook_embed" in model.hook_dict else "embed.hook_embed"
     with torch.enable_grad():
-        fwd_hooks = [(embed_hook, grad_on)] + [(name, keep) for _, name, _ in names]
+        fwd_hooks: FwdHooks = [(embed_hook, grad_on)]
+        fwd_hooks += [(name, keep) for _, name, _ in names]
         if metric_input is not None:
             fwd_hooks.append((metric_input, keep))
         output = model.run_with_hooks(

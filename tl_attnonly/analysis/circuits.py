@@ -44,6 +44,7 @@ from transformer_lens import FactoredMatrix
 
 from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Default memory budget (bytes) for a matrix of pairwise scores.
 SCORES_BUDGET = 2 * 2**30
@@ -57,12 +58,12 @@ def homogeneous(x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, ".
     return torch.cat([x, x.new_ones(x.shape[:-1] + (1,))], dim=-1)
 
 
-def bias_token_homogeneous(model) -> torch.Tensor:
+def bias_token_homogeneous(model: NeuronHeadModelMixin) -> torch.Tensor:
     """The bias token in homogeneous coordinates: the zero vector (so its key, and score, are 0)."""
     return model.W_E.new_zeros(model.cfg.d_model + 1)
 
 
-def _layers(model, layer: int | None) -> list[int]:
+def _layers(model: NeuronHeadModelMixin, layer: int | None) -> list[int]:
     require_neuron_heads(model)
     if layer is None:
         return list(range(model.cfg.n_layers))
@@ -78,7 +79,7 @@ def _stacked(tensors: list[torch.Tensor], layer: int | None) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # OV and QK circuits
 # ------------------------------------------------------------------------------------------------
-def neuron_ov_circuit(model, layer: int | None = None) -> FactoredMatrix:
+def neuron_ov_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> FactoredMatrix:
     """Neuron-heads' OV circuits ``W_V W_O``: rank 1, ``f_k W_in[:, i] (x) W_out[i]``.
 
     Args:
@@ -103,7 +104,7 @@ def _key_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_
     return torch.cat([mlp.W_K, mlp.b_K[:, None, :]], dim=-2).transpose(-2, -1)
 
 
-def neuron_qk_circuit(model, layer: int | None = None) -> FactoredMatrix:
+def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> FactoredMatrix:
     """Neuron-heads' QK circuits in homogeneous coordinates (module docstring).
 
     ``homogeneous(x) @ QK @ homogeneous(y).T`` is the score of a query with normalised residual
@@ -139,7 +140,7 @@ def neuron_attn_scores_from_circuit(
     return torch.stack([score_self, score_bias], dim=-1)
 
 
-def neuron_full_ov_circuit(model, layer: int) -> FactoredMatrix:
+def neuron_full_ov_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredMatrix:
     """``W_E W_V W_O W_U`` of each neuron-head of ``layer``: ``[n_neuron_heads, d_vocab, d_vocab]``.
 
     Rank 1: the neuron-head reads token ``s`` with weight ``(W_E W_V)[s]`` and writes
@@ -150,7 +151,7 @@ def neuron_full_ov_circuit(model, layer: int) -> FactoredMatrix:
     return FactoredMatrix(model.W_E @ mlp.W_V, mlp.W_O @ model.W_U)
 
 
-def neuron_full_qk_circuit(model, layer: int) -> FactoredMatrix:
+def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredMatrix:
     """Neuron-heads' scores by query token and key: ``[n_neuron_heads, d_vocab, 1 + d_vocab]``.
 
     Rows are query tokens (``homogeneous(W_E)``). Column 0 is the bias token (score 0); column
@@ -168,7 +169,9 @@ def neuron_full_qk_circuit(model, layer: int) -> FactoredMatrix:
 # ------------------------------------------------------------------------------------------------
 # composition scores
 # ------------------------------------------------------------------------------------------------
-def _right_matrix(model, kind: str, layer: int, mode: str) -> FactoredMatrix | None:
+def _right_matrix(
+    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str
+) -> FactoredMatrix | None:
     """The receiver-side FactoredMatrix of one layer's heads (None: reads nothing)."""
     if kind == "attn":
         attn = model.blocks[layer].attn
@@ -186,14 +189,14 @@ def _right_matrix(model, kind: str, layer: int, mode: str) -> FactoredMatrix | N
     return FactoredMatrix(mlp.W_V, mlp.W_O)
 
 
-def _left_matrix(model, kind: str, layer: int) -> FactoredMatrix:
+def _left_matrix(model: NeuronHeadModelMixin, kind: str, layer: int) -> FactoredMatrix:
     if kind == "attn":
         attn = model.blocks[layer].attn
         return FactoredMatrix(attn.W_V, attn.W_O)
     return neuron_ov_circuit(model, layer)
 
 
-def _stage(model, kind: str, layer: int) -> int:
+def _stage(model: NeuronHeadModelMixin, kind: str, layer: int) -> int:
     """Order of sublayers in the residual stream: a head can compose with later stages only."""
     if kind == "attn" or model.cfg.parallel_attn_mlp:
         return 2 * layer
@@ -229,7 +232,7 @@ class CompositionScores:
 
 
 def composition_scores(
-    model,
+    model: NeuronHeadModelMixin,
     mode: Literal["Q", "K", "V"],
     senders: Sequence[str | HeadRef] | None = None,
     receivers: Sequence[str | HeadRef] | None = None,
@@ -262,7 +265,9 @@ def composition_scores(
         return _composition_scores(model, mode, senders, receivers, max_bytes, progress)
 
 
-def _composition_scores(model, mode, senders, receivers, max_bytes, progress) -> CompositionScores:
+def _composition_scores(
+    model: NeuronHeadModelMixin, mode, senders, receivers, max_bytes, progress
+) -> CompositionScores:
     K = model.n_heads_per_neuron
     send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
     recv = (

@@ -32,7 +32,7 @@ from transformer_lens.patching import (
     layer_pos_head_vector_patch_setter,
 )
 
-from tl_attnonly._types import Metric, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -41,6 +41,7 @@ from tl_attnonly.hooks import (
     neuron_hook_kind,
     parse_head_label,
 )
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Neuron-head activations that can be patched, and their layout.
 VECTOR_KINDS = ("z", "v", "q", "result")  # [batch, pos, head, ...]
@@ -93,7 +94,7 @@ def _cloning(setter: Callable) -> Callable:
 
 
 def neuron_head_patch_index(
-    model,
+    model: NeuronHeadModelMixin,
     activation_name: str = "z",
     *,
     per_position: bool = False,
@@ -149,7 +150,7 @@ def _setter(kind: str, per_position: bool) -> Callable:
 
 
 def get_act_patch_neuron_heads(
-    model,
+    model: NeuronHeadModelMixin,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -246,7 +247,7 @@ PatchFn = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 def run_patches(
-    model,
+    model: NeuronHeadModelMixin,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -277,7 +278,7 @@ def run_patches(
             for name, fn in patch:
                 by_hook[name].append((copy, fn))
 
-        fwd_hooks = [
+        fwd_hooks: FwdHooks = [
             (name, _patch_hook(edits, clean_cache, batch)) for name, edits in by_hook.items()
         ]
         logits = model.run_with_hooks(corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=fwd_hooks)
@@ -298,7 +299,7 @@ def _patch_hook(edits: list[tuple[int, PatchFn]], clean_cache, batch: int) -> Ca
 
 
 def get_act_patch_all_heads(
-    model,
+    model: NeuronHeadModelMixin,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,

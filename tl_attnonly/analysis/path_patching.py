@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import Metric, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -42,6 +42,7 @@ from tl_attnonly.hooks import (
     head_names_filter,
     parse_head_label,
 )
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 LOGITS = "logits"
 
@@ -92,7 +93,9 @@ def parse_receiver(
     return Receiver(ref, "".join(c for c in allowed if c in inputs))
 
 
-def _receiver_hooks(model, receivers: Sequence[Receiver]) -> dict[str, list[int]]:
+def _receiver_hooks(
+    model: NeuronHeadModelMixin, receivers: Sequence[Receiver]
+) -> dict[str, list[int]]:
     """hook name -> head indices (in that hook's head axis) to patch."""
     n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
     group = model.cfg.n_heads // n_kv
@@ -112,7 +115,7 @@ def _receiver_hooks(model, receivers: Sequence[Receiver]) -> dict[str, list[int]
 
 
 def path_patch_caches(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
 ) -> tuple[ActivationCache, ActivationCache]:
@@ -127,7 +130,7 @@ def path_patch_caches(
 
 
 def _path_patch_runs(
-    model,
+    model: NeuronHeadModelMixin,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
     corrupted_cache: ActivationCache,
@@ -185,13 +188,20 @@ def _path_patch_runs(
 
         return hook
 
-    step2 = [(name, patch(name, heads)) for name, heads in targets.items()]
+    step2: FwdHooks = [(name, patch(name, heads)) for name, heads in targets.items()]
     with torch.no_grad():
         logits = model.run_with_hooks(tokens, fwd_hooks=step2)
     return [patching_metric(logits[c * batch : (c + 1) * batch]).item() for c in range(copies)]
 
 
-def _prepare(model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache):
+def _prepare(
+    model: NeuronHeadModelMixin,
+    clean_tokens,
+    corrupted_tokens,
+    receivers,
+    clean_cache,
+    corrupted_cache,
+):
     require_neuron_heads(model)
     for tokens in (clean_tokens, corrupted_tokens):
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
@@ -213,7 +223,7 @@ def _prepare(model, clean_tokens, corrupted_tokens, receivers, clean_cache, corr
 
 
 def path_patch(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Iterable[str | HeadRef],
@@ -249,7 +259,7 @@ def path_patch(
 
 
 def path_patch_sweep(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     receivers: str | Iterable[str | HeadRef | tuple | Receiver],

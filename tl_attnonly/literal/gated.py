@@ -34,6 +34,9 @@ from tl_attnonly.literal.theorems import SublayerHeads
 
 if TYPE_CHECKING:
     import pandas as pd
+    from transformer_lens import HookedTransformer
+
+    from tl_attnonly._types import CoefficientsLike
 
 #: ``|g u|`` up to which :func:`default_product_eps` balances truncation against rounding.
 DEFAULT_PRODUCT_RANGE = 100.0
@@ -112,7 +115,7 @@ def product_heads(layout: ResidualLayout, eps: float) -> SublayerHeads:
     return SublayerHeads(W_Q, W_K, W_V, W_O, ("self_bias", "self"), head_kind)
 
 
-def gated_activation_heads(coefficients: Any, layout: ResidualLayout) -> SublayerHeads:
+def gated_activation_heads(coefficients: CoefficientsLike, layout: ResidualLayout) -> SublayerHeads:
     """The activation sublayer of a gated MLP: ``act(g_i) u_i`` into post coordinate ``i``.
 
     Theorem 3's ``K`` heads per neuron with the value multiplied by the linear branch: head
@@ -212,7 +215,7 @@ def product_error_table(
 
 
 def gated_literal_error_table(
-    model: Any,
+    model: HookedTransformer,
     tokens: Tensor,
     eps_values: Sequence[float | None] = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, None),
     dtypes: Sequence[str] = ("float64", "float32"),

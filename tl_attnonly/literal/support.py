@@ -13,7 +13,9 @@ TransformerLens version fails the suite until it is audited):
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
+
+from transformer_lens import HookedTransformer
 
 from tl_attnonly._compat import POST_NORM_ARCHITECTURES, softcap_enabled
 
@@ -141,7 +143,7 @@ _REFUSED_FLAGS = {
 }
 
 
-def check_literal_supported(model: Any, layout: str = "split") -> None:
+def check_literal_supported(model: HookedTransformer, layout: str = "split") -> None:
     """Refuse, before building, a model the literal form cannot represent exactly.
 
     Every ``HookedTransformerConfig`` field is either built or refused, here or (activation,

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from tl_attnonly.literal.layout import ResidualLayout
+
+if TYPE_CHECKING:
+    from tl_attnonly._types import CoefficientsLike
 
 
 @dataclass
@@ -77,7 +80,7 @@ class NeuronHeadWeights:
     out_shift: Tensor
 
 
-def _coef_tensors(coefficients: Any) -> tuple[Tensor, ...]:
+def _coef_tensors(coefficients: CoefficientsLike) -> tuple[Tensor, ...]:
     return tuple(torch.tensor(getattr(coefficients, name), dtype=torch.float64) for name in "bdfeg")
 
 
@@ -85,7 +88,7 @@ def theorem3_neuron_head(
     w_in: Float[Tensor, "... d_in"],
     b_in: Float[Tensor, "..."],
     w_out: Float[Tensor, "... d_out"],
-    coefficients: Any,
+    coefficients: CoefficientsLike,
 ) -> NeuronHeadWeights:
     """Theorem 3: one MLP neuron as ``K`` attention heads of internal dimension 1.
 
@@ -123,7 +126,7 @@ def theorem3_neuron_head(
     )
 
 
-def theorem8_activation_heads(coefficients: Any, d_mlp: int) -> NeuronHeadWeights:
+def theorem8_activation_heads(coefficients: CoefficientsLike, d_mlp: int) -> NeuronHeadWeights:
     """Theorem 8: an entry-wise activation on ``d_mlp`` coordinates, ``K`` heads per coordinate.
 
     Theorem 3 with the identity as input and output weights: head ``(i, k)`` reads hidden

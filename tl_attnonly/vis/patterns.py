@@ -237,7 +237,7 @@ class NeuronHeadView(RenderedHTML):
 
 
 def neuron_head_attention_view(
-    source: Any,
+    source: NeuronHeadModelMixin | ActivationCache,
     layer: int,
     tokens: TokensLike | None = None,
     *,
