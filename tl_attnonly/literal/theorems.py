@@ -1,13 +1,10 @@
 """The paper's theorems, one function each, as the real parts of attention heads.
 
-==========================================  ====================================================
-:func:`theorem3_neuron_head`                one neuron -> ``K`` heads of internal dimension 1
-:func:`theorem6_tweaked_attention_heads`    the model's own heads, tweaked to ignore the bias token
-:func:`theorem7_linear_map_heads`           a linear map as self-attending heads
-:func:`theorem8_activation_heads`           an entry-wise activation, one head per coordinate
-:func:`theorem9_mask_qk`                    a mask written into ``W_Q``/``W_K``
-==========================================  ====================================================
-
+:func:`theorem3_neuron_head` (one neuron as ``K`` heads of internal dimension 1),
+:func:`theorem6_tweaked_attention_heads` (the model's own heads, kept off the bias token),
+:func:`theorem7_linear_map_heads` (a linear map as self-attending heads),
+:func:`theorem8_activation_heads` (an entry-wise activation) and :func:`theorem9_mask_qk` (a mask
+written into ``W_Q``/``W_K``); the table in :mod:`tl_attnonly.literal` says what each builds.
 :func:`neuron_sublayer` and :func:`linear_map_sublayer` place those heads in the augmented
 residual stream (:class:`~tl_attnonly.literal.layout.ResidualLayout`).
 """
