@@ -1,4 +1,4 @@
-"""Train the tiny bundled decoder model ``assets/tiny-stdlib-silu``.
+"""Train the tiny bundled decoder model ``tl_attnonly/data/models/tiny-stdlib-silu``.
 
 This script is the complete, reproducible recipe for the small TransformerLens model that ships
 with ``tl_attnonly`` (see :mod:`tl_attnonly.bundled`). It needs no network access: the training
@@ -36,7 +36,7 @@ Recipe (all values are also written to ``config.json`` / ``training.json`` in th
 
 Usage (from the repository root)::
 
-    python scripts/train_tiny_model.py                   # writes assets/tiny-stdlib-silu
+    python scripts/train_tiny_model.py      # writes tl_attnonly/data/models/tiny-stdlib-silu
     python scripts/train_tiny_model.py --out-dir out/tiny   # somewhere else
 
 Training takes about 10 minutes on one otherwise idle CPU thread (the shipped run took 12 minutes
@@ -66,7 +66,8 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import PreTrainedTokenizerFast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT_DIR = REPO_ROOT / "assets" / "tiny-stdlib-silu"
+# Package data, so that the model ships in the wheel (see tl_attnonly.bundled).
+DEFAULT_OUT_DIR = REPO_ROOT / "tl_attnonly" / "data" / "models" / "tiny-stdlib-silu"
 
 SEED = 0
 VOCAB_SIZE = 3072

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,10 +59,21 @@ def test_bundled_model_dir_contents():
         assert (model_dir / name).is_file(), name
 
 
-def test_missing_bundle_raises_helpful_error(monkeypatch):
-    monkeypatch.setattr(bundled, "BUNDLED_MODEL_NAME", "no-such-model")
+def test_missing_bundle_raises_helpful_error():
+    with pytest.raises(
+        FileNotFoundError, match="'no-such-model'.*Bundled models: 'tiny-stdlib-silu'"
+    ):
+        bundled.bundled_model_dir("no-such-model")
     with pytest.raises(FileNotFoundError, match="no-such-model"):
-        bundled.bundled_model_dir()
+        bundled.load_bundled_model("no-such-model")
+
+
+def test_bundled_models_are_package_data():
+    # shipped inside the package (so in the wheel), and listed by name
+    assert bundled.BUNDLED_MODEL_NAME in bundled.bundled_model_names()
+    for name in bundled.bundled_model_names():
+        model_dir = bundled.bundled_model_dir(name)
+        assert model_dir.parent.parent.parent == Path(bundled.__file__).parent
 
 
 def test_model_loads_offline_with_saved_config(model):
@@ -90,6 +102,7 @@ def test_tokenizer_round_trips_python_code():
     model_dir = str(bundled.bundled_model_dir())
     text = HELD_OUT_CODE + "\tx = 'caf\u00e9 \u2603'  # tab, non-ASCII\n"
     for tok in (
+        bundled.load_bundled_tokenizer(),  # what load_bundled_model attaches
         PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True),
         AutoTokenizer.from_pretrained(model_dir, local_files_only=True),
     ):
@@ -98,6 +111,7 @@ def test_tokenizer_round_trips_python_code():
         assert len(ids) < len(text) / 2  # BPE actually merges common code fragments
         assert tok.bos_token == tok.eos_token == tok.pad_token == "<|endoftext|>"
         assert tok.bos_token_id == 0
+        assert tok.model_max_length == 128
 
 
 def test_probe_loss_matches_training_record(model, training_info):

@@ -1,10 +1,16 @@
-"""A tiny trained decoder model bundled with the repository, loadable fully offline.
+"""Small trained models that ship inside the package, loadable fully offline.
 
-The model lives in ``assets/tiny-stdlib-silu`` at the repository root and was produced by
-``scripts/train_tiny_model.py``: a 2-layer, d_model 128, SiLU-MLP TransformerLens
-``HookedTransformer`` trained on Python standard-library source code with its own 3072-token
-byte-level BPE tokenizer. It is small enough for tests and examples and has real, learned MLP
-neurons to rewrite as attention heads.
+Each bundled model is a directory under ``tl_attnonly/data/models/`` (package data, so it is in
+the wheel too) holding ``config.json`` (the ``HookedTransformerConfig`` fields),
+``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` and ``training.json`` (how it
+was made). Files are read through :mod:`importlib.resources`, so they load from any install: a
+source checkout, an editable install or a wheel. A new bundled model is a new directory there;
+:func:`bundled_model_names` lists them.
+
+The default, ``tiny-stdlib-silu``, was produced by ``scripts/train_tiny_model.py``: a 2-layer,
+d_model 128, SiLU-MLP TransformerLens ``HookedTransformer`` trained on Python standard-library
+source code with its own 3072-token byte-level BPE tokenizer. It is small enough for tests and
+examples and has real, learned MLP neurons to rewrite as attention heads.
 
 Example:
     >>> from tl_attnonly.bundled import load_bundled_model
@@ -15,13 +21,16 @@ Example:
 from __future__ import annotations
 
 import json
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import PreTrainedTokenizerFast
 
+#: The model :func:`load_bundled_model` loads by default.
 BUNDLED_MODEL_NAME = "tiny-stdlib-silu"
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -32,39 +41,97 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 _INIT_ONLY_FIELDS = ("seed", "init_weights")
 
 
-def bundled_model_dir() -> Path:
-    """Locate the directory of the bundled model.
+def _models_root() -> Traversable:
+    return files("tl_attnonly").joinpath("data", "models")
 
-    The assets are not part of the installed Python package: they sit in ``assets/`` at the
-    repository root, which is the parent directory of the ``tl_attnonly`` package. They are
-    therefore found when the package is used from a source checkout (``PYTHONPATH`` or
-    ``pip install -e .``), but not from a regular wheel install.
+
+def bundled_model_names() -> list[str]:
+    """The names of the bundled models (directories under ``tl_attnonly/data/models``).
 
     Returns:
-        Path to ``assets/tiny-stdlib-silu``.
+        Sorted names, e.g. ``["tiny-stdlib-silu"]``.
+    """
+    root = _models_root()
+    if not root.is_dir():
+        return []
+    return sorted(
+        d.name for d in root.iterdir() if d.is_dir() and d.joinpath("config.json").is_file()
+    )
+
+
+def bundled_model_files(name: str = BUNDLED_MODEL_NAME) -> Traversable:
+    """The package-data directory of one bundled model, checked for completeness.
+
+    Args:
+        name: A name from :func:`bundled_model_names`.
+
+    Returns:
+        An :mod:`importlib.resources` ``Traversable`` (a ``pathlib.Path`` for an install on a
+        file system).
 
     Raises:
-        FileNotFoundError: If the directory or one of its required files is missing.
+        FileNotFoundError: If there is no such model, or one of its files is missing.
     """
-    repo_root = Path(__file__).resolve().parent.parent
-    model_dir = repo_root / "assets" / BUNDLED_MODEL_NAME
-    missing = [name for name in _REQUIRED_FILES if not (model_dir / name).is_file()]
+    model_dir = _models_root().joinpath(name)
+    missing = [f for f in _REQUIRED_FILES if not model_dir.joinpath(f).is_file()]
     if missing:
+        available = ", ".join(repr(n) for n in bundled_model_names()) or "none"
         raise FileNotFoundError(
-            f"Bundled model {BUNDLED_MODEL_NAME!r} not found: expected {', '.join(missing)} in "
-            f"{model_dir}. The model ships in the repository's assets/ directory, not in the "
-            "wheel; use a source checkout (e.g. `pip install -e .`), or regenerate it with "
+            f"Bundled model {name!r} not found: {', '.join(missing)} missing from the package "
+            f"data directory tl_attnonly/data/models/{name}. Bundled models: {available}. "
+            "Reinstall tl-attnonly, or regenerate the default model with "
             "`python scripts/train_tiny_model.py`."
         )
     return model_dir
 
 
-def load_bundled_model(
-    device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32
-) -> HookedTransformer:
-    """Load the bundled model and its tokenizer, without any network access.
+def bundled_model_dir(name: str = BUNDLED_MODEL_NAME) -> Path:
+    """The directory of a bundled model on the file system (e.g. for ``from_pretrained(dir)``).
 
     Args:
+        name: A name from :func:`bundled_model_names`.
+
+    Returns:
+        Path to ``tl_attnonly/data/models/{name}``.
+
+    Raises:
+        FileNotFoundError: If the model is missing (see :func:`bundled_model_files`), or the
+            package is imported from an archive rather than a directory (then use
+            :func:`load_bundled_model`, which reads the files wherever they are).
+    """
+    model_dir = bundled_model_files(name)
+    if not isinstance(model_dir, Path):
+        raise FileNotFoundError(
+            f"Bundled model {name!r} is inside an archive ({model_dir}), not a directory; load "
+            "it with tl_attnonly.bundled.load_bundled_model, or install tl-attnonly unzipped."
+        )
+    return model_dir
+
+
+def load_bundled_tokenizer(name: str = BUNDLED_MODEL_NAME) -> PreTrainedTokenizerFast:
+    """The tokenizer of a bundled model, read from package data (no network).
+
+    Args:
+        name: A name from :func:`bundled_model_names`.
+
+    Returns:
+        The ``PreTrainedTokenizerFast`` saved with the model. It is loaded from the model's
+        directory (TransformerLens reloads a tokenizer from its ``name_or_path``).
+    """
+    return PreTrainedTokenizerFast.from_pretrained(
+        str(bundled_model_dir(name)), local_files_only=True
+    )
+
+
+def load_bundled_model(
+    name: str = BUNDLED_MODEL_NAME,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+) -> HookedTransformer:
+    """Load a bundled model and its tokenizer, without any network access.
+
+    Args:
+        name: A name from :func:`bundled_model_names` (default: ``tiny-stdlib-silu``).
         device: Device to put the model on.
         dtype: Parameter dtype (a ``torch.dtype`` or its name, e.g. ``"float32"``). The
             weights are stored in float32 and cast on load.
@@ -75,25 +142,24 @@ def load_bundled_model(
         apart from ``device`` and ``dtype``.
 
     Raises:
-        FileNotFoundError: If the bundled assets cannot be found.
+        FileNotFoundError: If the bundled files cannot be found.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
-    model_dir = bundled_model_dir()
+    model_dir = bundled_model_dir(name)
 
-    cfg_dict = json.loads((model_dir / "config.json").read_text())
+    cfg_dict = json.loads(model_dir.joinpath("config.json").read_text(encoding="utf-8"))
     for field in ("device", "dtype"):
         cfg_dict.pop(field, None)
     init_only = {field: cfg_dict.pop(field) for field in _INIT_ONLY_FIELDS if field in cfg_dict}
     cfg = HookedTransformerConfig(**cfg_dict, init_weights=False, device=str(device), dtype=dtype)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
-    model = HookedTransformer(cfg, tokenizer=tokenizer)
+    model = HookedTransformer(cfg, tokenizer=load_bundled_tokenizer(name))
     # Restore the recorded init-only fields only now: HookedTransformer.__init__ reads them.
     for field, value in init_only.items():
         setattr(model.cfg, field, value)
-    state_dict = load_file(str(model_dir / "model.safetensors"))
+    state_dict = load_safetensors(model_dir.joinpath("model.safetensors").read_bytes())
     model.load_state_dict(state_dict, strict=True)
     model.eval()
     return model
