@@ -7,7 +7,7 @@ import re
 import pytest
 from transformer_lens import HookedTransformer
 
-from tl_attnonly import AttnOnlyTransformer, convert
+from tl_attnonly import AttnOnlyTransformer, cli, convert
 from tl_attnonly.bundled import load_bundled_model
 from tl_attnonly.cli import main
 
@@ -32,6 +32,7 @@ def fake_hub(monkeypatch):
         options = {k: kwargs[k] for k in ("n_heads_per_neuron", "relu_k", "gelu_method")}
         return convert(load_bundled_model(), **options)
 
+    monkeypatch.setattr(cli, "_hub_unreachable", lambda timeout=0: None)
     monkeypatch.setattr(HookedTransformer, "from_pretrained", fake_ht)
     monkeypatch.setattr(AttnOnlyTransformer, "from_pretrained", fake_attn_only)
     return calls
@@ -39,11 +40,11 @@ def fake_hub(monkeypatch):
 
 def test_convert_then_verify_offline(fake_hub, tmp_path, capsys):
     out = tmp_path / "converted"
-    assert main(["convert", "some-model", str(out), "--relu-k", "50"]) == 0
+    assert main(["convert", "gpt2", str(out), "--relu-k", "50"]) == 0
     assert fake_hub == [
         (
             "AttnOnlyTransformer",
-            "some-model",
+            "gpt2",
             {"n_heads_per_neuron": None, "relu_k": 50.0, "gelu_method": None},
         )
     ]
@@ -57,6 +58,6 @@ def test_convert_then_verify_offline(fake_hub, tmp_path, capsys):
 
 
 def test_verify_by_model_name(fake_hub, capsys):
-    assert main(["verify", "some-model", "--prompt", "x = [i for i in range(3)]"]) == 0
-    assert fake_hub[0][:2] == ("HookedTransformer", "some-model")
+    assert main(["verify", "gpt2", "--prompt", "x = [i for i in range(3)]"]) == 0
+    assert fake_hub[0][:2] == ("HookedTransformer", "gpt2")
     assert _max_logit_diff(capsys.readouterr().out) < 1e-4

@@ -1,36 +1,71 @@
-"""Command line: ``tl-attnonly demo | convert | verify``."""
+"""Command line: ``tl-attnonly demo | convert | verify``.
+
+Everything heavy (torch, TransformerLens) is imported inside the commands, so that ``--help`` and
+usage errors answer at once.
+"""
 
 from __future__ import annotations
 
-import argparse
-import sys
-import warnings
-from collections.abc import Sequence
-from pathlib import Path
+import time
+
+_START = time.perf_counter()  # the demo reports its time from here, imports included
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 DEFAULT_PROMPT = (
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
     "    return a\n"
 )
+#: Exit codes: 0 PASS / done, 1 FAIL (verification), 2 usage or input error (as argparse).
+EXIT_FAIL, EXIT_USAGE = 1, 2
+#: Seconds to wait for the Hugging Face hub before calling it unreachable.
+HUB_TIMEOUT = 3.0
+#: The file that marks a directory written by ``save_pretrained`` (as in ``neuron_head_model``;
+#: repeated here so that a wrong directory is reported before torch is imported).
+CONVERSION_FILE = "conversion.json"
 
 
-def _print_table(df) -> None:
+class CommandError(Exception):
+    """An input the command cannot use; the message says what to do. Exits with code 2."""
+
+
+def _print_table(df: Any) -> None:
     print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
 
 
+def _print_verdicts(verdicts: Sequence[Any]) -> bool:
+    """Print one PASS/FAIL line per dtype; return whether all passed."""
+    for v in verdicts:
+        name = str(v.dtype).removeprefix("torch.")
+        status = "PASS" if v.passed else "FAIL"
+        line = (
+            f"  {status}  {name:<8} max |Δlogits| = {v.max_abs_diff:.3g} "
+            f"(tolerance {v.tolerance:.3g}, against the {v.reference})"
+        )
+        if v.reference != "original":
+            line += f"; against the original: {v.approximation_diff:.3g}"
+        print(line)
+    return all(v.passed for v in verdicts)
+
+
+# ------------------------------------------------------------------------------------------------
+# demo
+# ------------------------------------------------------------------------------------------------
 def demo(args: argparse.Namespace) -> int:
     """Convert the bundled model offline, verify it, and write the HTML report."""
-    import time
-
-    start = time.perf_counter()
-    import torch
     from tqdm.auto import tqdm
 
-    with tqdm(total=4, desc="demo", unit="step", disable=args.no_progress) as bar:
-        bar.set_postfix_str("importing")
+    with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
+        bar.set_postfix_str("importing torch and TransformerLens")
         from tl_attnonly import convert
         from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_model
-        from tl_attnonly.verify import equivalence_table
+        from tl_attnonly.verify import verify_conversion
 
         bar.set_postfix_str(f"loading {BUNDLED_MODEL_NAME} (offline)")
         model = load_bundled_model()
@@ -38,25 +73,21 @@ def demo(args: argparse.Namespace) -> int:
         bar.set_postfix_str("converting")
         converted = convert(model)
         bar.update(1)
-        tables = {}
-        for dtype in (torch.float32, torch.float64):
-            name = str(dtype).removeprefix("torch.")
-            bar.set_postfix_str(f"verifying in {name}")
-            original = model.to(dtype, print_details=False)
-            conv = converted.to(dtype, print_details=False)
-            tables[name] = equivalence_table(original, conv, args.prompt)
-            bar.update(1)
-    model.to(torch.float32, print_details=False)
-    converted.to(torch.float32, print_details=False)
+        bar.set_postfix_str("verifying in float32 and float64")
+        verdicts = verify_conversion(model, converted, args.prompt)
+        bar.update(1)
     print(
         f"Bundled model {BUNDLED_MODEL_NAME!r} converted: {model.cfg.n_layers} layers x "
         f"{converted.n_neuron_heads} neuron-heads ({converted.coefficients.activation}, "
         f"{converted.n_heads_per_neuron} head(s)/neuron, method "
         f"{converted.coefficients.method!r}) + {model.cfg.n_heads} attention heads/layer."
     )
+    tables = {str(v.dtype).removeprefix("torch."): v.table for v in verdicts}
     for name, table in tables.items():
         print(f"\nEquivalence with the original on the prompt, {name}:")
         _print_table(table)
+    print("\nVerdict (logits, converted vs original):")
+    passed = _print_verdicts(verdicts)
     if args.report is not None:
         from tl_attnonly.report import write_demo_report
 
@@ -70,52 +101,213 @@ def demo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         print(f"\nReport written to {path} (self-contained: open it in a browser, offline).")
-    print(f"Done in {time.perf_counter() - start:.1f} s.")
-    return 0
+    print(f"Done in {time.perf_counter() - _START:.1f} s (imports included).")
+    return 0 if passed else EXIT_FAIL
+
+
+# ------------------------------------------------------------------------------------------------
+# convert
+# ------------------------------------------------------------------------------------------------
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_unreachable(timeout: float = HUB_TIMEOUT) -> str | None:
+    """Why the Hugging Face hub cannot be reached (``None`` if it answers), within ``timeout``."""
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        request = urllib.request.Request(endpoint, method="HEAD")
+        with urllib.request.urlopen(request, timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as exc:  # URLError, timeouts, DNS failures
+        reason = getattr(exc, "reason", exc)
+        return f"{endpoint} did not answer within {timeout:g} s ({reason})"
+
+
+def _offline_advice(model: str, why: str) -> str:
+    return (
+        f"Cannot load {model!r}: {why}. `convert` downloads the model from the Hugging Face hub.\n"
+        "What you can do:\n"
+        "  - if the model is already in your Hugging Face cache (an earlier download, or a copied "
+        "HF_HOME), set HF_HUB_OFFLINE=1 and run the command again;\n"
+        "  - use a local directory: a converted model saved by `tl-attnonly convert` (or "
+        "`save_pretrained`) loads and verifies offline: `tl-attnonly verify DIR`;\n"
+        "  - run `tl-attnonly demo`, which converts the bundled model fully offline."
+    )
+
+
+def _official_name(name: str) -> str:
+    """TransformerLens's official name for ``name`` (or an alias), or a CommandError."""
+    import difflib
+
+    from transformer_lens.loading_from_pretrained import make_model_alias_map
+
+    aliases = make_model_alias_map()
+    official = aliases.get(name.lower())
+    if official is not None:
+        return official
+    close = difflib.get_close_matches(name.lower(), list(aliases), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(aliases[c]) for c in close)}?" if close else ""
+    raise CommandError(
+        f"{name!r} is not a directory, nor a model name TransformerLens knows.{hint} "
+        'Names: `python -c "from transformer_lens.supported_models import OFFICIAL_MODEL_NAMES; '
+        'print(*OFFICIAL_MODEL_NAMES, sep=chr(10))"`.'
+    )
+
+
+def _load_by_name(name: str, loader: Any, **kwargs: Any) -> Any:
+    """``loader(official_name, **kwargs)``, failing fast and clearly without the hub."""
+    official = _official_name(name)
+    if not _offline():
+        why = _hub_unreachable()
+        if why is not None:
+            raise CommandError(_offline_advice(name, why))
+    try:
+        return loader(official, **kwargs)
+    except OSError as exc:
+        if _offline():
+            raise CommandError(
+                _offline_advice(name, f"HF_HUB_OFFLINE is set and it is not in the cache ({exc})")
+            ) from exc
+        raise
 
 
 def convert_cmd(args: argparse.Namespace) -> int:
     """Load a model by TransformerLens name, convert it, save it."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"OUT_DIR {str(out)!r} exists and is not a directory.")
     from tl_attnonly import AttnOnlyTransformer
 
-    model = AttnOnlyTransformer.from_pretrained(
+    model = _load_by_name(
         args.model,
+        AttnOnlyTransformer.from_pretrained,
         n_heads_per_neuron=args.heads_per_neuron,
         relu_k=args.relu_k,
         gelu_method=args.gelu_method,
     )
-    path = model.save_pretrained(args.out)
-    print(f"Saved the converted {args.model} to {path}")
+    path = model.save_pretrained(out)
+    print(f"Saved the converted {args.model} to {path}; check it with `tl-attnonly verify {path}`.")
     return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# verify
+# ------------------------------------------------------------------------------------------------
+def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
+    import json
+
+    conversion = directory / CONVERSION_FILE
+    if not conversion.is_file():
+        raise CommandError(
+            f"{str(directory)!r} is a directory but not a converted model: it has no "
+            f"{CONVERSION_FILE}. `verify` takes a directory written by `tl-attnonly convert` (or "
+            "AttnOnlyTransformer.save_pretrained), or a TransformerLens model name. To convert a "
+            "model: `tl-attnonly convert NAME OUT_DIR`."
+        )
+    saved_class = json.loads(conversion.read_text()).get("model_class", "AttnOnlyTransformer")
+    if saved_class != "AttnOnlyTransformer":
+        raise CommandError(
+            f"{str(directory)!r} holds a {saved_class}; `verify` checks decoder models "
+            "(AttnOnlyTransformer). Check an encoder with tl_attnonly.verify in Python."
+        )
+    from tl_attnonly import AttnOnlyTransformer
+
+    converted = AttnOnlyTransformer.load(directory)
+    original = converted.to_hooked_transformer()
+    return original, converted, "the MLP model rebuilt from the saved weights"
 
 
 def verify_cmd(args: argparse.Namespace) -> int:
     """Compare a converted model against its original (a TL model name or a saved directory)."""
-    from transformer_lens import HookedTransformer
-
-    from tl_attnonly import AttnOnlyTransformer, convert
-    from tl_attnonly.verify import equivalence_table
-
-    if Path(args.model).is_dir():
-        converted = AttnOnlyTransformer.load(args.model)
-        original = converted.to_hooked_transformer()
+    target = Path(args.model).expanduser()
+    looks_like_path = args.model.startswith((".", "/", "~", os.sep)) or args.model.endswith("/")
+    if looks_like_path and not target.exists():
+        raise CommandError(
+            f"No such directory: {args.model!r}. `verify` takes a directory written by "
+            "`tl-attnonly convert NAME OUT_DIR`, or a TransformerLens model name."
+        )
+    if target.is_dir():
+        original, converted, what = _load_converted_dir(target)
+    elif target.exists():
+        raise CommandError(
+            f"{args.model!r} is a file; `verify` takes a directory written by "
+            "`tl-attnonly convert`, or a TransformerLens model name."
+        )
     else:
-        original = HookedTransformer.from_pretrained(args.model)
+        from transformer_lens import HookedTransformer
+
+        from tl_attnonly import convert
+
+        original = _load_by_name(args.model, HookedTransformer.from_pretrained)
         converted = convert(original)
+        what = "the TransformerLens model"
     if original.tokenizer is None:
-        print("The model has no tokenizer: pass token ids through the Python API.")
-        return 2
-    _print_table(equivalence_table(original, converted, args.prompt))
-    return 0
+        raise CommandError("The model has no tokenizer: verify it with token ids in Python.")
+    from tl_attnonly.verify import verify_conversion
+
+    coefs = converted.coefficients
+    print(
+        f"Verifying the converted {args.model} against {what}: {converted.cfg.n_layers} layers, "
+        f"{converted.n_neuron_heads} neuron-heads/layer ({coefs.activation}, "
+        f"{coefs.n_heads} head(s)/neuron, method {coefs.method!r}), "
+        f"prompt of {original.to_tokens(args.prompt).shape[-1]} tokens."
+    )
+    verdicts = verify_conversion(original, converted, args.prompt, tolerance=args.tolerance)
+    for v in verdicts:
+        print(f"\n{str(v.dtype).removeprefix('torch.')}: max |converted - original|")
+        _print_table(v.table)
+    if coefs.method != "exact":
+        print(
+            f"\n{coefs.activation} is approximated ({coefs.method}, max error per neuron "
+            f"{coefs.max_abs_error():.2g} on |x| <= 20): the verdict compares with the original "
+            "using the heads' activation, so it checks the conversion itself."
+        )
+    tolerance = (
+        "relative: 1e-4 (float32) / 1e-10 (float64) x max(1, max |logits|)"
+        if args.tolerance is None
+        else f"{args.tolerance:g}"
+    )
+    print(f"\nVerdict (tolerance {tolerance}):")
+    if _print_verdicts(verdicts):
+        print("PASS")
+        return 0
+    print("FAIL: the converted model does not compute what the original does.")
+    return EXIT_FAIL
 
 
+# ------------------------------------------------------------------------------------------------
+# parser
+# ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tl-attnonly", description="See every MLP neuron as an attention head."
+        prog="tl-attnonly",
+        description="See every MLP neuron of a TransformerLens model as an attention head.",
+        epilog="Start with `tl-attnonly demo` (offline). Exit codes: 0 done/PASS, 1 FAIL, "
+        "2 usage or input error.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="convert the bundled model offline, verify, write a report")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="`tl-attnonly COMMAND --help` for its options",
+    )
+    p = sub.add_parser(
+        "demo",
+        help="convert the bundled model offline, verify it, write an HTML report",
+        description="Convert the bundled model (no network), print the equivalence tables and "
+        "a PASS/FAIL verdict per dtype, and write a self-contained HTML report.",
+    )
+    p.add_argument(
+        "--prompt",
+        default=DEFAULT_PROMPT,
+        help="text to run both models on (default: a Python function)",
+    )
     p.add_argument(
         "--report",
         default="tl_attnonly_demo.html",
@@ -129,26 +321,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.set_defaults(func=demo)
-    p = sub.add_parser("convert", help="convert a TransformerLens model and save it")
-    p.add_argument("model", help="a HookedTransformer.from_pretrained name")
-    p.add_argument("out", help="output directory")
-    p.add_argument("--heads-per-neuron", type=int, default=None)
-    p.add_argument("--relu-k", type=float, default=None)
-    p.add_argument("--gelu-method", choices=["fit", "paper"], default=None)
+
+    p = sub.add_parser(
+        "convert",
+        help="convert a TransformerLens model (from the Hugging Face hub) and save it",
+        description="Load MODEL with TransformerLens's from_pretrained (needs the hub, or "
+        "HF_HUB_OFFLINE=1 with the model in the cache), convert it, save it to OUT_DIR.",
+    )
+    p.add_argument("model", metavar="MODEL", help="a HookedTransformer.from_pretrained name")
+    p.add_argument("out", metavar="OUT_DIR", help="output directory (created)")
+    p.add_argument(
+        "--heads-per-neuron",
+        type=int,
+        default=None,
+        help="heads per GELU-family neuron, 1-6 (default: 4); SiLU and ReLU use 1",
+    )
+    p.add_argument(
+        "--relu-k",
+        type=float,
+        default=None,
+        help="ReLU is approximated by x*sigmoid(k*x); max error 0.2785/k (default k: 100)",
+    )
+    p.add_argument(
+        "--gelu-method",
+        choices=["fit", "paper"],
+        default=None,
+        help="GELU heads: 'fit' (minimax fit, default) or 'paper' (x*sigmoid(1.702x), 1 head)",
+    )
     p.set_defaults(func=convert_cmd)
-    p = sub.add_parser("verify", help="compare a converted model with its original")
-    p.add_argument("model", help="a TransformerLens model name, or a directory from `convert`")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+
+    p = sub.add_parser(
+        "verify",
+        help="check a converted model against its original: PASS/FAIL per dtype",
+        description="Compare a converted model with its original in float32 and float64 and "
+        "print PASS or FAIL per dtype (exit code 1 on FAIL).",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL_OR_DIR",
+        help="a directory written by `convert` (checked offline against the MLP model rebuilt "
+        "from its weights), or a TransformerLens model name (needs the hub)",
+    )
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run both models on")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="bound on max |Δlogits| (default: 1e-4 in float32, 1e-10 in float64, times "
+        "max(1, max |logits|))",
+    )
     p.set_defaults(func=verify_cmd)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
     warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+    warnings.filterwarnings("ignore", message="HookedTransformer.from_pretrained is deprecated")
     args = build_parser().parse_args(argv)
     if getattr(args, "report", None) == "":
         args.report = None
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CommandError as exc:
+        print(f"tl-attnonly {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
-"""Convert a HookedTransformer into its attention-only form (Theorem 6)."""
+"""Convert a HookedTransformer into its attention-only form (Theorem 6).
+
+This module imports torch and TransformerLens only when :func:`convert` runs: ``tl_attnonly``
+binds ``convert`` (the function) on import, and a module of the same name must not replace it,
+while the command line's ``--help`` must not pay for torch.
+"""
 
 from __future__ import annotations
 
 import warnings
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
 
-from transformer_lens import HookedEncoder, HookedTransformer
-
-from tl_attnonly.model import AttnOnlyTransformer
-from tl_attnonly.options import ConversionOptions, LiteralOptions, check_convertible
-
 if TYPE_CHECKING:
+    from transformer_lens import HookedEncoder, HookedTransformer
+
     from tl_attnonly.encoder import AttnOnlyEncoder
     from tl_attnonly.literal import LiteralTransformer
+    from tl_attnonly.model import AttnOnlyTransformer
+    from tl_attnonly.options import ConversionOptions, LiteralOptions
 
 
 @overload
@@ -90,6 +94,10 @@ def convert(
         >>> logits, cache = converted.run_with_cache(tokens)
         >>> cache["blocks.0.mlp.hook_pattern"].shape  # [batch, n_neuron_heads, pos, 2]
     """
+    from transformer_lens import HookedEncoder, HookedTransformer
+
+    from tl_attnonly.options import ConversionOptions, check_convertible
+
     options = (conversion or ConversionOptions()).with_overrides(
         n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
     )
@@ -129,6 +137,8 @@ def convert(
 def _convert_structured(
     model: HookedTransformer, options: ConversionOptions
 ) -> AttnOnlyTransformer:
+    from tl_attnonly.model import AttnOnlyTransformer
+
     converted = AttnOnlyTransformer._converted_copy(model, options)
     if model.cfg.use_attn_result:
         converted.set_use_attn_result(True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Union
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import pandas as pd
 import torch
@@ -62,7 +64,140 @@ def _row(name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     }
 
 
+#: Default tolerance on ``max |Δlogits|``, relative to ``max(1, max |logits|)``, per dtype: a
+#: few hundred units in the last place of the logits.
+RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+@dataclass
+class Verdict:
+    """One dtype's result of :func:`verify_conversion`.
+
+    Attributes:
+        dtype: The dtype both models ran in.
+        max_abs_diff: ``max |converted logits - reference logits|``.
+        tolerance: The bound it was checked against.
+        reference: What the converted model was compared with: ``"original"`` (exact
+            activations), or ``"original with the heads' activation"`` (approximate ones: the
+            original with each neuron's activation replaced by the sum of its heads).
+        approximation_diff: ``max |Δlogits|`` against the unmodified original (the cost of the
+            activation approximation; equals ``max_abs_diff`` for exact activations).
+        table: The full :func:`equivalence_table` against the unmodified original.
+    """
+
+    dtype: torch.dtype
+    max_abs_diff: float
+    tolerance: float
+    reference: str
+    approximation_diff: float
+    table: pd.DataFrame
+
+    @property
+    def passed(self) -> bool:
+        """``max_abs_diff <= tolerance`` (NaN fails)."""
+        return bool(self.max_abs_diff <= self.tolerance)
+
+
+@torch.inference_mode()
+def verify_conversion(
+    original: HookedTransformer,
+    converted: Any,
+    tokens: Union[torch.Tensor, str, list[str]],
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+    tolerance: Optional[float] = None,
+) -> list[Verdict]:
+    """Check that ``converted`` computes what ``original`` does, with a verdict per dtype.
+
+    For an exact activation (SiLU) the reference is the original model. For an approximate one
+    (ReLU, GELU) the reference is the original with each neuron's activation replaced by the sum
+    of its heads (``converted.coefficients.evaluate``): then the conversion itself must be exact,
+    and the approximation's own cost is reported beside it (``approximation_diff``; its bound
+    per neuron is ``converted.coefficients.max_abs_error()``).
+
+    Both models are cast to each dtype in turn and restored to their dtypes afterwards.
+
+    Args:
+        original: The MLP model.
+        converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`.
+        tokens: Token ids ``[batch, pos]`` or text (tokenised by ``original``).
+        dtypes: The dtypes to check in.
+        tolerance: Bound on ``max |Δlogits|``; default: ``RELATIVE_TOLERANCE[dtype] *
+            max(1, max |logits|)``.
+
+    Returns:
+        One :class:`Verdict` per dtype.
+    """
+    if not hasattr(converted, "coefficients"):
+        raise TypeError(
+            f"converted must be a tl_attnonly.AttnOnlyTransformer, got {type(converted).__name__}; "
+            "build it with tl_attnonly.convert(model)."
+        )
+    if not isinstance(tokens, torch.Tensor):
+        tokens = original.to_tokens(tokens)
+    coefficients = converted.coefficients
+    exact = coefficients.method == "exact"
+    saved = (original.cfg.dtype, converted.cfg.dtype)
+    verdicts = []
+    try:
+        for dtype in dtypes:
+            original.to(dtype, print_details=False)
+            converted.to(dtype, print_details=False)
+            table = equivalence_table(original, converted, tokens)
+            logits = converted(tokens)
+            if exact:
+                reference, ref_logits = "original", original(tokens)
+            else:
+                reference = "original with the heads' activation"
+                ref_logits = original.run_with_hooks(
+                    tokens, fwd_hooks=_head_activation_hooks(original, coefficients)
+                )
+            diff = (logits.double() - ref_logits.double()).abs().max().item()
+            if tolerance is None:
+                scale = max(1.0, ref_logits.abs().max().item())
+                bound = RELATIVE_TOLERANCE.get(dtype, 1e-2) * scale
+            else:
+                bound = float(tolerance)
+            approx = float(table.loc[table["activation"] == "logits", "max_abs_diff"].iloc[0])
+            verdicts.append(Verdict(dtype, diff, bound, reference, approx, table))
+    finally:
+        original.to(saved[0], print_details=False)
+        converted.to(saved[1], print_details=False)
+    return verdicts
+
+
+def _head_activation_hooks(model: HookedTransformer, coefficients: Any) -> list:
+    """Hooks that make ``model``'s MLPs use the heads' activation instead of their own."""
+    pre: dict[int, torch.Tensor] = {}
+
+    def save_pre(act: torch.Tensor, hook: Any) -> None:
+        pre[hook.layer()] = act
+
+    def replace_post(post: torch.Tensor, hook: Any) -> torch.Tensor:
+        return coefficients.evaluate(pre[hook.layer()])
+
+    def replace_gated_post(post: torch.Tensor, hook: Any) -> torch.Tensor:
+        return coefficients.evaluate(pre[hook.layer()]) * pre_linear[hook.layer()]
+
+    pre_linear: dict[int, torch.Tensor] = {}
+
+    def save_pre_linear(act: torch.Tensor, hook: Any) -> None:
+        pre_linear[hook.layer()] = act
+
+    hooks = []
+    for layer in range(model.cfg.n_layers):
+        hooks.append((f"blocks.{layer}.mlp.hook_pre", save_pre))
+        if model.cfg.gated_mlp:
+            hooks.append((f"blocks.{layer}.mlp.hook_pre_linear", save_pre_linear))
+            hooks.append((f"blocks.{layer}.mlp.hook_post", replace_gated_post))
+        else:
+            hooks.append((f"blocks.{layer}.mlp.hook_post", replace_post))
+    return hooks
+
+
 __all__ = [
     "HOOK_GROUPS",
+    "RELATIVE_TOLERANCE",
+    "Verdict",
     "equivalence_table",
+    "verify_conversion",
 ]

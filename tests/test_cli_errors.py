@@ -1,0 +1,212 @@
+"""The command line answers fast, explains bad input, and gives verify a verdict and exit code."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tl_attnonly
+from tl_attnonly import cli
+from tl_attnonly.bundled import load_bundled_model
+from tl_attnonly.cli import EXIT_FAIL, EXIT_USAGE, build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+_IMPORTS = """
+import sys
+from tl_attnonly.cli import main
+try:
+    main({argv!r})
+except SystemExit as exc:
+    print("exit", exc.code)
+print("heavy", sorted(m for m in ("torch", "transformer_lens") if m in sys.modules))
+"""
+
+
+def _run_cli_in_fresh_python(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _IMPORTS.format(argv=argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["--help"], 0),
+        (["verify", "--help"], 0),
+        (["dmeo"], 2),  # a typo: argparse's usage error
+        (["convert", "gpt2"], 2),  # OUT_DIR missing
+    ],
+    ids=["help", "verify-help", "typo", "missing-argument"],
+)
+def test_help_and_usage_errors_import_neither_torch_nor_transformer_lens(argv, code):
+    result = _run_cli_in_fresh_python(argv)
+    assert f"exit {code}" in result.stdout, result.stdout + result.stderr
+    assert "heavy []" in result.stdout, result.stdout + result.stderr
+    assert "usage: tl-attnonly" in result.stdout + result.stderr
+
+
+def test_every_option_has_help_text():
+    def actions(parser: argparse.ArgumentParser):
+        for action in parser._actions:
+            yield action
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    assert choice.help, f"command {choice.dest} has no help"
+                for sub in action.choices.values():
+                    yield from actions(sub)
+
+    found = list(actions(build_parser()))
+    assert len(found) > 10
+    for action in found:
+        assert action.help, f"{action.option_strings or action.dest} has no help text"
+
+
+def test_convert_function_is_not_shadowed_by_its_module():
+    import tl_attnonly.convert  # noqa: F401  (the submodule, imported explicitly)
+
+    assert callable(tl_attnonly.convert) and tl_attnonly.convert.__module__ == "tl_attnonly.convert"
+    assert (
+        cli.CONVERSION_FILE
+        == __import__("tl_attnonly.neuron_head_model", fromlist=["CONVERSION_FILE"]).CONVERSION_FILE
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# convert without the hub
+# ------------------------------------------------------------------------------------------------
+def test_unreachable_hub_is_detected_quickly(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    start = time.perf_counter()
+    why = cli._hub_unreachable(timeout=2.0)
+    assert why is not None and "127.0.0.1:9" in why
+    assert time.perf_counter() - start < 5
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    calls = []
+
+    def from_pretrained(name, **kwargs):
+        calls.append(name)
+        raise AssertionError("from_pretrained must not be reached without the hub")
+
+    from transformer_lens import HookedTransformer
+
+    from tl_attnonly import AttnOnlyTransformer
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(cli, "_hub_unreachable", lambda timeout=0: "huggingface.co: no route")
+    monkeypatch.setattr(AttnOnlyTransformer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(HookedTransformer, "from_pretrained", from_pretrained)
+    return calls
+
+
+def test_convert_offline_says_what_to_do(no_hub, tmp_path, capsys):
+    assert main(["convert", "gpt2", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert no_hub == []
+    assert "no route" in err
+    for advice in ("HF_HUB_OFFLINE=1", "tl-attnonly verify DIR", "tl-attnonly demo"):
+        assert advice in err
+    assert "Traceback" not in err and len(err.splitlines()) < 10
+
+
+def test_convert_with_hf_hub_offline_and_no_cache_says_what_to_do(monkeypatch, tmp_path, capsys):
+    from tl_attnonly import AttnOnlyTransformer
+
+    def from_pretrained(name, **kwargs):
+        raise OSError(f"We couldn't connect to the hub to load {name}")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(AttnOnlyTransformer, "from_pretrained", from_pretrained)
+    assert main(["convert", "gpt2", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "not in the cache" in err and "tl-attnonly demo" in err
+
+
+def test_unknown_model_name_suggests_close_ones(no_hub, capsys):
+    assert main(["verify", "gtp2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "'gtp2' is not a directory, nor a model name" in err and "'gpt2'" in err
+    assert len(err) < 600  # not TransformerLens's list of every model
+    assert no_hub == []
+
+
+# ------------------------------------------------------------------------------------------------
+# verify: bad paths, PASS, FAIL
+# ------------------------------------------------------------------------------------------------
+def test_verify_missing_path(tmp_path, capsys):
+    missing = tmp_path / "no-such-dir"
+    assert main(["verify", str(missing)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"No such directory: {str(missing)!r}" in err and len(err) < 400
+
+
+def test_verify_unconverted_model_directory(tmp_path, capsys):
+    load_bundled_model().tokenizer.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["verify", str(tmp_path)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "not a converted model" in err and "conversion.json" in err
+    assert "tl-attnonly convert NAME OUT_DIR" in err
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("converted")
+    tl_attnonly.convert(load_bundled_model()).save_pretrained(path)
+    return path
+
+
+def test_verify_pass(saved_dir, capsys):
+    assert main(["verify", str(saved_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Verifying the converted ")
+    assert "tolerance relative: 1e-4 (float32) / 1e-10 (float64)" in out
+    lines = [line.split() for line in out.splitlines() if line.strip().startswith("PASS ")]
+    assert [line[1] for line in lines] == ["float32", "float64"]
+    assert out.rstrip().endswith("PASS")
+
+
+def test_verify_fail_exits_non_zero(saved_dir, capsys):
+    assert main(["verify", str(saved_dir), "--tolerance", "0"]) == EXIT_FAIL
+    out = capsys.readouterr().out
+    assert "  FAIL  float32" in out and "FAIL: the converted model" in out
+
+
+def test_verify_fails_a_broken_conversion(monkeypatch, capsys):
+    from transformer_lens import HookedTransformer
+
+    real_convert = tl_attnonly.convert
+
+    def broken_convert(model, **kwargs):
+        converted = real_convert(model)
+        with torch.no_grad():
+            converted.blocks[0].mlp.W_out[:, 0] *= 1.01  # one neuron's output, 1% off
+        return converted
+
+    monkeypatch.setattr(cli, "_hub_unreachable", lambda timeout=0: None)
+    monkeypatch.setattr(
+        HookedTransformer, "from_pretrained", lambda name, **kw: load_bundled_model()
+    )
+    monkeypatch.setattr(tl_attnonly, "convert", broken_convert)
+    assert main(["verify", "gpt2"]) == EXIT_FAIL
+    out = capsys.readouterr().out
+    assert "  FAIL  float32" in out and "  FAIL  float64" in out
+
+
+def test_every_public_name_resolves_lazily():
+    assert set(tl_attnonly.__all__) - {"__version__", "convert"} == set(tl_attnonly._LAZY)
+    for name in tl_attnonly.__all__:
+        assert getattr(tl_attnonly, name) is not None, name
+    assert set(tl_attnonly.__all__) <= set(dir(tl_attnonly))

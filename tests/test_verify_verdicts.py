@@ -1,0 +1,57 @@
+"""verify_conversion: a PASS/FAIL verdict per dtype, for exact and approximate activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_tokens
+
+from tl_attnonly import convert
+from tl_attnonly.verify import verify_conversion
+
+DTYPES = (torch.float32, torch.float64)
+
+
+@pytest.mark.parametrize("act_fn", ["silu", "gelu_new", "relu"])
+def test_a_correct_conversion_passes_in_both_dtypes(act_fn):
+    model = make_model(act_fn, normalization_type="LN")
+    converted = convert(model)
+    verdicts = verify_conversion(model, converted, make_tokens())
+    assert [v.dtype for v in verdicts] == list(DTYPES)
+    assert all(v.passed for v in verdicts), verdicts
+    for v in verdicts:
+        assert 0 <= v.max_abs_diff <= v.tolerance
+        if act_fn == "silu":
+            assert v.reference == "original" and v.approximation_diff == v.max_abs_diff
+        else:
+            # the approximation costs more than the conversion: the verdict checks the latter
+            assert v.reference == "original with the heads' activation"
+            assert v.approximation_diff > 100 * v.max_abs_diff
+    # both models are back in their own dtype
+    assert model.cfg.dtype == converted.cfg.dtype == torch.float64
+
+
+@pytest.mark.parametrize("act_fn", ["silu", "gelu_new"])
+def test_a_wrong_conversion_fails(act_fn):
+    model = make_model(act_fn, normalization_type="LN")
+    converted = convert(model)
+    with torch.no_grad():
+        # a small slip in one coordinate (a uniform shift would vanish in LayerNorm)
+        converted.blocks[1].mlp.b_out[0] += 1e-2
+    verdicts = verify_conversion(model, converted, make_tokens())
+    assert not any(v.passed for v in verdicts)
+    assert all(v.max_abs_diff > v.tolerance for v in verdicts)
+
+
+def test_an_explicit_tolerance_is_used():
+    model = make_model("silu")
+    converted = convert(model)
+    verdicts = verify_conversion(model, converted, make_tokens(), tolerance=0.0)
+    assert [v.tolerance for v in verdicts] == [0.0, 0.0]
+    assert not verdicts[0].passed  # float32 rounding is not zero
+
+
+def test_refuses_an_unconverted_model():
+    model = make_model("silu")
+    with pytest.raises(TypeError, match="tl_attnonly.convert"):
+        verify_conversion(model, model, make_tokens())
