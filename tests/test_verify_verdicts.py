@@ -27,8 +27,10 @@ def test_a_correct_conversion_passes_in_both_dtypes(act_fn):
             # the approximation costs more than the conversion: the verdict checks the latter
             assert v.reference == "original with the heads' activation"
             assert v.approximation_diff > 100 * v.max_abs_diff
-    # both models are back in their own dtype
+    # both models are back in their own dtype, and still usable with autograd
     assert model.cfg.dtype == converted.cfg.dtype == torch.float64
+    for param in [*model.parameters(), *converted.parameters()]:
+        assert param.dtype == torch.float64 and not param.is_inference()
 
 
 @pytest.mark.parametrize("act_fn", ["silu", "gelu_new"])

@@ -98,7 +98,6 @@ class Verdict:
         return bool(self.max_abs_diff <= self.tolerance)
 
 
-@torch.inference_mode()
 def verify_conversion(
     original: HookedTransformer,
     converted: Any,
@@ -143,14 +142,17 @@ def verify_conversion(
             original.to(dtype, print_details=False)
             converted.to(dtype, print_details=False)
             table = equivalence_table(original, converted, tokens)
-            logits = converted(tokens)
-            if exact:
-                reference, ref_logits = "original", original(tokens)
-            else:
-                reference = "original with the heads' activation"
-                ref_logits = original.run_with_hooks(
-                    tokens, fwd_hooks=_head_activation_hooks(original, coefficients)
-                )
+            # (casting above stays outside inference mode: the parameters must remain usable
+            # for autograd afterwards)
+            with torch.inference_mode():
+                logits = converted(tokens)
+                if exact:
+                    reference, ref_logits = "original", original(tokens)
+                else:
+                    reference = "original with the heads' activation"
+                    ref_logits = original.run_with_hooks(
+                        tokens, fwd_hooks=_head_activation_hooks(original, coefficients)
+                    )
             diff = (logits.double() - ref_logits.double()).abs().max().item()
             if tolerance is None:
                 scale = max(1.0, ref_logits.abs().max().item())
