@@ -57,3 +57,14 @@ def test_refuses_an_unconverted_model():
     model = make_model("silu")
     with pytest.raises(TypeError, match="tl_attnonly.convert"):
         verify_conversion(model, model, make_tokens())
+
+
+@pytest.mark.parametrize("zoo_name", ["llama", "reglu_ln"])
+def test_gated_conversions_pass(zoo_name):
+    from conftest import GATED_ZOO
+
+    overrides = dict(GATED_ZOO[zoo_name])
+    act_fn = overrides.pop("act_fn", "silu")
+    model = make_model(act_fn, **overrides)
+    verdicts = verify_conversion(model, convert(model), make_tokens())
+    assert all(v.passed for v in verdicts), verdicts

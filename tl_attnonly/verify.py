@@ -168,31 +168,31 @@ def verify_conversion(
 
 
 def _head_activation_hooks(model: HookedTransformer, coefficients: Any) -> list:
-    """Hooks that make ``model``'s MLPs use the heads' activation instead of their own."""
-    pre: dict[int, torch.Tensor] = {}
+    """Hooks that make ``model``'s MLPs use the heads' activation instead of their own.
 
-    def save_pre(act: torch.Tensor, hook: Any) -> None:
-        pre[hook.layer()] = act
+    ``hook_post`` gains ``(heads(pre) - act(pre))``, times the linear branch for a gated MLP, so
+    whatever else the MLP adds there (a gated MLP's ``b_in``) is kept.
+    """
+    saved: dict[str, torch.Tensor] = {}
+
+    def save(act: torch.Tensor, hook: Any) -> None:
+        saved[hook.name] = act
 
     def replace_post(post: torch.Tensor, hook: Any) -> torch.Tensor:
-        return coefficients.evaluate(pre[hook.layer()])
-
-    def replace_gated_post(post: torch.Tensor, hook: Any) -> torch.Tensor:
-        return coefficients.evaluate(pre[hook.layer()]) * pre_linear[hook.layer()]
-
-    pre_linear: dict[int, torch.Tensor] = {}
-
-    def save_pre_linear(act: torch.Tensor, hook: Any) -> None:
-        pre_linear[hook.layer()] = act
+        prefix = hook.name.removesuffix("hook_post")
+        pre = saved[prefix + "hook_pre"]
+        delta = coefficients.evaluate(pre) - coefficients.reference(pre)
+        if prefix + "hook_pre_linear" in saved:
+            delta = delta * saved[prefix + "hook_pre_linear"]
+        return post + delta
 
     hooks = []
     for layer in range(model.cfg.n_layers):
-        hooks.append((f"blocks.{layer}.mlp.hook_pre", save_pre))
+        mlp = f"blocks.{layer}.mlp."
+        hooks.append((mlp + "hook_pre", save))
         if model.cfg.gated_mlp:
-            hooks.append((f"blocks.{layer}.mlp.hook_pre_linear", save_pre_linear))
-            hooks.append((f"blocks.{layer}.mlp.hook_post", replace_gated_post))
-        else:
-            hooks.append((f"blocks.{layer}.mlp.hook_post", replace_post))
+            hooks.append((mlp + "hook_pre_linear", save))
+        hooks.append((mlp + "hook_post", replace_post))
     return hooks
 
 
