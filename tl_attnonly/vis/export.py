@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -85,15 +86,17 @@ def save_figure(
     """Write a plotly figure or a circuitsvis view to ``.html`` or ``.png``.
 
     HTML is self-contained (plotly.js / circuitsvis's JavaScript inlined) and works offline. PNG
-    needs a Chrome/Chromium: plotly uses kaleido, circuitsvis views are screenshotted by a
-    headless Chromium. If none is found, the figure is written as HTML next to the requested path
-    and a warning says how to get PNGs (``plotly_get_chrome``, or install ``chromium``).
+    of a plotly figure needs the ``kaleido`` package (``pip install "tl-attnonly[png]"``) and a
+    Chrome it can use (``plotly_get_chrome``); PNG of a circuitsvis view needs a Chrome/Chromium
+    executable, which screenshots the whole view (its height measured first, unless given). If
+    what is needed is missing, the figure is written as HTML next to the requested path and a
+    warning names what to install.
 
     Args:
         fig: A plotly Figure or a circuitsvis RenderedHTML (e.g. a ``NeuronHeadView``).
         path: Output path ending in ``.html`` or ``.png``.
         width: PNG width in CSS pixels (default: the figure's, or 1000).
-        height: PNG height in CSS pixels (default: the figure's, or 800 for views).
+        height: PNG height in CSS pixels (default: the figure's; for views, the whole view).
         scale: PNG pixel ratio.
 
     Returns:
@@ -112,23 +115,46 @@ def save_figure(
     if suffix in (".html", ".htm"):
         path.write_text(_standalone_html(fig), encoding="utf-8")
         return path
+    if is_plotly and importlib.util.find_spec("kaleido") is None:
+        return _fallback(fig, path, "the kaleido package is not installed", _KALEIDO_ADVICE)
+    if not is_plotly and find_chromium() is None:
+        return _fallback(fig, path, "no Chrome/Chromium executable on PATH", _CHROMIUM_ADVICE)
     try:
         if is_plotly:
             fig.write_image(str(path), width=width, height=height, scale=scale)
         else:
-            _screenshot(_standalone_html(fig), path, width or 1000, height or 800, scale)
+            page = _standalone_html(fig)
+            width = width or 1000
+            height = height or _page_height(page, width)
+            _screenshot(page, path, width, height, scale)
         return path
     except Exception as err:  # kaleido/Chrome errors have many types
-        fallback = path.with_suffix(".html")
-        fallback.write_text(_standalone_html(fig), encoding="utf-8")
-        warnings.warn(
-            f"Could not write {path.name} ({type(err).__name__}: {str(err).splitlines()[0]}). PNG "
-            "export needs Chrome or Chromium: run `plotly_get_chrome` (plotly figures) or install "
-            f"chromium (e.g. `apt-get install chromium`). Wrote {fallback} instead.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return fallback
+        advice = _KALEIDO_ADVICE if is_plotly else _CHROMIUM_ADVICE
+        reason = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        return _fallback(fig, path, reason, advice)
+
+
+_KALEIDO_ADVICE = (
+    'PNG export of plotly figures needs the kaleido package (pip install "tl-attnonly[png]" or '
+    "pip install kaleido) and a Chrome it can use (run `plotly_get_chrome` once)"
+)
+_CHROMIUM_ADVICE = (
+    "PNG export of circuitsvis views needs a Chrome/Chromium executable on PATH (e.g. "
+    "`apt-get install chromium`)"
+)
+#: Height used when a view's height cannot be measured.
+_DEFAULT_VIEW_HEIGHT = 800
+
+
+def _fallback(fig: go.Figure | RenderedHTML, path: Path, reason: str, advice: str) -> Path:
+    fallback = path.with_suffix(".html")
+    fallback.write_text(_standalone_html(fig), encoding="utf-8")
+    warnings.warn(
+        f"Could not write {path.name}: {reason}. {advice}. Wrote {fallback} instead.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return fallback
 
 
 def find_chromium() -> str | None:
@@ -151,7 +177,14 @@ def _standalone_html(fig: go.Figure | RenderedHTML) -> str:
     )
 
 
-def _screenshot(page: str, path: Path, width: int, height: int, scale: float) -> None:
+_MEASURE = (
+    "<script>window.addEventListener('load', () => setTimeout(() => document.body.setAttribute("
+    "'data-page-height', Math.ceil(document.documentElement.scrollHeight)), 2000));</script>"
+)
+
+
+def _chromium(page: str, width: int, height: int, *args: str, scale: float = 1.0) -> str:
+    """Run headless Chromium on ``page``; return its stdout."""
     chromium = find_chromium()
     if chromium is None:
         raise FileNotFoundError("no chromium/chrome executable on PATH")
@@ -168,12 +201,27 @@ def _screenshot(page: str, path: Path, width: int, height: int, scale: float) ->
             f"--window-size={width},{height}",
             "--virtual-time-budget=10000",
             f"--user-data-dir={Path(tmp) / 'profile'}",
-            f"--screenshot={path.resolve()}",
+            *args,
             src.resolve().as_uri(),
         ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0 or not path.exists():
+        if done.returncode != 0:
             raise RuntimeError(f"chromium failed: {done.stderr.strip()[-300:]}")
+        return done.stdout
+
+
+def _page_height(page: str, width: int) -> int:
+    """The rendered height of ``page`` at ``width`` CSS pixels (a first Chromium pass)."""
+    measured = page.replace("</body>", _MEASURE + "</body>", 1)
+    dom = _chromium(measured, width, _DEFAULT_VIEW_HEIGHT, "--dump-dom")
+    found = re.search(r'data-page-height="(\d+)"', dom)
+    return max(int(found.group(1)), 100) if found else _DEFAULT_VIEW_HEIGHT
+
+
+def _screenshot(page: str, path: Path, width: int, height: int, scale: float) -> None:
+    _chromium(page, width, height, f"--screenshot={path.resolve()}", scale=scale)
+    if not path.exists():
+        raise RuntimeError(f"chromium wrote no {path.name}")
 
 
 __all__ = [

@@ -375,6 +375,7 @@ def _cache_and_tokens(
 ) -> tuple[ActivationCache, list[str]]:
     if isinstance(source, ActivationCache):
         model = _model(source)
+        _check_layer(model, layer)
         if tokens is None:
             raise ValueError(
                 "Pass tokens=...: the prompt (text or ids) or its string tokens, to label the view."
@@ -394,8 +395,7 @@ def _cache_and_tokens(
         ids = torch.as_tensor(tokens)
     if ids.ndim == 1:
         ids = ids.unsqueeze(0)
-    if not 0 <= layer < model.cfg.n_layers:
-        raise IndexError(f"layer must be in [0, {model.cfg.n_layers}), got {layer}.")
+    _check_layer(model, layer)
     names = (neuron_act_name("pattern", layer), neuron_act_name("z", layer))
     with torch.inference_mode():
         _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names, **run_kwargs)
@@ -412,6 +412,15 @@ def _encode(model: Any, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
         ids, token_type_ids, mask = encoded
         return ids, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
     return encoded, {}
+
+
+def _check_layer(model: Any, layer: int) -> None:
+    n_layers = model.cfg.n_layers
+    if not 0 <= layer < n_layers:
+        raise IndexError(
+            f"layer {layer!r} is out of range: the model has {n_layers} layers "
+            f"(0 to {n_layers - 1})."
+        )
 
 
 def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
