@@ -6,13 +6,13 @@ but without the offline environment and the checks here.
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import re
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -39,30 +39,52 @@ def test_notebook_is_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
-def test_notebook_runs_offline(path, monkeypatch):
-    # The kernel inherits this environment: no hub access, and the checkout's package first.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb,
-        timeout=SECONDS,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
+def _pages_builder():
+    """scripts/build_notebook_pages.py, which runs the notebooks and writes their HTML pages."""
+    spec = importlib.util.spec_from_file_location(
+        "build_notebook_pages", ROOT / "scripts" / "build_notebook_pages.py"
     )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PAGES = _pages_builder()
+PLOTLY_JSON = "application/vnd.plotly.v1+json"
+
+
+def _outputs(nb):
+    return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_notebook_runs_offline_and_its_page_shows_every_figure(path, monkeypatch):
+    # The kernel inherits this environment: no hub access, and the checkout's package first.
+    for name, value in PAGES.offline_env().items():
+        monkeypatch.setenv(name, value)
     start = time.perf_counter()
-    client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    nb = PAGES.execute(path, timeout=SECONDS)  # raises CellExecutionError on any error
     seconds = time.perf_counter() - start
-    errors = [
-        out
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.outputs
-        if out.output_type == "error"
-    ]
-    assert not errors
+    outputs = _outputs(nb)
+    assert not [out for out in outputs if out.output_type == "error"]
     assert seconds < SECONDS, f"{path.name} took {seconds:.0f} s"
     # something was displayed: the views and figures are part of what the notebooks show
-    assert any(cell.get("outputs") for cell in nb.cells if cell.cell_type == "code")
+    assert outputs
+    # no red blocks: tqdm finds its notebook widgets, no progress bars or deprecation on stderr
+    stderr = "".join(out.text for out in outputs if out.get("name") == "stderr")
+    for bad in ("TqdmWarning", "IProgress", "is deprecated", "%|"):
+        assert bad not in stderr, f"{path.name} prints {bad!r} on stderr:\n{stderr[:500]}"
+
+    # The page a reader sees without running it: every figure is drawn by code in the page
+    figures = [out for out in outputs if PLOTLY_JSON in out.get("data", {})]
+    assert all("text/html" in out.data for out in figures), "a figure has no HTML fallback"
+    views = sum(
+        "CircuitsVis.render(" in out.get("data", {}).get("text/html", "") for out in outputs
+    )
+    page = PAGES.to_html(nb)
+    assert page.count("Plotly.newPlot(") >= len(figures)
+    assert page.count("CircuitsVis.render(") >= views
+    if figures:
+        assert page.count("* plotly.js v") == 1, "plotly.js must be inlined, once"
+    assert not re.search(r"<script[^>]*\ssrc=[\"']https?://[^\"']*plotly", page)
+    assert PAGES.LIVE_ONLY not in page  # progress-bar widgets are not drawn in a static page
