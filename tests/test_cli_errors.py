@@ -178,10 +178,11 @@ def test_verify_pass(saved_dir, capsys):
     assert out.rstrip().endswith("PASS")
 
 
-def test_verify_fail_exits_non_zero(saved_dir, capsys):
-    assert main(["verify", str(saved_dir), "--tolerance", "0"]) == EXIT_FAIL
-    out = capsys.readouterr().out
-    assert "  FAIL  float32" in out and "FAIL: the converted model" in out
+def test_verify_refuses_a_negative_tolerance(saved_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", str(saved_dir), "--tolerance", "-1"])
+    assert exc.value.code == EXIT_USAGE
+    assert "must be >= 0" in capsys.readouterr().err
 
 
 def test_verify_fails_a_broken_conversion(monkeypatch, capsys):
@@ -203,6 +204,9 @@ def test_verify_fails_a_broken_conversion(monkeypatch, capsys):
     assert main(["verify", "gpt2"]) == EXIT_FAIL
     out = capsys.readouterr().out
     assert "  FAIL  float32" in out and "  FAIL  float64" in out
+    assert out.rstrip().endswith(
+        "FAIL: the converted model does not compute what the original does."
+    )
 
 
 def test_every_public_name_resolves_lazily():

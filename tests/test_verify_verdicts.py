@@ -26,7 +26,8 @@ def test_a_correct_conversion_passes_in_both_dtypes(act_fn):
         else:
             # the approximation costs more than the conversion: the verdict checks the latter
             assert v.reference == "original with the heads' activation"
-            assert v.approximation_diff > 100 * v.max_abs_diff
+            factor = 1e3 if v.dtype == torch.float64 else 2  # float32 rounding ~1e-6
+            assert v.approximation_diff > factor * v.max_abs_diff
     # both models are back in their own dtype, and still usable with autograd
     assert model.cfg.dtype == converted.cfg.dtype == torch.float64
     for param in [*model.parameters(), *converted.parameters()]:
@@ -46,11 +47,14 @@ def test_a_wrong_conversion_fails(act_fn):
 
 
 def test_an_explicit_tolerance_is_used():
-    model = make_model("silu")
+    model = make_model("gelu_new")
     converted = convert(model)
-    verdicts = verify_conversion(model, converted, make_tokens(), tolerance=0.0)
-    assert [v.tolerance for v in verdicts] == [0.0, 0.0]
-    assert not verdicts[0].passed  # float32 rounding is not zero
+    with torch.no_grad():
+        converted.blocks[0].mlp.W_out[0, 0] += 1e-6  # a tiny slip
+    loose = verify_conversion(model, converted, make_tokens(), tolerance=1.0)
+    assert [v.tolerance for v in loose] == [1.0, 1.0] and all(v.passed for v in loose)
+    default = verify_conversion(model, converted, make_tokens())
+    assert not default[1].passed  # float64's default tolerance sees it
 
 
 def test_refuses_an_unconverted_model():

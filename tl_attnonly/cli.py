@@ -284,6 +284,13 @@ def verify_cmd(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 # parser
 # ------------------------------------------------------------------------------------------------
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tl-attnonly",
@@ -365,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run both models on")
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=_tolerance,
         default=None,
         help="bound on max |Δlogits| (default: 1e-4 in float32, 1e-10 in float64, times "
         "max(1, max |logits|))",

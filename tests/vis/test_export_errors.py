@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 import struct
 import warnings
 
@@ -71,6 +70,5 @@ def test_view_png_is_not_cut_at_800_px(tmp_path, cache):
         path = save_figure(view, tmp_path / "view.png", width=700, scale=1)
     width, height = _png_size(path)
     assert width == 700
-    measured = export._page_height(export._standalone_html(view), 700)
-    assert height == measured > 800  # the whole view, measured, not the old fixed 800 px
-    assert re.search(rb"IHDR", path.read_bytes()[:32])
+    # the whole view (24 thumbnails, then the zoomed head), not the old fixed 800 px
+    assert height > 1200

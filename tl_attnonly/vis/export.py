@@ -177,10 +177,20 @@ def _standalone_html(fig: go.Figure | RenderedHTML) -> str:
     )
 
 
-_MEASURE = (
-    "<script>window.addEventListener('load', () => setTimeout(() => document.body.setAttribute("
-    "'data-page-height', Math.ceil(document.documentElement.scrollHeight)), 2000));</script>"
-)
+# Waits until the page height stops changing (React renders after load), then records it.
+_MEASURE = """<script>
+window.addEventListener('load', () => {
+  let last = -1, stable = 0;
+  const tick = () => {
+    const h = Math.ceil(document.documentElement.scrollHeight);
+    stable = h === last ? stable + 1 : 0;
+    last = h;
+    if (stable >= 4) document.body.setAttribute('data-page-height', h);
+    else setTimeout(tick, 250);
+  };
+  setTimeout(tick, 250);
+});
+</script>"""
 
 
 def _chromium(page: str, width: int, height: int, *args: str, scale: float = 1.0) -> str:
