@@ -63,7 +63,11 @@ def execute(path: Path, timeout: int = 180) -> nbformat.NotebookNode:
 
 
 def drop_live_only_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Remove the outputs that are widgets (progress bars); return ``nb``."""
+    """Remove the outputs that are widgets (progress bars) and their saved state; return ``nb``.
+
+    With widget state, nbconvert's page would load a widget manager from a CDN.
+    """
+    nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = [o for o in cell.outputs if LIVE_ONLY not in o.get("data", {})]

@@ -87,4 +87,5 @@ def test_notebook_runs_offline_and_its_page_shows_every_figure(path, monkeypatch
     if figures:
         assert page.count("* plotly.js v") == 1, "plotly.js must be inlined, once"
     assert not re.search(r"<script[^>]*\ssrc=[\"']https?://[^\"']*plotly", page)
-    assert PAGES.LIVE_ONLY not in page  # progress-bar widgets are not drawn in a static page
+    # progress-bar widgets are not drawn in a static page, and nothing is loaded from a CDN
+    assert f'type="{PAGES.LIVE_ONLY}"' not in page and "unpkg.com" not in page
