@@ -136,3 +136,19 @@ def test_report_has_the_plotly_sections(demo):
     for anchor in ("equivalence", "patterns", "activity", "patching", "gelu"):
         assert f'<section id="{anchor}">' in text
     assert "Neuron-head activity" in text and "GELU" in text and "Attribution patching" in text
+
+
+def test_report_shows_few_squares_many_strips_and_only_the_errors_it_discusses(demo):
+    from tl_attnonly.report import REPORT_SQUARE_K
+
+    _, path, _ = demo
+    text = path.read_text(encoding="utf-8")
+    names = re.findall(r'"attentionHeadNames": (\[.*?\])', text)
+    assert [len(json.loads(n)) for n in names] == [REPORT_SQUARE_K] * 2  # a few square views
+    activity = text.split('<section id="activity">')[1].split("</section>")[0]
+    assert activity.count("Plotly.newPlot(") == 2  # one strip figure per layer
+    assert "weight on self (red) and on &lt;bias&gt; (grey)" in activity
+    tables = _Tables()
+    tables.feed(text)
+    rows = tables.tables["Error per activation and K"][1:]
+    assert {row[0] for row in rows} == {"silu", "gelu"}  # this model's activation and GELU

@@ -323,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--top-k",
         type=int,
-        default=16,
-        help="neuron-heads per layer in the report's pattern views (default: %(default)s)",
+        default=32,
+        help="neuron-heads per layer in the report's (self, bias) strips (default: %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.set_defaults(func=demo)

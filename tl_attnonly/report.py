@@ -33,8 +33,8 @@ from tl_attnonly.vis import (
     NeuronHeadView,
     circuitsvis_js,
     gelu_fit_error_figure,
-    neuron_activity_heatmap,
     neuron_head_attention_view,
+    neuron_head_strips,
     patching_heatmap,
     script_safe,
 )
@@ -42,10 +42,10 @@ from tl_attnonly.vis import (
 if TYPE_CHECKING:
     from tl_attnonly.model import AttnOnlyTransformer
 
-#: Neuron-heads per layer in the report's circuitsvis views.
-REPORT_TOP_K = 16
-#: Neuron-heads per layer in the report's activity heatmaps.
-REPORT_HEATMAP_TOP_K = 40
+#: Neuron-heads per layer in the report's (self, bias) strips.
+REPORT_TOP_K = 32
+#: Neuron-heads per layer in the report's square circuitsvis views (a few: the strips show many).
+REPORT_SQUARE_K = 4
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px auto;
@@ -69,7 +69,7 @@ def write_demo_report(
     *,
     equivalence: dict[str, pd.DataFrame] | None = None,
     top_k: int = REPORT_TOP_K,
-    heatmap_top_k: int = REPORT_HEATMAP_TOP_K,
+    square_k: int = REPORT_SQUARE_K,
     corrupted_prompt: str | None = None,
     progress: bool = True,
 ) -> Path:
@@ -83,8 +83,8 @@ def write_demo_report(
         equivalence: Equivalence tables already computed (title -> DataFrame of
             :func:`tl_attnonly.verify.equivalence_table`); default: computed here in the models'
             dtype.
-        top_k: Neuron-heads per layer in the circuitsvis pattern views (most active first).
-        heatmap_top_k: Neuron-heads per layer in the activity heatmaps.
+        top_k: Neuron-heads per layer in the per-token (self, bias) strips (most active first).
+        square_k: Neuron-heads per layer in the square circuitsvis pattern views.
         corrupted_prompt: Corrupted run for the attribution-patching section; default: the
             prompt's tokens in reverse order (same length, BOS kept).
         progress: Show a progress bar over the report's steps.
@@ -122,16 +122,24 @@ def write_demo_report(
     for layer in range(n_layers):
         with steps.step(f"circuitsvis view, layer {layer}"):
             views.append(
-                neuron_head_attention_view(cache, layer, str_tokens, top_k=top_k, page_size=top_k)
+                neuron_head_attention_view(
+                    cache, layer, str_tokens, top_k=square_k, page_size=square_k
+                )
             )
     sections.append(
         ("patterns", "Neuron-head attention patterns (circuitsvis)", _views(views, converted))
     )
 
-    with steps.step("activity heatmaps"):
-        fig = neuron_activity_heatmap(cache, None, str_tokens, top_k=heatmap_top_k)
+    with steps.step("activity strips"):
+        strips = [
+            neuron_head_strips(cache, layer, str_tokens, top_k=top_k) for layer in range(n_layers)
+        ]
         sections.append(
-            ("activity", "Neuron-head activity over tokens", _activity_intro() + _plotly(fig))
+            (
+                "activity",
+                "Neuron-head activity over tokens",
+                _activity_intro() + "".join(_plotly(fig) for fig in strips),
+            )
         )
 
     with steps.step("attribution patching"):
@@ -183,8 +191,9 @@ def _views(views: Sequence[NeuronHeadView], converted: AttnOnlyTransformer) -> s
         "itself (the diagonal) and the rest on the bias token (column 0); for SiLU, "
         "<code>q = pre</code>, so <i>attends to itself</i> means <i>the neuron fires</i>. "
         f"{labels} "
-        "Click a head to enlarge it; hover over a cell for its weight. Each view shows the most "
-        "active heads of the layer (largest |z|, the neuron's activation); in a notebook, "
+        "Click a head to enlarge it; hover over a cell for its weight. Each view shows the few "
+        "most active heads of the layer (largest |z|, the neuron's activation); the strips below "
+        "show many more, and in a notebook "
         "<code>neuron_head_attention_view(..., page=...)</code> pages through all of them.</p>"
     )
     parts = [intro]
@@ -199,10 +208,11 @@ def _views(views: Sequence[NeuronHeadView], converted: AttnOnlyTransformer) -> s
 
 def _activity_intro() -> str:
     return (
-        '<p class="note">Rows are neuron-heads (most active first), columns are tokens; colour is '
-        "the weight on self (1: the token attends to itself, the neuron is on; 0: it attends to "
-        "the bias token, the neuron is off). Hover for the weight on the bias token and "
-        "<code>z</code>.</p>"
+        '<p class="note">A compact view of many neuron-heads: each head is a strip of two rows '
+        "over the tokens, its weight on the token itself (red; 1: the neuron is on) and on the "
+        "bias token (grey; 1: the neuron is off). These two numbers are all a neuron-head's "
+        "pattern holds; the square views above draw the same numbers for a few heads. Most active "
+        "heads first; hover for <code>z</code>.</p>"
     )
 
 
@@ -268,16 +278,23 @@ def _patching(
 def _gelu(converted: AttnOnlyTransformer) -> str:
     from tl_attnonly import activation_error_table
 
-    fig = gelu_fit_error_figure()
-    table = activation_error_table()
+    ks = (1, 2, 3, 4)
+    fig = gelu_fit_error_figure(ks=ks)
+    # only the rows the page discusses: GELU at the K drawn, and this model's own activation
+    gelu = activation_error_table("gelu", max_heads=max(ks))
     act = converted.cfg.act_fn
     coefs = converted.coefficients
+    tables = [gelu] if act == "gelu" else [activation_error_table(act, max_heads=max(ks)), gelu]
+    table = pd.concat(tables, ignore_index=True)
     return (
         f'<p class="note">This model\'s activation is <code>{html.escape(str(act))}</code>: each '
         f"neuron is {coefs.n_heads} head(s) ({html.escape(str(coefs.method))}). SiLU is exactly "
         "one head (weight on self = sigmoid(x), value = x); GELU is not, and is approximated by a "
         "sum of K heads. Below: GELU and the K-head approximations the conversion uses, and their "
-        "error.</p>" + _plotly(fig) + "<h3>Error per activation and K</h3>" + _df_html(table)
+        "error (every activation: <code>tl_attnonly.activation_error_table()</code>).</p>"
+        + _plotly(fig)
+        + "<h3>Error per activation and K</h3>"
+        + _df_html(table)
     )
 
 

@@ -11,8 +11,9 @@ query row puts ``sigmoid(q)`` on itself (the diagonal) and the rest on ``"<bias>
 For a SiLU neuron, weight on self is ``sigmoid(pre)``: "attends to itself" means "the neuron
 fires", "attends to the bias token" means "the neuron is off".
 
-Modules: :mod:`~tl_attnonly.vis.patterns` (square patterns, head selection, circuitsvis views),
-:mod:`~tl_attnonly.vis.figures` (plotly figures) and :mod:`~tl_attnonly.vis.export`
+Modules: :mod:`~tl_attnonly.vis.patterns` (square patterns, head selection, circuitsvis views:
+best for a few heads), :mod:`~tl_attnonly.vis.strips` (per-token (self, bias) strips: many heads
+at a glance), :mod:`~tl_attnonly.vis.figures` (plotly figures) and :mod:`~tl_attnonly.vis.export`
 (:func:`save_figure`, standalone HTML, text safe inside ``<script>``).
 
 Example:
@@ -50,6 +51,7 @@ from tl_attnonly.vis.patterns import (
     select_neuron_heads,
     square_neuron_pattern,
 )
+from tl_attnonly.vis.strips import neuron_head_strips
 
 __all__ = [
     "BIAS_TOKEN",
@@ -67,6 +69,7 @@ __all__ = [
     "neuron_head_activation",
     "neuron_head_attention_view",
     "neuron_head_scores",
+    "neuron_head_strips",
     "omega_error_figure",
     "patching_heatmap",
     "save_figure",

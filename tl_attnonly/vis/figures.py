@@ -62,18 +62,22 @@ def neuron_activity_heatmap(
     model = _model(cache)
     layers = _layers(layer, model.cfg.n_layers)
     str_tokens = list(str_tokens)
+    selections = []
+    for lay in layers:
+        scores = None if heads is not None else neuron_head_scores(cache, lay, rank_by, batch_index)
+        selections.append(select_neuron_heads(scores, model.n_neuron_heads, heads, top_k))
+    n_rows = max(len(shown) for shown in selections)
+    # Pixels: each panel's rows, plus room under it for the rotated token labels.
+    label_px = _LABEL_PX
+    height = min(140 + len(layers) * (13 * n_rows + label_px + 30), 4000)
     fig = make_subplots(
         rows=len(layers),
         cols=1,
         subplot_titles=[f"Layer {lay}" for lay in layers],
-        vertical_spacing=0.25 / max(len(layers), 1),
+        vertical_spacing=min(0.5 / max(len(layers) - 1, 1), (label_px + 25) / height),
     )
     x = list(range(len(str_tokens)))
-    n_rows = 0
-    for row, lay in enumerate(layers, start=1):
-        scores = None if heads is not None else neuron_head_scores(cache, lay, rank_by, batch_index)
-        shown = select_neuron_heads(scores, model.n_neuron_heads, heads, top_k)
-        n_rows = max(n_rows, len(shown))
+    for row, (lay, shown) in enumerate(zip(layers, selections), start=1):
         weight_self = _cached(cache, "pattern", lay)[batch_index, shown, :, 0].detach().float()
         if weight_self.shape[-1] != len(str_tokens):
             raise ValueError(
@@ -123,15 +127,22 @@ def neuron_activity_heatmap(
             ticktext=[_tick(t) for t in str_tokens],
             tickangle=-60,
             tickfont=dict(size=9),
+            automargin=True,
             row=row,
             col=1,
         )
+    fig.update_yaxes(automargin=True)
     fig.update_layout(
         title="Neuron-head activity: weight on self (1) vs on the bias token (0)",
-        height=min(160 + len(layers) * (60 + 13 * n_rows), 4000),
-        margin=dict(l=80, r=20, t=80, b=60),
+        height=height,
+        # the left margin holds the first rotated token label (it leans left)
+        margin=dict(l=90, r=20, t=80, b=label_px),
     )
     return fig
+
+
+#: Pixels under a heatmap for its token labels, rotated by 60 degrees (12 characters of 9 px).
+_LABEL_PX = 75
 
 
 def patching_heatmap(
@@ -165,6 +176,7 @@ def patching_heatmap(
         raise ValueError(
             f"{len(rows)} layer labels and {len(cols)} head labels for a {values.shape} result."
         )
+    height = max(280, 120 + 40 * values.shape[0])
     fig = go.Figure(
         go.Heatmap(
             z=values,
@@ -172,15 +184,21 @@ def patching_heatmap(
             y=[str(r) for r in rows],
             colorscale="RdBu_r" if zmid is not None else "Viridis",
             zmid=zmid,
-            colorbar=dict(title=value_name),
+            # few ticks in short figures: they must not overlap
+            colorbar=dict(
+                title=dict(text=value_name, side="right"),
+                nticks=max(3, min(8, (height - 140) // 30)),
+                thickness=14,
+            ),
             hovertemplate="layer %{y}, head %{x}<br>" + value_name + ": %{z:.4g}<extra></extra>",
         )
     )
     fig.update_layout(
         title=title,
-        xaxis=dict(title="head", type="category"),
-        yaxis=dict(title="layer", type="category", autorange="reversed"),
-        height=max(250, 120 + 40 * values.shape[0]),
+        xaxis=dict(title="head", type="category", automargin=True),
+        yaxis=dict(title="layer", type="category", autorange="reversed", automargin=True),
+        height=height,
+        margin=dict(t=60, b=50),
     )
     return fig
 

@@ -1,0 +1,57 @@
+"""neuron_head_strips: two rows per head, the weights on self and on the bias token, per token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_model
+
+from tl_attnonly import convert
+from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.vis import neuron_head_scores, neuron_head_strips
+
+N_POS = 7
+
+
+@pytest.fixture(scope="module")
+def cache():
+    converted = convert(make_model("gelu_new", dtype=torch.float32))  # K = 4 heads per neuron
+    tokens = torch.randint(0, 61, (1, N_POS), generator=torch.Generator().manual_seed(1))
+    _, cache = converted.run_with_cache(tokens)
+    return cache
+
+
+STR_TOKENS = [f"t{i}" for i in range(N_POS)]
+
+
+def test_strips_hold_the_self_and_bias_weights_of_the_most_active_heads(cache):
+    fig = neuron_head_strips(cache, 1, STR_TOKENS, top_k=5)
+    self_trace, bias_trace = fig.data
+    pattern = cache[neuron_act_name("pattern", 1)][0].numpy()  # [head, pos, (self, bias)]
+    shown = neuron_head_scores(cache, 1).argsort(descending=True)[:5].tolist()
+    self_rows = np.asarray(self_trace.z, dtype=float)
+    bias_rows = np.asarray(bias_trace.z, dtype=float)
+    assert self_rows.shape == (15, N_POS)  # self, bias, gap per head
+    np.testing.assert_allclose(self_rows[0::3], pattern[shown, :, 0], atol=1e-6)
+    np.testing.assert_allclose(bias_rows[1::3], pattern[shown, :, 1], atol=1e-6)
+    np.testing.assert_allclose(self_rows[0::3] + bias_rows[1::3], 1, atol=1e-6)
+    assert np.isnan(self_rows[1::3]).all() and np.isnan(bias_rows[0::3]).all()
+    assert np.isnan(self_rows[2::3]).all() and np.isnan(bias_rows[2::3]).all()  # gaps
+    labels = list(fig.layout.yaxis.ticktext)
+    assert labels == [f"L1N{h // 4}.{h % 4}" for h in shown]
+    assert list(fig.layout.xaxis.ticktext) == STR_TOKENS
+
+
+def test_strips_of_chosen_neurons_and_errors(cache):
+    fig = neuron_head_strips(cache, 0, STR_TOKENS, neurons=[3])
+    assert list(fig.layout.yaxis.ticktext) == [f"L0N3.{k}" for k in range(4)]
+    with pytest.raises(IndexError, match="layer 2 is out of range"):
+        neuron_head_strips(cache, 2, STR_TOKENS)
+    with pytest.raises(ValueError, match="tokens given"):
+        neuron_head_strips(cache, 0, STR_TOKENS[:-1])
+
+
+def test_many_heads_stay_compact(cache):
+    fig = neuron_head_strips(cache, 0, STR_TOKENS, top_k=64)
+    assert fig.layout.height < 64 * 40  # a square view would need ~N x N cells per head
