@@ -21,14 +21,21 @@ Example:
 from __future__ import annotations
 
 import json
+import sys
 from importlib.resources import files
-from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_safetensors
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 #: The model :func:`load_bundled_model` loads by default.
 BUNDLED_MODEL_NAME = "tiny-stdlib-silu"
@@ -42,7 +49,7 @@ _INIT_ONLY_FIELDS = ("seed", "init_weights")
 
 
 def _models_root() -> Traversable:
-    return files("tl_attnonly").joinpath("data", "models")
+    return files("tl_attnonly") / "data" / "models"
 
 
 def bundled_model_names() -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -186,7 +186,7 @@ def _head_activation_hooks(model: HookedTransformer, coefficients: Any) -> list:
             delta = delta * saved[prefix + "hook_pre_linear"]
         return post + delta
 
-    hooks = []
+    hooks: list[tuple[str, Callable[..., Any]]] = []
     for layer in range(model.cfg.n_layers):
         mlp = f"blocks.{layer}.mlp."
         hooks.append((mlp + "hook_pre", save))

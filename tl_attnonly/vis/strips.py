@@ -69,7 +69,7 @@ def neuron_head_strips(
     cache, str_tokens = _cache_and_tokens(source, tokens, layer, batch_index)
     model = _model(cache)
     k_per_neuron = model.n_heads_per_neuron
-    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp)
+    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
     scores = None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
     shown = select_neuron_heads(scores, model.n_neuron_heads, heads, top_k)
     pattern = _cached(cache, "pattern", layer)[batch_index, shown].detach().float().cpu().numpy()
