@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import re
+import subprocess
+import tempfile
 import time
 from html.parser import HTMLParser
 
@@ -12,6 +16,7 @@ import torch
 
 from tl_attnonly.cli import DEFAULT_PROMPT, main
 from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.report import DEFERRED_TYPE, PACKED_TYPE
 from tl_attnonly.vis import BIAS_TOKEN
 
 #: The issue's budget for the whole demo on a 2-core machine.
@@ -80,9 +85,46 @@ def test_report_is_self_contained(demo):
     text = path.read_text(encoding="utf-8")
     assert not re.search(r"<script[^>]*\ssrc=", text), "a script is loaded from elsewhere"
     assert "unpkg.com/circuitsvis" not in text
-    assert text.count("var CircuitsVis=") == 1  # circuitsvis's bundle, inlined once
-    assert len(re.findall(r"\bPlotly\.newPlot\(", text)) >= 4  # heatmaps, patching, GELU curves
-    assert text.count("* plotly.js v") == 1  # plotly.js inlined once
+    libraries = _packed_libraries(text)  # plotly.js and circuitsvis, inlined once each, gzipped
+    assert sorted(libraries) == ["CircuitsVis", "Plotly"]
+    assert libraries["CircuitsVis"].count("var CircuitsVis=") == 1
+    assert libraries["Plotly"].startswith("/**\n* plotly.js v")
+    deferred = re.findall(rf'<script type="{DEFERRED_TYPE}">(.*?)</script>', text, flags=re.S)
+    assert sum("Plotly.newPlot(" in js for js in deferred) >= 4  # strips, patching, GELU curves
+    assert sum("CircuitsVis.render(" in js for js in deferred) == 2  # one square view a layer
+    # every inline script is a library, the unpacker, or deferred until the libraries are there
+    assert len(re.findall(r"<script", text)) == len(libraries) + 1 + len(deferred)
+    assert len(text) < 3.5e6  # was 6.6 MB with the libraries as plain text
+
+
+def _packed_libraries(text: str) -> dict[str, str]:
+    found = re.findall(
+        rf'<script type="{PACKED_TYPE}" data-library="(\w+)">([A-Za-z0-9+/=]+)</script>', text
+    )
+    return {name: gzip.decompress(base64.b64decode(data)).decode() for name, data in found}
+
+
+@pytest.mark.slow
+def test_report_draws_every_figure_in_chromium(demo):
+    from tl_attnonly.vis.export import find_chromium
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no chromium on PATH")
+    _, path, _ = demo
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+             "--virtual-time-budget=20000", f"--user-data-dir={profile}", path.resolve().as_uri()],
+            capture_output=True, text=True, timeout=180,
+        ).stdout  # fmt: skip
+    text = path.read_text(encoding="utf-8")
+    n_figures = sum(
+        "Plotly.newPlot(" in js
+        for js in re.findall(rf'<script type="{DEFERRED_TYPE}">(.*?)</script>', text, flags=re.S)
+    )
+    assert dom.count('class="plot-container plotly"') == n_figures  # plotly drew each one
+    assert dom.count("<canvas") >= 2  # circuitsvis drew its views
 
 
 def test_report_shows_equivalence_numbers(demo):
