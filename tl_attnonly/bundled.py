@@ -175,5 +175,8 @@ def load_bundled_model(
 __all__ = [
     "BUNDLED_MODEL_NAME",
     "bundled_model_dir",
+    "bundled_model_files",
+    "bundled_model_names",
     "load_bundled_model",
+    "load_bundled_tokenizer",
 ]

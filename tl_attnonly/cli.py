@@ -400,7 +400,11 @@ if __name__ == "__main__":
 
 
 __all__ = [
+    "CONVERSION_FILE",
+    "CommandError",
     "DEFAULT_PROMPT",
+    "EXIT_FAIL",
+    "EXIT_USAGE",
     "build_parser",
     "convert_cmd",
     "demo",

@@ -440,7 +440,9 @@ class _Step:
 
 
 __all__ = [
-    "REPORT_HEATMAP_TOP_K",
+    "DEFERRED_TYPE",
+    "PACKED_TYPE",
+    "REPORT_SQUARE_K",
     "REPORT_TOP_K",
     "write_demo_report",
 ]

@@ -149,3 +149,6 @@ def neuron_head_strips(
 
 def _height(n_heads: int) -> int:
     return 150 + 3 * _ROW_PX * n_heads
+
+
+__all__ = ["neuron_head_strips"]
