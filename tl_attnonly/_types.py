@@ -74,6 +74,16 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
         ``model``, typed as a converted model.
     """
     if isinstance(model, NeuronHeadModelMixin):
+        from tl_attnonly.components.moe_neuron_heads import NeuronHeadMoE
+
+        if any(isinstance(mlp, NeuronHeadMoE) for mlp in model.neuron_heads):
+            raise NotImplementedError(
+                "The analysis tools work on dense neuron-head layers; this model's MLPs are "
+                "mixtures of experts (NeuronHeadMoE), whose experts see only the tokens routed to "
+                "them. Use the experts' hooks directly (blocks.{l}.mlp.experts.{e}.hook_pattern, "
+                "hook_z, ...; router: blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) "
+                "with run_with_cache / run_with_hooks."
+            )
         return model
     from tl_attnonly.literal.transformer import LiteralTransformer
 

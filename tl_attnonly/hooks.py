@@ -21,7 +21,8 @@ from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Neuron-head hook -> shape, for docs and checks.
 NEURON_HOOK_SHAPES = {
-    "pre": "[batch, pos, d_mlp]",
+    "pre": "[batch, pos, d_mlp]  (gated MLPs: the gate g)",
+    "pre_linear": "[batch, pos, d_mlp]  (gated MLPs only: the linear branch u)",
     "q": "[batch, pos, n_neuron_heads, 1]",
     "k": "[batch, pos, n_neuron_heads, 1]",
     "v": "[batch, pos, n_neuron_heads, 1]",
@@ -42,7 +43,8 @@ def neuron_act_name(kind: str, layer: int) -> str:
     """Full hook name of a neuron-head activation.
 
     Args:
-        kind: One of ``pre, q, k, v, attn_scores (or scores), pattern, z, result, post``.
+        kind: One of ``pre, pre_linear (gated MLPs), q, k, v, attn_scores (or scores), pattern,
+            z, result, post``.
         layer: Layer index.
 
     Returns:

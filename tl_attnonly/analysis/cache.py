@@ -11,7 +11,12 @@ A neuron-head's result is ``z[..., h, 0] * W_O[h]`` (``W_O[h] = W_out[h // K]``)
 on demand from the cached ``z`` (``[batch, pos, n_neuron_heads, 1]`` per layer), in chunks, never
 cached as ``[batch, pos, n_neuron_heads, d_model]``. Cache what these functions need, and nothing
 more, with :func:`tl_attnonly.hooks.decomposition_names_filter`. For ``K = 1`` models the neuron's
-``hook_post`` is its head's ``z`` and is accepted instead.
+``hook_post`` is its head's ``z`` (minus TL's ``b_in`` for gated MLPs) and is accepted instead.
+
+Gated MLPs (:class:`~tl_attnonly.components.GatedNeuronHeadMLP`): a head's result is still
+``z * W_O`` (``z`` includes the input-dependent linear branch ``u``); TL's ``b_in``, added after
+the product, is no head's: it is part of the layer's output bias ``b_O = b_in @ W_out + b_out``
+and so of ``bias``.
 
 Order of components everywhere: attention heads (layer by layer), then neuron-heads (layer by
 layer), then ``embed``, ``pos_embed``, ``bias``: TransformerLens's
@@ -95,7 +100,8 @@ def neuron_head_z(
         return cache.cache_dict[z_name][..., 0]
     post_name = neuron_act_name("post", layer)
     if model.n_heads_per_neuron == 1 and post_name in cache.cache_dict:
-        return cache.cache_dict[post_name]
+        # z = post - b_post: b_post is 0, or TL's b_in for gated neuron-heads
+        return cache.cache_dict[post_name] - model.blocks[layer].mlp.b_post
     raise KeyError(
         f"{z_name} is not in the cache"
         + (
@@ -127,7 +133,8 @@ def _accumulated_bias(model, layer: int, mlp_input: bool) -> torch.Tensor:
     """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32)."""
     bias = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
     for li in range(layer):
-        bias = bias + model.blocks[li].attn.b_O + model.blocks[li].mlp.b_out
+        # the MLP's output bias: b_out, plus b_in @ W_out for gated neuron-heads (b_O)
+        bias = bias + model.blocks[li].attn.b_O + model.blocks[li].mlp.b_O
     if mlp_input:
         if layer >= model.cfg.n_layers:
             raise ValueError("mlp_input=True needs layer < n_layers (the unembed has no MLP).")

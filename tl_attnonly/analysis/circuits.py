@@ -28,13 +28,20 @@ stream (``W_Q [W_K; b_K]^T``) and its K-composition is 0.
 
 LayerNorm between heads is ignored, as in TransformerLens's ``all_composition_scores`` and full
 circuits: use a model loaded with ``fold_ln=True`` (or converted from one).
+
+**Gated MLPs** (SwiGLU, GeGLU; ``docs/gated_mlps.md``): the QK circuit is as above with ``W_Q =
+b_k W_gate[:, i]`` and ``b_Q = d_k``. The value ``(f_k g + e_k - g_k) u`` is a product of two
+projections of the residual, so there is no OV matrix: the OV functions and V-composition refuse
+gated layers unless asked for ``per_unit_u=True``, the OV circuit per unit of the linear branch
+``u = x W_in[:, i]`` (``f_k W_gate[:, i] (x) W_out[i]``), which at a given prompt is scaled by
+that position's ``u`` (``hook_pre_linear``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
 import torch
@@ -43,6 +50,7 @@ from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
 from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
@@ -79,19 +87,48 @@ def _stacked(tensors: list[torch.Tensor], layer: int | None) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # OV and QK circuits
 # ------------------------------------------------------------------------------------------------
-def neuron_ov_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> FactoredMatrix:
+def _value_weights(mlp: Any, per_unit_u: bool) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+    """``W_V`` of a layer's neuron-heads; for gated layers ``W_V_per_unit_u`` if asked, else a
+    ``ValueError`` saying why there is no ``W_V``."""
+    if not isinstance(mlp, GatedNeuronHeadMLP):
+        return mlp.W_V
+    if not per_unit_u:
+        raise ValueError(
+            "Gated neuron-heads have no OV matrix: their value (f_k g + e_k - g_k) * u is the "
+            "product of two projections of the residual (g = x W_gate, u = x W_in), so the OV "
+            "map scales with the input-dependent u. Pass per_unit_u=True for the OV circuit per "
+            "unit of u (W_V_per_unit_u W_O = f_k W_gate[:, i] (x) W_out[i]); multiply by a "
+            "prompt's blocks.{l}.mlp.hook_pre_linear[..., i] for the circuit at that prompt."
+        )
+    return mlp.W_V_per_unit_u
+
+
+def neuron_ov_circuit(
+    model: NeuronHeadModelMixin, layer: int | None = None, *, per_unit_u: bool = False
+) -> FactoredMatrix:
     """Neuron-heads' OV circuits ``W_V W_O``: rank 1, ``f_k W_in[:, i] (x) W_out[i]``.
+
+    Gated MLPs (SwiGLU, GeGLU): a gated neuron-head's value is ``(f_k g + e_k - g_k) * u`` with
+    ``g = x W_gate[:, i]`` and ``u = x W_in[:, i]``, not a linear map of ``x``, so there is no OV
+    matrix. With ``per_unit_u=True`` this returns the OV circuit *per unit of u*,
+    ``f_k W_gate[:, i] (x) W_out[i]``: what the head moves is that matrix times the head's ``u``
+    at each position (``blocks.{l}.mlp.hook_pre_linear``). Without it, gated layers raise.
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         layer: One layer, or None for all.
+        per_unit_u: For gated layers, give the OV circuit per unit of the linear branch ``u``.
 
     Returns:
         ``FactoredMatrix`` of shape ``[n_neuron_heads, d_model, d_model]`` (``[n_layers, ...]``
         for all layers), inner dimension 1.
+
+    Raises:
+        ValueError: For a gated layer without ``per_unit_u=True``.
     """
     layers = _layers(model, layer)
-    A = [model.blocks[li].mlp.W_V for li in layers]  # [n_neuron_heads, d_model, 1]
+    # [n_neuron_heads, d_model, 1]
+    A = [_value_weights(model.blocks[li].mlp, per_unit_u) for li in layers]
     B = [model.blocks[li].mlp.W_O for li in layers]  # [n_neuron_heads, 1, d_model]
     return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
 
@@ -140,15 +177,18 @@ def neuron_attn_scores_from_circuit(
     return torch.stack([score_self, score_bias], dim=-1)
 
 
-def neuron_full_ov_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredMatrix:
+def neuron_full_ov_circuit(
+    model: NeuronHeadModelMixin, layer: int, *, per_unit_u: bool = False
+) -> FactoredMatrix:
     """``W_E W_V W_O W_U`` of each neuron-head of ``layer``: ``[n_neuron_heads, d_vocab, d_vocab]``.
 
     Rank 1: the neuron-head reads token ``s`` with weight ``(W_E W_V)[s]`` and writes
     ``(W_O W_U)[t]`` to the logit of ``t``. As TransformerLens's full circuits, ignores LayerNorm
-    and everything between the embedding, the head and the unembedding.
+    and everything between the embedding, the head and the unembedding. Gated layers: per unit of
+    ``u`` with ``per_unit_u=True``, else refused (see :func:`neuron_ov_circuit`).
     """
     mlp = model.blocks[_layers(model, layer)[0]].mlp
-    return FactoredMatrix(model.W_E @ mlp.W_V, mlp.W_O @ model.W_U)
+    return FactoredMatrix(model.W_E @ _value_weights(mlp, per_unit_u), mlp.W_O @ model.W_U)
 
 
 def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredMatrix:
@@ -170,7 +210,7 @@ def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredM
 # composition scores
 # ------------------------------------------------------------------------------------------------
 def _right_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str
+    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str, per_unit_u: bool
 ) -> FactoredMatrix | None:
     """The receiver-side FactoredMatrix of one layer's heads (None: reads nothing)."""
     if kind == "attn":
@@ -186,14 +226,16 @@ def _right_matrix(
         return FactoredMatrix(mlp.W_Q, _key_homogeneous(mlp))
     if mode == "K":
         return None  # keys are constant: a neuron-head's key reads nothing
-    return FactoredMatrix(mlp.W_V, mlp.W_O)
+    return FactoredMatrix(_value_weights(mlp, per_unit_u), mlp.W_O)
 
 
-def _left_matrix(model: NeuronHeadModelMixin, kind: str, layer: int) -> FactoredMatrix:
+def _left_matrix(
+    model: NeuronHeadModelMixin, kind: str, layer: int, per_unit_u: bool
+) -> FactoredMatrix:
     if kind == "attn":
         attn = model.blocks[layer].attn
         return FactoredMatrix(attn.W_V, attn.W_O)
-    return neuron_ov_circuit(model, layer)
+    return neuron_ov_circuit(model, layer, per_unit_u=per_unit_u)
 
 
 def _stage(model: NeuronHeadModelMixin, kind: str, layer: int) -> int:
@@ -239,6 +281,7 @@ def composition_scores(
     *,
     max_bytes: int = SCORES_BUDGET,
     progress: bool = False,
+    per_unit_u: bool = False,
 ) -> CompositionScores:
     """Q-, K- or V-composition scores between any heads: attention heads and neuron-heads.
 
@@ -254,6 +297,10 @@ def composition_scores(
         receivers: Heads that read; default every head.
         max_bytes: Refuse to build a larger score matrix; narrow senders/receivers instead.
         progress: Show a progress bar over sender groups.
+        per_unit_u: Gated MLPs: use each gated neuron-head's OV circuit per unit of its linear
+            branch ``u`` (:func:`neuron_ov_circuit`) where a score needs one (any sender; V
+            receivers). Without it such scores raise. Q-composition into gated neuron-heads needs
+            nothing (their queries are linear in the residual).
 
     Returns:
         :class:`CompositionScores` (``.scores``, ``.senders``, ``.receivers``, ``.top_k()``).
@@ -262,11 +309,11 @@ def composition_scores(
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
     _layers(model, None)
     with torch.no_grad():
-        return _composition_scores(model, mode, senders, receivers, max_bytes, progress)
+        return _composition_scores(model, mode, senders, receivers, max_bytes, progress, per_unit_u)
 
 
 def _composition_scores(
-    model: NeuronHeadModelMixin, mode, senders, receivers, max_bytes, progress
+    model: NeuronHeadModelMixin, mode, senders, receivers, max_bytes, progress, per_unit_u
 ) -> CompositionScores:
     K = model.n_heads_per_neuron
     send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
@@ -290,7 +337,7 @@ def _composition_scores(
     right: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for (kind, layer), cols in recv_groups.items():
         heads = torch.tensor([recv[j].head for j in cols])
-        fm = _right_matrix(model, kind, layer, mode)
+        fm = _right_matrix(model, kind, layer, mode, per_unit_u)
         if fm is None:
             continue
         fm = fm[(heads,)]
@@ -304,7 +351,8 @@ def _composition_scores(
         list(send_groups.items()), desc="composition", disable=not progress
     ):
         heads = torch.tensor([send[i].head for i in rows])
-        left = _left_matrix(model, kind, layer)[(heads,)].collapse_l()  # [n, rank, d_model]
+        sender_ov = _left_matrix(model, kind, layer, per_unit_u)
+        left = sender_ov[(heads,)].collapse_l()  # [n, rank, d_model]
         l_norms = left.norm(dim=(-2, -1))
         stage = _stage(model, kind, layer)
         for (r_kind, r_layer), (r_coll, r_norms, col_index) in right.items():

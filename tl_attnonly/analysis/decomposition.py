@@ -252,9 +252,10 @@ def decompose_resid_heads(
     ``sum(stack, 0)`` equals ``resid_pre[layer]`` (``resid_mid[layer]`` with ``mlp_input``;
     ``resid_post`` of the last block for ``layer = n_layers``). Components: every attention head
     and every neuron-head of earlier layers, ``embed``, ``pos_embed`` (if the model has one) and
-    ``bias`` (all ``b_O`` and ``b_out``). A neuron-head's result includes its value bias and its
-    bias-token value (they pass through its pattern), so ``bias`` holds only ``b_O`` and
-    ``b_out``.
+    ``bias`` (every layer's output bias ``b_O``: the attention ``b_O`` and the MLP's ``b_out``,
+    plus ``b_in @ W_out`` for gated MLPs, whose ``b_in`` is added after the product). A plain
+    neuron-head's result includes its value bias and its bias-token value (they pass through its
+    pattern), so ``bias`` holds only the output biases.
 
     For ``K = 1`` this equals TransformerLens's ``cache.get_full_resid_decomposition(
     expand_neurons=True)``, labels included (neuron ``i`` is neuron-head ``i``); this function also

@@ -173,6 +173,17 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         """The bias token's value: zero (the bias-token terms of the fits sit on the token)."""
         return self._out_matrix.new_zeros(self.n_neuron_heads, 1)
 
+    @property
+    def b_O(self) -> Float[torch.Tensor, " d_model"]:
+        """Output bias of the layer: ``b_in @ W_out + b_out`` (``b_in`` is added after the
+        product, outside every head), so ``out = sum_h result[h] + b_O``."""
+        return self.b_post @ self._out_matrix + self.b_out
+
+    @property
+    def b_post(self) -> Float[torch.Tensor, " d_mlp"]:
+        """What ``hook_post`` adds to the sum of each neuron's head outputs: TL's ``b_in``."""
+        return self.b_in
+
     # ------------------------------------------------------------------ forward
     def _query_value(
         self,

@@ -95,6 +95,11 @@ class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
         """TL's MoE experts have no ``b_in``: zero."""
         return self._out_matrix.new_zeros(self.d_mlp)
 
+    @property
+    def b_O(self) -> torch.Tensor:
+        """TL's MoE experts have no output bias: zero."""
+        return self._out_matrix.new_zeros(self.cfg.d_model)
+
 
 class NeuronHeadMoE(MoE):
     """TransformerLens's ``MoE`` with every expert's neurons as gated neuron-heads.

@@ -180,8 +180,14 @@ class NeuronHeadBase(CanBeUsedAsMLP):
 
     @property
     def b_O(self) -> Float[torch.Tensor, " d_model"]:
-        """Output bias of the layer (``b_out``)."""
+        """Output bias of the layer: ``out = sum_h result[h] + b_O`` (``b_out`` here)."""
         return self.b_out  # type: ignore[return-value]
+
+    @property
+    def b_post(self) -> Float[torch.Tensor, " d_mlp"]:
+        """What ``hook_post`` adds to the sum of each neuron's head outputs: zero here (gated
+        layers: TL's ``b_in``). So ``z`` of a ``K = 1`` neuron is ``hook_post - b_post``."""
+        return self._out_matrix.new_zeros(self.d_mlp)
 
     def neuron_of_head(self, head: int) -> tuple[int, int]:
         """``(neuron, k)`` of a neuron-head index."""
