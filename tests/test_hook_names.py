@@ -18,9 +18,9 @@ from tl_attnonly.hooks import (
 )
 
 
-@pytest.fixture(scope="module")
-def converted():
-    return convert(make_model(n_layers=2, use_attn_result=True))
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "gated"])
+def converted(request):
+    return convert(make_model(n_layers=2, use_attn_result=True, gated_mlp=request.param))
 
 
 def test_every_helper_name_is_a_hook_of_the_model(converted):
@@ -28,6 +28,9 @@ def test_every_helper_name_is_a_hook_of_the_model(converted):
     hooks = set(converted.hook_dict)
     for layer in range(2):
         for kind in NEURON_HOOK_SHAPES:
+            if kind == "pre_linear" and not converted.cfg.gated_mlp:
+                assert neuron_act_name(kind, layer) not in hooks  # gated MLPs only
+                continue
             assert neuron_act_name(kind, layer) in hooks
             assert head_act_name(kind, layer, "neuron") == neuron_act_name(kind, layer)
         for kind in ATTN_HEAD_HOOKS:

@@ -210,7 +210,7 @@ def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredM
 # composition scores
 # ------------------------------------------------------------------------------------------------
 def _right_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str, per_unit_u: bool
+    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str, per_unit_u: bool = False
 ) -> FactoredMatrix | None:
     """The receiver-side FactoredMatrix of one layer's heads (None: reads nothing)."""
     if kind == "attn":
@@ -230,7 +230,7 @@ def _right_matrix(
 
 
 def _left_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, per_unit_u: bool
+    model: NeuronHeadModelMixin, kind: str, layer: int, per_unit_u: bool = False
 ) -> FactoredMatrix:
     if kind == "attn":
         attn = model.blocks[layer].attn
