@@ -59,6 +59,9 @@ METHODS: tuple[str, ...] = ("exact", "sigmoid_k", "paper", "fit")
 DEFAULT_GELU_HEADS: int = 4
 MAX_GELU_HEADS: int = 6
 DEFAULT_RELU_K: float = 100.0
+MIN_RELU_K: float = 1.0
+"""Smallest accepted ``relu_k``: below it ``x sigmoid(k x)`` is no approximation of ReLU (max
+error ``0.2785 / k`` > 0.28)."""
 FIT_RANGE: float = 20.0
 PAPER_GELU_SLOPE: float = 1.702
 """Slope of the paper's one-head GELU approximation ``x * sigmoid(1.702 x)``."""
@@ -251,6 +254,24 @@ def _max_abs_error(coeffs: NeuronHeadCoefficients, x_range: float, n: int) -> fl
     return float((coeffs.evaluate(x) - coeffs.reference(x)).abs().max())
 
 
+def check_relu_k(relu_k: Any) -> None:
+    """Refuse a ``relu_k`` that is not a finite number >= :data:`MIN_RELU_K`.
+
+    Raises:
+        ValueError: Naming the value, the accepted range and the error it would give.
+    """
+    if (
+        isinstance(relu_k, bool)
+        or not isinstance(relu_k, numbers.Real)
+        or not math.isfinite(relu_k)
+        or relu_k < MIN_RELU_K
+    ):
+        raise ValueError(
+            f"relu_k must be a finite number >= {MIN_RELU_K:g} (the ReLU head x*sigmoid(relu_k x) "
+            f"has max error 0.2785 / relu_k; default {DEFAULT_RELU_K:g}), got {relu_k!r}."
+        )
+
+
 def _single_head(
     activation: str, method: str, b: float, relu_k: Optional[float] = None
 ) -> NeuronHeadCoefficients:
@@ -276,7 +297,8 @@ def head_coefficients(
         act_fn: TransformerLens ``act_fn`` name; one of :data:`SUPPORTED_ACTIVATIONS`.
         n_heads: Number of heads. ``silu``/``relu`` and ``gelu_method="paper"``: ``None`` or 1.
             GELU fits: 1..6, default :data:`DEFAULT_GELU_HEADS`.
-        relu_k: Sigmoid slope for ``relu`` (``x * sigmoid(relu_k x)``); must be finite and > 0.
+        relu_k: Sigmoid slope for ``relu`` (``x * sigmoid(relu_k x)``); must be finite and
+            >= :data:`MIN_RELU_K`.
         gelu_method: ``"fit"`` (minimax fit) or ``"paper"`` (``x * sigmoid(1.702 x)``).
 
     Returns:
@@ -291,8 +313,7 @@ def head_coefficients(
         return _single_head("silu", "exact", 1.0)
     if act_fn == "relu":
         _check_single_head(act_fn, n_heads, "The x*sigmoid(k x) rewrite")
-        if isinstance(relu_k, bool) or not (math.isfinite(relu_k) and relu_k > 0):
-            raise ValueError(f"relu_k must be a finite number > 0, got {relu_k!r}")
+        check_relu_k(relu_k)
         return _single_head("relu", "sigmoid_k", float(relu_k), relu_k=float(relu_k))
     if act_fn in GELU_VARIANTS:
         if gelu_method == "paper":
@@ -396,6 +417,7 @@ __all__ = [
     "FP16_MAX",
     "GELU_VARIANTS",
     "MAX_GELU_HEADS",
+    "MIN_RELU_K",
     "METHODS",
     "PAPER_GELU_SLOPE",
     "RELU_SIGMOID_ERROR_CONSTANT",
@@ -403,6 +425,7 @@ __all__ = [
     "NeuronHeadCoefficients",
     "ScoreMagnitude",
     "activation_error_table",
+    "check_relu_k",
     "fit_metadata",
     "fp16_safe",
     "head_coefficients",

@@ -8,6 +8,8 @@ saved and rebuilt exactly (:meth:`tl_attnonly.AttnOnlyTransformer.save_pretraine
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -17,8 +19,10 @@ from transformer_lens import HookedTransformerConfig
 from tl_attnonly.activations import (
     DEFAULT_RELU_K,
     FIT_RANGE,
+    MAX_GELU_HEADS,
     SUPPORTED_ACTIVATIONS,
     NeuronHeadCoefficients,
+    check_relu_k,
     head_coefficients,
     max_score_magnitude,
 )
@@ -49,6 +53,24 @@ class ConversionOptions:
     relu_k: float = DEFAULT_RELU_K
     gelu_method: str = "fit"
     fused: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse invalid options at once, whatever the activation they will be used with."""
+        check_relu_k(self.relu_k)
+        k = self.n_heads_per_neuron
+        if k is not None and (
+            isinstance(k, bool)
+            or not isinstance(k, numbers.Integral)
+            or not 1 <= k <= MAX_GELU_HEADS
+        ):
+            raise ValueError(
+                f"n_heads_per_neuron must be None (the default) or an integer in "
+                f"1..{MAX_GELU_HEADS}, got {k!r}."
+            )
+        if self.gelu_method not in ("fit", "paper"):
+            raise ValueError(f"gelu_method must be 'fit' or 'paper', got {self.gelu_method!r}.")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be True or False, got {self.fused!r}.")
 
     def coefficients(self, act_fn: Optional[str]) -> NeuronHeadCoefficients:
         """The per-head coefficients for a model whose MLP activation is ``act_fn``.
@@ -155,6 +177,17 @@ class LiteralOptions:
     product_eps: Optional[float] = None
 
     def __post_init__(self) -> None:
+        omega = self.omega
+        if omega is not None and (
+            isinstance(omega, bool)
+            or not isinstance(omega, numbers.Real)
+            or not math.isfinite(omega)
+            or omega <= 0
+        ):
+            raise ValueError(
+                "omega must be a finite number > 0 (the penalty on disallowed query-key pairs; "
+                f"None: the default, see omega_requirement()), got {omega!r}."
+            )
         if self.product_eps is not None and not self.product_eps > 0:
             raise ValueError(f"product_eps must be positive, got {self.product_eps}")
         if self.layout not in ("neuron", "split"):
@@ -251,17 +284,36 @@ def check_convertible(
 
 
 def overflow_warning(
-    coefficients: NeuronHeadCoefficients, dtype: torch.dtype, x_range: float = FIT_RANGE
+    coefficients: NeuronHeadCoefficients,
+    dtype: torch.dtype,
+    x_range: float = FIT_RANGE,
+    *,
+    scores: bool = False,
 ) -> Optional[str]:
-    """A warning message if ``dtype`` cannot hold the neuron-heads' scores/values, else ``None``."""
+    """A warning message if ``dtype`` cannot hold the neuron-heads' values, else ``None``.
+
+    In the structured form a score (``b x + d``) that overflows to ``+-inf`` is harmless: the
+    bias token's score is exactly 0, so the pattern is ``sigmoid(+-inf)`` = 1 or 0, exactly
+    what the sigmoid saturates to anyway. Only values (``f x + e``, ``g``) that overflow make
+    outputs inf/NaN. In the literal form (``scores=True``) an infinite score makes the softmax
+    NaN, so scores count too.
+
+    Args:
+        coefficients: The neuron-heads' coefficients.
+        dtype: The dtype the model runs in.
+        x_range: Pre-activations assumed to lie in ``|x| <= x_range``.
+        scores: Also check the scores (the literal form).
+    """
     if not dtype.is_floating_point:
         return None
     limit = torch.finfo(dtype).max
-    worst = max(max_score_magnitude(coefficients, x_range))
+    magnitude = max_score_magnitude(coefficients, x_range)
+    worst = max(magnitude) if scores else magnitude.value
     if worst < limit:
         return None
+    what = "scores/values" if scores else "values"
     return (
-        f"Neuron-head scores/values reach {worst:.3g} for pre-activations |x| <= {x_range}, "
+        f"Neuron-head {what} reach {worst:.3g} for pre-activations |x| <= {x_range}, "
         f"beyond the largest {dtype} ({limit:.3g}): outputs will overflow to inf/NaN. Use a "
         "smaller relu_k, fewer heads per neuron, or float32/bfloat16."
     )

@@ -53,6 +53,7 @@ from tl_attnonly.options import (
     LayoutName,
     LiteralOptions,
     check_convertible,
+    overflow_warning,
 )
 
 
@@ -296,6 +297,9 @@ def to_literal(
     if mask != "ordinary":
         for message in omega_warnings(omega, dtype, lay.n_pos, tol):
             warnings.warn(message, stacklevel=2)
+    overflow = overflow_warning(coefs, dtype, scores=True)  # an inf score makes softmax NaN
+    if overflow is not None:
+        warnings.warn(overflow, RuntimeWarning, stacklevel=2)
     dh_lin = opts.linear_d_head or cfg.d_head
     _check_weight_budget(cfg, lay, len(coefs.b), layout, mask, dh_lin, budget_bytes)
     build = _Builder(cfg, lay, coefs, mask, omega, opts.use_attn_result, dh_lin, product_eps)

@@ -187,7 +187,8 @@ def theorem9_mask_qk(
         ``(Q_block, K_block)``, to be placed in the rows of the position coordinates.
     """
     allowed = allowed.bool()
-    q_block = torch.where(allowed, 0.0, -float(omega)).double()
+    # built in float64 directly: -omega may not fit the default dtype (omega = 1e300)
+    q_block = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill_(~allowed, -float(omega))
     k_block = torch.eye(allowed.shape[-1], dtype=torch.float64)
     return q_block, k_block
 

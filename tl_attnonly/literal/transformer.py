@@ -191,6 +191,12 @@ class LiteralTransformer(HookedRootModule):
         Raises:
             LiteralBudgetError: If the patterns would exceed ``budget_bytes``.
         """
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(
+                f"LiteralTransformer takes token ids (an int tensor [batch, pos]), got "
+                f"{type(tokens).__name__}. Tokenise with the original model first: "
+                "literal(model.to_tokens(text))."
+            )
         if tokens.ndim == 1:
             tokens = tokens[None]
         self._check_budget(tokens.shape[0], tokens.shape[1])
