@@ -44,3 +44,24 @@ def test_convert_of_an_attn_only_model_warns_and_copies(tmp_path):
     loaded = AttnOnlyTransformer.load(tmp_path / "m")
     assert loaded.cfg.attn_only and torch.equal(loaded(tokens), model(tokens))
     assert torch.equal(loaded.to_hooked_transformer()(tokens), model(tokens))
+
+
+def test_main_demo_pattern_filter_reaches_neuron_heads_and_the_readme_filter_does_not():
+    """The documented drop-in difference: ``endswith("pattern")`` also names the compact
+    neuron-head patterns; ``endswith("attn.hook_pattern")`` / ``attn_names_filter`` do not."""
+    from tl_attnonly.hooks import attn_names_filter
+
+    model = randomize_(HookedTransformer(make_config("silu"))).eval()
+    converted = convert(model)
+    tokens = make_tokens()
+
+    def names(m, names_filter):
+        _, cache = m.run_with_cache(tokens, names_filter=names_filter)
+        return {name: tuple(t.shape) for name, t in cache.items()}
+
+    main_demo = names(converted, lambda name: name.endswith("pattern"))
+    assert len(main_demo) == 2 * model.cfg.n_layers
+    assert main_demo["blocks.0.mlp.hook_pattern"] == (2, converted.n_neuron_heads, 10, 2)
+    original = names(model, lambda name: name.endswith("pattern"))
+    assert names(converted, lambda name: name.endswith("attn.hook_pattern")) == original
+    assert names(converted, attn_names_filter("pattern")) == original
