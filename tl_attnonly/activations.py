@@ -30,13 +30,16 @@ import math
 import numbers
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import pandas as pd
 import torch
 from jaxtyping import Float
 
 from tl_attnonly._compat import TL_ACTIVATIONS
+
+if TYPE_CHECKING:
+    from tl_attnonly._types import CoefficientsLike
 
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = (
     "silu",
@@ -389,9 +392,7 @@ class ScoreMagnitude(NamedTuple):
     """max of ``|f x + e|`` and ``|g|`` (attention values)."""
 
 
-def max_score_magnitude(
-    coeffs: NeuronHeadCoefficients, x_range: float = FIT_RANGE
-) -> ScoreMagnitude:
+def max_score_magnitude(coeffs: CoefficientsLike, x_range: float = FIT_RANGE) -> ScoreMagnitude:
     """Max ``|b x + d|`` and max ``|f x + e|`` (or ``|g|``) over ``|x| <= x_range``, all heads.
 
     Both are affine in ``x``, so the maxima are at ``x = +-x_range``. Used to warn about float16

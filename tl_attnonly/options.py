@@ -284,7 +284,7 @@ def check_convertible(
 
 
 def overflow_warning(
-    coefficients: NeuronHeadCoefficients,
+    coefficients: CoefficientsLike,
     dtype: torch.dtype,
     x_range: float = FIT_RANGE,
     *,
