@@ -12,8 +12,8 @@ literal form in both layouts.
 The reference is the original model with each neuron's activation replaced, through hooks, by
 the sum of its neuron-heads (``coefficients.evaluate``): the conversion must reproduce that to
 rounding for every activation, so the comparison is exact for GELU and ReLU too (their
-approximation error is measured elsewhere). The default run is small and derandomised (the
-same cases every time); ``-m slow`` runs many more.
+approximation error is measured elsewhere). The default test is small and derandomised (the
+same cases every time); the ``slow`` one draws new cases each run (see the profile below).
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ from tl_attnonly import convert
 from tl_attnonly.literal import to_literal
 
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+
+#: The long run's size: 100 examples by default (~15 s); 2000 (~3 min) with
+#: ``pytest -m slow tests/test_fuzz_configs.py --hypothesis-profile=tl-attnonly-fuzz``.
+settings.register_profile("tl-attnonly-fuzz", max_examples=2000)
 
 SOFTCAP_OFF = -1.0
 ROPE = ("plain", "scaled", "ntk_by_parts", "yarn", "dynamic_ntk")
@@ -209,7 +213,7 @@ def test_fuzz_converted_and_literal_match_the_original(overrides, layout):
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(config_overrides(), st.sampled_from(["neuron", "split"]))
 def test_fuzz_converted_and_literal_match_the_original_long(overrides, layout):
     check_config(overrides, layout)
