@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -134,12 +135,27 @@ def test_convert_with_hf_hub_offline_and_no_cache_says_what_to_do(monkeypatch, t
     assert "not in the cache" in err and "tl-attnonly demo" in err
 
 
-def test_unknown_model_name_suggests_close_ones(no_hub, capsys):
+def test_unknown_model_name_suggests_close_ones(no_hub, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_hub_unreachable", lambda timeout=0: None)  # the hub answers
     assert main(["verify", "gtp2"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "'gtp2' is not a directory, nor a model name" in err and "'gpt2'" in err
     assert len(err) < 600  # not TransformerLens's list of every model
     assert no_hub == []
+
+
+def test_convert_without_the_hub_fails_before_importing_transformer_lens(tmp_path):
+    code = _IMPORTS.format(argv=["convert", "gpt2", str(tmp_path / "out")])
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": ""},
+    )
+    assert "heavy []" in result.stdout, result.stdout + result.stderr
+    assert "did not answer" in result.stderr and "HF_HUB_OFFLINE=1" in result.stderr
 
 
 # ------------------------------------------------------------------------------------------------

@@ -160,13 +160,21 @@ def _official_name(name: str) -> str:
     )
 
 
-def _load_by_name(name: str, loader: Any, **kwargs: Any) -> Any:
-    """``loader(official_name, **kwargs)``, failing fast and clearly without the hub."""
-    official = _official_name(name)
+def _require_hub(name: str) -> None:
+    """Unless ``HF_HUB_OFFLINE`` is set, fail within seconds when the hub does not answer.
+
+    Called before TransformerLens is imported, so that no access is reported at once.
+    """
     if not _offline():
         why = _hub_unreachable()
         if why is not None:
             raise CommandError(_offline_advice(name, why))
+
+
+def _load_by_name(name: str, loader: Any, **kwargs: Any) -> Any:
+    """``loader(official_name, **kwargs)``, failing clearly on an unknown name or a model missing
+    from the cache under ``HF_HUB_OFFLINE``. Call :func:`_require_hub` first."""
+    official = _official_name(name)
     try:
         return loader(official, **kwargs)
     except OSError as exc:
@@ -182,6 +190,7 @@ def convert_cmd(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"OUT_DIR {str(out)!r} exists and is not a directory.")
+    _require_hub(args.model)
     from tl_attnonly import AttnOnlyTransformer
 
     model = _load_by_name(
@@ -240,6 +249,7 @@ def verify_cmd(args: argparse.Namespace) -> int:
             "`tl-attnonly convert`, or a TransformerLens model name."
         )
     else:
+        _require_hub(args.model)
         from transformer_lens import HookedTransformer
 
         from tl_attnonly import convert
