@@ -103,14 +103,14 @@ def bundled_model_dir(name: str = BUNDLED_MODEL_NAME) -> Path:
 
     Raises:
         FileNotFoundError: If the model is missing (see :func:`bundled_model_files`), or the
-            package is imported from an archive rather than a directory (then use
-            :func:`load_bundled_model`, which reads the files wherever they are).
+            package is imported from an archive rather than a directory (TransformerLens and
+            transformers load a tokenizer from a directory; pip installs unzipped).
     """
     model_dir = bundled_model_files(name)
     if not isinstance(model_dir, Path):
         raise FileNotFoundError(
-            f"Bundled model {name!r} is inside an archive ({model_dir}), not a directory; load "
-            "it with tl_attnonly.bundled.load_bundled_model, or install tl-attnonly unzipped."
+            f"Bundled model {name!r} is inside an archive ({model_dir}), not a directory; "
+            "install tl-attnonly with pip (which unpacks it), or put it on sys.path unzipped."
         )
     return model_dir
 

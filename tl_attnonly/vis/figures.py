@@ -20,9 +20,8 @@ from tl_attnonly.activations import TL_ACTIVATIONS, NeuronHeadCoefficients
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.vis.patterns import (
     HeadsLike,
-    _cached,
     _model,
-    _optional,
+    _weights_and_z,
     neuron_head_scores,
     select_neuron_heads,
 )
@@ -78,20 +77,9 @@ def neuron_activity_heatmap(
     )
     x = list(range(len(str_tokens)))
     for row, (lay, shown) in enumerate(zip(layers, selections), start=1):
-        weight_self = _cached(cache, "pattern", lay)[batch_index, shown, :, 0].detach().float()
-        if weight_self.shape[-1] != len(str_tokens):
-            raise ValueError(
-                f"{len(str_tokens)} tokens given for a cache of {weight_self.shape[-1]} positions: "
-                "pass the string tokens of the prompt the cache was computed on."
-            )
-        z_cached = _optional(cache, "z", lay)
-        z = (
-            z_cached[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
-            if z_cached is not None
-            else np.full(weight_self.shape, np.nan)
-        )
+        pattern, z = _weights_and_z(cache, lay, shown, len(str_tokens), batch_index)
+        ws = pattern[..., 0]
         labels = [neuron_head_label(lay, h, model.n_heads_per_neuron) for h in shown]
-        ws = weight_self.cpu().numpy()
         fig.add_trace(
             go.Heatmap(
                 z=ws,

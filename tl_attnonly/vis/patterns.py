@@ -353,6 +353,25 @@ def _optional(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor | N
     return cache[name] if name in cache.cache_dict else None
 
 
+def _weights_and_z(
+    cache: ActivationCache, layer: int, shown: list[int], n_tokens: int, batch_index: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(pattern [head, pos, (self, bias)], z [head, pos])`` of the shown heads, as float arrays.
+
+    ``z`` is NaN when the cache lacks ``hook_z``. Raises if the cache is not ``n_tokens`` long.
+    """
+    pattern = _cached(cache, "pattern", layer)[batch_index, shown].detach().float().cpu().numpy()
+    if pattern.shape[1] != n_tokens:
+        raise ValueError(
+            f"{n_tokens} tokens given for a cache of {pattern.shape[1]} positions: pass the "
+            "string tokens of the prompt the cache was computed on."
+        )
+    z = _optional(cache, "z", layer)
+    if z is None:
+        return pattern, np.full(pattern.shape[:2], np.nan)
+    return pattern, z[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
+
+
 def _heads_from_neurons(
     heads: HeadsLike, neurons: HeadsLike, k_per_neuron: int, d_mlp: int
 ) -> list[int] | None:

@@ -21,10 +21,9 @@ from tl_attnonly.vis.patterns import (
     HeadsLike,
     TokensLike,
     _cache_and_tokens,
-    _cached,
     _heads_from_neurons,
     _model,
-    _optional,
+    _weights_and_z,
     neuron_head_scores,
     select_neuron_heads,
 )
@@ -72,19 +71,8 @@ def neuron_head_strips(
     heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
     scores = None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
     shown = select_neuron_heads(scores, model.n_neuron_heads, heads, top_k)
-    pattern = _cached(cache, "pattern", layer)[batch_index, shown].detach().float().cpu().numpy()
+    pattern, z_shown = _weights_and_z(cache, layer, shown, len(str_tokens), batch_index)
     n_heads, n_pos, _ = pattern.shape  # [head, pos, (self, bias)]
-    if n_pos != len(str_tokens):
-        raise ValueError(
-            f"{len(str_tokens)} tokens given for a cache of {n_pos} positions: pass the prompt "
-            "the cache was computed on."
-        )
-    z = _optional(cache, "z", layer)
-    z_shown = (
-        z[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
-        if z is not None
-        else np.full((n_heads, n_pos), np.nan)
-    )
     labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
     # rows: head i -> 3i (self), 3i + 1 (bias), 3i + 2 (a gap); unique names, so categorical
     rows = [name for label in labels for name in (f"{label} self", f"{label} bias", f"{label} ")]
