@@ -8,8 +8,10 @@ converted / original for:
 - ``run_with_cache`` (every hook) time, and the memory the cache holds;
 - conversion time (absolute, and relative to one forward pass).
 
-Run: ``python benchmarks/bench_forward.py [--repeats 7] [--threads 2]``. Timings are medians over
-interleaved repeats; the ratios are what the README's performance table reports.
+Run: ``python benchmarks/bench_forward.py [--repeats 7] [--threads 2]``; blocks only (the
+unembedding diluting nothing): ``--layers 4 --vocab 1000 --shapes 1x128 2x256 8x128 1x1024``.
+Timings are medians over interleaved repeats; the ratios are what the README's performance
+table reports.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ from tl_attnonly import convert
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
 
-def gpt2_small_config(act_fn: str) -> HookedTransformerConfig:
+def gpt2_small_config(
+    act_fn: str, n_layers: int = 12, d_vocab: int = 50257
+) -> HookedTransformerConfig:
     return HookedTransformerConfig(
-        n_layers=12,
+        n_layers=n_layers,
         d_model=768,
         n_heads=12,
         d_head=64,
         d_mlp=3072,
-        d_vocab=50257,
+        d_vocab=d_vocab,
         n_ctx=1024,
         act_fn=act_fn,
         normalization_type="LN",
@@ -65,6 +69,8 @@ def compare(fn_a, fn_b, repeats: int) -> tuple[float, float]:
 
 
 def cache_bytes(cache) -> int:
+    if hasattr(cache, "stored_nbytes"):  # a derived cache: what it holds, deriving nothing
+        return cache.stored_nbytes()
     seen, total = set(), 0
     for tensor in cache.values():
         key = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
@@ -74,20 +80,22 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def bench(act_fn: str, repeats: int) -> list[tuple[str, float, float]]:
+def bench(
+    act_fn: str, repeats: int, n_layers: int, d_vocab: int, shapes: list[tuple[int, int]]
+) -> list[tuple[str, float, float]]:
     torch.manual_seed(0)
-    original = HookedTransformer(gpt2_small_config(act_fn)).eval()
+    original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab)).eval()
     t0 = time.perf_counter()
     converted = convert(original)
     conversion_s = time.perf_counter() - t0
     rows = []
     forward_1 = float("nan")
     with torch.inference_mode():
-        for batch in (1, 4):
-            tokens = torch.randint(0, 50257, (batch, 128))
+        for i, (batch, n) in enumerate(shapes):
+            tokens = torch.randint(0, d_vocab, (batch, n))
             a, b = compare(partial(original, tokens), partial(converted, tokens), repeats)
-            rows.append((f"forward, batch {batch}, N=128", a, b))
-            if batch == 1:
+            rows.append((f"forward, batch {batch}, N={n}", a, b))
+            if i == 0:
                 forward_1 = a
             hooks = [(lambda name: name.endswith("mlp.hook_pattern"), lambda x, hook: x)]
             a2, b2 = compare(
@@ -95,18 +103,19 @@ def bench(act_fn: str, repeats: int) -> list[tuple[str, float, float]]:
                 partial(converted.run_with_hooks, tokens, fwd_hooks=hooks),
                 repeats,
             )
-            rows.append((f"forward (head path), batch {batch}, N=128", a2, b2))
-        tokens = torch.randint(0, 50257, (1, 128))
+            rows.append((f"forward (head path), batch {batch}, N={n}", a2, b2))
+        batch, n = shapes[0]
+        tokens = torch.randint(0, d_vocab, (batch, n))
         a, b = compare(
             lambda: original.run_with_cache(tokens),
             lambda: converted.run_with_cache(tokens),
             repeats,
         )
-        rows.append(("run_with_cache, batch 1, N=128", a, b))
+        rows.append((f"run_with_cache, batch {batch}, N={n}", a, b))
         _, cache_a = original.run_with_cache(tokens)
         _, cache_b = converted.run_with_cache(tokens)
         mib_a, mib_b = cache_bytes(cache_a) / 2**20, cache_bytes(cache_b) / 2**20
-        rows.append(("cache memory (MiB), batch 1, N=128", mib_a, mib_b))
+        rows.append((f"cache memory (MiB), batch {batch}, N={n}", mib_a, mib_b))
     rows.append(("conversion (s) vs one forward", forward_1, conversion_s))
     return rows
 
@@ -116,13 +125,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--act", nargs="*", default=["silu", "gelu_new"])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument(
+        "--shapes", nargs="*", default=["1x128", "4x128"], help="batch x N, e.g. 2x256"
+    )
     args = parser.parse_args()
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats, fp32, CPU")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats, fp32, CPU, "
+        f"{args.layers} layers, d_model 768, d_mlp 3072, vocab {args.vocab}"
+    )
     print("| activation | measurement | original | converted | ratio |")
     print("|---|---|---|---|---|")
     for act_fn in args.act:
-        for name, a, b in bench(act_fn, args.repeats):  # one model pair alive at a time
+        for name, a, b in bench(
+            act_fn, args.repeats, args.layers, args.vocab, shapes
+        ):  # one model pair alive at a time
             unit = "" if "MiB" in name or "(s)" in name else " s"
             print(f"| {act_fn} | {name} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.2f} |")
         gc.collect()
