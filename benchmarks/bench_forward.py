@@ -80,11 +80,43 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def conversion_memory_ratio(original, share_weights: bool) -> float:
+    """(model bytes + peak resident memory added while converting) / model bytes (Linux)."""
+    model_bytes = sum(p.numel() * p.element_size() for p in original.parameters())
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset the peak (VmHWM) to the current resident size
+    except OSError:
+        return float("nan")
+    base = _status_bytes("VmRSS")
+    converted = convert(original, share_weights=share_weights)
+    peak = _status_bytes("VmHWM")
+    del converted
+    return (model_bytes + peak - base) / model_bytes
+
+
 def bench(
     act_fn: str, repeats: int, n_layers: int, d_vocab: int, shapes: list[tuple[int, int]]
 ) -> list[tuple[str, float, float]]:
     torch.manual_seed(0)
     original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab)).eval()
+    memory_rows = [
+        (
+            f"conversion peak memory / model size ({how})",
+            1.0,
+            conversion_memory_ratio(original, share),
+        )
+        for how, share in (("copy", False), ("share_weights=True", True))
+    ]
     t0 = time.perf_counter()
     converted = convert(original)
     conversion_s = time.perf_counter() - t0
@@ -117,7 +149,7 @@ def bench(
         mib_a, mib_b = cache_bytes(cache_a) / 2**20, cache_bytes(cache_b) / 2**20
         rows.append((f"cache memory (MiB), batch {batch}, N={n}", mib_a, mib_b))
     rows.append(("conversion (s) vs one forward", forward_1, conversion_s))
-    return rows
+    return rows + memory_rows
 
 
 def main() -> None:
@@ -143,7 +175,7 @@ def main() -> None:
         for name, a, b in bench(
             act_fn, args.repeats, args.layers, args.vocab, shapes
         ):  # one model pair alive at a time
-            unit = "" if "MiB" in name or "(s)" in name else " s"
+            unit = "" if "MiB" in name or "(s)" in name or "size" in name else " s"
             print(f"| {act_fn} | {name} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.2f} |")
         gc.collect()
 

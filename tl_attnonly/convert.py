@@ -28,6 +28,7 @@ def convert(
     n_heads_per_neuron: Optional[int] = None,
     relu_k: Optional[float] = None,
     gelu_method: Optional[str] = None,
+    share_weights: bool = False,
 ) -> AttnOnlyTransformer: ...
 @overload
 def convert(
@@ -38,6 +39,7 @@ def convert(
     n_heads_per_neuron: Optional[int] = None,
     relu_k: Optional[float] = None,
     gelu_method: Optional[str] = None,
+    share_weights: bool = False,
 ) -> AttnOnlyEncoder: ...
 @overload
 def convert(
@@ -60,12 +62,15 @@ def convert(
     relu_k: Optional[float] = None,
     gelu_method: Optional[str] = None,
     literal: Optional[LiteralOptions] = None,
+    share_weights: bool = False,
     **literal_kwargs: Any,
 ) -> Union[AttnOnlyTransformer, AttnOnlyEncoder, LiteralTransformer]:
     """Rewrite every MLP neuron of ``model`` as attention heads (Huben & Morris 2023, Thm. 6).
 
-    The original model is not modified: the result has its own copy of the weights (the tokenizer
-    is shared).
+    The original model is not modified: by default the result has its own copy of the weights
+    (the tokenizer is shared). With ``share_weights=True`` it has none: its parameters and buffers
+    *are* the original's tensors (no copy, no ``__class__`` swap), so converting needs no second
+    copy of the model's memory, and **an edit to either model's weights shows in both**.
 
     Args:
         model: A TransformerLens ``HookedTransformer`` (any weight processing already applied is
@@ -80,6 +85,8 @@ def convert(
         gelu_method: ``"fit"`` or ``"paper"``.
         literal: Options of the literal form (:class:`~tl_attnonly.LiteralOptions`); or give them
             one by one:
+        share_weights: Structured form only: share the original's parameter and buffer tensors
+            instead of copying them (see above).
         **literal_kwargs: Fields of :class:`~tl_attnonly.LiteralOptions` (``omega``,
             ``layout``, ...), replacing those of ``literal``.
 
@@ -105,13 +112,18 @@ def convert(
     if isinstance(model, HookedEncoder) and form == "structured" and not literal_given:
         from tl_attnonly.encoder import convert_encoder
 
-        return convert_encoder(model, conversion=options)
+        return convert_encoder(model, conversion=options, share_weights=share_weights)
     if not isinstance(model, HookedTransformer):
         raise TypeError(
             f"convert() takes a transformer_lens.HookedTransformer (or, for the structured form, a "
             f"HookedEncoder), got {type(model).__name__}."
         )
     check_convertible(model.cfg, options, form=form)
+    if share_weights and form != "structured":
+        raise ValueError(
+            "share_weights=True is supported for form='structured' only: the literal form builds "
+            "new, larger weight matrices. Drop share_weights or use the structured form."
+        )
     if form == "literal":
         from tl_attnonly.literal import to_literal
 
@@ -131,15 +143,15 @@ def convert(
             UserWarning,
             stacklevel=2,
         )
-    return _convert_structured(model, options)
+    return _convert_structured(model, options, share_weights)
 
 
 def _convert_structured(
-    model: HookedTransformer, options: ConversionOptions
+    model: HookedTransformer, options: ConversionOptions, share_weights: bool = False
 ) -> AttnOnlyTransformer:
     from tl_attnonly.model import AttnOnlyTransformer
 
-    converted = AttnOnlyTransformer._converted_copy(model, options)
+    converted = AttnOnlyTransformer._converted_copy(model, options, share_weights=share_weights)
     if model.cfg.use_attn_result:
         converted.set_use_attn_result(True)
     return converted

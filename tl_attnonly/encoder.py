@@ -129,11 +129,13 @@ def convert_encoder(
     n_heads_per_neuron: int | None = None,
     relu_k: float | None = None,
     gelu_method: str | None = None,
+    share_weights: bool = False,
 ) -> AttnOnlyEncoder:
     """Rewrite every MLP neuron of a BERT-style ``HookedEncoder`` as attention heads (Thm. 6).
 
-    The original model is not modified: the result has its own copy of the weights (the tokenizer
-    is shared).
+    The original model is not modified: by default the result has its own copy of the weights
+    (the tokenizer is shared). With ``share_weights=True`` its parameters and buffers are the
+    original's tensors (no copy): **an edit to either model's weights shows in both**.
 
     Args:
         model: A TransformerLens ``HookedEncoder``.
@@ -141,6 +143,7 @@ def convert_encoder(
         n_heads_per_neuron: Heads per GELU-family neuron (see :class:`ConversionOptions`).
         relu_k: Sharpness of the ReLU approximation.
         gelu_method: ``"fit"`` or ``"paper"``.
+        share_weights: Share the original's tensors instead of copying them (see above).
 
     Returns:
         The converted :class:`AttnOnlyEncoder`, on the model's device, in the model's train/eval
@@ -161,7 +164,7 @@ def convert_encoder(
         n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
     )
     check_convertible(model.cfg, options, form="structured")
-    return AttnOnlyEncoder._converted_copy(model, options)
+    return AttnOnlyEncoder._converted_copy(model, options, share_weights=share_weights)
 
 
 __all__ = [

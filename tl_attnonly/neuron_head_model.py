@@ -124,11 +124,25 @@ class NeuronHeadModelMixin(_MixedInto):
             block.mlp = neuron_heads
 
     @classmethod
-    def _converted_copy(cls: type[M], model: Any, options: ConversionOptions) -> M:
-        """A converted copy of a TransformerLens ``model`` (which is left untouched)."""
+    def _converted_copy(
+        cls: type[M], model: Any, options: ConversionOptions, share_weights: bool = False
+    ) -> M:
+        """A converted copy of a TransformerLens ``model`` (which is left untouched).
+
+        ``share_weights``: the copy's parameters and buffers are ``model``'s own tensors. The
+        copy is built on the meta device (no memory) and the tensors are then put in place, so
+        converting never holds a second copy of the weights.
+        """
         cfg = copy.deepcopy(model.cfg)
         init_weights = cfg.init_weights
         cfg.init_weights = False  # the weights are copied below; skip a random initialisation
+        if share_weights:
+            with torch.device("meta"):
+                converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
+            converted.cfg.init_weights = init_weights
+            _share_tensors(converted, model)
+            converted.train(model.training)
+            return converted
         converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
         converted.cfg.init_weights = init_weights
         converted.load_state_dict(model.state_dict(), strict=True)
@@ -361,6 +375,32 @@ def _check_saved_coefficients(
                 f"{getattr(saved, name)!r}. The file was edited or is corrupt; save the model "
                 "again."
             )
+
+
+def _share_tensors(converted: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Make every parameter and buffer of ``converted`` the same tensor as ``model``'s."""
+    expected = dict(converted.named_parameters()).keys() | dict(converted.named_buffers()).keys()
+    given = dict(model.named_parameters()).keys() | dict(model.named_buffers()).keys()
+    if expected != given:
+        raise ValueError(
+            "Cannot share weights: the converted model's tensors "
+            f"{sorted(expected ^ given)[:5]} do not match the original's. Convert without "
+            "share_weights=True (copies the weights)."
+        )
+    for kind, tensors in (
+        ("_parameters", model.named_parameters()),
+        ("_buffers", model.named_buffers()),
+    ):
+        for name, tensor in tensors:
+            module_name, _, leaf = name.rpartition(".")
+            getattr(converted.get_submodule(module_name), kind)[leaf] = tensor
+    left = [name for name, t in converted.state_dict(keep_vars=True).items() if t.is_meta]
+    left += [name for name, t in converted.named_buffers() if t.is_meta]
+    if left:
+        raise ValueError(
+            f"Cannot share weights: {left[:5]} have no counterpart in the original model. Convert "
+            "without share_weights=True (copies the weights)."
+        )
 
 
 def _replace_directory(new: Path, target: Path) -> None:
