@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, Union
+from typing import Any, Literal, Protocol
 
 import torch
 from jaxtyping import Float
@@ -38,10 +38,10 @@ class CoefficientsLike(Protocol):
 Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], Float[torch.Tensor, ""]]
 
 #: ``fwd_hooks`` of ``run_with_hooks``: (hook name or name filter, hook function) pairs.
-FwdHooks = list[tuple[Union[str, Callable[..., Any]], Callable[..., Any]]]
+FwdHooks = list[tuple[str | Callable[..., Any], Callable[..., Any]]]
 
 #: Head indices: one, several, a tensor of them, or ``None`` (all / ranked).
-HeadsLike = Union[int, Sequence[int], torch.Tensor, None]
+HeadsLike = int | Sequence[int] | torch.Tensor | None
 
 #: The kinds of head: the model's own attention heads and the neuron-heads.
 HeadKind = Literal["attn", "neuron"]

@@ -30,7 +30,7 @@ import math
 import numbers
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -140,7 +140,7 @@ class NeuronHeadCoefficients:
     f: tuple[float, ...]
     e: tuple[float, ...]
     g: tuple[float, ...]
-    relu_k: Optional[float] = None
+    relu_k: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("b", "d", "f", "e", "g"):
@@ -276,21 +276,21 @@ def check_relu_k(relu_k: Any) -> None:
 
 
 def _single_head(
-    activation: str, method: str, b: float, relu_k: Optional[float] = None
+    activation: str, method: str, b: float, relu_k: float | None = None
 ) -> NeuronHeadCoefficients:
     return NeuronHeadCoefficients(
         activation, method, (b,), (0.0,), (1.0,), (0.0,), (0.0,), relu_k=relu_k
     )
 
 
-def _check_single_head(act_fn: str, n_heads: Optional[int], what: str) -> None:
+def _check_single_head(act_fn: str, n_heads: int | None, what: str) -> None:
     if n_heads is not None and (isinstance(n_heads, bool) or n_heads != 1):
         raise ValueError(f"{what} for {act_fn!r} uses exactly 1 head; valid n_heads: None or 1")
 
 
 def head_coefficients(
     act_fn: str,
-    n_heads: Optional[int] = None,
+    n_heads: int | None = None,
     relu_k: float = DEFAULT_RELU_K,
     gelu_method: str = "fit",
 ) -> NeuronHeadCoefficients:
@@ -341,7 +341,7 @@ def head_coefficients(
 
 
 def activation_error_table(
-    act_fn: Optional[str] = None, max_heads: int = MAX_GELU_HEADS, x_range: float = FIT_RANGE
+    act_fn: str | None = None, max_heads: int = MAX_GELU_HEADS, x_range: float = FIT_RANGE
 ) -> pd.DataFrame:
     """Max absolute error of the neuron-head rewrite, per activation and number of heads.
 

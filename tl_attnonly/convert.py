@@ -8,7 +8,7 @@ while the command line's ``--help`` must not pay for torch.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:
     from transformer_lens import HookedEncoder, HookedTransformer
@@ -24,10 +24,10 @@ def convert(
     model: HookedTransformer,
     *,
     form: Literal["structured"] = "structured",
-    conversion: Optional[ConversionOptions] = None,
-    n_heads_per_neuron: Optional[int] = None,
-    relu_k: Optional[float] = None,
-    gelu_method: Optional[str] = None,
+    conversion: ConversionOptions | None = None,
+    n_heads_per_neuron: int | None = None,
+    relu_k: float | None = None,
+    gelu_method: str | None = None,
     share_weights: bool = False,
 ) -> AttnOnlyTransformer: ...
 @overload
@@ -35,10 +35,10 @@ def convert(
     model: HookedEncoder,
     *,
     form: Literal["structured"] = "structured",
-    conversion: Optional[ConversionOptions] = None,
-    n_heads_per_neuron: Optional[int] = None,
-    relu_k: Optional[float] = None,
-    gelu_method: Optional[str] = None,
+    conversion: ConversionOptions | None = None,
+    n_heads_per_neuron: int | None = None,
+    relu_k: float | None = None,
+    gelu_method: str | None = None,
     share_weights: bool = False,
 ) -> AttnOnlyEncoder: ...
 @overload
@@ -46,25 +46,25 @@ def convert(
     model: HookedTransformer,
     *,
     form: Literal["literal"],
-    conversion: Optional[ConversionOptions] = None,
-    n_heads_per_neuron: Optional[int] = None,
-    relu_k: Optional[float] = None,
-    gelu_method: Optional[str] = None,
-    literal: Optional[LiteralOptions] = None,
+    conversion: ConversionOptions | None = None,
+    n_heads_per_neuron: int | None = None,
+    relu_k: float | None = None,
+    gelu_method: str | None = None,
+    literal: LiteralOptions | None = None,
     **literal_kwargs: Any,
 ) -> LiteralTransformer: ...
 def convert(
-    model: Union[HookedTransformer, HookedEncoder],
+    model: HookedTransformer | HookedEncoder,
     *,
     form: Literal["structured", "literal"] = "structured",
-    conversion: Optional[ConversionOptions] = None,
-    n_heads_per_neuron: Optional[int] = None,
-    relu_k: Optional[float] = None,
-    gelu_method: Optional[str] = None,
-    literal: Optional[LiteralOptions] = None,
+    conversion: ConversionOptions | None = None,
+    n_heads_per_neuron: int | None = None,
+    relu_k: float | None = None,
+    gelu_method: str | None = None,
+    literal: LiteralOptions | None = None,
     share_weights: bool = False,
     **literal_kwargs: Any,
-) -> Union[AttnOnlyTransformer, AttnOnlyEncoder, LiteralTransformer]:
+) -> AttnOnlyTransformer | AttnOnlyEncoder | LiteralTransformer:
     """Rewrite every MLP neuron of ``model`` as attention heads (Huben & Morris 2023, Thm. 6).
 
     The original model is not modified: by default the result has its own copy of the weights

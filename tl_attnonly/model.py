@@ -11,7 +11,7 @@ apply unchanged.
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
@@ -50,11 +50,11 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
 
     def __init__(
         self,
-        cfg: Union[HookedTransformerConfig, dict],
+        cfg: HookedTransformerConfig | dict,
         tokenizer: Any = None,
         move_to_device: bool = True,
-        default_padding_side: Optional[Literal["left", "right"]] = None,
-        conversion: Optional[ConversionOptions] = None,
+        default_padding_side: Literal["left", "right"] | None = None,
+        conversion: ConversionOptions | None = None,
     ):
         cfg = HookedTransformerConfig.unwrap(cfg)
         conversion = resolve_options(cfg, conversion)
@@ -76,10 +76,10 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
         cls,
         model_name: str,
         *,
-        conversion: Optional[ConversionOptions] = None,
-        n_heads_per_neuron: Optional[int] = None,
-        relu_k: Optional[float] = None,
-        gelu_method: Optional[str] = None,
+        conversion: ConversionOptions | None = None,
+        n_heads_per_neuron: int | None = None,
+        relu_k: float | None = None,
+        gelu_method: str | None = None,
         **tl_kwargs: Any,
     ) -> AttnOnlyTransformer:
         """Load a model with TransformerLens, then convert it.

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar, cast
 
 import torch
 from transformer_lens import HookedRootModule, HookedTransformerConfig
@@ -34,13 +34,13 @@ TOKENIZER_DIR = "tokenizer"
 
 # Options for models that TransformerLens itself constructs (``from_pretrained``): TL calls
 # ``cls(cfg, tokenizer, move_to_device=False)``, so the options travel beside the call.
-_PENDING_OPTIONS: contextvars.ContextVar[Optional[ConversionOptions]] = contextvars.ContextVar(
+_PENDING_OPTIONS: contextvars.ContextVar[ConversionOptions | None] = contextvars.ContextVar(
     "tl_attnonly_pending_options", default=None
 )
 
 # Coefficients of a saved model (``load``): the model is rebuilt from these, not from the
 # package's current fits, so a later change to the fits cannot change a saved model.
-_PENDING_COEFFICIENTS: contextvars.ContextVar[Optional[NeuronHeadCoefficients]] = (
+_PENDING_COEFFICIENTS: contextvars.ContextVar[NeuronHeadCoefficients | None] = (
     contextvars.ContextVar("tl_attnonly_pending_coefficients", default=None)
 )
 
@@ -58,7 +58,7 @@ def pending_options(options: ConversionOptions) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _pending_coefficients(coefficients: Optional[NeuronHeadCoefficients]) -> Iterator[None]:
+def _pending_coefficients(coefficients: NeuronHeadCoefficients | None) -> Iterator[None]:
     token = _PENDING_COEFFICIENTS.set(coefficients)
     try:
         yield
@@ -66,7 +66,7 @@ def _pending_coefficients(coefficients: Optional[NeuronHeadCoefficients]) -> Ite
         _PENDING_COEFFICIENTS.reset(token)
 
 
-def resolve_options(cfg: HookedTransformerConfig, conversion: Optional[ConversionOptions]):
+def resolve_options(cfg: HookedTransformerConfig, conversion: ConversionOptions | None):
     """The options to build with (given, pending, or default), checked against ``cfg``."""
     if conversion is None:
         conversion = _PENDING_OPTIONS.get() or ConversionOptions()
@@ -233,7 +233,7 @@ class NeuronHeadModelMixin(_MixedInto):
     # ------------------------------------------------------------------ dtype / device
     def to(  # type: ignore[override]
         self,
-        device_or_dtype: Union[torch.device, str, torch.dtype],
+        device_or_dtype: torch.device | str | torch.dtype,
         print_details: bool = True,
     ):
         out = super().to(device_or_dtype, print_details=print_details)  # type: ignore[call-overload]
@@ -249,7 +249,7 @@ class NeuronHeadModelMixin(_MixedInto):
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ save / load
-    def save_pretrained(self, directory: Union[str, Path]) -> Path:
+    def save_pretrained(self, directory: str | Path) -> Path:
         """Write config, weights (safetensors), conversion options and tokenizer to ``directory``.
 
         :meth:`load` rebuilds the model exactly; no hub access is needed. Everything is written
@@ -291,9 +291,7 @@ class NeuronHeadModelMixin(_MixedInto):
         return directory
 
     @classmethod
-    def load(
-        cls: type[M], directory: Union[str, Path], device: Optional[Union[str, torch.device]] = None
-    ) -> M:
+    def load(cls: type[M], directory: str | Path, device: str | torch.device | None = None) -> M:
         """Load a model written by :meth:`save_pretrained`, offline.
 
         Args:
@@ -348,7 +346,7 @@ class NeuronHeadModelMixin(_MixedInto):
 
 
 def _check_saved_coefficients(
-    act_fn: Optional[str],
+    act_fn: str | None,
     options: ConversionOptions,
     saved: NeuronHeadCoefficients,
     directory: Path,

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformer_lens import HookedTransformerConfig
@@ -49,7 +49,7 @@ class ConversionOptions:
             neuron (measured over many shapes, ``tests/components/test_fused_heads.py``).
     """
 
-    n_heads_per_neuron: Optional[int] = None
+    n_heads_per_neuron: int | None = None
     relu_k: float = DEFAULT_RELU_K
     gelu_method: str = "fit"
     fused: bool = True
@@ -72,7 +72,7 @@ class ConversionOptions:
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused must be True or False, got {self.fused!r}.")
 
-    def coefficients(self, act_fn: Optional[str]) -> NeuronHeadCoefficients:
+    def coefficients(self, act_fn: str | None) -> NeuronHeadCoefficients:
         """The per-head coefficients for a model whose MLP activation is ``act_fn``.
 
         Raises:
@@ -90,10 +90,10 @@ class ConversionOptions:
 
     def with_overrides(
         self,
-        n_heads_per_neuron: Optional[int] = None,
-        relu_k: Optional[float] = None,
-        gelu_method: Optional[str] = None,
-        fused: Optional[bool] = None,
+        n_heads_per_neuron: int | None = None,
+        relu_k: float | None = None,
+        gelu_method: str | None = None,
+        fused: bool | None = None,
     ) -> ConversionOptions:
         """A copy with the options that are given (not ``None``) replaced.
 
@@ -164,17 +164,17 @@ class LiteralOptions:
             :func:`tl_attnonly.literal.default_product_eps` of ``dtype``. Ignored otherwise.
     """
 
-    omega: Optional[float] = None
+    omega: float | None = None
     layout: LayoutName = "neuron"
     mask: MaskOption = "omega"
-    coefficients: Optional[CoefficientsLike] = None
-    max_len: Optional[int] = None
-    dtype: Optional[torch.dtype] = None
-    tol: Optional[float] = None
-    linear_d_head: Optional[int] = None
+    coefficients: CoefficientsLike | None = None
+    max_len: int | None = None
+    dtype: torch.dtype | None = None
+    tol: float | None = None
+    linear_d_head: int | None = None
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     use_attn_result: bool = False
-    product_eps: Optional[float] = None
+    product_eps: float | None = None
 
     def __post_init__(self) -> None:
         omega = self.omega
@@ -289,7 +289,7 @@ def overflow_warning(
     x_range: float = FIT_RANGE,
     *,
     scores: bool = False,
-) -> Optional[str]:
+) -> str | None:
     """A warning message if ``dtype`` cannot hold the neuron-heads' values, else ``None``.
 
     In the structured form a score (``b x + d``) that overflows to ``+-inf`` is harmless: the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import pandas as pd
 import torch
@@ -27,7 +27,7 @@ HOOK_GROUPS = {
 def equivalence_table(
     original: HookedTransformer,
     converted: HookedTransformer,
-    tokens: Union[torch.Tensor, str, list[str]],
+    tokens: torch.Tensor | str | list[str],
 ) -> pd.DataFrame:
     """Max and mean absolute difference, converted vs original, per activation group.
 
@@ -101,9 +101,9 @@ class Verdict:
 def verify_conversion(
     original: HookedTransformer,
     converted: Any,
-    tokens: Union[torch.Tensor, str, list[str]],
+    tokens: torch.Tensor | str | list[str],
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
-    tolerance: Optional[float] = None,
+    tolerance: float | None = None,
 ) -> list[Verdict]:
     """Check that ``converted`` computes what ``original`` does, with a verdict per dtype.
 

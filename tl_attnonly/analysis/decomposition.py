@@ -9,7 +9,7 @@ returns the stack, or ``(stack, labels)`` with ``return_labels=True``.
 
 from __future__ import annotations
 
-from typing import Literal, Union, overload
+from typing import Literal, overload
 
 import torch
 from jaxtyping import Float, Int
@@ -90,7 +90,7 @@ def stack_neuron_head_results(
     max_bytes: int = STACK_BUDGET,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = False,
-) -> Union[torch.Tensor, tuple[torch.Tensor, list[str]]]:
+) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """Every neuron-head's result in layers before ``layer``, stacked.
 
     The neuron-head analogue of ``ActivationCache.stack_neuron_results`` (for ``K = 1`` the two
@@ -161,7 +161,7 @@ def stack_all_head_results(
     max_bytes: int = STACK_BUDGET,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = False,
-) -> Union[torch.Tensor, tuple[torch.Tensor, list[str]]]:
+) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """``stack_head_results`` over all heads: attention heads and neuron-heads.
 
     Equals TransformerLens's ``cache.stack_head_results`` for the attention heads, but computes
@@ -246,7 +246,7 @@ def decompose_resid_heads(
     max_bytes: int = STACK_BUDGET,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = False,
-) -> Union[torch.Tensor, tuple[torch.Tensor, list[str]]]:
+) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """The residual stream as a sum of heads, embeddings and biases: nothing else.
 
     ``sum(stack, 0)`` equals ``resid_pre[layer]`` (``resid_mid[layer]`` with ``mlp_input``;
@@ -333,7 +333,7 @@ def head_logit_attrs(
     return_labels: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = False,
-) -> Union[torch.Tensor, tuple[torch.Tensor, list[str]]]:
+) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """Direct logit attribution of every head (attention heads and neuron-heads).
 
     Each component's result is centred and divided by the cached final LayerNorm scale (as in

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, MutableMapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable
 
 import torch
 from transformer_lens import ActivationCache
@@ -57,7 +57,7 @@ class DerivingDict(MutableMapping):
     Iteration, ``len`` and ``in`` see every name (pending or not) without computing anything.
     """
 
-    def __init__(self, entries: dict[str, Union[torch.Tensor, _Pending]]):
+    def __init__(self, entries: dict[str, torch.Tensor | _Pending]):
         self._entries = entries
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -90,7 +90,7 @@ class DerivingDict(MutableMapping):
         return {k: v for k, v in self._entries.items() if not isinstance(v, _Pending)}
 
     def mapped(
-        self, transform: Transform, keep: Optional[Callable[[torch.Tensor], bool]] = None
+        self, transform: Transform, keep: Callable[[torch.Tensor], bool] | None = None
     ) -> DerivingDict:
         """A new dict with ``transform`` applied to every entry (lazily to pending ones);
         ``keep(tensor)`` true leaves an entry as it is."""
@@ -128,7 +128,7 @@ class NeuronHeadActivationCache(ActivationCache):
         model: Any,
         has_batch_dim: bool = True,
         derive_sources: tuple[torch.Tensor, ...] = (),
-        batch_size: Optional[int] = None,
+        batch_size: int | None = None,
     ):
         if not isinstance(cache_dict, DerivingDict):
             cache_dict = DerivingDict(dict(cache_dict))
@@ -168,7 +168,7 @@ class NeuronHeadActivationCache(ActivationCache):
             counts[self._pending_batch_size] += len(self.cache_dict) - len(stored)
         return counts.most_common(1)[0][0] if counts else 1
 
-    def to(self, device: Union[str, torch.device]) -> NeuronHeadActivationCache:
+    def to(self, device: str | torch.device) -> NeuronHeadActivationCache:
         """Move the cache to ``device``; entries not derived yet are moved when derived."""
         self.cache_dict = self.cache_dict.mapped(lambda t: t.to(device))
         return self
@@ -337,7 +337,7 @@ def run_with_derived_cache(
 
         return _Pending(compute)
 
-    entries: dict[str, Union[torch.Tensor, _Pending]] = {}
+    entries: dict[str, torch.Tensor | _Pending] = {}
     by_position: dict[int, list[int]] = {}
     for layer in derived:
         by_position.setdefault(positions.get(layer, len(stored)), []).append(layer)

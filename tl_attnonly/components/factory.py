@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from transformer_lens.components import MLP, GatedMLP, MoE
 
 from tl_attnonly._compat import CanBeUsedAsMLP
@@ -14,7 +12,7 @@ from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 
 #: A neuron-head layer: one that replaces a TransformerLens MLP module.
-NeuronHeadLayer = Union[NeuronHeadBase, NeuronHeadMoE]
+NeuronHeadLayer = NeuronHeadBase | NeuronHeadMoE
 
 #: TransformerLens MLP class -> its neuron-head replacement (same parameters and hooks).
 NEURON_HEAD_CLASSES: dict[type[CanBeUsedAsMLP], type[NeuronHeadLayer]] = {
@@ -25,7 +23,7 @@ NEURON_HEAD_CLASSES: dict[type[CanBeUsedAsMLP], type[NeuronHeadLayer]] = {
 
 
 def neuron_heads_for(
-    mlp: CanBeUsedAsMLP, coefficients: Optional[NeuronHeadCoefficients] = None
+    mlp: CanBeUsedAsMLP, coefficients: NeuronHeadCoefficients | None = None
 ) -> NeuronHeadLayer:
     """A new (uninitialised) neuron-head layer for a TransformerLens MLP module, same config.
 

@@ -39,7 +39,7 @@ An all-bias pattern (``(0, 1)``) gives ``z = 0``: the neuron's gated product is 
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict
 
 import torch
 import torch.nn as nn
@@ -79,8 +79,8 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
 
     def __init__(
         self,
-        cfg: Union[Dict, HookedTransformerConfig],
-        coefficients: Optional[NeuronHeadCoefficients] = None,
+        cfg: Dict | HookedTransformerConfig,
+        coefficients: NeuronHeadCoefficients | None = None,
     ):
         super().__init__(cfg, coefficients)
         if sum(self.coefficients.g) != 0:

@@ -18,7 +18,7 @@ tokens routed to it, so its "positions" are those tokens, in the order TL's ``Mo
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union, cast
+from typing import Dict, cast
 
 import torch
 import torch.nn as nn
@@ -117,8 +117,8 @@ class NeuronHeadMoE(MoE):
 
     def __init__(
         self,
-        cfg: Union[Dict, HookedTransformerConfig],
-        coefficients: Optional[NeuronHeadCoefficients] = None,
+        cfg: Dict | HookedTransformerConfig,
+        coefficients: NeuronHeadCoefficients | None = None,
     ):
         super().__init__(cfg)
         # TL builds the router without a dtype (float32); build it in the model's dtype.

@@ -11,7 +11,7 @@ here once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Dict, Optional, Union
+from typing import Any, ClassVar, Dict
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,8 @@ class NeuronHeadBase(CanBeUsedAsMLP):
 
     def __init__(
         self,
-        cfg: Union[Dict, HookedTransformerConfig],
-        coefficients: Optional[NeuronHeadCoefficients] = None,
+        cfg: Dict | HookedTransformerConfig,
+        coefficients: NeuronHeadCoefficients | None = None,
     ):
         super().__init__(cfg)
         self.select_activation_function()
@@ -78,8 +78,8 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         self.fused = True
         self._coef_cache: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
         # While deriving (see derive_activation): the quantity wanted, and where it is put.
-        self._deriving: Optional[str] = None
-        self._derived: Optional[torch.Tensor] = None
+        self._deriving: str | None = None
+        self._derived: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ coefficients
     def _coefs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -248,7 +248,7 @@ class NeuronHeadBase(CanBeUsedAsMLP):
 
     def _keys(
         self, q: Float[torch.Tensor, "batch pos n_neuron_heads 1"]
-    ) -> Optional[Float[torch.Tensor, "batch pos n_neuron_heads 1"]]:
+    ) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"] | None:
         """The real tokens' keys (all 1) through ``hook_k``; ``None`` when nothing can see them.
 
         Hooked (or derived), the keys get their own memory, so an edit made in place takes effect
@@ -261,7 +261,7 @@ class NeuronHeadBase(CanBeUsedAsMLP):
     def _attend(
         self,
         q: Float[torch.Tensor, "batch pos n_neuron_heads 1"],
-        k: Optional[Float[torch.Tensor, "batch pos n_neuron_heads 1"]],
+        k: Float[torch.Tensor, "batch pos n_neuron_heads 1"] | None,
     ) -> Float[torch.Tensor, "batch pos n_neuron_heads 2"]:
         """Scores and the softmax over (self, bias) of hooked queries and keys, through the hooks.
 
@@ -285,7 +285,7 @@ class NeuronHeadBase(CanBeUsedAsMLP):
 
     def _post_correction(
         self, post: Float[torch.Tensor, "batch pos d_mlp"]
-    ) -> Optional[Float[torch.Tensor, "batch pos d_mlp"]]:
+    ) -> Float[torch.Tensor, "batch pos d_mlp"] | None:
         """Run ``hook_post`` when the output is built from per-head results: returns the edit
         (hooked minus unhooked, exactly 0 where nothing changed, whether the hook returned a
         tensor or edited in place), or ``None`` when no hook is attached."""

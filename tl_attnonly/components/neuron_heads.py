@@ -30,7 +30,7 @@ key and value) are derived properties.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict
 
 import torch
 import torch.nn as nn
@@ -84,8 +84,8 @@ class NeuronHeadMLP(NeuronHeadBase):
 
     def __init__(
         self,
-        cfg: Union[Dict, HookedTransformerConfig],
-        coefficients: Optional[NeuronHeadCoefficients] = None,
+        cfg: Dict | HookedTransformerConfig,
+        coefficients: NeuronHeadCoefficients | None = None,
     ):
         super().__init__(cfg, coefficients)
 
