@@ -32,7 +32,7 @@ import json
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import transformer_lens
 import transformer_lens.loading_from_pretrained as lfp
@@ -71,13 +71,13 @@ def _architecture_rule(body: list[ast.stmt]) -> ast.If:
     return next(s for s in body if isinstance(s, ast.If) and "architecture" in ast.unparse(s))
 
 
-def _config_branches(body: list[ast.stmt]) -> list[tuple[ast.expr, Optional[ast.Dict]]]:
+def _config_branches(body: list[ast.stmt]) -> list[tuple[ast.expr, ast.Dict | None]]:
     """The ``if/elif`` chain that builds ``cfg_dict``: (test, its dict literal) per branch."""
     chain = next(
         s for s in body if isinstance(s, ast.If) and "cfg_dict = {" in ast.unparse(s)[:2000]
     )
-    out: list[tuple[ast.expr, Optional[ast.Dict]]] = []
-    node: Optional[ast.If] = chain
+    out: list[tuple[ast.expr, ast.Dict | None]] = []
+    node: ast.If | None = chain
     while node is not None:
         literal = next(
             (n for n in ast.walk(ast.Module(node.body, [])) if isinstance(n, ast.Dict)), None
@@ -89,7 +89,7 @@ def _config_branches(body: list[ast.stmt]) -> list[tuple[ast.expr, Optional[ast.
     return out
 
 
-def _fields(literal: Optional[ast.Dict]) -> dict[str, Any]:
+def _fields(literal: ast.Dict | None) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if literal is None:
         return fields
