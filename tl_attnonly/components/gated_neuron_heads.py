@@ -159,8 +159,9 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         raise TypeError(
             "A gated neuron-head's value (f_k * x W_gate + e_k - g_k) * (x W_in) is bilinear in "
             "the residual, so it has no W_V matrix. Use W_V_per_unit_u / b_V_per_unit_u (the "
-            "value per unit of the linear branch u = hook_pre_linear), or the circuit at a given "
-            "prompt (tl_attnonly.analysis.ov_circuit(..., prompt=...))."
+            "value per unit of the linear branch u = hook_pre_linear), or "
+            "tl_attnonly.analysis.neuron_ov_circuit(model, layer, per_unit_u=True); times a "
+            "prompt's u it is the circuit at that prompt."
         )
 
     @property
