@@ -6,9 +6,13 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import settings
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+
+# The config fuzz test's long run: pytest -m slow --hypothesis-profile=tl-attnonly-fuzz
+settings.register_profile("tl-attnonly-fuzz", max_examples=2000)
 
 D_VOCAB = 61
 

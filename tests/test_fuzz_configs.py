@@ -33,9 +33,8 @@ from tl_attnonly.literal import to_literal
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
 #: The long run's size: 100 examples by default (~15 s); 2000 (~3 min) with
-#: ``pytest -m slow tests/test_fuzz_configs.py --hypothesis-profile=tl-attnonly-fuzz``.
-settings.register_profile("tl-attnonly-fuzz", max_examples=2000)
-
+#: ``pytest -m slow tests/test_fuzz_configs.py --hypothesis-profile=tl-attnonly-fuzz`` (the
+#: profile is registered in conftest.py, before pytest reads the option).
 SOFTCAP_OFF = -1.0
 ROPE = ("plain", "scaled", "ntk_by_parts", "yarn", "dynamic_ntk")
 
@@ -179,7 +178,9 @@ def check_config(overrides: dict, layout: str = "neuron") -> None:
         got = converted(tokens)
     assert torch.isfinite(reference).all()
     err = float((got.double() - reference.double()).abs().max())
-    assert err <= (1e-10 if fp64 else 2e-5) * scale, f"converted: max |dlogit| {err:.3g}"
+    # float64 proves the construction exact; float32 only checks the dtype handling: rounding of
+    # large intermediate values (gated products, norms) reaches ~1e-4 on logits of scale 3.
+    assert err <= (1e-10 if fp64 else 3e-4) * scale, f"converted: max |dlogit| {err:.3g}"
 
     try:
         with warnings.catch_warnings():
@@ -196,7 +197,7 @@ def check_config(overrides: dict, layout: str = "neuron") -> None:
     if model.cfg.gated_mlp:  # product heads: g u within eps^2 |g u|^3 / 12 (plus rounding)
         tol = 1e-6 if fp64 else 2e-2
     else:
-        tol = 1e-8 if fp64 else 1e-4
+        tol = 1e-8 if fp64 else 1e-3
     assert err <= tol * scale, f"literal form ({layout}): max |dlogit| {err:.3g}"
 
 
