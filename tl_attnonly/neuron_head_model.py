@@ -97,7 +97,7 @@ class NeuronHeadModelMixin(_MixedInto):
 
         def __init__(
             self,
-            cfg: Any,
+            cfg: HookedTransformerConfig | dict[str, Any],
             tokenizer: Any = None,
             move_to_device: bool = True,
             **kwargs: Any,

@@ -11,6 +11,8 @@ import pandas as pd
 import torch
 from transformer_lens import HookedTransformer
 
+from tl_attnonly.activations import NeuronHeadCoefficients
+
 #: Shared hook groups reported by :func:`equivalence_table` (name -> regex on hook names).
 HOOK_GROUPS = {
     "resid_pre": r"blocks\.\d+\.hook_resid_pre$",
@@ -167,7 +169,7 @@ def verify_conversion(
     return verdicts
 
 
-def _head_activation_hooks(model: HookedTransformer, coefficients: Any) -> list:
+def _head_activation_hooks(model: HookedTransformer, coefficients: NeuronHeadCoefficients) -> list:
     """Hooks that make ``model``'s MLPs use the heads' activation instead of their own.
 
     ``hook_post`` gains ``(heads(pre) - act(pre))``, times the linear branch for a gated MLP, so

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedRootModule
+from transformer_lens import HookedRootModule, HookedTransformerConfig
 from transformer_lens.components import Unembed
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import lm_cross_entropy_loss
@@ -38,7 +38,7 @@ class LiteralTransformer(HookedRootModule):
         budget_bytes: Refuse inputs whose patterns (all sublayers) would exceed this.
     """
 
-    cfg: Any
+    cfg: HookedTransformerConfig
     layout: ResidualLayout
     layout_name: str
     omega: float | None
@@ -49,7 +49,7 @@ class LiteralTransformer(HookedRootModule):
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: HookedTransformerConfig,
         layout: ResidualLayout,
         layout_name: str,
         blocks: list[LiteralBlock],
