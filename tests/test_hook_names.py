@@ -13,6 +13,7 @@ from tl_attnonly.hooks import (
     HeadRef,
     block_act_name,
     head_act_name,
+    hook_kind,
     neuron_act_name,
     neuron_hook_kind,
 )
@@ -45,6 +46,10 @@ def test_aliases_and_head_refs():
     assert neuron_hook_kind("scores") == "attn_scores" and neuron_hook_kind("z") == "z"
     assert head_act_name("scores", 1, "attn") == "blocks.1.attn.hook_attn_scores"
     assert HeadRef("neuron", 2, 7).act_name("z") == "blocks.2.mlp.hook_z"
+    assert hook_kind("blocks.2.mlp.hook_attn_scores") == "attn_scores"
+    assert hook_kind(block_act_name("resid_post", 0)) == "resid_post"
+    with pytest.raises(ValueError, match="not a per-layer hook name"):
+        hook_kind("hook_embed")
     assert HeadRef("attn", 0, 1).act_name("q") == "blocks.0.attn.hook_q"
     with pytest.raises(ValueError, match="Unknown neuron-head activation"):
         neuron_hook_kind("resid_post")

@@ -91,6 +91,18 @@ def block_act_name(kind: str, layer: int) -> str:
     return _hook_name(layer, "", kind)
 
 
+def hook_kind(name: str) -> str:
+    """The activation a per-layer hook name holds: ``hook_kind("blocks.3.mlp.hook_z") == "z"``.
+
+    Raises:
+        ValueError: For a name that is not ``blocks.{l}[.{sublayer}].hook_{kind}``.
+    """
+    match = _HOOK_RE.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a per-layer hook name (blocks.{{l}}...hook_{{kind}}).")
+    return match.group(3)
+
+
 def _hook_name(layer: int, sublayer: str, kind: str) -> str:
     """``blocks.{layer}.{sublayer}.hook_{kind}`` (no sublayer: ``blocks.{layer}.hook_{kind}``)."""
     return f"blocks.{layer}.{sublayer + '.' if sublayer else ''}hook_{kind}"
@@ -409,6 +421,7 @@ __all__ = [
     "head_act_name",
     "head_labels",
     "head_names_filter",
+    "hook_kind",
     "neuron_act_name",
     "neuron_head_hook_names",
     "neuron_head_label",

@@ -30,7 +30,7 @@ import torch
 from transformer_lens import ActivationCache
 from transformer_lens.utilities.slice import Slice
 
-from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.hooks import hook_kind, neuron_act_name
 
 #: Tuple-form activation names that, with ``"mlp"`` as the layer type, mean neuron-head hooks
 #: (TransformerLens's ``get_act_name`` sends them to the attention layer).
@@ -320,7 +320,7 @@ def run_with_derived_cache(
     slicer = Slice.unwrap(pos_slice)
 
     def pending(layer: int, name: str) -> _Pending:
-        kind = name.rsplit("hook_", 1)[1]
+        kind = hook_kind(name)
         mlp = model.neuron_heads[layer]
 
         def compute() -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.literal.layout import ResidualLayout
 from tl_attnonly.literal.theorems import SublayerHeads
 
@@ -252,7 +253,7 @@ def gated_literal_error_table(
         )
     n_layers = reference_model.cfg.n_layers
     max_product = max(
-        float((cache[f"blocks.{i}.mlp.hook_pre"] * cache[f"blocks.{i}.mlp.hook_pre_linear"])
+        float((cache[neuron_act_name("pre", i)] * cache[neuron_act_name("pre_linear", i)])
               .abs().max())
         for i in range(n_layers)
     )  # fmt: skip
