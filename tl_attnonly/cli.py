@@ -57,18 +57,42 @@ def _print_verdicts(verdicts: Sequence[Any]) -> bool:
 # ------------------------------------------------------------------------------------------------
 # demo
 # ------------------------------------------------------------------------------------------------
+#: The demo's prompt for the real SmolLM2 (an IOI sentence: the model answers " Mary").
+SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
+#: ``tl-attnonly demo --model ...`` choices.
+DEMO_MODELS = ("bundled", "smollm2")
+
+
+def _load_demo_model(name: str) -> tuple[Any, str]:
+    """``(model, display name)`` for ``--model``; ImportError (with the extra) if not installed."""
+    if name == "smollm2":
+        from tl_attnonly.smollm2 import SMOLLM2_NAME, load_smollm2, smollm2_path
+
+        smollm2_path()  # fails fast, naming the extra, before anything heavy
+        return load_smollm2(), SMOLLM2_NAME
+    from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_model
+
+    return load_bundled_model(), BUNDLED_MODEL_NAME
+
+
 def demo(args: argparse.Namespace) -> int:
-    """Convert the bundled model offline, verify it, and write the HTML report."""
+    """Convert a model offline (the bundled one or SmolLM2), verify it, write the HTML report."""
     from tqdm.auto import tqdm
 
+    if args.prompt is None:
+        args.prompt = SMOLLM2_PROMPT if args.model == "smollm2" else DEFAULT_PROMPT
     with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
         bar.set_postfix_str("importing torch and TransformerLens")
         from tl_attnonly import convert
-        from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_model
         from tl_attnonly.verify import verify_conversion
 
-        bar.set_postfix_str(f"loading {BUNDLED_MODEL_NAME} (offline)")
-        model = load_bundled_model()
+        bar.set_postfix_str(f"loading {args.model} (offline)")
+        try:
+            model, model_name = _load_demo_model(args.model)
+        except ImportError as err:
+            bar.close()
+            print(f"tl-attnonly demo --model {args.model}: {err}", file=sys.stderr)
+            return EXIT_USAGE
         bar.update(1)
         bar.set_postfix_str("converting")
         converted = convert(model)
@@ -77,7 +101,7 @@ def demo(args: argparse.Namespace) -> int:
         verdicts = verify_conversion(model, converted, args.prompt)
         bar.update(1)
     print(
-        f"Bundled model {BUNDLED_MODEL_NAME!r} converted: {model.cfg.n_layers} layers x "
+        f"Model {model_name!r} converted: {model.cfg.n_layers} layers x "
         f"{converted.n_neuron_heads} neuron-heads ({converted.coefficients.activation}, "
         f"{converted.n_heads_per_neuron} head(s)/neuron, method "
         f"{converted.coefficients.method!r}) + {model.cfg.n_heads} attention heads/layer."
@@ -316,14 +340,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser(
         "demo",
-        help="convert the bundled model offline, verify it, write an HTML report",
-        description="Convert the bundled model (no network), print the equivalence tables and "
-        "a PASS/FAIL verdict per dtype, and write a self-contained HTML report.",
+        help="convert a model offline, verify it, write an HTML report",
+        description="Convert the bundled model (or --model smollm2; no network), print the "
+        "equivalence tables and a PASS/FAIL verdict per dtype, and write a self-contained HTML "
+        "report.",
+    )
+    p.add_argument(
+        "--model",
+        choices=DEMO_MODELS,
+        default="bundled",
+        help="'bundled': the tiny bundled model (default); 'smollm2': the real gated "
+        "SmolLM2-135M-Instruct (needs the [smollm2] extra; takes minutes)",
     )
     p.add_argument(
         "--prompt",
-        default=DEFAULT_PROMPT,
-        help="text to run both models on (default: a Python function)",
+        default=None,
+        help="text to run both models on (default: a Python function; an IOI sentence for smollm2)",
     )
     p.add_argument(
         "--report",
@@ -413,8 +445,10 @@ __all__ = [
     "CONVERSION_FILE",
     "CommandError",
     "DEFAULT_PROMPT",
+    "DEMO_MODELS",
     "EXIT_FAIL",
     "EXIT_USAGE",
+    "SMOLLM2_PROMPT",
     "build_parser",
     "convert_cmd",
     "demo",
