@@ -58,8 +58,11 @@ from tl_attnonly.analysis.path_patching import (
     path_patch_caches,
     path_patch_sweep,
 )
+from tl_attnonly.analysis.ranking import composition_top_k, neuron_level
 
 __all__ = [
+    "composition_top_k",
+    "neuron_level",
     "LOGITS",
     "CompositionScores",
     "Receiver",

@@ -238,6 +238,10 @@ def _left_matrix(
     return neuron_ov_circuit(model, layer, per_unit_u=per_unit_u)
 
 
+#: Senders per streamed block of composition scores (bounds one block's memory).
+_SENDERS_PER_BLOCK = 4096
+
+
 def _stage(model: NeuronHeadModelMixin, kind: str, layer: int) -> int:
     """Order of sublayers in the residual stream: a head can compose with later stages only."""
     if kind == "attn" or model.cfg.parallel_attn_mlp:
@@ -325,11 +329,19 @@ def _composition_scores(
     if size > max_bytes:
         raise MemoryError(
             f"{len(send)} x {len(recv)} scores need {size / 2**30:.2f} GiB (budget "
-            f"{max_bytes / 2**30:.2f} GiB). Pass senders=[...] / receivers=[...] (e.g. "
+            f"{max_bytes / 2**30:.2f} GiB). Use tl_attnonly.analysis.composition_top_k (streams "
+            "the top pairs, no matrix), pass senders=[...] / receivers=[...] (e.g. "
             "all_head_refs(model, layers=[3])) or raise max_bytes."
         )
     scores = model.W_E.new_zeros(len(send), len(recv))
+    for rows, cols, block in _composition_blocks(model, mode, send, recv, progress, per_unit_u):
+        scores[rows[:, None], cols[None, :]] = block.to(scores.dtype)
+    return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
 
+
+def _composition_blocks(model, mode, send, recv, progress, per_unit_u):
+    """``(sender rows, receiver columns, scores)`` for every block of pairs in which the receiver
+    reads after the sender writes; a block holds at most :data:`_SENDERS_PER_BLOCK` senders."""
     # Receiver side: collapsed [d_model, rank] per head and its norm, grouped by (kind, layer).
     recv_groups: dict[tuple[str, int], list[int]] = {}
     for j, ref in enumerate(recv):
@@ -358,9 +370,10 @@ def _composition_scores(
         for (r_kind, r_layer), (r_coll, r_norms, col_index) in right.items():
             if _stage(model, r_kind, r_layer) <= stage:
                 continue  # the receiver reads before the sender writes: score 0, as in TL
-            block = _pair_norms(left, r_coll) / l_norms[:, None] / r_norms[None, :]
-            scores[torch.tensor(rows)[:, None], col_index[None, :]] = block.to(scores.dtype)
-    return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
+            for start in range(0, len(rows), _SENDERS_PER_BLOCK):
+                part = slice(start, start + _SENDERS_PER_BLOCK)
+                block = _pair_norms(left[part], r_coll) / l_norms[part, None] / r_norms[None, :]
+                yield torch.tensor(rows[part]), col_index, block
 
 
 def _pair_norms(
@@ -386,8 +399,14 @@ def top_k(
     k: int = 10,
     largest: bool = True,
     absolute: bool = False,
+    level: Literal["neuron", "head"] = "neuron",
 ) -> pd.DataFrame:
     """The ``k`` largest (or smallest) entries of a labelled score vector or matrix.
+
+    A vector of per-head scores (attributions, patching effects of z, DLA) is ranked per neuron by
+    default: the ``K`` heads ``L{l}N{i}.{k}`` of a neuron are summed into ``L{l}N{i}``
+    (:func:`~tl_attnonly.analysis.ranking.neuron_level`). Matrices (composition scores, which do
+    not add up) stay per head.
 
     Args:
         scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
@@ -397,6 +416,8 @@ def top_k(
         k: How many entries.
         largest: Largest (default) or smallest first.
         absolute: Rank by ``|score|`` (the table still shows the signed score).
+        level: ``"neuron"`` (default) sums each neuron's heads first (vectors only); ``"head"``
+            ranks the heads themselves.
 
     Returns:
         A DataFrame with columns ``label, score`` (1-d) or ``sender, receiver, score`` (2-d).
@@ -407,6 +428,12 @@ def top_k(
         scores.ndim == 2 and (col_labels is None or scores.shape[1] != len(col_labels))
     ):
         raise ValueError("Labels must match the scores' shape (col_labels for 2-d scores).")
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    if scores.ndim == 1 and level == "neuron":
+        from tl_attnonly.analysis.ranking import neuron_level
+
+        scores, row_labels = neuron_level(scores, row_labels)
     flat = scores.detach().flatten()
     key = flat.abs() if absolute else flat
     idx = key.topk(min(k, flat.numel()), largest=largest).indices

@@ -1,0 +1,89 @@
+"""Neuron-level rankings and streamed composition top-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_tokens
+
+import tl_attnonly.analysis.circuits as circuits
+from tl_attnonly import convert
+from tl_attnonly.analysis import composition_scores, composition_top_k, neuron_level, top_k
+from tl_attnonly.hooks import all_head_refs, head_labels, neuron_act_name
+
+
+@pytest.fixture(scope="module")
+def gelu_k4():
+    return convert(make_model("gelu_new", torch.float64, normalization_type="LN"))
+
+
+@pytest.mark.parametrize("mode", ["Q", "V"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_streamed_top_k_equals_the_full_matrix(gelu_k4, mode, largest, monkeypatch):
+    monkeypatch.setattr(circuits, "_SENDERS_PER_BLOCK", 5)  # many blocks
+    full = composition_scores(gelu_k4, mode)
+    n_zero = int((full.scores == 0).sum())
+    k = 25
+    expected = full.top_k(k, largest=largest)
+    streamed = composition_top_k(gelu_k4, mode, k, largest=largest)
+    # The K heads of a neuron tie (composition is scale-free): compare scores, then check that
+    # every streamed pair has the score the full matrix gives it.
+    rows = {label: i for i, label in enumerate(full.senders)}
+    cols = {label: j for j, label in enumerate(full.receivers)}
+    for sender, receiver, score in streamed.itertuples(index=False):
+        assert full.scores[rows[sender], cols[receiver]].item() == pytest.approx(score, abs=1e-12)
+    if largest:
+        torch.testing.assert_close(
+            torch.tensor(streamed["score"].to_numpy()), torch.tensor(expected["score"].to_numpy())
+        )
+    else:  # the full matrix also holds the zeros of pairs that cannot compose
+        assert n_zero > 0 and (streamed["score"] > 0).all()
+        nonzero = full.scores[full.scores > 0].sort().values[:k]
+        torch.testing.assert_close(torch.tensor(streamed["score"].to_numpy()), nonzero)
+
+
+def test_streaming_needs_no_budget_where_the_matrix_is_refused(gelu_k4):
+    with pytest.raises(MemoryError, match="composition_top_k"):
+        composition_scores(gelu_k4, "V", max_bytes=1000)
+    assert len(composition_top_k(gelu_k4, "V", 3)) == 3
+
+
+def test_neuron_level_sums_each_neurons_heads_exactly():
+    labels = head_labels(all_head_refs(make_model_k4()), 4)
+    values = torch.arange(len(labels), dtype=torch.float64)  # integers: sums are exact
+    summed, units = neuron_level(values, labels)
+    assert units[0] == "L0H0" and "L0N0" in units and "L0N0.0" not in units
+    i = units.index("L1N7")
+    heads = [labels.index(f"L1N7.{k}") for k in range(4)]
+    assert summed[i] == values[heads].sum()
+    assert torch.equal(summed.sum(), values.sum())
+
+
+def make_model_k4():
+    return convert(make_model("gelu_new", torch.float64, d_mlp=8))
+
+
+def test_neuron_level_of_head_outputs_is_the_neurons_post(gelu_k4):
+    """Summing a neuron's K heads' z gives its hook_post (the neuron's activation)."""
+    _, cache = gelu_k4.run_with_cache(make_tokens(), derive=False)
+    layer = 1
+    z = cache[neuron_act_name("z", layer)][..., 0]  # [batch, pos, n_neuron_heads]
+    labels = [f"L{layer}N{h // 4}.{h % 4}" for h in range(z.shape[-1])]
+    per_neuron, units = neuron_level(z.permute(2, 0, 1), labels)
+    assert units == [f"L{layer}N{i}" for i in range(gelu_k4.cfg.d_mlp)]
+    post = cache[neuron_act_name("post", layer)].permute(2, 0, 1)
+    torch.testing.assert_close(per_neuron, post, rtol=0, atol=1e-14)
+
+
+def test_top_k_ranks_neurons_by_default(gelu_k4):
+    labels = head_labels(all_head_refs(gelu_k4), 4)
+    scores = torch.zeros(len(labels), dtype=torch.float64)
+    for k, value in enumerate([0.4, 0.3, -0.2, 0.1]):  # neuron L0N2: 0.6 in all; heads <= 0.4
+        scores[labels.index(f"L0N2.{k}")] = value
+    scores[labels.index("L1N5.0")] = 0.5
+    by_neuron = top_k(scores, labels, k=2)
+    assert by_neuron["label"].tolist() == ["L0N2", "L1N5"]
+    torch.testing.assert_close(float(by_neuron["score"][0]), 0.6)
+    assert top_k(scores, labels, k=2, level="head")["label"].tolist() == ["L1N5.0", "L0N2.0"]
+    with pytest.raises(ValueError, match="level"):
+        top_k(scores, labels, level="layer")
