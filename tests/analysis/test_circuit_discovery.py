@@ -1,0 +1,444 @@
+"""Circuit discovery over attention and neuron-heads: EAP scores, exact circuit runs, splits.
+
+Edge scores are checked against exact path patching where the path is linear (edges into the
+logits and into the value inputs of last-layer neurons, in a model without normalisation, metric
+linear in the logits), and, with normalisation, against autograd's directional derivative of the
+metric along one edge (what EAP estimates, exactly). Circuit runs are checked against activation
+patching.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_tokens
+
+from tl_attnonly import convert
+from tl_attnonly.analysis import (
+    circuit_gate_value_split,
+    circuit_metric,
+    discover_circuit,
+    edge_attribution_scores,
+    faithfulness,
+    logit_diff_metric,
+    mask_size,
+    path_gate_value_split,
+    path_patch,
+    prune,
+)
+from tl_attnonly.analysis.graph import HeadGraph
+
+CLEAN, CORRUPTED = make_tokens(3, 8, seed=0), make_tokens(3, 8, seed=1)
+CONFIGS = {
+    "ln": dict(normalization_type="LN"),
+    "rms_rotary": dict(normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8),
+    "lnpre_gqa": dict(normalization_type="LNPre", n_heads=4, d_head=4, n_key_value_heads=2),
+    "parallel": dict(normalization_type="LN", parallel_attn_mlp=True),
+    "no_norm": dict(normalization_type=None),
+}
+
+
+def _linear_metric(seed: int = 0):
+    weights = torch.randn(61, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return lambda logits: (logits[:, -1] @ weights).sum()
+
+
+def _model(act_fn="silu", **overrides):
+    return convert(make_model(act_fn, **overrides))
+
+
+def _score(es, src: str, dst: str, inp: str) -> float:
+    frame = es.frame()
+    row = frame[(frame.source == src) & (frame.target == dst) & (frame.input == inp)]
+    assert len(row) == 1, (src, dst, inp)
+    return float(row.score.iloc[0])
+
+
+@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
+def test_linear_edges_equal_exact_path_patching(act_fn):
+    model = _model(act_fn, normalization_type=None)
+    metric = _linear_metric()
+    es = edge_attribution_scores(model, CLEAN, CORRUPTED, metric, progress=False, batch_size=2)
+    base = metric(model(CORRUPTED)).item()
+    assert es.metric_corrupted == pytest.approx(base, rel=1e-12)
+    cases = [
+        ("L0H1", "logits", "", "logits"),
+        ("L1H0", "logits", "", "logits"),
+        ("L0N5", "logits", "", "logits"),
+        ("L1N7", "logits", "", "logits"),
+        ("L0H1", "L1N4", "value", "L1N4:v"),
+        ("L1H0", "L1N9", "value", "L1N9:v"),
+        ("L0N2", "L1N9", "value", "L1N9:v"),
+    ]
+    K = model.n_heads_per_neuron
+    for src, dst, inp, receiver in cases:
+        senders = [src] if "H" in src else [f"{src}.{k}" for k in range(K)] if K > 1 else [src]
+        if K > 1 and "N" in receiver:
+            neuron = receiver.split(":")[0]
+            receiver = [f"{neuron}.{k}:v" for k in range(K)]
+        exact = path_patch(model, CLEAN, CORRUPTED, senders, receiver, metric) - base
+        assert _score(es, src, dst, inp) == pytest.approx(exact, rel=1e-9, abs=1e-9), (src, dst)
+
+
+def test_ig_equals_eap_and_exact_on_logit_edges():
+    model = _model(normalization_type=None)
+    metric = _linear_metric(1)
+    eap = edge_attribution_scores(model, CLEAN, CORRUPTED, metric, progress=False)
+    ig = edge_attribution_scores(
+        model, CLEAN, CORRUPTED, metric, method="eap-ig", ig_steps=3, progress=False
+    )
+    for key in eap.scores:
+        if key[1] == "logits":
+            torch.testing.assert_close(ig.scores[key], eap.scores[key], rtol=1e-10, atol=1e-10)
+    # elsewhere the two differ (gradients move with the interpolation)
+    assert not torch.allclose(
+        ig.scores[("attn.0", "neuron.1.gate")], eap.scores[("attn.0", "neuron.1.gate")]
+    )
+
+
+def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> float:
+    """d metric / dt of the corrupted run whose ``dst:inp`` reads ``resid + t * delta(src)``."""
+    names = lambda n: n.endswith(
+        ("hook_z", "hook_post", "hook_embed", "hook_pos_embed", "resid_pre", "resid_mid")
+    )  # noqa: E731
+    _, clean = model.run_with_cache(CLEAN, names_filter=names)
+    _, corr = model.run_with_cache(CORRUPTED, names_filter=names)
+    if src == "embed":
+        delta = clean["hook_embed"] - corr["hook_embed"]
+        if "hook_pos_embed" in clean.cache_dict:
+            delta = delta + clean["hook_pos_embed"] - corr["hook_pos_embed"]
+    elif "H" in src:
+        layer, head = int(src[1]), int(src.split("H")[1])
+        name = f"blocks.{layer}.attn.hook_z"
+        delta = (clean[name] - corr[name])[:, :, head] @ model.blocks[layer].attn.W_O[head]
+    else:
+        layer, neuron = int(src[1]), int(src.split("N")[1])
+        name = f"blocks.{layer}.mlp.hook_post"
+        delta = (clean[name] - corr[name])[:, :, neuron, None] * model.blocks[layer].mlp.W_out[
+            neuron
+        ]
+    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    if dst == "logits":
+        hooks = [
+            (f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", lambda a, hook: a + t * delta)
+        ]
+    else:
+        layer = int(dst[1])
+        block = model.blocks[layer]
+        parallel = model.cfg.parallel_attn_mlp
+        if "H" in dst:
+            head = int(dst.split("H")[1])
+            site = corr[f"blocks.{layer}.hook_resid_pre"]
+            W, b = {
+                "q": (block.attn.W_Q, block.attn.b_Q),
+                "k": (
+                    getattr(block.attn, "_W_K", block.attn.W_K),
+                    getattr(block.attn, "_b_K", block.attn.b_K),
+                ),
+                "v": (
+                    getattr(block.attn, "_W_V", block.attn.W_V),
+                    getattr(block.attn, "_b_V", block.attn.b_V),
+                ),
+            }[inp]
+            x = block.ln1(site + t * delta)
+
+            def hook(act, hook):
+                act = act.clone()
+                act[:, :, head] = x @ W[head] + b[head]
+                return act
+
+            hooks = [(f"blocks.{layer}.attn.hook_{inp}", hook)]
+        else:
+            neuron = int(dst.split("N")[1])
+            site = corr[f"blocks.{layer}.hook_resid_{'pre' if parallel else 'mid'}"]
+            x = block.ln2(site + t * delta)
+            pre = x @ block.mlp.W_in[:, neuron] + block.mlp.b_in[neuron]  # SiLU: q = v = pre
+
+            def hook(act, hook):
+                act = act.clone()
+                act[:, :, neuron, 0] = pre
+                return act
+
+            hooks = [(f"blocks.{layer}.mlp.hook_{'q' if inp == 'gate' else 'v'}", hook)]
+    value = metric(model.run_with_hooks(CORRUPTED, fwd_hooks=hooks))
+    return torch.autograd.grad(value, t)[0].item()
+
+
+@pytest.mark.parametrize("config", ["ln", "rms_rotary", "lnpre_gqa", "parallel"])
+def test_scores_are_the_directional_derivative_along_each_edge(config):
+    model = _model(**CONFIGS[config])
+    metric = _linear_metric(2)
+    es = edge_attribution_scores(model, CLEAN, CORRUPTED, metric, progress=False)
+    cases = [
+        ("embed", "L0H1", "q"),
+        ("embed", "L0N3", "gate"),
+        ("L0H0", "L1H1", "q"),
+        ("L0N3", "L1H0", "v"),
+        ("L0N5", "L1N2", "gate"),
+        ("L0H1", "L1N2", "value"),
+        ("L1N8", "logits", ""),
+        ("L0H0", "logits", ""),
+    ]
+    cases.append(("L0N1", "L1H1", "k"))
+    if not model.cfg.parallel_attn_mlp:
+        cases.append(("L1H0", "L1N6", "gate"))
+    for src, dst, inp in cases:
+        expected = _directional_derivative(model, src, dst, inp, metric)
+        label = dst.replace("H", "KV") if model.cfg.n_key_value_heads and inp in "kv" else dst
+        assert _score(es, src, label, inp) == pytest.approx(expected, rel=1e-8, abs=1e-10), (
+            src,
+            dst,
+            inp,
+        )
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_full_graph_is_clean_and_empty_graph_is_corrupted(config):
+    model = _model(**CONFIGS[config])
+    metric = _linear_metric(3)
+    graph = HeadGraph(model)
+    full = circuit_metric(model, graph.full_mask(True), CLEAN, CORRUPTED, metric, batch_size=2)
+    empty = circuit_metric(model, graph.full_mask(False), CLEAN, CORRUPTED, metric)
+    clean, corrupted = metric(model(CLEAN)).item(), metric(model(CORRUPTED)).item()
+    assert full == pytest.approx(clean, rel=1e-12)
+    assert empty == pytest.approx(corrupted, rel=1e-12)
+    assert faithfulness(full, clean, corrupted) == pytest.approx(1.0, abs=1e-10)
+    assert faithfulness(empty, clean, corrupted) == pytest.approx(0.0, abs=1e-10)
+
+
+@pytest.mark.parametrize("config", ["ln", "rms_rotary", "parallel"])
+@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
+def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
+    """No edge out of a node = its corrupted output everywhere; no edge into an input = corrupted
+    input: both are plain activation patches of the clean run."""
+    model = _model(act_fn, **CONFIGS[config])
+    metric = _linear_metric(4)
+    graph = HeadGraph(model)
+    _, corr = model.run_with_cache(CORRUPTED)
+
+    def patched(name, index):
+        def hook(act, hook):
+            act = act.clone()
+            act[index] = corr[name][index]
+            return act
+
+        return metric(model.run_with_hooks(CLEAN, fwd_hooks=[(name, hook)])).item()
+
+    K = model.n_heads_per_neuron
+    checks = [
+        ("attn.0", 1, "blocks.0.attn.hook_z", (slice(None), slice(None), 1)),
+        ("neuron.0", 4, "blocks.0.mlp.hook_post", (slice(None), slice(None), 4)),
+        ("neuron.1", 2, "blocks.1.mlp.hook_post", (slice(None), slice(None), 2)),
+        ("attn.1", 0, "blocks.1.attn.hook_z", (slice(None), slice(None), 0)),
+    ]
+    for key, u, name, index in checks:
+        mask = graph.full_mask(True)
+        for (s, _), m in mask.items():
+            if s == key:
+                m[u, :] = False
+        got = circuit_metric(model, mask, CLEAN, CORRUPTED, metric)
+        assert got == pytest.approx(patched(name, index), rel=1e-10), key
+    heads = slice(3 * K, 4 * K)
+    inputs = [
+        ("attn.1.q", 1, "blocks.1.attn.hook_q", (slice(None), slice(None), 1)),
+        ("attn.1.v", 0, "blocks.1.attn.hook_v", (slice(None), slice(None), 0)),
+        ("neuron.1.gate", 3, "blocks.1.mlp.hook_q", (slice(None), slice(None), heads)),
+        ("neuron.0.value", 3, "blocks.0.mlp.hook_v", (slice(None), slice(None), heads)),
+    ]
+    for key, v, name, index in inputs:
+        mask = graph.full_mask(True)
+        for (_, d), m in mask.items():
+            if d == key:
+                m[:, v] = False
+        got = circuit_metric(model, mask, CLEAN, CORRUPTED, metric)
+        assert got == pytest.approx(patched(name, index), rel=1e-10), key
+
+
+def test_gate_value_split_of_a_last_layer_neuron_is_the_product_rule():
+    """For ``z = sigmoid(q) v`` read linearly: gate = d_sigma v, value = sigma d_v, and the
+    interaction is d_sigma d_v, summed over the examples' last positions."""
+    model = _model(normalization_type=None)
+    weights = torch.randn(61, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    metric = lambda logits: (logits[:, -1] @ weights).sum()  # noqa: E731
+    graph = HeadGraph(model)
+    neuron = 6
+    split = circuit_gate_value_split(
+        model, graph.full_mask(True), CLEAN, CORRUPTED, metric, neurons=[f"L1N{neuron}"],
+        progress=False,
+    ).iloc[0]  # fmt: skip
+    _, clean = model.run_with_cache(CLEAN)
+    _, corr = model.run_with_cache(CORRUPTED)
+    pre_cl = clean["blocks.1.mlp.hook_pre"][:, -1, neuron].detach()
+    pre_co = corr["blocks.1.mlp.hook_pre"][:, -1, neuron].detach()
+    read = (model.blocks[1].mlp.W_out[neuron] @ model.W_U @ weights).detach()
+    d_sigma = pre_cl.sigmoid() - pre_co.sigmoid()
+    d_v = pre_cl - pre_co
+    assert split.gate == pytest.approx(float((d_sigma * pre_co).sum() * read), rel=1e-9)
+    assert split.value == pytest.approx(float((pre_co.sigmoid() * d_v).sum() * read), rel=1e-9)
+    assert split.interaction == pytest.approx(float((d_sigma * d_v).sum() * read), rel=1e-9)
+    assert split.both == pytest.approx(split.gate + split.value + split.interaction, rel=1e-12)
+
+
+def test_path_gate_value_split_matches_hand_patching():
+    model = _model(normalization_type="LN")
+    metric = _linear_metric(6)
+    split = path_gate_value_split(model, CLEAN, CORRUPTED, ["L0H1"], ["L1N3"], metric)
+    _, clean = model.run_with_cache(CLEAN)
+    _, corr = model.run_with_cache(CORRUPTED)
+    delta = (clean["blocks.0.attn.hook_z"] - corr["blocks.0.attn.hook_z"])[:, :, 1]
+    resid = corr["blocks.1.hook_resid_mid"] + delta @ model.blocks[0].attn.W_O[1]
+    mlp = model.blocks[1].mlp
+    pre = model.blocks[1].ln2(resid) @ mlp.W_in[:, 3] + mlp.b_in[3]
+    base = metric(model(CORRUPTED)).item()
+
+    def run(*kinds):
+        def hook(act, hook):
+            act = act.clone()
+            act[:, :, 3, 0] = pre
+            return act
+
+        hooks = [(f"blocks.1.mlp.hook_{k}", hook) for k in kinds]
+        return metric(model.run_with_hooks(CORRUPTED, fwd_hooks=hooks)).item() - base
+
+    assert split["gate"] == pytest.approx(run("q"), rel=1e-10)
+    assert split["value"] == pytest.approx(run("v"), rel=1e-10)
+    assert split["both"] == pytest.approx(run("q", "v"), rel=1e-10)
+    assert split["interaction"] == pytest.approx(
+        split["both"] - split["gate"] - split["value"], rel=1e-12
+    )
+
+
+def test_discover_circuit_prunes_checks_and_draws():
+    model = _model(normalization_type="LN")
+    correct = torch.tensor([1, 2, 3])
+    metric = logit_diff_metric(correct, torch.tensor([4, 5, 6]))
+    circuit = discover_circuit(
+        model, CLEAN, CORRUPTED, metric, top_n=25, batch_size=2, progress=False
+    )
+    assert 0 < mask_size(circuit.mask) <= 25
+    again = circuit_metric(model, circuit.mask, CLEAN, CORRUPTED, metric)
+    assert circuit.metric_circuit == pytest.approx(again, rel=1e-12)
+    assert circuit.faithfulness == pytest.approx(
+        faithfulness(again, circuit.metric_clean, circuit.metric_corrupted)
+    )
+    # dropping dangling edges never changes the circuit's metric
+    raw = prune(circuit.scores, top_n=25, drop_dangling=False)
+    assert circuit_metric(model, raw, CLEAN, CORRUPTED, metric) == pytest.approx(again, rel=1e-10)
+    assert circuit.gate_value is not None and len(circuit.gate_value) > 0
+    fig = circuit.figure()
+    names = {trace.name for trace in fig.data}
+    assert {"attention head", "neuron-head"} <= names
+    dashes = {trace.line.dash for trace in fig.data if trace.name == "neuron gate (pattern)"}
+    assert dashes in (set(), {"dash"})
+
+
+def test_unsupported_models_are_refused():
+    with pytest.raises(TypeError, match="convert it first"):
+        edge_attribution_scores(make_model(), CLEAN, CORRUPTED, _linear_metric())
+    model = _model(normalization_type="LN", positional_embedding_type="shortformer")
+    with pytest.raises(NotImplementedError, match="shortformer"):
+        edge_attribution_scores(model, CLEAN, CORRUPTED, _linear_metric())
+    with pytest.raises(ValueError, match="same shape"):
+        edge_attribution_scores(_model(), CLEAN, CORRUPTED[:, :5], _linear_metric())
+
+
+# ---------------------------------------------------------------------------------------------
+# node-level circuits (encoders and decoders)
+# ---------------------------------------------------------------------------------------------
+
+
+def _encoder_pair_inputs():
+    from tl_attnonly.analysis.node_circuits import ModelInputs
+
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 53, (4, 9), generator=g)  # the encoder zoo has 53 tokens
+    corrupted = tokens.clone()
+    corrupted[0::2, 3:6] = torch.randint(0, 53, (2, 3), generator=g)  # first sentence of each pair
+    mask = torch.ones_like(tokens)
+    mask[1, 7:] = 0  # padding in one row
+    types = torch.zeros_like(tokens)
+    return ModelInputs(tokens, types, mask), ModelInputs(corrupted, types, mask)
+
+
+def test_node_circuits_on_an_encoder_are_exact_and_split_gate_and_value():
+    from test_encoder import make_encoder
+
+    from tl_attnonly.analysis.node_circuits import (
+        discover_node_circuit,
+        node_circuit_metrics,
+        node_labels,
+        pair_cosine_metric,
+    )
+    from tl_attnonly.encoder import convert_encoder
+
+    model = convert_encoder(
+        make_encoder("gelu", n_layers=2, d_model=16, n_heads=2, d_head=8, d_mlp=12)
+    )
+    clean, corrupted = _encoder_pair_inputs()
+    metric = pair_cosine_metric()
+    with pytest.raises(NotImplementedError, match="node_circuits"):
+        edge_attribution_scores(model, clean.tokens, corrupted.tokens, metric)
+    full, empty = node_circuit_metrics(
+        model, [set(node_labels(model)), set()], clean, corrupted, metric
+    )
+
+    def run(inputs, hooks=()):
+        with model.hooks(fwd_hooks=list(hooks)):
+            hidden = model.encoder_output(
+                inputs.tokens, inputs.token_type_ids, inputs.attention_mask
+            )
+        return metric(hidden, inputs).item()
+
+    assert full == pytest.approx(run(clean), rel=1e-12)
+    assert empty == pytest.approx(run(corrupted), rel=1e-12)
+    circuit = discover_node_circuit(
+        model, clean, corrupted, metric, top_n=10, max_gate_value_neurons=2
+    )
+    assert len(circuit.nodes) == 10 and len(circuit.gate_value) >= 1
+    # the gate-only run by hand: the circuit's ablations plus the neuron's corrupted values
+    row = circuit.gate_value.iloc[0]
+    K = model.n_heads_per_neuron
+    layer, neuron = int(row.node[1]), int(row.node.split("N")[1])
+    _, corr_cache = model.run_with_cache(
+        corrupted.tokens, corrupted.token_type_ids, one_zero_attention_mask=corrupted.attention_mask
+    )
+    hooks = []
+    for name in ["hook_full_embed"] + [
+        f"blocks.{li}.{sub}" for li in range(2) for sub in ("attn.hook_z", "mlp.hook_post")
+    ]:
+        n = 1 if name == "hook_full_embed" else (2 if "attn" in name else 12)
+        label = (
+            (lambda i: "embed")
+            if name == "hook_full_embed"
+            else (lambda i, name=name: f"L{name[7]}{'H' if 'attn' in name else 'N'}{i}")
+        )
+        off = [i for i in range(n) if label(i) not in circuit.nodes]
+        if name == "hook_full_embed":
+            if off:
+                hooks.append((name, lambda act, hook: corr_cache[hook.name]))
+            continue
+
+        def patch(act, hook, off=off):
+            act = act.clone()
+            act[:, :, off] = corr_cache[hook.name][:, :, off]
+            return act
+
+        if off:
+            hooks.append((name, patch))
+
+    def corrupt_v(act, hook):
+        act = act.clone()
+        act[:, :, neuron * K : neuron * K + K] = corr_cache[hook.name][
+            :, :, neuron * K : neuron * K + K
+        ]
+        return act
+
+    def corrupt_post(act, hook):
+        act = act.clone()
+        act[:, :, neuron] = corr_cache[hook.name][:, :, neuron]
+        return act
+
+    gate_only = run(clean, hooks + [(f"blocks.{layer}.mlp.hook_v", corrupt_v)])
+    none = run(clean, hooks + [(f"blocks.{layer}.mlp.hook_post", corrupt_post)])
+    assert row.gate == pytest.approx(gate_only - none, rel=1e-9, abs=1e-12)
+    assert row.both == pytest.approx(circuit.metric_circuit - none, rel=1e-9, abs=1e-12)

@@ -1,0 +1,251 @@
+"""How the nodes of the head graph read and write the residual stream, and shared checks.
+
+Used by :mod:`.discovery` (edge attribution patching) and :mod:`.circuit_runs` (exact circuit
+runs): which hook holds what a source writes (and its writing matrix ``U``), which hook holds what
+an input reads (and its reading matrix ``R``), and through which normalisation.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from jaxtyping import Int
+from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNormPre
+
+from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, SourceGroup
+from tl_attnonly.components.neuron_heads import NeuronHeadMLP
+
+Mask = dict[tuple[str, str], torch.Tensor]
+DiscoveryMetric = Callable[..., torch.Tensor]
+
+#: Default memory budget for one block of intermediate tensors (bytes).
+BLOCK_BUDGET = 2**28
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def check_discoverable(model) -> None:
+    """Refuse, before any work, models whose residual stream is not a sum of node outputs."""
+    require_neuron_heads(model)
+    if hasattr(model, "encoder_output"):
+        raise NotImplementedError(
+            "Edge-level circuit discovery needs a pre-norm decoder; a BERT-style encoder "
+            "normalises after each residual addition, so its residual stream is not a sum of node "
+            "outputs. Use node-level circuits: tl_attnonly.analysis.node_circuits."
+            "discover_node_circuit (same scores, exact runs and gate/value split, per node)."
+        )
+    cfg = model.cfg
+    problems = []
+    if cfg.positional_embedding_type not in ("standard", "rotary"):
+        problems.append(f"positional_embedding_type={cfg.positional_embedding_type!r}")
+    for flag in ("use_normalization_before_and_after", "use_qk_norm", "load_in_4bit"):
+        if getattr(cfg, flag, False):
+            problems.append(f"{flag}=True")
+    if getattr(cfg, "original_architecture", None) in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+        problems.append("post-norm blocks")
+    if cfg.attn_only:
+        problems.append("attn_only=True (no neuron-heads)")
+    for li, block in enumerate(model.blocks):
+        if not isinstance(block.mlp, NeuronHeadMLP):
+            problems.append(f"blocks.{li}.mlp is a {type(block.mlp).__name__}")
+        for name in ("ln1", "ln2"):
+            module = getattr(block, name, None)
+            if module is not None and not isinstance(
+                module, (nn.Identity, LayerNorm, LayerNormPre, RMSNorm, RMSNormPre)
+            ):
+                problems.append(f"blocks.{li}.{name} is a {type(module).__name__}")
+    if problems:
+        raise NotImplementedError(
+            "Circuit discovery needs a pre-norm decoder whose residual stream is the sum of the "
+            "embeddings and the nodes' outputs (LN, LNPre, RMS, RMSPre or no normalisation; "
+            "learned or rotary positions; plain NeuronHeadMLP layers). Not supported here: "
+            + ", ".join(problems)
+            + "."
+        )
+
+
+def _call_metric(
+    metric: DiscoveryMetric, logits: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    try:
+        n_args = len(
+            [
+                p
+                for p in inspect.signature(metric).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        )
+    except (TypeError, ValueError):
+        n_args = 1
+    out = metric(logits, indices) if n_args >= 2 else metric(logits)
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        raise ValueError("The metric must return a scalar tensor (sum or mean over the batch).")
+    return out.reshape(())
+
+
+def logit_diff_metric(
+    correct: Int[torch.Tensor, " batch"],
+    wrong: Int[torch.Tensor, " batch"],
+    position: int = -1,
+) -> DiscoveryMetric:
+    """``mean over the dataset of logit[correct] - logit[wrong]`` at ``position``, batch-additive.
+
+    Args:
+        correct, wrong: One token id per example, ``[n_examples]``.
+        position: Which position's logits (default the last).
+
+    Returns:
+        A ``metric(logits, indices)`` whose sum over batches is the dataset mean.
+    """
+    n = correct.shape[0]
+
+    def metric(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        last = logits[:, position]
+        rows = torch.arange(last.shape[0], device=last.device)
+        c, w = correct.to(last.device)[indices], wrong.to(last.device)[indices]
+        return (last[rows, c] - last[rows, w]).sum() / n
+
+    return metric
+
+
+def _batches(n: int, batch_size: int | None) -> list[torch.Tensor]:
+    size = n if batch_size is None else max(1, batch_size)
+    return [torch.arange(s, min(n, s + size)) for s in range(0, n, size)]
+
+
+def _check_tokens(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
+    for tokens in (clean, corrupted):
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+            raise TypeError("Pass clean and corrupted tokens as int tensors [batch, pos].")
+    if clean.shape != corrupted.shape:
+        raise ValueError(
+            f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} tokens must have "
+            "the same shape (pad the prompts to one length)."
+        )
+
+
+def _coef(mlp: NeuronHeadMLP, like: torch.Tensor, which: int) -> torch.Tensor:
+    """One coefficient ``[K]`` of the neuron-heads (0: b, 1: d, 2: f, 3: e, 4: g)."""
+    return mlp._coefs(like)[which]
+
+
+def _kv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W [heads, d_model, d_head], b [heads, d_head])`` of ``q``, ``k`` or ``v``.
+
+    For ``k`` and ``v`` of grouped-query attention: one per key/value head.
+    """
+    if inp == "q":
+        return attn.W_Q, attn.b_Q
+    name = inp.upper()
+    if hasattr(attn, f"_W_{name}"):  # grouped-query attention: one weight per key/value head
+        return getattr(attn, f"_W_{name}"), getattr(attn, f"_b_{name}")
+    return getattr(attn, f"W_{name}"), getattr(attn, f"b_{name}")
+
+
+def _site(model, dst: InputGroup) -> tuple[nn.Module | None, str]:
+    """The normalisation an input reads through and the hook of its residual input."""
+    if dst.kind == LOGITS:
+        return None, f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    block = model.blocks[dst.layer]
+    if dst.kind == "attn":
+        return block.ln1, f"blocks.{dst.layer}.hook_resid_pre"
+    hook = "hook_resid_pre" if model.cfg.parallel_attn_mlp else "hook_resid_mid"
+    return block.ln2, f"blocks.{dst.layer}.{hook}"
+
+
+def _norm_linearisation(module: nn.Module | None, x: torch.Tensor):
+    """``(x_hat, 1/sigma, w, centred)`` of the normalisation at ``x`` [B, d], or None (identity)."""
+    if module is None or isinstance(module, nn.Identity):
+        return None
+    centred = isinstance(module, (LayerNorm, LayerNormPre))
+    x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    xc = x - x.mean(-1, keepdim=True) if centred else x
+    eps = float(module.eps)  # type: ignore[arg-type]
+    sigma = (xc.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    w = module.w if isinstance(module, (LayerNorm, RMSNorm)) else None
+    return xc / sigma, 1.0 / sigma.squeeze(-1), w, centred
+
+
+# ---------------------------------------------------------------------------------------------
+# what the sources write and what the inputs read
+# ---------------------------------------------------------------------------------------------
+
+
+def _source_hooks(model, graph: HeadGraph) -> list[str]:
+    names = ["hook_embed"]
+    if model.cfg.positional_embedding_type == "standard":
+        names.append("hook_pos_embed")
+    for li in range(graph.n_layers):
+        names.append(f"blocks.{li}.attn.hook_z")
+        names.append(f"blocks.{li}.mlp.hook_{'post' if graph.neuron_level else 'z'}")
+    return names
+
+
+def _source_values(
+    acts: dict[str, torch.Tensor], src: SourceGroup, graph: HeadGraph
+) -> torch.Tensor:
+    """What a source group writes, as coefficients ``[batch, pos, n, r]`` of :func:`_writers`."""
+    if src.kind == EMBED:
+        out = acts["hook_embed"]
+        if "hook_pos_embed" in acts:
+            out = out + acts["hook_pos_embed"]
+        return out.unsqueeze(2)
+    if src.kind == "attn":
+        return acts[f"blocks.{src.layer}.attn.hook_z"]
+    if graph.neuron_level:
+        return acts[f"blocks.{src.layer}.mlp.hook_post"].unsqueeze(-1)
+    return acts[f"blocks.{src.layer}.mlp.hook_z"]
+
+
+def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
+    """``U [n, r, d_model]``: source ``n`` adds ``coefficients[..., n, :] @ U[n]`` to the stream."""
+    if src.kind == EMBED:
+        return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
+    if src.kind == "attn":
+        return model.blocks[src.layer].attn.W_O
+    W_out = model.blocks[src.layer].mlp.W_out
+    if not graph.neuron_level:
+        W_out = W_out.repeat_interleave(graph.n_heads_per_neuron, dim=0)
+    return W_out.unsqueeze(1)
+
+
+def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
+    """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
+    if dst.kind == LOGITS:
+        return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
+    if dst.kind == "attn":
+        return _kv_weights(model.blocks[dst.layer].attn, dst.input)[0]
+    W_in = model.blocks[dst.layer].mlp.W_in
+    if not graph.neuron_level:
+        W_in = W_in.repeat_interleave(graph.n_heads_per_neuron, dim=1)
+    return W_in.T.unsqueeze(-1)
+
+
+def _input_hook(dst: InputGroup, n_layers: int) -> str:
+    if dst.kind == LOGITS:
+        return f"blocks.{n_layers - 1}.hook_resid_post"
+    sub = "attn" if dst.kind == "attn" else "mlp"
+    inp = {"gate": "q", "value": "v"}.get(dst.input, dst.input)
+    return f"blocks.{dst.layer}.{sub}.hook_{inp}"
+
+
+def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor) -> torch.Tensor:
+    """d metric / d (what input ``n`` reads), ``[batch, pos, n, s]``."""
+    if dst.kind == LOGITS:
+        return grad.unsqueeze(2)
+    if dst.kind == "attn":
+        return grad
+    mlp = model.blocks[dst.layer].mlp
+    coef = _coef(mlp, grad, 0 if dst.input == "gate" else 2)  # q = b*pre + d, v = f*pre + e
+    K = graph.n_heads_per_neuron
+    per_head = grad.squeeze(-1).unflatten(-1, (-1, K)) * coef  # [batch, pos, d_mlp, K]
+    if graph.neuron_level:
+        return per_head.sum(-1, keepdim=True)
+    return per_head.flatten(-2).unsqueeze(-1)

@@ -1,0 +1,517 @@
+"""Exact circuit runs over the head graph, faithfulness, gate/value splits, ``discover_circuit``.
+
+A circuit is a set of edges of :class:`~tl_attnonly.analysis.graph.HeadGraph`. Its run is exact:
+the model runs on the clean input, and every input of every node receives the corrupted residual
+stream plus the current run's change of the sources joined to it by circuit edges,
+
+    ``input_v = resid(corrupted) + sum_{u -> v in circuit} (out_u(current) - out_u(corrupted))``
+
+(each node's normalisation applied to its own input). So the full graph gives the clean run, the
+empty graph the corrupted run, and ``faithfulness = (m(circuit) - m(corrupted)) / (m(clean) -
+m(corrupted))`` is 1 and 0 for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from tqdm.auto import tqdm
+
+from tl_attnonly.analysis._edges import (
+    BLOCK_BUDGET,
+    DiscoveryMetric,
+    Mask,
+    _batches,
+    _call_metric,
+    _check_tokens,
+    _coef,
+    _input_hook,
+    _kv_weights,
+    _site,
+    _source_hooks,
+    _source_values,
+    _writers,
+    check_discoverable,
+)
+from tl_attnonly.analysis.discovery import EdgeScores, edge_attribution_scores, mask_size, prune
+from tl_attnonly.analysis.graph import LOGITS, HeadGraph, InputGroup
+
+# ---------------------------------------------------------------------------------------------
+# exact circuit runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _corrupted_names(model, graph: HeadGraph) -> list[str]:
+    names = set(_source_hooks(model, graph))
+    for dst in graph.inputs:
+        names.add(_input_hook(dst, graph.n_layers))
+        names.add(_site(model, dst)[1])
+    return sorted(names)
+
+
+def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes: torch.Tensor):
+    """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``.
+
+    Returns ``[b, p, m, d_head]`` (attention) or the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
+    together with the head indices ``m'`` they go to.
+    """
+    module, _ = _site(model, dst)
+    normalised = module(x) if module is not None else x
+    if dst.kind == "attn":
+        W, b = _kv_weights(model.blocks[dst.layer].attn, dst.input)
+        out = torch.einsum("bpmd,mde->bpme", normalised, W[nodes]) + b[nodes]
+        return out, nodes
+    mlp = model.blocks[dst.layer].mlp
+    K = graph.n_heads_per_neuron
+    neurons = nodes if graph.neuron_level else nodes // K
+    W_in = mlp.W_in[:, neurons]  # [d, m]
+    pre = torch.einsum("bpmd,dm->bpm", normalised, W_in) + mlp.b_in[neurons]
+    scale = _coef(mlp, pre, 0 if dst.input == "gate" else 2)
+    shift = _coef(mlp, pre, 1 if dst.input == "gate" else 3)
+    if graph.neuron_level:
+        heads = (neurons[:, None] * K + torch.arange(K, device=nodes.device)).flatten()
+        out = (pre.unsqueeze(-1) * scale + shift).flatten(-2)  # [b, p, m*K]
+    else:
+        heads = nodes
+        k = nodes % K
+        out = pre * scale[k] + shift[k]
+    return out.unsqueeze(-1), heads
+
+
+def circuit_metric(
+    model,
+    mask: Mask,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    *,
+    neuron_level: bool = True,
+    batch_size: int | None = None,
+    block_bytes: int = BLOCK_BUDGET,
+    progress: bool = False,
+) -> float:
+    """The metric of the circuit ``mask``, exactly (see the module docstring).
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        mask: ``(source group, input group) -> bool [n_sources, n_inputs]``
+            (:func:`~tl_attnonly.analysis.prune`, ``HeadGraph.full_mask``).
+        clean_tokens, corrupted_tokens: ``[n_examples, pos]``.
+        metric: As in :func:`~tl_attnonly.analysis.edge_attribution_scores`.
+        neuron_level: The graph's granularity (must match the mask).
+        batch_size: Examples per pass.
+        block_bytes: Budget for the residual inputs rebuilt at once (chunked to fit).
+        progress: Progress bar over batches.
+
+    Returns:
+        The metric summed over batches.
+    """
+    return circuit_metrics(
+        model, [mask], clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
+        batch_size=batch_size, block_bytes=block_bytes, progress=progress,
+    )[0]  # fmt: skip
+
+
+def circuit_metrics(
+    model,
+    masks: Sequence[Mask],
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    *,
+    neuron_level: bool = True,
+    batch_size: int | None = None,
+    block_bytes: int = BLOCK_BUDGET,
+    progress: bool = False,
+) -> list[float]:
+    """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
+    check_discoverable(model)
+    _check_tokens(clean_tokens, corrupted_tokens)
+    graph = HeadGraph(model, neuron_level=neuron_level)
+    for mask in masks:
+        missing = set(graph.block_keys()) - set(mask)
+        if missing:
+            raise ValueError(
+                f"The mask lacks blocks {sorted(missing)[:3]}...: build it for this model with "
+                f"prune() or HeadGraph(model, neuron_level={neuron_level}).full_mask()."
+            )
+    totals = [0.0] * len(masks)
+    names = _corrupted_names(model, graph)
+    batches = _batches(clean_tokens.shape[0], batch_size)
+    bar = tqdm(total=len(batches) * len(masks), desc="circuit runs", disable=not progress)
+    for idx in batches:
+        with torch.no_grad():
+            _, corr_cache = model.run_with_cache(
+                corrupted_tokens[idx], names_filter=lambda n: n in names
+            )
+            corr = dict(corr_cache.cache_dict)
+            for i, mask in enumerate(masks):
+                logits = _circuit_run(model, graph, mask, clean_tokens[idx], corr, block_bytes)
+                totals[i] += _call_metric(metric, logits, idx).item()
+                bar.update()
+    bar.close()
+    return totals
+
+
+def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int):
+    current: dict[str, torch.Tensor] = {}
+    writers = {}
+
+    def record(act, hook):
+        current[hook.name] = act
+        return act
+
+    def patch_for(dst: InputGroup):
+        blocks = [(src, mask[(src.key, dst.key)]) for src in graph.sources if src.order < dst.order]
+        n_in = sum(int(m.sum()) for _, m in blocks)
+        n_v = len(dst.labels)
+        included = torch.zeros(n_v, dtype=torch.long)
+        n_possible = sum(len(src.labels) for src, _ in blocks)
+        for _, m in blocks:
+            included += m.sum(0).cpu()
+        if n_in == n_possible * n_v:
+            return None  # the full set of edges: the current run's input
+        none = (included == 0).nonzero().flatten()
+        mixed = ((included > 0) & (included < n_possible)).nonzero().flatten()
+        _, site_name = _site(model, dst)
+        hook_name = _input_hook(dst, graph.n_layers)
+
+        def hook(act, hook):
+            act = act.clone()
+            if dst.kind == LOGITS:
+                if len(mixed) == 0:
+                    return corr[hook_name].clone()
+                return corr[hook_name] + _delta_sum(blocks, mixed, act.shape[:2])[:, :, 0]
+            corr_act = corr[hook_name]
+            if dst.kind == "neuron":
+                none_heads = _heads_of(graph, dst, none)
+                act[:, :, none_heads] = corr_act[:, :, none_heads]
+            else:
+                act[:, :, none] = corr_act[:, :, none]
+            per = max(1, act.shape[0] * act.shape[1] * model.cfg.d_model * 3 * act.element_size())
+            step = max(1, block_bytes // per)
+            for start in range(0, len(mixed), step):
+                chunk = mixed[start : start + step].to(act.device)
+                x = corr[site_name].unsqueeze(2) + _delta_sum(blocks, chunk, act.shape[:2])
+                new, heads = _recompute(model, dst, graph, x.to(act.dtype), chunk)
+                act[:, :, heads] = new.to(act.dtype)
+            return act
+
+        return hook_name, hook
+
+    def _delta_sum(blocks, nodes, batch_pos):
+        out = None
+        for src, m in blocks:
+            sub = m[:, nodes.to(m.device)]
+            rows = sub.any(1).nonzero().flatten()
+            if len(rows) == 0:
+                continue
+            if src.key not in writers:
+                writers[src.key] = _writers(model, src, graph, corr["hook_embed"])
+            delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+            rows_dev = rows.to(delta.device)
+            DU = torch.einsum("bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev])
+            part = torch.einsum("bpud,um->bpmd", DU, sub[rows].to(DU.dtype))
+            out = part if out is None else out + part
+        if out is None:
+            return corr["hook_embed"].new_zeros(*batch_pos, len(nodes), model.cfg.d_model)
+        return out
+
+    hooks = [(name, record) for name in _source_hooks(model, graph)]
+    for dst in graph.inputs:
+        patch = patch_for(dst)
+        if patch is not None:
+            hooks.append(patch)
+    return model.run_with_hooks(tokens, fwd_hooks=hooks)
+
+
+def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.Tensor:
+    if dst.kind != "neuron" or not graph.neuron_level:
+        return nodes
+    K = graph.n_heads_per_neuron
+    return (nodes[:, None] * K + torch.arange(K)).flatten()
+
+
+def faithfulness(metric_circuit: float, metric_clean: float, metric_corrupted: float) -> float:
+    """``(circuit - corrupted) / (clean - corrupted)``: 1 for the full graph, 0 for the empty."""
+    denom = metric_clean - metric_corrupted
+    if denom == 0:
+        raise ZeroDivisionError(
+            "The metric is the same on the clean and corrupted inputs; faithfulness is undefined. "
+            "Choose inputs (or a metric) that tell them apart."
+        )
+    return (metric_circuit - metric_corrupted) / denom
+
+
+@dataclass
+class Circuit:
+    """A circuit found by :func:`discover_circuit`.
+
+    Attributes:
+        scores: Every edge's score (:class:`EdgeScores`).
+        mask: The edges kept.
+        metric_clean, metric_corrupted, metric_circuit: The metric of the clean run, the
+            corrupted run and the circuit run (exact).
+        faithfulness: ``(circuit - corrupted) / (clean - corrupted)``.
+        gate_value: Per neuron of the circuit, the exact gate/value split of its incoming circuit
+            edges (:func:`circuit_gate_value_split`), or None.
+    """
+
+    scores: EdgeScores
+    mask: Mask
+    metric_clean: float
+    metric_corrupted: float
+    metric_circuit: float
+    faithfulness: float
+    gate_value: pd.DataFrame | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def graph(self) -> HeadGraph:
+        return self.scores.graph
+
+    def edges(self) -> pd.DataFrame:
+        """The circuit's edges, sorted by |score|."""
+        return self.scores.frame(self.mask)
+
+    def nodes(self) -> list[str]:
+        """Labels of the nodes with an edge in the circuit (sources and readers)."""
+        frame = self.edges()
+        return sorted(set(frame.source) | set(frame.target))
+
+    def figure(self, **kwargs):
+        """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`)."""
+        from tl_attnonly.vis.circuit import circuit_figure
+
+        return circuit_figure(self, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Circuit({mask_size(self.mask)} edges, {len(self.nodes())} nodes, faithfulness="
+            f"{self.faithfulness:.4g}, metric clean={self.metric_clean:.4g} corrupted="
+            f"{self.metric_corrupted:.4g} circuit={self.metric_circuit:.4g})"
+        )
+
+
+def circuit_gate_value_split(
+    model,
+    mask: Mask,
+    clean_tokens: torch.Tensor,
+    corrupted_tokens: torch.Tensor,
+    metric: DiscoveryMetric,
+    *,
+    neurons: Sequence[str] | None = None,
+    neuron_level: bool = True,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """For each neuron of the circuit: the effect of its gate edges alone, value edges alone, both.
+
+    With ``C`` the circuit and ``C - X`` the circuit without the edges into input(s) ``X`` of the
+    neuron (exact circuit runs, :func:`circuit_metric`):
+
+    - ``gate = m(C - value) - m(C - gate - value)``: its pattern receives the circuit, its value
+      does not;
+    - ``value = m(C - gate) - m(C - gate - value)``;
+    - ``both = m(C) - m(C - gate - value)``;
+    - ``interaction = both - gate - value`` (so ``both = gate + value + interaction`` exactly; the
+      interaction is zero when the metric is linear in the neuron's pattern and value jointly,
+      which a product ``pattern * value`` is not).
+
+    Args:
+        neurons: Labels of neurons (or neuron-heads) to split; default every neuron with an
+            incoming circuit edge.
+        Others: As in :func:`circuit_metric`.
+
+    Returns:
+        DataFrame with columns ``node, gate, value, both, interaction, n_gate_edges,
+        n_value_edges`` (metric units).
+    """
+    graph = HeadGraph(model, neuron_level=neuron_level)
+    targets: dict[str, dict[str, list[tuple[tuple[str, str], int]]]] = {}
+    for src, dst in graph.blocks():
+        if dst.kind != "neuron":
+            continue
+        m = mask[(src.key, dst.key)]
+        for v in m.any(0).nonzero().flatten().tolist():
+            entry = targets.setdefault(dst.labels[v], {"gate": [], "value": []})
+            entry[dst.input].append(((src.key, dst.key), v))
+    labels = list(targets) if neurons is None else list(neurons)
+
+    def without(entry, *inputs: str) -> Mask:
+        out = {k: m.clone() for k, m in mask.items()}
+        for inp in inputs:
+            for key, v in entry[inp]:
+                out[key][:, v] = False
+        return out
+
+    masks = [mask]
+    entries = []
+    for label in labels:
+        entry = targets.get(label, {"gate": [], "value": []})
+        entries.append(entry)
+        masks += [without(entry, "gate"), without(entry, "value"), without(entry, "gate", "value")]
+    values = circuit_metrics(
+        model, masks, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
+        batch_size=batch_size, progress=progress,
+    )  # fmt: skip
+    m_full = values[0]
+    rows = []
+    for i, (label, entry) in enumerate(zip(labels, entries, strict=True)):
+        no_gate, no_value, none = values[1 + 3 * i : 4 + 3 * i]
+        gate, value, both = no_value - none, no_gate - none, m_full - none
+        rows.append(
+            dict(
+                node=label,
+                gate=gate,
+                value=value,
+                both=both,
+                interaction=both - gate - value,
+                n_gate_edges=len(entry["gate"]),
+                n_value_edges=len(entry["value"]),
+            )
+        )
+    return pd.DataFrame(
+        rows,
+        columns=["node", "gate", "value", "both", "interaction", "n_gate_edges", "n_value_edges"],
+    )
+
+
+def path_gate_value_split(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    senders: Sequence[str],
+    neurons: Sequence[str],
+    metric: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, float]:
+    """Gate/value split of the paths ``senders -> neurons`` by exact path patching.
+
+    With :func:`~tl_attnonly.analysis.path_patch` (clean senders into the corrupted run, effect
+    measured against the corrupted run's metric):
+
+    - ``gate``: only the neurons' queries (hence patterns) receive the paths;
+    - ``value``: only their values do;
+    - ``both``: both do;
+    - ``interaction = both - gate - value``.
+
+    Args:
+        senders: Head labels (``"L0H1"``, ``"L0N5"``, ``"L0N5.1"``).
+        neurons: Receiving neurons (``"L1N3"``: all its heads) or neuron-heads (``"L1N3.2"``).
+        metric: Logits -> scalar.
+
+    Returns:
+        ``{"gate", "value", "both", "interaction", "corrupted"}`` (metric units).
+    """
+    from tl_attnonly.analysis.path_patching import path_patch, path_patch_caches
+
+    K = model.n_heads_per_neuron
+    heads = []
+    for label in neurons:
+        if K > 1 and "." not in label:
+            heads += [f"{label}.{k}" for k in range(K)]
+        else:
+            heads.append(label)
+    if K > 1:
+        senders = (
+            [f"{s}.{k}" for s in senders for k in range(K)]
+            if all("N" in s and "." not in s for s in senders)
+            else list(senders)
+        )
+    caches = dict(
+        zip(
+            ("clean_cache", "corrupted_cache"),
+            path_patch_caches(model, clean_tokens, corrupted_tokens),
+            strict=True,
+        )
+    )
+    with torch.no_grad():
+        base = metric(model(corrupted_tokens)).item()
+    out = {}
+    for name, inputs in (("gate", "q"), ("value", "v"), ("both", "qv")):
+        receivers = [f"{h}:{inputs}" for h in heads]
+        out[name] = (
+            path_patch(model, clean_tokens, corrupted_tokens, senders, receivers, metric, **caches)
+            - base
+        )
+    out["interaction"] = out["both"] - out["gate"] - out["value"]
+    out["corrupted"] = base
+    return out
+
+
+def discover_circuit(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    *,
+    top_n: int | None = None,
+    threshold: float | None = None,
+    method: str = "eap",
+    ig_steps: int = 5,
+    neuron_level: bool = True,
+    batch_size: int | None = None,
+    gate_value: bool = True,
+    max_gate_value_neurons: int = 8,
+    progress: bool = True,
+) -> Circuit:
+    """Score every edge, prune to a circuit, and check it exactly.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
+        metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar (see the module
+            docstring).
+        top_n, threshold: How to prune (exactly one): :func:`prune`.
+        method, ig_steps, neuron_level, batch_size: :func:`edge_attribution_scores`.
+        gate_value: Also split the incoming edges of the circuit's neurons into gate and value
+            (:func:`circuit_gate_value_split`; 3 circuit runs per neuron).
+        max_gate_value_neurons: Split at most this many neurons (the ones with the largest summed
+            |score| of incoming edges).
+        progress: Progress bars.
+
+    Returns:
+        A :class:`Circuit`.
+    """
+    if top_n is None and threshold is None:
+        raise ValueError("Give top_n=... (edges to keep) or threshold=... (minimum |score|).")
+    scores = edge_attribution_scores(
+        model, clean_tokens, corrupted_tokens, metric, method=method, ig_steps=ig_steps,
+        neuron_level=neuron_level, batch_size=batch_size, progress=progress,
+    )  # fmt: skip
+    mask = prune(scores, top_n=top_n, threshold=threshold)
+    m_circ = circuit_metric(
+        model, mask, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
+        batch_size=batch_size,
+    )  # fmt: skip
+    circuit = Circuit(
+        scores, mask, scores.metric_clean, scores.metric_corrupted, m_circ,
+        faithfulness(m_circ, scores.metric_clean, scores.metric_corrupted),
+    )  # fmt: skip
+    if gate_value:
+        frame = circuit.edges()
+        into = frame[frame.target_kind == "neuron"]
+        ranked = (
+            into.groupby("target").score.apply(lambda s: s.abs().sum()).sort_values(ascending=False)
+        )
+        circuit.gate_value = circuit_gate_value_split(
+            model, mask, clean_tokens, corrupted_tokens, metric,
+            neurons=list(ranked.index[:max_gate_value_neurons]), neuron_level=neuron_level,
+            batch_size=batch_size, progress=progress,
+        )  # fmt: skip
+    return circuit
+
+
+__all__ = [
+    "Circuit",
+    "circuit_gate_value_split",
+    "circuit_metric",
+    "circuit_metrics",
+    "discover_circuit",
+    "faithfulness",
+    "path_gate_value_split",
+]

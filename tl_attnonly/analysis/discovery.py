@@ -1,0 +1,392 @@
+"""Circuit discovery over the unified graph of attention heads and neuron-heads.
+
+Edge attribution patching (EAP; Syed et al. 2023) on :class:`~tl_attnonly.analysis.graph.HeadGraph`:
+the score of an edge ``u -> v:input`` estimates how the metric changes when the corrupted run's
+``input`` of ``v`` receives the clean change of ``u``'s output (``clean - corrupted``) through the
+residual stream, to first order:
+
+    ``score = (out_u(clean) - out_u(corrupted)) . d metric / d (v's residual input)``
+
+with the gradient taken on the corrupted run. The reader's normalisation (LayerNorm, RMSNorm, with
+or without weights) belongs to the reader and is linearised exactly (its Jacobian, in closed form),
+so one forward and one backward pass per batch score every edge, including the separate ``gate``
+and ``value`` inputs of every neuron-head, which share one residual input in the model.
+``method="eap-ig"`` averages the gradients over ``ig_steps`` runs whose embeddings are interpolated
+from the corrupted to the clean input (EAP-IG, Hanna et al. 2024).
+
+Scores are exact where the path is linear: an edge into the logits (no final normalisation, a
+metric linear in the logits), or into the value input of a last-layer neuron-head (its pattern is
+unchanged and its output only reaches the logits). Elsewhere they are estimates; check a circuit
+with :func:`~tl_attnonly.analysis.circuit_runs.circuit_metric`, which is exact: the model runs on
+the clean input, and every input of every node receives the corrupted residual stream plus the
+current run's change of the sources joined to it by circuit edges:
+
+    ``input_v = resid(corrupted) + sum_{u -> v in circuit} (out_u(current) - out_u(corrupted))``
+
+So the full graph gives the clean run and the empty graph the corrupted run, exactly, and
+``faithfulness = (metric(circuit) - metric(corrupted)) / (metric(clean) - metric(corrupted))`` is 1
+and 0 for them.
+
+The metric is ``metric(logits)`` or ``metric(logits, indices)`` (``indices``: the examples of the
+batch, a LongTensor, for per-example answers), returning a scalar; the dataset's metric is the sum
+over batches, so make it additive over examples (a sum, or a mean divided by the number of batches:
+see :func:`logit_diff_metric`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from tqdm.auto import tqdm
+
+from tl_attnonly.analysis._edges import (
+    BLOCK_BUDGET,
+    DiscoveryMetric,
+    Mask,
+    _batches,
+    _call_metric,
+    _check_tokens,
+    _input_hook,
+    _norm_linearisation,
+    _read_gradient,
+    _readers,
+    _site,
+    _source_hooks,
+    _source_values,
+    _writers,
+    check_discoverable,
+    logit_diff_metric,
+)
+from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, edges_frame
+
+
+def _block_scores(
+    a: torch.Tensor,
+    U: torch.Tensor,
+    g: torch.Tensor,
+    R: torch.Tensor,
+    lin,
+    budget: int,
+) -> torch.Tensor:
+    """``sum_B a[B,u] U[u] J[B]^T-read R[v] g[B,v]``: EAP scores of one block, ``[u, v]``.
+
+    ``a [B, u, r]`` source changes, ``U [u, r, d]`` writers, ``g [B, v, s]`` read gradients, ``R
+    [v, d, s]`` readers; ``lin`` the reader's normalisation linearised at each of the ``B`` rows.
+    With ``J = (diag(w) C - (w*x_hat) x_hat^T / d) / sigma`` (``C`` centring for LayerNorm):
+    ``score = sum_B [a U C diag(w) R g - (a U . x_hat)((w*x_hat) . R g) / d] / sigma``.
+    """
+    n_u, r, d = U.shape
+    n_v, _, s = R.shape
+    dtype = torch.promote_types(a.dtype, torch.float32)
+    a, U, g, R = (t.to(dtype) for t in (a, U, g, R))
+    if lin is None:
+        Uw, inv = U, None
+    else:
+        x_hat, inv, w, centred = lin
+        x_hat, inv = x_hat.to(dtype), inv.to(dtype)
+        Uw = U - U.mean(-1, keepdim=True) if centred else U
+        if w is not None:
+            Uw = Uw * w.to(dtype)
+    out = a.new_zeros(n_u, n_v)
+    per_u = max(1, n_v * r * s * 2 * a.element_size())
+    step = max(1, min(n_u, budget // per_u))
+    for start in range(0, n_u, step):
+        sl = slice(start, start + step)
+        aw = a[:, sl] if inv is None else a[:, sl] * inv[:, None, None]
+        M = torch.einsum("urd,vds->uvrs", Uw[sl], R)
+        S = torch.einsum("bur,bvs->uvrs", aw, g)
+        out[sl] = (M * S).sum((2, 3))
+    if lin is not None:
+        x_hat, inv, w, _ = lin
+        x_hat, inv = x_hat.to(dtype), inv.to(dtype)
+        alpha = (a * torch.einsum("urd,bd->bur", U, x_hat)).sum(-1)  # [B, u]
+        wx = x_hat * w.to(dtype) if w is not None else x_hat
+        beta = (g * torch.einsum("vds,bd->bvs", R, wx)).sum(-1)  # [B, v]
+        out -= torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# edge attribution patching
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EdgeScores:
+    """EAP scores of every edge of a :class:`HeadGraph`.
+
+    Attributes:
+        graph: The graph.
+        scores: ``(source group key, input group key) -> [n_sources, n_inputs]`` estimated change
+            of the metric.
+        metric_clean, metric_corrupted: The metric of the clean and the corrupted runs.
+        method: ``"eap"`` or ``"eap-ig"``.
+    """
+
+    graph: HeadGraph
+    scores: dict[tuple[str, str], torch.Tensor]
+    metric_clean: float
+    metric_corrupted: float
+    method: str
+
+    def frame(self, mask: Mask | None = None) -> pd.DataFrame:
+        """Edges (all, or those in ``mask``) as a DataFrame sorted by |score|."""
+        return edges_frame(self.graph, self.scores, mask)
+
+
+def edge_attribution_scores(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    *,
+    method: str = "eap",
+    ig_steps: int = 5,
+    neuron_level: bool = True,
+    batch_size: int | None = None,
+    max_bytes: int = 2**30,
+    block_bytes: int = BLOCK_BUDGET,
+    progress: bool = True,
+) -> EdgeScores:
+    """Score every edge of the head graph by edge attribution patching.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
+        metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar, additive over batches.
+        method: ``"eap"`` (gradient on the corrupted run) or ``"eap-ig"`` (gradients averaged over
+            ``ig_steps`` runs with embeddings ``corrupted + t (clean - corrupted)``,
+            ``t = 1/ig_steps .. 1``).
+        neuron_level: One node per neuron (default) or per neuron-head (``K > 1``).
+        batch_size: Examples per forward/backward pass; default all at once.
+        max_bytes: Refuse when the score tensors alone would exceed this.
+        block_bytes: Budget for the intermediates of one block (they are chunked to fit).
+        progress: Show progress bars.
+
+    Returns:
+        :class:`EdgeScores`.
+    """
+    check_discoverable(model)
+    _check_tokens(clean_tokens, corrupted_tokens)
+    if method not in ("eap", "eap-ig"):
+        raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
+    if method == "eap-ig" and ig_steps < 1:
+        raise ValueError(f"ig_steps must be >= 1, got {ig_steps}.")
+    graph = HeadGraph(model, neuron_level=neuron_level)
+    dtype = next(model.parameters()).dtype
+    size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
+    if size > max_bytes:
+        raise MemoryError(
+            f"{graph.n_edges():,} edges need {size / 2**30:.2f} GiB of scores (budget "
+            f"{max_bytes / 2**30:.2f} GiB). Raise max_bytes=..., or score a smaller model."
+        )
+    device = clean_tokens.device
+    scores = {
+        (s.key, d.key): torch.zeros(len(s.labels), len(d.labels), dtype=dtype, device=device)
+        for s, d in graph.blocks()
+    }
+    source_names = _source_hooks(model, graph)
+    input_names = sorted({_input_hook(d, graph.n_layers) for d in graph.inputs})
+    site_names = sorted({_site(model, d)[1] for d in graph.inputs})
+    alphas = [1.0 * k / ig_steps for k in range(1, ig_steps + 1)] if method == "eap-ig" else [0.0]
+    m_clean = m_corr = 0.0
+    batches = _batches(clean_tokens.shape[0], batch_size)
+    bar = tqdm(total=len(batches) * len(alphas), desc="edge attribution", disable=not progress)
+    for idx in batches:
+        clean, corrupted = clean_tokens[idx], corrupted_tokens[idx]
+        with torch.no_grad():
+            logits, clean_cache = model.run_with_cache(
+                clean, names_filter=lambda n: n in source_names
+            )
+            m_clean += _call_metric(metric, logits, idx).item()
+            logits, corr_cache = model.run_with_cache(
+                corrupted, names_filter=lambda n: n in source_names
+            )
+            m_corr += _call_metric(metric, logits, idx).item()
+        clean_cache, corr_cache = dict(clean_cache.cache_dict), dict(corr_cache.cache_dict)
+        deltas = {
+            s.key: (
+                _source_values(clean_cache, s, graph) - _source_values(corr_cache, s, graph)
+            ).flatten(0, 1)
+            for s in graph.sources
+        }
+        for alpha in alphas:
+            grads, sites = _gradient_pass(
+                model,
+                corrupted,
+                idx,
+                metric,
+                input_names,
+                site_names,
+                clean_cache,
+                corr_cache,
+                alpha,
+            )
+            for dst in graph.inputs:
+                module, site_name = _site(model, dst)
+                lin = _norm_linearisation(module, sites[site_name].flatten(0, 1))
+                g = _read_gradient(model, dst, graph, grads[_input_hook(dst, graph.n_layers)])
+                g = g.flatten(0, 1)
+                R = _readers(model, dst, graph, g)
+                for src in graph.sources:
+                    if src.order >= dst.order:
+                        continue
+                    U = _writers(model, src, graph, g)
+                    with torch.no_grad():
+                        block = _block_scores(deltas[src.key], U, g, R, lin, block_bytes)
+                    scores[(src.key, dst.key)] += block.to(dtype) / len(alphas)
+            bar.update()
+    bar.close()
+    return EdgeScores(graph, scores, m_clean, m_corr, method)
+
+
+def _gradient_pass(
+    model, tokens, idx, metric, input_names, site_names, clean_cache, corr_cache, alpha
+):
+    """One forward and backward pass: gradients at every input hook, residual at every site."""
+    acts: dict[str, torch.Tensor] = {}
+    sites: dict[str, torch.Tensor] = {}
+
+    def embed(act, hook):
+        if alpha:
+            act = corr_cache[hook.name] + alpha * (clean_cache[hook.name] - corr_cache[hook.name])
+        return act.detach().requires_grad_(True) if not act.requires_grad else act
+
+    def keep(act, hook):
+        acts[hook.name] = act
+        return act
+
+    def site(act, hook):
+        sites[hook.name] = act.detach()
+        return act
+
+    hooks = [("hook_embed", embed)]
+    if model.cfg.positional_embedding_type == "standard":
+        hooks.append(("hook_pos_embed", embed))
+    hooks += [(name, site) for name in site_names if name not in input_names]
+    hooks += [(name, keep) for name in input_names]
+    with torch.enable_grad():
+        logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+        value = _call_metric(metric, logits, idx)
+        names = list(acts)
+        grads = torch.autograd.grad(value, [acts[n] for n in names], allow_unused=True)
+    out = {}
+    for name, grad in zip(names, grads, strict=True):
+        out[name] = (grad if grad is not None else torch.zeros_like(acts[name])).detach()
+        if name in site_names:
+            sites[name] = acts[name].detach()
+    return out, sites
+
+
+# ---------------------------------------------------------------------------------------------
+# pruning
+# ---------------------------------------------------------------------------------------------
+
+
+def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
+    """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on it)."""
+    if dst.kind == LOGITS:
+        return []
+    if dst.kind == "attn" and dst.input in "kv" and graph.gqa:
+        heads = graph.source_by_key[f"attn.{dst.layer}"].labels
+        group = len(heads) // len(dst.labels)
+        return list(heads[v * group : (v + 1) * group])
+    return [dst.labels[v]]
+
+
+def prune(
+    edge_scores: EdgeScores,
+    *,
+    top_n: int | None = None,
+    threshold: float | None = None,
+    absolute: bool = True,
+    drop_dangling: bool = True,
+) -> Mask:
+    """Keep the ``top_n`` edges by score (or all above ``threshold``), then drop dangling edges.
+
+    Args:
+        edge_scores: From :func:`edge_attribution_scores`.
+        top_n: Number of edges to keep (ties broken by order).
+        threshold: Keep edges whose score (or |score|) is at least this.
+        absolute: Rank by |score| (default) or by signed score.
+        drop_dangling: Remove edges out of nodes with no incoming edge (their change is 0 in the
+            circuit run) and into nodes whose output reaches nothing; the circuit metric is
+            unchanged, exactly.
+
+    Returns:
+        A mask: ``(source group, input group) -> bool [n_sources, n_inputs]``.
+    """
+    if (top_n is None) == (threshold is None):
+        raise ValueError("Give exactly one of top_n=... or threshold=....")
+    graph, scores = edge_scores.graph, edge_scores.scores
+    keys = list(scores)
+    flat = torch.cat([(scores[k].abs() if absolute else scores[k]).flatten() for k in keys])
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    if top_n is not None:
+        if top_n > 0:
+            keep[flat.topk(min(top_n, flat.numel())).indices] = True
+    elif threshold is not None:
+        keep = flat >= threshold
+    mask, start = {}, 0
+    for k in keys:
+        n = scores[k].numel()
+        mask[k] = keep[start : start + n].view_as(scores[k]).clone()
+        start += n
+    return drop_dangling_edges(graph, mask) if drop_dangling else mask
+
+
+def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
+    """Remove edges that cannot change the circuit metric (see :func:`prune`)."""
+    mask = {k: m.clone() for k, m in mask.items()}
+    while True:
+        has_in: set[str] = set()
+        has_out: set[str] = set()
+        for src, dst in graph.blocks():
+            m = mask[(src.key, dst.key)]
+            if not m.any():
+                continue
+            for u in m.any(1).nonzero().flatten().tolist():
+                has_out.add(src.labels[u])
+            for v in m.any(0).nonzero().flatten().tolist():
+                has_in.update(_node_of_input(graph, dst, v))
+        changed = False
+        for src, dst in graph.blocks():
+            m = mask[(src.key, dst.key)]
+            if not m.any():
+                continue
+            dead_u = torch.tensor(
+                [src.kind != EMBED and lab not in has_in for lab in src.labels], device=m.device
+            )
+            dead_v = torch.tensor(
+                [
+                    dst.kind != LOGITS
+                    and not any(n in has_out for n in _node_of_input(graph, dst, v))
+                    for v in range(len(dst.labels))
+                ],
+                device=m.device,
+            )
+            new = m & ~dead_u[:, None] & ~dead_v[None, :]
+            if not torch.equal(new, m):
+                mask[(src.key, dst.key)] = new
+                changed = True
+        if not changed:
+            return mask
+
+
+def mask_size(mask: Mask) -> int:
+    """Number of edges in a mask."""
+    return int(sum(int(m.sum()) for m in mask.values()))
+
+
+__all__ = [
+    "EdgeScores",
+    "check_discoverable",
+    "logit_diff_metric",
+    "drop_dangling_edges",
+    "edge_attribution_scores",
+    "mask_size",
+    "prune",
+]

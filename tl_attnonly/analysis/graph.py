@@ -1,0 +1,202 @@
+"""The unified head graph: embeddings, attention heads, neuron-heads and the logits.
+
+Every component that writes to the residual stream is a *source* node: the embeddings (token plus
+position), every attention head ``L{l}H{h}`` and every neuron ``L{l}N{i}`` (or, at head level,
+every neuron-head ``L{l}N{i}.{k}``). Every component that reads the residual stream has one or
+more *inputs*: an attention head's ``q``, ``k`` and ``v``; a neuron-head's ``gate`` (its query,
+hence its pattern: whether it fires) and ``value`` (how much it writes); the ``logits``. An edge
+joins a source to an input of a later component (through the residual stream, directly).
+
+Nodes are grouped by layer and kind; edge scores and circuit masks are stored per
+``(source group, input group)`` block, ``[n_sources, n_inputs]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from tl_attnonly.hooks import attn_head_label, neuron_head_label
+
+#: Inputs of each kind of reader.
+ATTN_INPUTS = ("q", "k", "v")
+NEURON_INPUTS = ("gate", "value")
+LOGITS = "logits"
+EMBED = "embed"
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """Source nodes of one kind in one layer.
+
+    Attributes:
+        key: ``"embed"``, ``"attn.{l}"`` or ``"neuron.{l}"``.
+        kind: ``"embed"``, ``"attn"`` or ``"neuron"``.
+        layer: Layer index (-1 for the embeddings).
+        labels: Node labels (``"embed"``, ``"L0H1"``, ``"L0N5"`` or ``"L0N5.1"``).
+        order: Position in the residual stream (the group is read by inputs of larger order).
+    """
+
+    key: str
+    kind: str
+    layer: int
+    labels: tuple[str, ...]
+    order: int
+
+
+@dataclass(frozen=True)
+class InputGroup:
+    """Inputs of one kind of reader in one layer.
+
+    Attributes:
+        key: ``"attn.{l}.q"``, ``"neuron.{l}.gate"``, ``"logits"``, ...
+        kind: ``"attn"``, ``"neuron"`` or ``"logits"``.
+        layer: Layer index (``n_layers`` for the logits).
+        input: ``"q"``, ``"k"``, ``"v"``, ``"gate"``, ``"value"`` or ``""`` (logits).
+        labels: The reading nodes' labels (for ``k``/``v`` of grouped-query attention, the key/value
+            heads ``L{l}KV{j}``).
+        order: Reads every source group of smaller order.
+    """
+
+    key: str
+    kind: str
+    layer: int
+    input: str
+    labels: tuple[str, ...]
+    order: int
+
+
+class HeadGraph:
+    """Sources, inputs and edges of the attention-only view of ``model``.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        neuron_level: One node per MLP neuron (its ``K`` heads summed; default). With False, one
+            node per neuron-head (only differs when ``K > 1``).
+    """
+
+    def __init__(self, model, neuron_level: bool = True):
+        cfg = model.cfg
+        self.n_layers = cfg.n_layers
+        self.n_heads_per_neuron = model.n_heads_per_neuron
+        self.neuron_level = neuron_level or model.n_heads_per_neuron == 1
+        self.parallel = bool(cfg.parallel_attn_mlp)
+        n_kv = cfg.n_key_value_heads or cfg.n_heads
+        self.gqa = n_kv != cfg.n_heads
+        K = self.n_heads_per_neuron
+        if self.neuron_level:
+            neuron_labels = [[f"L{li}N{i}" for i in range(cfg.d_mlp)] for li in range(cfg.n_layers)]
+        else:
+            neuron_labels = [
+                [neuron_head_label(li, h, K) for h in range(cfg.d_mlp * K)]
+                for li in range(cfg.n_layers)
+            ]
+        # order: embed 0; attn of layer l at 3l+1 (reads < 3l+1); mlp at 3l+2 (reads < 3l+2,
+        # or < 3l+1 when attention and MLP run in parallel); logits last.
+        self.sources: list[SourceGroup] = [SourceGroup(EMBED, EMBED, -1, (EMBED,), 0)]
+        self.inputs: list[InputGroup] = []
+        for li in range(cfg.n_layers):
+            heads = tuple(attn_head_label(li, h) for h in range(cfg.n_heads))
+            kv = tuple(f"L{li}KV{j}" for j in range(n_kv)) if self.gqa else heads
+            for inp in ATTN_INPUTS:
+                labels = heads if inp == "q" else kv
+                self.inputs.append(
+                    InputGroup(f"attn.{li}.{inp}", "attn", li, inp, labels, 3 * li + 1)
+                )
+            self.sources.append(SourceGroup(f"attn.{li}", "attn", li, heads, 3 * li + 1))
+            mlp_order = 3 * li + 1 if self.parallel else 3 * li + 2
+            for inp in NEURON_INPUTS:
+                self.inputs.append(
+                    InputGroup(
+                        f"neuron.{li}.{inp}", "neuron", li, inp, tuple(neuron_labels[li]), mlp_order
+                    )
+                )
+            self.sources.append(
+                SourceGroup(f"neuron.{li}", "neuron", li, tuple(neuron_labels[li]), 3 * li + 2)
+            )
+        self.inputs.append(
+            InputGroup(LOGITS, LOGITS, cfg.n_layers, "", (LOGITS,), 3 * cfg.n_layers + 3)
+        )
+        self.source_by_key = {g.key: g for g in self.sources}
+        self.input_by_key = {g.key: g for g in self.inputs}
+
+    def blocks(self) -> Iterator[tuple[SourceGroup, InputGroup]]:
+        """Every (source group, input group) pair joined by edges."""
+        for dst in self.inputs:
+            for src in self.sources:
+                if src.order < dst.order:
+                    yield src, dst
+
+    def block_keys(self) -> list[tuple[str, str]]:
+        return [(s.key, d.key) for s, d in self.blocks()]
+
+    def n_edges(self) -> int:
+        return sum(len(s.labels) * len(d.labels) for s, d in self.blocks())
+
+    def full_mask(self, value: bool = True, device=None) -> dict[tuple[str, str], torch.Tensor]:
+        """Masks of every block, all ``value`` (True: the full graph; False: the empty graph)."""
+        return {
+            (s.key, d.key): torch.full((len(s.labels), len(d.labels)), value, device=device)
+            for s, d in self.blocks()
+        }
+
+
+def edge_label(src: str, dst: str, inp: str) -> str:
+    """``"L0H1->L1N3:gate"``, ``"L1N3->logits"``."""
+    return f"{src}->{dst}" + (f":{inp}" if inp else "")
+
+
+def edges_frame(
+    graph: HeadGraph,
+    scores: dict[tuple[str, str], torch.Tensor],
+    mask: dict[tuple[str, str], torch.Tensor] | None = None,
+) -> pd.DataFrame:
+    """One row per edge (or per edge in ``mask``): source, target, input, score, sorted by |score|.
+
+    Columns: ``edge, source, target, input, source_kind, target_kind, score``.
+    """
+    rows: dict[str, list] = {
+        k: [] for k in ("source", "target", "input", "source_kind", "target_kind", "score")
+    }
+    for src, dst in graph.blocks():
+        block = scores[(src.key, dst.key)]
+        keep = (
+            mask[(src.key, dst.key)]
+            if mask is not None
+            else torch.ones_like(block, dtype=torch.bool)
+        )
+        idx = keep.nonzero().tolist()
+        for u, v in idx:
+            rows["source"].append(src.labels[u])
+            rows["target"].append(dst.labels[v])
+            rows["input"].append(dst.input)
+            rows["source_kind"].append(src.kind)
+            rows["target_kind"].append(dst.kind)
+            rows["score"].append(float(block[u, v]))
+    frame = pd.DataFrame(rows)
+    frame.insert(
+        0,
+        "edge",
+        [
+            edge_label(s, t, i)
+            for s, t, i in zip(frame.source, frame.target, frame.input, strict=True)
+        ],
+    )
+    order = frame.score.abs().sort_values(ascending=False, kind="stable").index
+    return frame.loc[order].reset_index(drop=True)
+
+
+__all__ = [
+    "ATTN_INPUTS",
+    "EMBED",
+    "LOGITS",
+    "NEURON_INPUTS",
+    "HeadGraph",
+    "InputGroup",
+    "SourceGroup",
+    "edge_label",
+    "edges_frame",
+]
