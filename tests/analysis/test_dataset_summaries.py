@@ -1,0 +1,134 @@
+"""Dataset-level neuron-head summaries against brute force over a small corpus."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import D_VOCAB, make_model
+
+from tl_attnonly import convert
+from tl_attnonly.analysis.summaries import NeuronHeadSummaries, summarize_neuron_heads
+from tl_attnonly.vis.summaries import summary_html
+
+BEFORE, AFTER, K_TOP = 3, 1, 4
+
+
+def _corpus(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 10, 3, 12, 9, 5, 11]
+    return [torch.randint(0, D_VOCAB, (n,), generator=g) for n in lengths]
+
+
+def _brute_force(model, rows):
+    """Every position's self weight, z and post, one row at a time."""
+    out = []
+    for r, row in enumerate(rows):
+        _, cache = model.run_with_cache(row[None])
+        for li in range(model.cfg.n_layers):
+            out.append(
+                dict(
+                    row=r,
+                    layer=li,
+                    tokens=row,
+                    self=cache[f"blocks.{li}.mlp.hook_pattern"][0, :, :, 0].T,  # [pos, H]
+                    z=cache[f"blocks.{li}.mlp.hook_z"][0, :, :, 0],
+                    post=cache[f"blocks.{li}.mlp.hook_post"][0],
+                )
+            )
+    return out
+
+
+@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
+def test_summaries_equal_brute_force(act_fn):
+    model = convert(make_model(act_fn, normalization_type="LN", n_ctx=12))
+    rows = _corpus()
+    summary = summarize_neuron_heads(
+        model, rows, k=K_TOP, before=BEFORE, after=AFTER, batch_size=3, progress=False
+    )
+    brute = _brute_force(model, rows)
+    L, H, N = model.cfg.n_layers, model.n_neuron_heads, model.cfg.d_mlp
+    n_pos = sum(len(r) for r in rows)
+    assert summary.n_positions == n_pos and summary.n_rows == len(rows)
+    counts = torch.bincount(torch.cat(rows), minlength=D_VOCAB)
+    assert torch.equal(summary.token_count, counts)
+    for li in range(L):
+        entries = [e for e in brute if e["layer"] == li]
+        self_all = torch.cat([e["self"] for e in entries])  # [n_pos, H]
+        z_all = torch.cat([e["z"] for e in entries])
+        post_all = torch.cat([e["post"] for e in entries])
+        toks = torch.cat([e["tokens"] for e in entries])
+        # firing fraction
+        assert torch.equal(summary.fire_count[li], (self_all > 0.5).sum(0))
+        # per-token mean post and firing
+        expected_sum = torch.zeros(N, D_VOCAB, dtype=torch.float64).index_add_(
+            1, toks, post_all.T.double()
+        )
+        torch.testing.assert_close(summary.post_sum_by_token[li], expected_sum)
+        expected_fire = torch.zeros(H, D_VOCAB, dtype=torch.long).index_add_(
+            1, toks, (self_all > 0.5).T.long()
+        )
+        assert torch.equal(summary.fire_count_by_token[li], expected_fire)
+        # top-k values for both rankings, and the context of the best one
+        for ranking, values in (("self", self_all), ("abs_z", z_all.abs())):
+            best = values.float().topk(K_TOP, dim=0).values.T  # [H, k]
+            torch.testing.assert_close(summary.top[ranking][li].values, best)
+            for head in range(0, H, 5):
+                flat = int(values[:, head].argmax())
+                r, p = _row_pos(rows, flat)
+                top = summary.top[ranking][li]
+                assert (int(top.document[head, 0]), int(top.position[head, 0])) == (r, p)
+                expected_tokens = [
+                    int(rows[r][q]) if 0 <= q < len(rows[r]) else -1
+                    for q in range(p - BEFORE, p + AFTER + 1)
+                ]
+                assert top.tokens[head, 0].tolist() == expected_tokens
+                entry = entries[r]
+                for t, q in enumerate(range(p - BEFORE, p + AFTER + 1)):
+                    if 0 <= q < len(rows[r]):
+                        assert float(top.self_weight[head, 0, t]) == pytest.approx(
+                            float(entry["self"][q, head]), rel=1e-6
+                        )
+                        assert float(top.z[head, 0, t]) == pytest.approx(
+                            float(entry["z"][q, head]), rel=1e-6, abs=1e-9
+                        )
+
+
+def _row_pos(rows, flat):
+    for r, row in enumerate(rows):
+        if flat < len(row):
+            return r, flat
+        flat -= len(row)
+    raise IndexError(flat)
+
+
+def test_summaries_round_trip_rank_and_render(tmp_path):
+    model = convert(make_model("silu", normalization_type="LN", n_ctx=12))
+    summary = summarize_neuron_heads(model, _corpus(1), k=3, batch_size=4, progress=False)
+    summary.save(tmp_path / "s")
+    loaded = NeuronHeadSummaries.load(tmp_path / "s")
+    assert loaded.n_positions == summary.n_positions
+    assert torch.equal(loaded.fire_count_by_token, summary.fire_count_by_token)
+    for ranking in summary.top:
+        for li in range(model.cfg.n_layers):
+            for name in ("values", "tokens", "self_weight", "z", "document", "position"):
+                assert torch.equal(
+                    getattr(loaded.top[ranking][li], name), getattr(summary.top[ranking][li], name)
+                )
+    ranked = summary.rank(0, by="firing_fraction")
+    fire = summary.firing_fraction()[0]
+    assert fire[ranked[0]] == fire.max() and fire[ranked[-1]] == fire.min()
+    assert summary.rank(1, by="max_abs_z", top=3)[0] == int(
+        summary.top["abs_z"][1].values[:, 0].argmax()
+    )
+    page = summary_html(summary, 0, heads=ranked[:2]).html
+    assert "&lt;bias&gt;" in page and "L0N" in page
+    with pytest.raises(ValueError, match="by must be"):
+        summary.rank(0, by="nope")
+
+
+def test_summaries_refuse_over_budget_and_bad_items():
+    model = convert(make_model("silu", n_ctx=12))
+    with pytest.raises(MemoryError, match="token_stats=False"):
+        summarize_neuron_heads(model, _corpus(), max_bytes=1000, progress=False)
+    with pytest.raises(TypeError, match="strings or int tensors"):
+        summarize_neuron_heads(model, [3.5], progress=False)
