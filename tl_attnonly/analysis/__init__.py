@@ -6,6 +6,11 @@
 :mod:`.path_patching`       path patching between heads (IOI style)
 :mod:`.attribution`         attribution patching (gradient estimate for every head)
 :mod:`.circuits`            OV / QK / full circuits of neuron-heads, composition scores, top-k
+:mod:`.graph`               the unified graph: embeddings, attention heads, neuron-heads, logits
+:mod:`.discovery`           edge attribution patching over that graph, pruning
+:mod:`.circuit_runs`        exact circuit runs, faithfulness, gate/value splits, discover_circuit
+:mod:`.node_circuits`       node-level circuits for encoders too (pair-cosine metric), gate/value
+:mod:`.summaries`           dataset-level neuron-head summaries (top contexts, firing, tokens)
 ==========================  ======================================================================
 
 Heads are labelled ``L{l}H{h}`` (attention heads, TransformerLens's style), ``L{l}N{i}`` or
@@ -26,6 +31,15 @@ from tl_attnonly.analysis.cache import (
     get_neuron_head_results,
     neuron_head_z,
 )
+from tl_attnonly.analysis.circuit_runs import (
+    Circuit,
+    circuit_gate_value_split,
+    circuit_metric,
+    circuit_metrics,
+    discover_circuit,
+    faithfulness,
+    path_gate_value_split,
+)
 from tl_attnonly.analysis.circuits import (
     CompositionScores,
     bias_token_homogeneous,
@@ -44,6 +58,14 @@ from tl_attnonly.analysis.decomposition import (
     stack_all_head_results,
     stack_neuron_head_results,
 )
+from tl_attnonly.analysis.discovery import (
+    EdgeScores,
+    edge_attribution_scores,
+    logit_diff_metric,
+    mask_size,
+    prune,
+)
+from tl_attnonly.analysis.graph import HeadGraph
 from tl_attnonly.analysis.patching import (
     get_act_patch_all_heads,
     get_act_patch_neuron_heads,
@@ -59,10 +81,29 @@ from tl_attnonly.analysis.path_patching import (
     path_patch_sweep,
 )
 from tl_attnonly.analysis.ranking import composition_top_k, neuron_level
+from tl_attnonly.analysis.summaries import (
+    NeuronHeadSummaries,
+    stdlib_corpus,
+    summarize_neuron_heads,
+)
 
 __all__ = [
     "composition_top_k",
     "neuron_level",
+    "Circuit",
+    "EdgeScores",
+    "HeadGraph",
+    "NeuronHeadSummaries",
+    "circuit_gate_value_split",
+    "circuit_metric",
+    "circuit_metrics",
+    "discover_circuit",
+    "edge_attribution_scores",
+    "faithfulness",
+    "logit_diff_metric",
+    "mask_size",
+    "path_gate_value_split",
+    "prune",
     "LOGITS",
     "CompositionScores",
     "Receiver",
@@ -92,5 +133,7 @@ __all__ = [
     "run_patches",
     "stack_all_head_results",
     "stack_neuron_head_results",
+    "stdlib_corpus",
+    "summarize_neuron_heads",
     "top_k",
 ]

@@ -13,7 +13,9 @@ fires", "attends to the bias token" means "the neuron is off".
 
 Modules: :mod:`~tl_attnonly.vis.patterns` (square patterns, head selection, circuitsvis views:
 best for a few heads), :mod:`~tl_attnonly.vis.strips` (per-token (self, bias) strips: many heads
-at a glance), :mod:`~tl_attnonly.vis.figures` (plotly figures) and :mod:`~tl_attnonly.vis.export`
+at a glance), :mod:`~tl_attnonly.vis.figures` (plotly figures), :mod:`~tl_attnonly.vis.circuit`
+(circuits over attention heads and neuron-heads), :mod:`~tl_attnonly.vis.summaries` (dataset
+summaries) and :mod:`~tl_attnonly.vis.export`
 (:func:`save_figure`, standalone HTML, text safe inside ``<script>``).
 
 Example:
@@ -23,6 +25,7 @@ Example:
     >>> neuron_activity_heatmap(cache, layer=0, str_tokens=converted.to_str_tokens("def f(x):"))
 """
 
+from tl_attnonly.vis.circuit import circuit_figure
 from tl_attnonly.vis.export import (
     circuitsvis_js,
     find_chromium,
@@ -52,15 +55,18 @@ from tl_attnonly.vis.patterns import (
     square_neuron_pattern,
 )
 from tl_attnonly.vis.strips import neuron_head_strips
+from tl_attnonly.vis.summaries import SummaryView, summary_html
 
 __all__ = [
     "BIAS_TOKEN",
     "DEFAULT_PAGE_SIZE",
     "MAX_HEADS_PER_VIEW",
     "RANK_BY",
+    "SummaryView",
     "HeadsLike",
     "NeuronHeadView",
     "TokensLike",
+    "circuit_figure",
     "circuitsvis_js",
     "error_table_figure",
     "find_chromium",
@@ -77,4 +83,5 @@ __all__ = [
     "script_safe_json",
     "select_neuron_heads",
     "square_neuron_pattern",
+    "summary_html",
 ]
