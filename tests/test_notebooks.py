@@ -45,6 +45,7 @@ def test_the_notebooks_exist():
         "02_circuits.ipynb",
         "03_activation_patching.ipynb",
         "04_verifying_the_theorems.ipynb",
+        "05_circuits_over_neuron_heads.ipynb",
         "06_gated_neuron_heads_smollm2.ipynb",
     ]
 
