@@ -18,6 +18,7 @@ from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNor
 from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, SourceGroup
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
+from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 
 Mask = dict[tuple[str, str], torch.Tensor]
 DiscoveryMetric = Callable[..., torch.Tensor]
@@ -152,12 +153,12 @@ def _kv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _site(model, dst: InputGroup) -> tuple[nn.Module | None, str]:
     """The normalisation an input reads through and the hook of its residual input."""
     if dst.kind == LOGITS:
-        return None, f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+        return None, block_act_name("resid_post", model.cfg.n_layers - 1)
     block = model.blocks[dst.layer]
     if dst.kind == "attn":
-        return block.ln1, f"blocks.{dst.layer}.hook_resid_pre"
-    hook = "hook_resid_pre" if model.cfg.parallel_attn_mlp else "hook_resid_mid"
-    return block.ln2, f"blocks.{dst.layer}.{hook}"
+        return block.ln1, block_act_name("resid_pre", dst.layer)
+    resid = "resid_pre" if model.cfg.parallel_attn_mlp else "resid_mid"
+    return block.ln2, block_act_name(resid, dst.layer)
 
 
 def _norm_linearisation(module: nn.Module | None, x: torch.Tensor):
@@ -183,8 +184,8 @@ def _source_hooks(model, graph: HeadGraph) -> list[str]:
     if model.cfg.positional_embedding_type == "standard":
         names.append("hook_pos_embed")
     for li in range(graph.n_layers):
-        names.append(f"blocks.{li}.attn.hook_z")
-        names.append(f"blocks.{li}.mlp.hook_{'post' if graph.neuron_level else 'z'}")
+        names.append(head_act_name("z", li, "attn"))
+        names.append(neuron_act_name("post" if graph.neuron_level else "z", li))
     return names
 
 
@@ -198,10 +199,10 @@ def _source_values(
             out = out + acts["hook_pos_embed"]
         return out.unsqueeze(2)
     if src.kind == "attn":
-        return acts[f"blocks.{src.layer}.attn.hook_z"]
+        return acts[head_act_name("z", src.layer, "attn")]
     if graph.neuron_level:
-        return acts[f"blocks.{src.layer}.mlp.hook_post"].unsqueeze(-1)
-    return acts[f"blocks.{src.layer}.mlp.hook_z"]
+        return acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
+    return acts[neuron_act_name("z", src.layer)]
 
 
 def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
@@ -230,10 +231,10 @@ def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> to
 
 def _input_hook(dst: InputGroup, n_layers: int) -> str:
     if dst.kind == LOGITS:
-        return f"blocks.{n_layers - 1}.hook_resid_post"
-    sub = "attn" if dst.kind == "attn" else "mlp"
+        return block_act_name("resid_post", n_layers - 1)
+    head_kind = "attn" if dst.kind == "attn" else "neuron"
     inp = {"gate": "q", "value": "v"}.get(dst.input, dst.input)
-    return f"blocks.{dst.layer}.{sub}.hook_{inp}"
+    return head_act_name(inp, dst.layer, head_kind)
 
 
 def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.hooks import head_act_name, neuron_act_name
 
 #: A node-circuit metric: ``metric(output, inputs) -> scalar``.
 NodeMetric = Callable[..., torch.Tensor]
@@ -95,8 +96,8 @@ def _node_hooks(model) -> list[tuple[str, str, int]]:
         if model.cfg.positional_embedding_type == "standard":
             out.append(("embed", "hook_pos_embed", -1))
     for li in range(model.cfg.n_layers):
-        out.append(("attn", f"blocks.{li}.attn.hook_z", li))
-        out.append(("neuron", f"blocks.{li}.mlp.hook_post", li))
+        out.append(("attn", head_act_name("z", li, "attn"), li))
+        out.append(("neuron", neuron_act_name("post", li), li))
     return out
 
 
@@ -137,7 +138,7 @@ def node_attribution_scores(
     L, K = model.cfg.n_layers, model.n_heads_per_neuron
     hooks = _node_hooks(model)
     names = {name for _, name, _ in hooks} | {
-        f"blocks.{li}.mlp.hook_{k}" for li in range(L) for k in ("q", "v")
+        neuron_act_name(k, li) for li in range(L) for k in ("q", "v")
     }
     caches = []
     values = []
@@ -180,14 +181,14 @@ def node_attribution_scores(
     gate = torch.zeros(L, model.cfg.d_mlp, dtype=torch.float64)
     val = torch.zeros_like(gate)
     for li in range(L):
-        per_head = attr(f"blocks.{li}.attn.hook_z").sum((0, 1, 3))
+        per_head = attr(head_act_name("z", li, "attn")).sum((0, 1, 3))
         for h, s in enumerate(per_head.tolist()):
             scores[f"L{li}H{h}"] = s
-        per_neuron = attr(f"blocks.{li}.mlp.hook_post").sum((0, 1))
+        per_neuron = attr(neuron_act_name("post", li)).sum((0, 1))
         for i, s in enumerate(per_neuron.tolist()):
             scores[f"L{li}N{i}"] = s
-        gate[li] = attr(f"blocks.{li}.mlp.hook_q").sum((0, 1, 3)).unflatten(0, (-1, K)).sum(-1)
-        val[li] = attr(f"blocks.{li}.mlp.hook_v").sum((0, 1, 3)).unflatten(0, (-1, K)).sum(-1)
+        gate[li] = attr(neuron_act_name("q", li)).sum((0, 1, 3)).unflatten(0, (-1, K)).sum(-1)
+        val[li] = attr(neuron_act_name("v", li)).sum((0, 1, 3)).unflatten(0, (-1, K)).sum(-1)
     return NodeScores(pd.Series(scores), gate, val, values[0], values[1])
 
 
@@ -212,7 +213,7 @@ def node_circuit_metrics(
     K = model.n_heads_per_neuron
     hooks = _node_hooks(model)
     names = {name for _, name, _ in hooks} | {
-        f"blocks.{li}.mlp.hook_{k}" for li in range(model.cfg.n_layers) for k in ("q", "v")
+        neuron_act_name(k, li) for li in range(model.cfg.n_layers) for k in ("q", "v")
     }
     corr: dict[str, torch.Tensor] = {}
 
@@ -241,9 +242,7 @@ def node_circuit_metrics(
         for label, which in inputs_off.items():
             li, i = int(label[1:].split("N")[0]), int(label.split("N")[1])
             kind = "q" if which == "gate" else "v"
-            fwd.append(
-                (f"blocks.{li}.mlp.hook_{kind}", _patcher(corr, list(range(i * K, i * K + K))))
-            )
+            fwd.append((neuron_act_name(kind, li), _patcher(corr, list(range(i * K, i * K + K)))))
         with torch.no_grad():
             out.append(metric(_forward(model, clean, fwd), clean).item())
     return out

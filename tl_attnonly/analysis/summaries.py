@@ -33,7 +33,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 
 from tl_attnonly._types import require_neuron_heads
-from tl_attnonly.hooks import neuron_head_label
+from tl_attnonly.hooks import neuron_act_name, neuron_head_label
 
 #: Rankings kept per neuron-head: by weight on self, and by |z|.
 RANKINGS = ("self", "abs_z")
@@ -431,7 +431,7 @@ def summarize_neuron_heads(
     token_count = torch.zeros(V, dtype=torch.long)
     post_sum = torch.zeros(L, N, V, dtype=torch.float64) if token_stats else None
     fire_tok = torch.zeros(L, H, V, dtype=torch.long) if token_stats else None
-    names = {f"blocks.{li}.mlp.hook_{kind}" for li in range(L) for kind in ("pattern", "z", "post")}
+    names = {neuron_act_name(kind, li) for li in range(L) for kind in ("pattern", "z", "post")}
     n_positions = n_rows = 0
     device = cfg.device
     rows = _token_rows(model, corpus, max_len)
@@ -457,9 +457,9 @@ def summarize_neuron_heads(
         flat_tokens = tokens[valid]  # [n_valid]
         token_count += torch.bincount(flat_tokens, minlength=V)
         for li in range(L):
-            self_w = cache[f"blocks.{li}.mlp.hook_pattern"][..., 0].transpose(1, 2).float().cpu()
-            z = cache[f"blocks.{li}.mlp.hook_z"][..., 0].float().cpu()  # [batch, pos, H]
-            post = cache[f"blocks.{li}.mlp.hook_post"].double().cpu()  # [batch, pos, N]
+            self_w = cache[neuron_act_name("pattern", li)][..., 0].transpose(1, 2).float().cpu()
+            z = cache[neuron_act_name("z", li)][..., 0].float().cpu()  # [batch, pos, H]
+            post = cache[neuron_act_name("post", li)].double().cpu()  # [batch, pos, N]
             fires = self_w > 0.5
             fire[li] += (fires & valid[..., None]).sum((0, 1))
             if post_sum is not None and fire_tok is not None:
