@@ -139,6 +139,23 @@ def require_additive_residual(model: object, what: str) -> None:
     )
 
 
+def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
+    """Refuse clean and corrupted tokens that are not int tensors ``[batch, pos]`` of one shape.
+
+    Raises:
+        TypeError: If either is not a 2-d tensor.
+        ValueError: If their shapes differ.
+    """
+    for tokens in (clean, corrupted):
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+            raise TypeError("Pass clean and corrupted tokens as int tensors [batch, pos].")
+    if clean.shape != corrupted.shape:
+        raise ValueError(
+            f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} tokens must have "
+            "the same shape (pad the prompts to one length)."
+        )
+
+
 __all__ = [
     "HEAD_KINDS",
     "CoefficientsLike",
@@ -148,6 +165,7 @@ __all__ = [
     "Kinds",
     "Metric",
     "check_kinds",
+    "check_token_pair",
     "require_additive_residual",
     "require_neuron_heads",
 ]

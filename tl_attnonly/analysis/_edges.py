@@ -121,17 +121,6 @@ def _batches(n: int, batch_size: int | None) -> list[torch.Tensor]:
     return [torch.arange(s, min(n, s + size)) for s in range(0, n, size)]
 
 
-def _check_tokens(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
-    for tokens in (clean, corrupted):
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-            raise TypeError("Pass clean and corrupted tokens as int tensors [batch, pos].")
-    if clean.shape != corrupted.shape:
-        raise ValueError(
-            f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} tokens must have "
-            "the same shape (pad the prompts to one length)."
-        )
-
-
 def _coef(mlp: NeuronHeadMLP, like: torch.Tensor, which: int) -> torch.Tensor:
     """One coefficient ``[K]`` of the neuron-heads (0: b, 1: d, 2: f, 3: e, 4: g)."""
     return mlp._coefs(like)[which]

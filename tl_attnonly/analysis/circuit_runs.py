@@ -21,13 +21,13 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import check_token_pair
 from tl_attnonly.analysis._edges import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
     _batches,
     _call_metric,
-    _check_tokens,
     _coef,
     _input_hook,
     _kv_weights,
@@ -130,7 +130,7 @@ def circuit_metrics(
 ) -> list[float]:
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
     check_discoverable(model)
-    _check_tokens(clean_tokens, corrupted_tokens)
+    check_token_pair(clean_tokens, corrupted_tokens)
     graph = HeadGraph(model, neuron_level=neuron_level)
     for mask in masks:
         missing = set(graph.block_keys()) - set(mask)

@@ -42,13 +42,13 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import check_token_pair
 from tl_attnonly.analysis._edges import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
     _batches,
     _call_metric,
-    _check_tokens,
     _input_hook,
     _norm_linearisation,
     _read_gradient,
@@ -170,7 +170,7 @@ def edge_attribution_scores(
         :class:`EdgeScores`.
     """
     check_discoverable(model)
-    _check_tokens(clean_tokens, corrupted_tokens)
+    check_token_pair(clean_tokens, corrupted_tokens)
     if method not in ("eap", "eap-ig"):
         raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
     if method == "eap-ig" and ig_steps < 1:

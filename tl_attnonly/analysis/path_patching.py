@@ -31,7 +31,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import FwdHooks, Metric, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, check_token_pair, require_neuron_heads
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -203,14 +203,7 @@ def _prepare(
     corrupted_cache,
 ):
     require_neuron_heads(model)
-    for tokens in (clean_tokens, corrupted_tokens):
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-            raise TypeError("Pass tokens as int tensors [batch, pos] of the same shape.")
-    if clean_tokens.shape != corrupted_tokens.shape:
-        raise ValueError(
-            f"clean_tokens {tuple(clean_tokens.shape)} and corrupted_tokens "
-            f"{tuple(corrupted_tokens.shape)} must have the same shape."
-        )
+    check_token_pair(clean_tokens, corrupted_tokens)
     K = model.n_heads_per_neuron
     if isinstance(receivers, (str, HeadRef, Receiver)):
         receivers = [receivers]
