@@ -4,14 +4,16 @@ Edge scores are checked against exact path patching where the path is linear (ed
 logits and into the value inputs of last-layer neurons, in a model without normalisation, metric
 linear in the logits), and, with normalisation, against autograd's directional derivative of the
 metric along one edge (what EAP estimates, exactly). Circuit runs are checked against activation
-patching.
+patching. Every check runs on plain MLPs and on gated ones (SwiGLU, GeGLU K=4, ReGLU; LLaMA-,
+Qwen2-, Mistral-, Phi-3-like configs of ``conftest.GATED_ZOO``), whose ``gate`` input is
+``g = x W_gate`` (``hook_pre``) and ``value`` input ``u = x W_in`` (``hook_pre_linear``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokens
+from conftest import GATED_ZOO, make_model, make_tokens
 
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
@@ -36,15 +38,48 @@ CONFIGS = {
     "parallel": dict(normalization_type="LN", parallel_attn_mlp=True),
     "no_norm": dict(normalization_type=None),
 }
+#: Gated configs (act_fn, overrides): the discoverable families of the gated zoo, and GeGLU (K=4)
+#: with LLaMA's layout (Gemma 1; Gemma 2/3's norms after each sublayer are refused).
+GATED = {
+    "llama": ("silu", GATED_ZOO["llama"]),
+    "qwen2": ("silu", GATED_ZOO["qwen2"]),
+    "mistral_window": ("silu", GATED_ZOO["mistral_window"]),
+    "phi3": ("silu", GATED_ZOO["phi3"]),
+    "geglu": ("gelu_pytorch_tanh", GATED_ZOO["llama"]),
+    "reglu_ln": ("relu", {k: v for k, v in GATED_ZOO["reglu_ln"].items() if k != "act_fn"}),
+}
+
+
+_LINEAR_WEIGHTS = [
+    torch.randn(61, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    for seed in range(8)
+]
 
 
 def _linear_metric(seed: int = 0):
-    weights = torch.randn(61, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    weights = _LINEAR_WEIGHTS[seed]
     return lambda logits: (logits[:, -1] @ weights).sum()
 
 
 def _model(act_fn="silu", **overrides):
     return convert(make_model(act_fn, **overrides))
+
+
+def _config_model(config: str):
+    """A converted model of ``CONFIGS`` (SiLU) or ``GATED``."""
+    if config in GATED:
+        act_fn, overrides = GATED[config]
+        return _model(act_fn, **overrides)
+    return _model(**CONFIGS[config])
+
+
+def _gated_product(model, layer: int, neuron: int, g: torch.Tensor, u: torch.Tensor):
+    """What a gated neuron's heads write, ``sum_k sigmoid(b_k g + d_k) (f_k g + e_k - g_k) u``."""
+    c = model.blocks[layer].mlp.coefficients
+    return sum(
+        torch.sigmoid(b * g + d) * (f * g + e - gk) * u
+        for b, d, f, e, gk in zip(c.b, c.d, c.f, c.e, c.g, strict=True)
+    )
 
 
 def _score(es, src: str, dst: str, inp: str) -> float:
@@ -54,9 +89,14 @@ def _score(es, src: str, dst: str, inp: str) -> float:
     return float(row.score.iloc[0])
 
 
-@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
-def test_linear_edges_equal_exact_path_patching(act_fn):
-    model = _model(act_fn, normalization_type=None)
+@pytest.mark.parametrize(
+    "act_fn, gated",
+    [("silu", False), ("gelu", False), ("silu", True), ("gelu_pytorch_tanh", True), ("relu", True)],
+)
+def test_linear_edges_equal_exact_path_patching(act_fn, gated):
+    """Edges into the logits and into the value input of a last-layer neuron (for gated MLPs its
+    linear branch ``u``: the neuron writes ``act_K(g) * u``) are linear paths: exact scores."""
+    model = _model(act_fn, normalization_type=None, gated_mlp=gated)
     metric = _linear_metric()
     es = edge_attribution_scores(model, CLEAN, CORRUPTED, metric, progress=False, batch_size=2)
     base = metric(model(CORRUPTED)).item()
@@ -73,6 +113,10 @@ def test_linear_edges_equal_exact_path_patching(act_fn):
     K = model.n_heads_per_neuron
     for src, dst, inp, receiver in cases:
         senders = [src] if "H" in src else [f"{src}.{k}" for k in range(K)] if K > 1 else [src]
+        if gated and inp == "value":  # u is not a head input: patch it by hand
+            exact = _edge_run(model, src, dst, inp, metric, 1.0).item() - base
+            assert _score(es, src, dst, inp) == pytest.approx(exact, rel=1e-9, abs=1e-9)
+            continue
         if K > 1 and "N" in receiver:
             neuron = receiver.split(":")[0]
             receiver = [f"{neuron}.{k}:v" for k in range(K)]
@@ -96,8 +140,8 @@ def test_ig_equals_eap_and_exact_on_logit_edges():
     )
 
 
-def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> float:
-    """d metric / dt of the corrupted run whose ``dst:inp`` reads ``resid + t * delta(src)``."""
+def _edge_run(model, src: str, dst: str, inp: str, metric, t) -> torch.Tensor:
+    """The metric of the corrupted run whose ``dst:inp`` reads ``resid + t * delta(src)``."""
     names = lambda n: n.endswith(
         ("hook_z", "hook_post", "hook_embed", "hook_pos_embed", "resid_pre", "resid_mid")
     )  # noqa: E731
@@ -117,7 +161,6 @@ def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> floa
         delta = (clean[name] - corr[name])[:, :, neuron, None] * model.blocks[layer].mlp.W_out[
             neuron
         ]
-    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
     if dst == "logits":
         hooks = [
             (f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", lambda a, hook: a + t * delta)
@@ -152,21 +195,33 @@ def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> floa
             neuron = int(dst.split("N")[1])
             site = corr[f"blocks.{layer}.hook_resid_{'pre' if parallel else 'mid'}"]
             x = block.ln2(site + t * delta)
-            pre = x @ block.mlp.W_in[:, neuron] + block.mlp.b_in[neuron]  # SiLU: q = v = pre
+            if model.cfg.gated_mlp:  # gate: g = x W_gate (hook_pre); value: u = x W_in
+                W = block.mlp.W_gate if inp == "gate" else block.mlp.W_in
+                pre = x @ W[:, neuron]
+                name = f"blocks.{layer}.mlp.hook_{'pre' if inp == 'gate' else 'pre_linear'}"
+            else:
+                pre = x @ block.mlp.W_in[:, neuron] + block.mlp.b_in[neuron]  # SiLU: q = v = pre
+                name = f"blocks.{layer}.mlp.hook_{'q' if inp == 'gate' else 'v'}"
 
             def hook(act, hook):
                 act = act.clone()
-                act[:, :, neuron, 0] = pre
+                act[:, :, neuron, ...] = pre.reshape(act[:, :, neuron, ...].shape)
                 return act
 
-            hooks = [(f"blocks.{layer}.mlp.hook_{'q' if inp == 'gate' else 'v'}", hook)]
-    value = metric(model.run_with_hooks(CORRUPTED, fwd_hooks=hooks))
+            hooks = [(name, hook)]
+    return metric(model.run_with_hooks(CORRUPTED, fwd_hooks=hooks))
+
+
+def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> float:
+    """d metric / dt of the corrupted run whose ``dst:inp`` reads ``resid + t * delta(src)``."""
+    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    value = _edge_run(model, src, dst, inp, metric, t)
     return torch.autograd.grad(value, t)[0].item()
 
 
-@pytest.mark.parametrize("config", ["ln", "rms_rotary", "lnpre_gqa", "parallel"])
+@pytest.mark.parametrize("config", ["ln", "rms_rotary", "lnpre_gqa", "parallel", *sorted(GATED)])
 def test_scores_are_the_directional_derivative_along_each_edge(config):
-    model = _model(**CONFIGS[config])
+    model = _config_model(config)
     metric = _linear_metric(2)
     es = edge_attribution_scores(model, CLEAN, CORRUPTED, metric, progress=False)
     cases = [
@@ -192,9 +247,9 @@ def test_scores_are_the_directional_derivative_along_each_edge(config):
         )
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("config", sorted(CONFIGS) + sorted(GATED))
 def test_full_graph_is_clean_and_empty_graph_is_corrupted(config):
-    model = _model(**CONFIGS[config])
+    model = _config_model(config)
     metric = _linear_metric(3)
     graph = HeadGraph(model)
     full = circuit_metric(model, graph.full_mask(True), CLEAN, CORRUPTED, metric, batch_size=2)
@@ -206,12 +261,15 @@ def test_full_graph_is_clean_and_empty_graph_is_corrupted(config):
     assert faithfulness(empty, clean, corrupted) == pytest.approx(0.0, abs=1e-10)
 
 
-@pytest.mark.parametrize("config", ["ln", "rms_rotary", "parallel"])
-@pytest.mark.parametrize("act_fn", ["silu", "gelu"])
+@pytest.mark.parametrize(
+    "config, act_fn",
+    [(c, a) for c in ("ln", "rms_rotary", "parallel") for a in ("silu", "gelu")]
+    + [(c, None) for c in ("llama", "geglu", "reglu_ln")],
+)
 def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
     """No edge out of a node = its corrupted output everywhere; no edge into an input = corrupted
     input: both are plain activation patches of the clean run."""
-    model = _model(act_fn, **CONFIGS[config])
+    model = _model(act_fn, **CONFIGS[config]) if act_fn else _config_model(config)
     metric = _linear_metric(4)
     graph = HeadGraph(model)
     _, corr = model.run_with_cache(CORRUPTED)
@@ -239,11 +297,14 @@ def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
         got = circuit_metric(model, mask, CLEAN, CORRUPTED, metric)
         assert got == pytest.approx(patched(name, index), rel=1e-10), key
     heads = slice(3 * K, 4 * K)
+    gate, value = ("pre", "pre_linear") if model.cfg.gated_mlp else ("q", "v")
+    if model.cfg.gated_mlp:
+        heads = slice(3, 4)  # a gated neuron's gate and value are its g and u
     inputs = [
         ("attn.1.q", 1, "blocks.1.attn.hook_q", (slice(None), slice(None), 1)),
         ("attn.1.v", 0, "blocks.1.attn.hook_v", (slice(None), slice(None), 0)),
-        ("neuron.1.gate", 3, "blocks.1.mlp.hook_q", (slice(None), slice(None), heads)),
-        ("neuron.0.value", 3, "blocks.0.mlp.hook_v", (slice(None), slice(None), heads)),
+        ("neuron.1.gate", 3, f"blocks.1.mlp.hook_{gate}", (slice(None), slice(None), heads)),
+        ("neuron.0.value", 3, f"blocks.0.mlp.hook_{value}", (slice(None), slice(None), heads)),
     ]
     for key, v, name, index in inputs:
         mask = graph.full_mask(True)
@@ -254,12 +315,17 @@ def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
         assert got == pytest.approx(patched(name, index), rel=1e-10), key
 
 
-def test_gate_value_split_of_a_last_layer_neuron_is_the_product_rule():
-    """For ``z = sigmoid(q) v`` read linearly: gate = d_sigma v, value = sigma d_v, and the
-    interaction is d_sigma d_v, summed over the examples' last positions."""
-    model = _model(normalization_type=None)
-    weights = torch.randn(61, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    metric = lambda logits: (logits[:, -1] @ weights).sum()  # noqa: E731
+@pytest.mark.parametrize(
+    "act_fn, gated", [("silu", False), ("silu", True), ("gelu_pytorch_tanh", True), ("relu", True)]
+)
+def test_gate_value_split_of_a_last_layer_neuron_is_the_product_rule(act_fn, gated):
+    """A last-layer neuron read linearly writes ``F(gate input, value input)``: plain SiLU
+    ``sigmoid(q) v`` with ``q = v = pre``; gated ``act_K(g) u``. Its gate edges alone give
+    ``F(gate_clean, value_corr) - F(gate_corr, value_corr)``, its value edges alone ``F(gate_corr,
+    value_clean) - F(gate_corr, value_corr)``, both ``F(clean, clean) - F(corr, corr)``, summed over
+    the examples' last positions; ``both = gate + value + interaction``, interaction non-zero."""
+    model = _model(act_fn, normalization_type=None, gated_mlp=gated)
+    metric = _linear_metric(5)
     graph = HeadGraph(model)
     neuron = 6
     split = circuit_gate_value_split(
@@ -268,15 +334,23 @@ def test_gate_value_split_of_a_last_layer_neuron_is_the_product_rule():
     ).iloc[0]  # fmt: skip
     _, clean = model.run_with_cache(CLEAN)
     _, corr = model.run_with_cache(CORRUPTED)
-    pre_cl = clean["blocks.1.mlp.hook_pre"][:, -1, neuron].detach()
-    pre_co = corr["blocks.1.mlp.hook_pre"][:, -1, neuron].detach()
-    read = (model.blocks[1].mlp.W_out[neuron] @ model.W_U @ weights).detach()
-    d_sigma = pre_cl.sigmoid() - pre_co.sigmoid()
-    d_v = pre_cl - pre_co
-    assert split.gate == pytest.approx(float((d_sigma * pre_co).sum() * read), rel=1e-9)
-    assert split.value == pytest.approx(float((pre_co.sigmoid() * d_v).sum() * read), rel=1e-9)
-    assert split.interaction == pytest.approx(float((d_sigma * d_v).sum() * read), rel=1e-9)
+    g_cl, g_co, u_cl, u_co = (
+        cache[f"blocks.1.mlp.hook_{kind}"][:, -1, neuron].detach()
+        for kind in (("pre", "pre_linear") if gated else ("pre", "pre"))
+        for cache in (clean, corr)
+    )
+    read = (model.blocks[1].mlp.W_out[neuron] @ model.W_U @ _LINEAR_WEIGHTS[5]).detach()
+
+    def F(g, u):
+        z = _gated_product(model, 1, neuron, g, u) if gated else g.sigmoid() * u
+        return float(z.sum() * read)
+
+    none = F(g_co, u_co)
+    assert split.gate == pytest.approx(F(g_cl, u_co) - none, rel=1e-9)
+    assert split.value == pytest.approx(F(g_co, u_cl) - none, rel=1e-9)
+    assert split.both == pytest.approx(F(g_cl, u_cl) - none, rel=1e-9)
     assert split.both == pytest.approx(split.gate + split.value + split.interaction, rel=1e-12)
+    assert abs(split.interaction) > 1e-6  # a product: the two inputs interact
 
 
 def test_path_gate_value_split_matches_hand_patching():
@@ -308,8 +382,9 @@ def test_path_gate_value_split_matches_hand_patching():
     )
 
 
-def test_discover_circuit_prunes_checks_and_draws():
-    model = _model(normalization_type="LN")
+@pytest.mark.parametrize("config", ["ln", "llama"])
+def test_discover_circuit_prunes_checks_and_draws(config):
+    model = _config_model(config)
     correct = torch.tensor([1, 2, 3])
     metric = logit_diff_metric(correct, torch.tensor([4, 5, 6]))
     circuit = discover_circuit(
@@ -340,6 +415,36 @@ def test_unsupported_models_are_refused():
         edge_attribution_scores(model, CLEAN, CORRUPTED, _linear_metric())
     with pytest.raises(ValueError, match="same shape"):
         edge_attribution_scores(_model(), CLEAN, CORRUPTED[:, :5], _linear_metric())
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("gemma2", "use_normalization_before_and_after"),
+        ("gemma3", "use_qk_norm"),
+        ("olmo2", "post-norm"),
+        ("moe", "NeuronHeadMoE"),
+        ("geglu_heads", "neuron_level=False on gated MLPs"),
+    ],
+)
+def test_unsupported_gated_models_are_refused_before_any_work(name, match):
+    if name == "moe":
+        model = _model(normalization_type="RMS", gated_mlp=True, num_experts=2, experts_per_token=1)
+    elif name == "geglu_heads":
+        model = _config_model("geglu")
+    else:
+        overrides = dict(GATED_ZOO[name])
+        model = _model(overrides.pop("act_fn", "silu"), **overrides)
+    neuron_level = name != "geglu_heads"
+    ran = []
+    model.blocks[0].hook_resid_pre.add_hook(lambda act, hook: ran.append(1))
+    metric = _linear_metric()
+    with pytest.raises(NotImplementedError, match=match):
+        edge_attribution_scores(model, CLEAN, CORRUPTED, metric, neuron_level=neuron_level)
+    with pytest.raises(NotImplementedError, match=match):
+        circuit_metric(model, {}, CLEAN, CORRUPTED, metric, neuron_level=neuron_level)
+    assert not ran
+    model.reset_hooks()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNor
 
 from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, SourceGroup
+from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 
@@ -32,9 +33,20 @@ BLOCK_BUDGET = 2**28
 # ---------------------------------------------------------------------------------------------
 
 
-def check_discoverable(model) -> None:
-    """Refuse, before any work, models whose residual stream is not a sum of node outputs."""
-    require_neuron_heads(model)
+def check_discoverable(model, neuron_level: bool = True) -> None:
+    """Refuse, before any work, models whose residual stream is not a sum of node outputs.
+
+    Args:
+        model: The model to check.
+        neuron_level: The graph's granularity (head level is refused for gated MLPs with K > 1).
+
+    Raises:
+        TypeError: If ``model`` is not converted.
+        NotImplementedError: For encoders, mixtures of experts, post-norm blocks (and norms after
+            each sublayer), qk-norm, positions other than learned or rotary, attention-only models,
+            and neuron-head level on gated MLPs with ``K > 1``.
+    """
+    require_neuron_heads(model)  # refuses mixtures of experts (NeuronHeadMoE) by name
     if hasattr(model, "encoder_output"):
         raise NotImplementedError(
             "Edge-level circuit discovery needs a pre-norm decoder; a BERT-style encoder "
@@ -54,21 +66,27 @@ def check_discoverable(model) -> None:
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     for li, block in enumerate(model.blocks):
-        if not isinstance(block.mlp, NeuronHeadMLP):
+        if not isinstance(block.mlp, (NeuronHeadMLP, GatedNeuronHeadMLP)):
             problems.append(f"blocks.{li}.mlp is a {type(block.mlp).__name__}")
+
         for name in ("ln1", "ln2"):
             module = getattr(block, name, None)
             if module is not None and not isinstance(
                 module, (nn.Identity, LayerNorm, LayerNormPre, RMSNorm, RMSNormPre)
             ):
                 problems.append(f"blocks.{li}.{name} is a {type(module).__name__}")
+    gated = any(isinstance(block.mlp, GatedNeuronHeadMLP) for block in model.blocks)
+    if gated and not neuron_level and model.n_heads_per_neuron > 1:
+        problems.append(
+            f"neuron_level=False on gated MLPs with K={model.n_heads_per_neuron} heads per neuron "
+            "(the K heads share one gate read and one value read; use neuron_level=True)"
+        )
     if problems:
         raise NotImplementedError(
             "Circuit discovery needs a pre-norm decoder whose residual stream is the sum of the "
             "embeddings and the nodes' outputs (LN, LNPre, RMS, RMSPre or no normalisation; "
-            "learned or rotary positions; plain NeuronHeadMLP layers). Not supported here: "
-            + ", ".join(problems)
-            + "."
+            "learned or rotary positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no mixtures "
+            "of experts). Not supported here: " + ", ".join(problems) + "."
         )
 
 
@@ -206,21 +224,30 @@ def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> t
     return W_out.unsqueeze(1)
 
 
+def _neuron_read_matrix(model, dst: InputGroup, graph: HeadGraph) -> torch.Tensor:
+    """``[d_model, d_mlp]`` read by a neuron input: ``W_gate`` (gated ``gate``) or ``W_in``."""
+    mlp = model.blocks[dst.layer].mlp
+    return mlp.W_gate if graph.gated and dst.input == "gate" else mlp.W_in
+
+
 def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
     """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
     if dst.kind == LOGITS:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if dst.kind == "attn":
         return _kv_weights(model.blocks[dst.layer].attn, dst.input)[0]
-    W_in = model.blocks[dst.layer].mlp.W_in
+    W_in = _neuron_read_matrix(model, dst, graph)
     if not graph.neuron_level:
         W_in = W_in.repeat_interleave(graph.n_heads_per_neuron, dim=1)
     return W_in.T.unsqueeze(-1)
 
 
-def _input_hook(dst: InputGroup, n_layers: int) -> str:
+def _input_hook(dst: InputGroup, graph: HeadGraph) -> str:
+    """The hook holding what ``dst`` reads (gated MLPs: ``hook_pre`` / ``hook_pre_linear``)."""
     if dst.kind == LOGITS:
-        return block_act_name("resid_post", n_layers - 1)
+        return block_act_name("resid_post", graph.n_layers - 1)
+    if dst.kind == "neuron" and graph.gated:
+        return neuron_act_name("pre" if dst.input == "gate" else "pre_linear", dst.layer)
     head_kind = "attn" if dst.kind == "attn" else "neuron"
     inp = {"gate": "q", "value": "v"}.get(dst.input, dst.input)
     return head_act_name(inp, dst.layer, head_kind)
@@ -232,6 +259,8 @@ def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor)
         return grad.unsqueeze(2)
     if dst.kind == "attn":
         return grad
+    if graph.gated:  # d metric / d g or d u, [batch, pos, d_mlp] (neuron level only)
+        return grad.unsqueeze(-1)
     mlp = model.blocks[dst.layer].mlp
     coef = _coef(mlp, grad, 0 if dst.input == "gate" else 2)  # q = b*pre + d, v = f*pre + e
     K = graph.n_heads_per_neuron

@@ -9,6 +9,10 @@ stream plus the current run's change of the sources joined to it by circuit edge
 (each node's normalisation applied to its own input). So the full graph gives the clean run, the
 empty graph the corrupted run, and ``faithfulness = (m(circuit) - m(corrupted)) / (m(clean) -
 m(corrupted))`` is 1 and 0 for them.
+
+A gated neuron's two inputs are its gate ``g = x W_gate`` (``hook_pre``) and linear branch
+``u = x W_in`` (``hook_pre_linear``), rebuilt each from its own residual input; its heads then
+compute ``sigmoid(b_k g + d_k) (f_k g + e_k - g_k) u`` as in the model.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tl_attnonly.analysis._edges import (
     _coef,
     _input_hook,
     _kv_weights,
+    _neuron_read_matrix,
     _site,
     _source_hooks,
     _source_values,
@@ -48,7 +53,7 @@ from tl_attnonly.analysis.graph import LOGITS, HeadGraph, InputGroup
 def _corrupted_names(model, graph: HeadGraph) -> list[str]:
     names = set(_source_hooks(model, graph))
     for dst in graph.inputs:
-        names.add(_input_hook(dst, graph.n_layers))
+        names.add(_input_hook(dst, graph))
         names.add(_site(model, dst)[1])
     return sorted(names)
 
@@ -56,8 +61,9 @@ def _corrupted_names(model, graph: HeadGraph) -> list[str]:
 def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes: torch.Tensor):
     """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``.
 
-    Returns ``[b, p, m, d_head]`` (attention) or the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
-    together with the head indices ``m'`` they go to.
+    Returns ``[b, p, m, d_head]`` (attention), the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
+    together with the head indices ``m'`` they go to, or, for gated MLPs, the gates ``g`` or
+    linear branches ``u`` of the neurons, ``[b, p, m]`` (``hook_pre`` / ``hook_pre_linear``).
     """
     module, _ = _site(model, dst)
     normalised = module(x) if module is not None else x
@@ -65,6 +71,9 @@ def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes:
         W, b = _kv_weights(model.blocks[dst.layer].attn, dst.input)
         out = torch.einsum("bpmd,mde->bpme", normalised, W[nodes]) + b[nodes]
         return out, nodes
+    if graph.gated:  # TL's GatedMLP: g = x W_gate, u = x W_in, no biases before the product
+        W = _neuron_read_matrix(model, dst, graph)[:, nodes]
+        return torch.einsum("bpmd,dm->bpm", normalised, W), nodes
     mlp = model.blocks[dst.layer].mlp
     K = graph.n_heads_per_neuron
     neurons = nodes if graph.neuron_level else nodes // K
@@ -129,7 +138,7 @@ def circuit_metrics(
     progress: bool = False,
 ) -> list[float]:
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
-    check_discoverable(model)
+    check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
     graph = HeadGraph(model, neuron_level=neuron_level)
     for mask in masks:
@@ -178,7 +187,7 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
         none = (included == 0).nonzero().flatten()
         mixed = ((included > 0) & (included < n_possible)).nonzero().flatten()
         _, site_name = _site(model, dst)
-        hook_name = _input_hook(dst, graph.n_layers)
+        hook_name = _input_hook(dst, graph)
 
         def hook(act, hook):
             act = act.clone()
@@ -230,7 +239,8 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
 
 
 def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.Tensor:
-    if dst.kind != "neuron" or not graph.neuron_level:
+    """Indices into ``dst``'s input hook of ``nodes`` (a neuron's ``K`` heads, or itself)."""
+    if dst.kind != "neuron" or not graph.neuron_level or graph.gated:
         return nodes
     K = graph.n_heads_per_neuron
     return (nodes[:, None] * K + torch.arange(K)).flatten()
@@ -322,6 +332,11 @@ def circuit_gate_value_split(
       interaction is zero when the metric is linear in the neuron's pattern and value jointly,
       which a product ``pattern * value`` is not).
 
+    For a gated neuron (``act_K(g) * u``) the gate is ``g`` (the pattern and the ``g`` factor of
+    the value: *whether and how strongly it fires*) and the value is ``u`` (*what it scales*): for
+    a last-layer neuron read linearly, ``gate = F(g_clean, u_corr) - F(g_corr, u_corr)`` with
+    ``F(g, u) = act_K(g) u``.
+
     Args:
         neurons: Labels of neurons (or neuron-heads) to split; default every neuron with an
             incoming circuit edge.
@@ -398,6 +413,10 @@ def path_gate_value_split(
     - ``value``: only their values do;
     - ``both``: both do;
     - ``interaction = both - gate - value``.
+
+    On gated MLPs this patches the neuron-heads' ``q`` and ``v`` as path patching does: ``gate`` is
+    the pattern alone and ``value`` the product ``(f_k g + e_k - g_k) u`` (its ``g`` factor
+    included), not the ``g`` / ``u`` split of :func:`circuit_gate_value_split`.
 
     Args:
         senders: Head labels (``"L0H1"``, ``"L0N5"``, ``"L0N5.1"``).

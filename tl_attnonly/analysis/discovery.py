@@ -14,11 +14,17 @@ and ``value`` inputs of every neuron-head, which share one residual input in the
 ``method="eap-ig"`` averages the gradients over ``ig_steps`` runs whose embeddings are interpolated
 from the corrupted to the clean input (EAP-IG, Hanna et al. 2024).
 
+Gated MLPs (SwiGLU, GeGLU, ReGLU): a neuron's ``gate`` input is its gate ``g = x W_gate``
+(``hook_pre``; the query, hence the pattern, and the factor ``f_k g + e_k - g_k`` of the value) and
+its ``value`` input the linear branch ``u = x W_in`` (``hook_pre_linear``); it writes
+``act_K(g) * u``. Gradients are taken at those two hooks (the fused path keeps running).
+
 Scores are exact where the path is linear: an edge into the logits (no final normalisation, a
-metric linear in the logits), or into the value input of a last-layer neuron-head (its pattern is
-unchanged and its output only reaches the logits). Elsewhere they are estimates; check a circuit
-with :func:`~tl_attnonly.analysis.circuit_runs.circuit_metric`, which is exact: the model runs on
-the clean input, and every input of every node receives the corrupted residual stream plus the
+metric linear in the logits), or into the value input of a last-layer neuron (plain: its pattern
+is unchanged; gated: its output is linear in ``u``), whose output only reaches the logits.
+Elsewhere they are estimates; check a circuit with
+:func:`~tl_attnonly.analysis.circuit_runs.circuit_metric`, which is exact: the model runs on the
+clean input, and every input of every node receives the corrupted residual stream plus the
 current run's change of the sources joined to it by circuit edges:
 
     ``input_v = resid(corrupted) + sum_{u -> v in circuit} (out_u(current) - out_u(corrupted))``
@@ -169,7 +175,7 @@ def edge_attribution_scores(
     Returns:
         :class:`EdgeScores`.
     """
-    check_discoverable(model)
+    check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
     if method not in ("eap", "eap-ig"):
         raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
@@ -189,7 +195,7 @@ def edge_attribution_scores(
         for s, d in graph.blocks()
     }
     source_names = _source_hooks(model, graph)
-    input_names = sorted({_input_hook(d, graph.n_layers) for d in graph.inputs})
+    input_names = sorted({_input_hook(d, graph) for d in graph.inputs})
     site_names = sorted({_site(model, d)[1] for d in graph.inputs})
     alphas = [1.0 * k / ig_steps for k in range(1, ig_steps + 1)] if method == "eap-ig" else [0.0]
     m_clean = m_corr = 0.0
@@ -228,7 +234,7 @@ def edge_attribution_scores(
             for dst in graph.inputs:
                 module, site_name = _site(model, dst)
                 lin = _norm_linearisation(module, sites[site_name].flatten(0, 1))
-                g = _read_gradient(model, dst, graph, grads[_input_hook(dst, graph.n_layers)])
+                g = _read_gradient(model, dst, graph, grads[_input_hook(dst, graph)])
                 g = g.flatten(0, 1)
                 R = _readers(model, dst, graph, g)
                 for src in graph.sources:

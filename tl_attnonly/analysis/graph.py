@@ -7,6 +7,12 @@ more *inputs*: an attention head's ``q``, ``k`` and ``v``; a neuron-head's ``gat
 hence its pattern: whether it fires) and ``value`` (how much it writes); the ``logits``. An edge
 joins a source to an input of a later component (through the residual stream, directly).
 
+Gated MLPs (SwiGLU, GeGLU, ReGLU; ``docs/gated_mlps.md``) read the residual twice, through
+``W_gate`` and through ``W_in``, so there the two inputs are those two reads: ``gate`` is
+``g = x W_gate[:, i]`` (``hook_pre``: the query, hence the pattern, and the factor
+``f_k g + e_k - g_k`` of the value) and ``value`` is ``u = x W_in[:, i]`` (``hook_pre_linear``:
+the linear branch the product is multiplied by). The neuron writes ``act_K(g) * u``.
+
 Nodes are grouped by layer and kind; edge scores and circuit masks are stored per
 ``(source group, input group)`` block, ``[n_sources, n_inputs]``.
 """
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import attn_head_label, neuron_head_label
 
 #: Inputs of each kind of reader.
@@ -75,7 +82,10 @@ class HeadGraph:
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         neuron_level: One node per MLP neuron (its ``K`` heads summed; default). With False, one
-            node per neuron-head (only differs when ``K > 1``).
+            node per neuron-head (only differs when ``K > 1``; plain MLPs only).
+
+    Attributes:
+        gated: Whether the MLPs are gated (inputs ``gate = g``, ``value = u``; see above).
     """
 
     def __init__(self, model, neuron_level: bool = True):
@@ -83,6 +93,7 @@ class HeadGraph:
         self.n_layers = cfg.n_layers
         self.n_heads_per_neuron = model.n_heads_per_neuron
         self.neuron_level = neuron_level or model.n_heads_per_neuron == 1
+        self.gated = any(isinstance(block.mlp, GatedNeuronHeadMLP) for block in model.blocks)
         self.parallel = bool(cfg.parallel_attn_mlp)
         n_kv = cfg.n_key_value_heads or cfg.n_heads
         self.gqa = n_kv != cfg.n_heads
