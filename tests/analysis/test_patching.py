@@ -71,7 +71,7 @@ def test_z_patch_restores_what_the_original_neuron_patch_restores(pair):
     assert ours.shape == (2, 24)
     baseline = metric(model(corrupted)).item()
     assert (theirs - baseline).abs().max() > 1e-3  # the patches matter
-    torch.testing.assert_close(ours.flatten(), theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.flatten().to(theirs.dtype), theirs, rtol=1e-6, atol=1e-6)
     # In float64, logit by logit, for a few heads and positions.
     for layer, pos, head in [(0, 2, 5), (1, 6, 0), (1, 9, 23)]:
 
@@ -187,7 +187,7 @@ def test_all_heads_of_a_multi_head_neuron_equal_its_post():
     post = generic_activation_patch(
         converted, corrupted, cc_post, metric, _post_neuron_setter, "post", index_df=index_df
     )
-    torch.testing.assert_close(grouped, post, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grouped, post, rtol=1e-6, atol=1e-7, check_dtype=False)
     single = get_act_patch_neuron_heads(
         converted, corrupted, cc, metric, "z", layers=[1], heads=[4 * K], patches_per_pass=2
     )
@@ -202,7 +202,9 @@ def test_all_heads_sweep_matches_transformer_lens_and_neuron_sweep(pair):
     n_attn = converted.cfg.n_layers * converted.cfg.n_heads
     assert labels[:2] == ["L0H0", "L0H1"] and labels[n_attn] == "L0N0"
     tl_attn = get_act_patch_attn_head_out_all_pos(converted, corrupted, cc, metric)
-    torch.testing.assert_close(scores[:n_attn], tl_attn.flatten(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        scores[:n_attn], tl_attn.flatten(), rtol=1e-6, atol=1e-7, check_dtype=False
+    )
     neuron = get_act_patch_neuron_heads(converted, corrupted, cc, metric, "z", patches_per_pass=9)
     torch.testing.assert_close(scores[n_attn:], neuron.flatten(), rtol=1e-6, atol=1e-7)
 
@@ -330,7 +332,7 @@ def test_attribution_is_exact_where_the_metric_is_linear():
     baseline = metric(converted(corrupted)).item()
     n = converted.n_neuron_heads
     assert labels[n] == "L1N0"
-    torch.testing.assert_close(estimate[n:].float(), actual[0] - baseline, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(estimate[n:], actual[0] - baseline, rtol=1e-4, atol=1e-6)
     assert (actual[0] - baseline).abs().max() > 1e-3
 
 
@@ -345,7 +347,7 @@ def test_attribution_agrees_with_activation_patching(pair):
     actual, labels_act = get_act_patch_all_heads(converted, corrupted, cc, metric, progress=False)
     assert labels == labels_act
     effect = actual - metric(converted(corrupted)).item()
-    agreement = rank_agreement(estimate.float(), effect, top=10)
+    agreement = rank_agreement(estimate, effect, top=10)
     assert agreement["spearman"] >= 0.9, agreement
     assert agreement["sign_agreement"] == 1.0, agreement
 

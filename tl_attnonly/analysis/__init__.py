@@ -3,6 +3,7 @@
 ==========================  ======================================================================
 :mod:`.cache`               per-head results, residual decomposition, direct logit attribution
 :mod:`.patching`            activation patching of neuron-heads (one or many patches per pass)
+:mod:`.output_patching`     exact patching of head / neuron outputs, batched from the layer on
 :mod:`.path_patching`       path patching between heads (IOI style)
 :mod:`.attribution`         attribution patching (gradient estimate for every head)
 :mod:`.circuits`            OV / QK / full circuits of neuron-heads, composition scores, top-k
@@ -66,6 +67,11 @@ from tl_attnonly.analysis.discovery import (
     prune,
 )
 from tl_attnonly.analysis.graph import HeadGraph
+from tl_attnonly.analysis.output_patching import (
+    PatchUnit,
+    get_act_patch_outputs,
+    patch_units,
+)
 from tl_attnonly.analysis.patching import (
     get_act_patch_all_heads,
     get_act_patch_neuron_heads,
@@ -88,6 +94,9 @@ from tl_attnonly.analysis.summaries import (
 )
 
 __all__ = [
+    "PatchUnit",
+    "get_act_patch_outputs",
+    "patch_units",
     "composition_top_k",
     "neuron_level",
     "Circuit",

@@ -6,12 +6,15 @@ the neuron-heads' ``blocks.{l}.mlp.hook_{z,v,q,pattern,attn_scores,result}``. As
 TransformerLens, the corrupted run receives the clean activation (``clean_cache``) and the result
 is ``patching_metric(patched_logits)`` for every patch.
 
-Batched mode (``patches_per_pass > 1``): ``c`` patches share a forward pass as ``c`` copies of the
-corrupted batch, each copy with its own patch. The rows of a batch never interact in a
-TransformerLens model, so this is exact (no linearity assumption; results equal one-at-a-time
-patching up to floating-point summation order) and costs ``c`` times the activation memory. For a
-*linear* approximation of every head at the cost of one backward pass, see
-:func:`tl_attnonly.analysis.attribution_patch`.
+Batched mode (``patches_per_pass`` other than 1, the default): ``c`` patches share a pass as ``c``
+copies of the corrupted batch, each copy with its own patch. The rows of a batch never interact
+in a TransformerLens model, so this is exact (no linearity assumption; results equal one-at-a-time
+patching up to floating-point summation order) and costs ``c`` times the activation memory,
+bounded by ``max_bytes``. In a decoder a pass starts at the first patched layer from the
+corrupted run's residual stream, and ``z`` patches run as output deltas from the layer after
+(:mod:`~tl_attnonly.analysis.output_patching`); ``benchmarks/bench_patching.py`` times both
+against one patch per forward pass. For a *linear* approximation of every head at the cost of
+one backward pass, see :func:`tl_attnonly.analysis.attribution_patch`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,20 @@ from transformer_lens.patching import (
 )
 
 from tl_attnonly._types import FwdHooks, Metric, require_neuron_heads
+from tl_attnonly.analysis._resume import (
+    PATCH_BUDGET,
+    LayerRuns,
+    can_resume,
+    hook_layer,
+    patches_per_pass_for,
+)
+from tl_attnonly.analysis.output_patching import PatchUnit, get_act_patch_outputs
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
     head_labels,
     neuron_act_name,
+    neuron_head_label,
     neuron_hook_kind,
     parse_head_label,
 )
@@ -160,7 +172,8 @@ def get_act_patch_neuron_heads(
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
     positions: Sequence[int] | None = None,
-    patches_per_pass: int = 1,
+    patches_per_pass: int | None = None,
+    max_bytes: int = PATCH_BUDGET,
     return_index_df: bool = False,
     progress: bool = True,
 ):
@@ -177,15 +190,21 @@ def get_act_patch_neuron_heads(
             ``result`` (after ``model.set_use_neuron_result(True)``).
         per_position: Patch one position (query position for patterns) at a time.
         layers, heads, positions: Which to sweep; default all.
-        patches_per_pass: Patches per forward pass (batched mode, see the module docstring);
-            ``1`` runs TransformerLens's :func:`generic_activation_patch` itself.
+        patches_per_pass: Patches per pass (batched mode, see the module docstring); default:
+            as many as ``max_bytes`` allows. ``1`` runs TransformerLens's
+            :func:`generic_activation_patch` itself (one full forward pass per patch). Batched
+            ``z`` patches of a decoder run as output deltas from the patched layer on
+            (:func:`~tl_attnonly.analysis.get_act_patch_outputs`); other activations as hooked
+            passes that start at the patched layer (:func:`run_patches`).
+        max_bytes: Memory budget of a batched pass's copies of the batch.
         return_index_df: Also return the index frame (one row per patch).
         progress: Show a progress bar in batched mode (``generic_activation_patch`` always does).
 
     Returns:
-        The metric after each patch, shaped ``[n_layers, n_heads]``, ``[n_layers, pos, n_heads]``
-        (vectors per position) or ``[n_layers, n_heads, dest_pos]`` (patterns per position), with
-        the sizes of the subsets given; and the index frame if ``return_index_df``.
+        The metric after each patch (float64), shaped ``[n_layers, n_heads]``,
+        ``[n_layers, pos, n_heads]`` (vectors per position) or ``[n_layers, n_heads, dest_pos]``
+        (patterns per position), with the sizes of the subsets given; and the index frame if
+        ``return_index_df``.
     """
     require_neuron_heads(model)
     _check_tokens(corrupted_tokens)
@@ -215,7 +234,7 @@ def get_act_patch_neuron_heads(
             f"tl_attnonly.hooks.neuron_names_filter({kind!r})."
         )
     setter = _setter(kind, per_position)
-    if patches_per_pass <= 1:
+    if patches_per_pass == 1:
         flat = generic_activation_patch(  # type: ignore[call-overload]  # duck-typed model, cache
             _NeuronHeadNames(model),
             corrupted_tokens,
@@ -224,7 +243,12 @@ def get_act_patch_neuron_heads(
             patch_setter=_cloning(setter),
             activation_name=kind,
             index_df=index_df,
-        )
+        ).to(torch.float64)
+    elif kind == "z" and can_resume(model):
+        flat = _z_by_output_deltas(
+            model, corrupted_tokens, clean_cache, patching_metric, index_df, per_position,
+            patches_per_pass, max_bytes, progress,
+        )  # fmt: skip
     else:
         patches = [
             [(neuron_act_name(kind, int(row[0])), _bind(setter, list(map(int, row))))]
@@ -232,11 +256,40 @@ def get_act_patch_neuron_heads(
         ]
         flat = run_patches(
             model, corrupted_tokens, clean_cache, patching_metric, patches,
-            patches_per_pass=patches_per_pass, progress=progress,
+            patches_per_pass=patches_per_pass, max_bytes=max_bytes, progress=progress,
         )  # fmt: skip
     shape = [index_df[c].nunique() for c in index_df.columns]
     out = flat.reshape(shape)
     return (out, index_df) if return_index_df else out
+
+
+def _z_by_output_deltas(
+    model: NeuronHeadModelMixin,
+    corrupted_tokens: torch.Tensor,
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    index_df: pd.DataFrame,
+    per_position: bool,
+    patches_per_pass: int | None,
+    max_bytes: int,
+    progress: bool,
+) -> torch.Tensor:
+    """``z`` patches of the index frame's rows, flat in its order, by output deltas."""
+    layers = list(dict.fromkeys(int(x) for x in index_df["layer"]))
+    heads = list(dict.fromkeys(int(x) for x in index_df["head"]))
+    K = model.n_heads_per_neuron
+    units = [
+        PatchUnit(neuron_head_label(li, h, K), "neuron", li, (h,)) for li in layers for h in heads
+    ]
+    positions = list(dict.fromkeys(int(x) for x in index_df["pos"])) if per_position else None
+    out, _ = get_act_patch_outputs(
+        model, corrupted_tokens, clean_cache, patching_metric, units, per_position=per_position,
+        positions=positions, patches_per_pass=patches_per_pass, max_bytes=max_bytes,
+        progress=progress,
+    )  # fmt: skip
+    if per_position:  # [layer * head, pos] -> rows (layer, pos, head)
+        out = out.reshape(len(layers), len(heads), -1).transpose(1, 2)
+    return out.flatten()
 
 
 def _bind(setter: Callable, index: list[int]) -> Callable:
@@ -253,7 +306,8 @@ def run_patches(
     patching_metric: Metric,
     patches: Sequence[Sequence[tuple[str, PatchFn]]],
     *,
-    patches_per_pass: int = 16,
+    patches_per_pass: int | None = 16,
+    max_bytes: int = PATCH_BUDGET,
     progress: bool = True,
 ) -> Float[torch.Tensor, "n_patches"]:  # noqa: F821
     """Run many patches, ``patches_per_pass`` per forward pass (batched mode).
@@ -264,15 +318,32 @@ def run_patches(
     clean activation ``clean_cache[hook_name]`` (TransformerLens's patch setters, with the index
     bound, are such functions). A patch may touch several hooks and heads (group patching).
 
+    In a decoder, a pass whose patches all edit hooks of blocks ``>= l`` starts at block ``l``
+    from the corrupted run's residual stream (``forward(resid, start_at_layer=l)``, cached once):
+    the blocks before it are the same in every patched run and are not recomputed.
+
+    Args:
+        model, corrupted_tokens, clean_cache, patching_metric: As in
+            :func:`get_act_patch_neuron_heads`.
+        patches: One list of ``(hook_name, fn)`` per patch.
+        patches_per_pass: Patches per pass; ``None`` chooses it from ``max_bytes``.
+        max_bytes: Memory budget of one pass's batch copies (an estimate; see
+            :func:`~tl_attnonly.analysis._resume.bytes_per_copy`).
+        progress: Show a progress bar.
+
     Returns:
-        ``patching_metric`` of each patched run (default float dtype, as in TransformerLens).
+        ``patching_metric`` of each patched run, ``[n_patches]`` (float64).
+
+    Raises:
+        MemoryError: If ``patches_per_pass`` copies (or one) exceed ``max_bytes``.
     """
     _check_tokens(corrupted_tokens)
-    batch = corrupted_tokens.shape[0]
-    out = torch.zeros(len(patches), device=model.cfg.device)
-    chunks = range(0, len(patches), max(1, patches_per_pass))
-    for start in tqdm(chunks, desc="patching", disable=not progress):
-        chunk = patches[start : start + patches_per_pass]
+    batch, pos = corrupted_tokens.shape
+    step = patches_per_pass_for(model, batch, pos, patches_per_pass, max_bytes)
+    out = torch.zeros(len(patches), dtype=torch.float64)
+    runs = LayerRuns(model, corrupted_tokens) if can_resume(model) and patches else None
+    for start in tqdm(range(0, len(patches), step), desc="patching", disable=not progress):
+        chunk = patches[start : start + step]
         by_hook: dict[str, list[tuple[int, PatchFn]]] = defaultdict(list)
         for copy, patch in enumerate(chunk):
             for name, fn in patch:
@@ -281,7 +352,16 @@ def run_patches(
         fwd_hooks: FwdHooks = [
             (name, _patch_hook(edits, clean_cache, batch)) for name, edits in by_hook.items()
         ]
-        logits = model.run_with_hooks(corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=fwd_hooks)
+        layers = [hook_layer(name) for name in by_hook]
+        if runs is not None and by_hook and None not in layers:
+            first = min(layer for layer in layers if layer is not None)
+            resid = runs.resid(first).repeat(len(chunk), 1, 1)
+            logits = runs.run(resid, first, fwd_hooks)
+        else:
+            with torch.no_grad():
+                logits = model.run_with_hooks(
+                    corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=fwd_hooks
+                )
         for copy in range(len(chunk)):
             out[start + copy] = patching_metric(logits[copy * batch : (copy + 1) * batch]).item()
     return out
@@ -305,7 +385,8 @@ def get_act_patch_all_heads(
     patching_metric: Metric,
     *,
     heads: Sequence[HeadRef | str] | None = None,
-    patches_per_pass: int = 16,
+    patches_per_pass: int | None = None,
+    max_bytes: int = PATCH_BUDGET,
     progress: bool = True,
 ) -> tuple[Float[torch.Tensor, "n_heads"], list[str]]:  # noqa: F821
     """Patch the clean ``z`` of each head (attention heads and neuron-heads), all positions.
@@ -321,15 +402,22 @@ def get_act_patch_all_heads(
         patching_metric: Logits -> scalar.
         heads: Heads to sweep (:class:`HeadRef` or labels); default every head, attention heads
             first (:func:`tl_attnonly.hooks.all_head_refs`).
-        patches_per_pass: Patches per forward pass (exact batched mode).
+        patches_per_pass: Patches per pass (exact batched mode); default: from ``max_bytes``.
+        max_bytes: Memory budget of a pass's copies of the batch.
         progress: Show a progress bar.
 
     Returns:
-        ``(metric after each patch [n_heads], labels)``.
+        ``(metric after each patch [n_heads], labels)``. For every head of a neuron together
+        (``K > 1``), use :func:`~tl_attnonly.analysis.get_act_patch_outputs` (``level="neuron"``).
     """
     require_neuron_heads(model)
     K = model.n_heads_per_neuron
     refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
+    if can_resume(model):  # decoders: passes start at the patched layer (output deltas)
+        return get_act_patch_outputs(
+            model, corrupted_tokens, clean_cache, patching_metric, refs, level="head",
+            patches_per_pass=patches_per_pass, max_bytes=max_bytes, progress=progress,
+        )  # fmt: skip
     patches = []
     for ref in refs:
         patches.append(
@@ -337,7 +425,7 @@ def get_act_patch_all_heads(
         )
     scores = run_patches(
         model, corrupted_tokens, clean_cache, patching_metric, patches,
-        patches_per_pass=patches_per_pass, progress=progress,
+        patches_per_pass=patches_per_pass, max_bytes=max_bytes, progress=progress,
     )  # fmt: skip
     return scores, head_labels(refs, K)
 

@@ -1,0 +1,174 @@
+"""Batched exact patching of head outputs (output deltas, passes from the patched layer on) equals
+patching one head (or one neuron) per full forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GATED_ZOO, ZOO, make_model, make_tokens
+
+from tl_attnonly import convert
+from tl_attnonly.analysis import (
+    PatchUnit,
+    get_act_patch_neuron_heads,
+    get_act_patch_outputs,
+    patch_units,
+    run_patches,
+)
+from tl_attnonly.hooks import head_act_name, head_names_filter, neuron_act_name
+
+TARGETS = torch.tensor([3, 17, 42])
+
+
+def metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[..., TARGETS].mean()
+
+
+def _tokens():
+    clean = make_tokens(seed=0)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (clean[:, 2] + 11) % 61
+    corrupted[:, 6] = (clean[:, 6] + 5) % 61
+    return clean, corrupted
+
+
+def _one_at_a_time(model, corrupted, clean_cache, unit: PatchUnit, pos: int | None) -> float:
+    """The reference: one full forward pass with the unit's clean z put in by a hook."""
+    name = head_act_name("z", unit.layer, unit.kind)
+    heads = list(unit.heads)
+
+    def hook(z, hook):
+        z = z.clone()
+        if pos is None:
+            z[:, :, heads] = clean_cache[name][:, :, heads]
+        else:
+            z[:, pos, heads] = clean_cache[name][:, pos, heads]
+        return z
+
+    with torch.no_grad():
+        return metric(model.run_with_hooks(corrupted, fwd_hooks=[(name, hook)])).item()
+
+
+MODELS = {
+    "silu_ln": ("silu", ZOO["ln_learned"]),
+    "gelu_k4_rms": ("gelu", dict(normalization_type="RMS")),
+    "parallel_gelu_new": ("gelu_new", ZOO["parallel_neox"]),
+    "swiglu_llama": ("silu", GATED_ZOO["llama"]),
+    "geglu_gemma2": (
+        "gelu_pytorch_tanh",
+        {k: v for k, v in GATED_ZOO["gemma2"].items() if k != "act_fn"},
+    ),  # norm after the MLP: hooked
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("level", ["neuron", "head"])
+def test_batched_outputs_equal_one_at_a_time(name, level):
+    act, overrides = MODELS[name]
+    model = convert(make_model(act, torch.float64, **overrides))
+    clean, corrupted = _tokens()
+    _, clean_cache = model.run_with_cache(clean, names_filter=head_names_filter("z"))
+    units = patch_units(model, level=level)
+    n_neuron = sum(u.kind == "neuron" for u in units)
+    assert n_neuron == model.cfg.n_layers * model.cfg.d_mlp * (
+        1 if level == "neuron" else model.n_heads_per_neuron
+    )
+    scores, labels = get_act_patch_outputs(
+        model, corrupted, clean_cache, metric, level=level, patches_per_pass=7, progress=False
+    )
+    assert labels == [u.label for u in units] and scores.dtype == torch.float64
+    baseline = metric(model(corrupted)).item()
+    assert (scores - baseline).abs().max() > 1e-3  # the patches matter
+    picked = list(range(0, len(units), 5)) + [len(units) - 1]  # attn and neuron, both layers
+    expected = torch.tensor(
+        [_one_at_a_time(model, corrupted, clean_cache, units[i], None) for i in picked],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(scores[picked], expected, rtol=0, atol=1e-10)
+    # One position at a time, on a few units.
+    few = [units[i] for i in picked[:6]]
+    per_pos, _ = get_act_patch_outputs(
+        model, corrupted, clean_cache, metric, few, per_position=True, positions=[2, 6, 9],
+        patches_per_pass=4, progress=False,
+    )  # fmt: skip
+    expected = torch.tensor(
+        [[_one_at_a_time(model, corrupted, clean_cache, u, p) for p in (2, 6, 9)] for u in few],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(per_pos, expected, rtol=0, atol=1e-10)
+
+
+def test_a_neuron_is_all_its_heads_and_labels_pick_units():
+    model = convert(make_model("gelu_new", torch.float64, normalization_type="LN"))
+    K = model.n_heads_per_neuron
+    assert K == 4
+    clean, corrupted = _tokens()
+    _, cc = model.run_with_cache(clean, names_filter=head_names_filter("z"))
+    by_neuron, labels = get_act_patch_outputs(
+        model, corrupted, cc, metric, ["L1N3", "L0N5.2", "L1H0"], progress=False
+    )
+    assert labels == ["L1N3", "L0N5", "L1H0"]  # at neuron level a head stands for its neuron
+
+    def post_hook(post, hook):  # patching all K heads of L1N3 = patching its hook_post
+        post = post.clone()
+        post[..., 3] = cc_post[hook.name][..., 3]
+        return post
+
+    _, cc_post = model.run_with_cache(clean, names_filter=neuron_act_name("post", 1))
+    with torch.no_grad():
+        logits = model.run_with_hooks(
+            corrupted, fwd_hooks=[(neuron_act_name("post", 1), post_hook)]
+        )
+    assert by_neuron[0].item() == pytest.approx(metric(logits).item(), abs=1e-10)
+    by_head, head_labels = get_act_patch_outputs(
+        model, corrupted, cc, metric, ["L1N3"], level="head", progress=False
+    )
+    assert head_labels == [f"L1N3.{k}" for k in range(K)]
+    assert (by_head - by_neuron[0]).abs().min() > 1e-6  # one head is not the neuron
+
+
+def test_batched_z_sweep_equals_one_patch_per_pass_in_float64():
+    model = convert(make_model("gelu", torch.float64, normalization_type="LN"))
+    clean, corrupted = _tokens()
+    _, cc = model.run_with_cache(clean, names_filter=head_names_filter("z", "pattern"))
+    for kind, per_position in [("z", False), ("z", True), ("pattern", False)]:
+        kwargs = dict(per_position=per_position, heads=[0, 5, 77], positions=[2, 6])
+        batched = get_act_patch_neuron_heads(
+            model, corrupted, cc, metric, kind, progress=False, **kwargs
+        )
+        reference = []
+        for layer in range(2):
+            name = neuron_act_name(kind, layer)
+            for pos in [2, 6] if per_position else [None]:
+                for head in [0, 5, 77]:
+
+                    def hook(act, hook, head=head, pos=pos, name=name, kind=kind):
+                        act = act.clone()
+                        if kind == "pattern":
+                            act[:, head] = cc[name][:, head]
+                        elif pos is None:
+                            act[:, :, head] = cc[name][:, :, head]
+                        else:
+                            act[:, pos, head] = cc[name][:, pos, head]
+                        return act
+
+                    with torch.no_grad():
+                        logits = model.run_with_hooks(corrupted, fwd_hooks=[(name, hook)])
+                    reference.append(metric(logits).item())
+        expected = torch.tensor(reference, dtype=torch.float64).reshape(batched.shape)
+        torch.testing.assert_close(batched, expected, rtol=0, atol=1e-10)
+
+
+def test_memory_budget_refuses_with_directions():
+    model = convert(make_model("silu", torch.float64, normalization_type="LN"))
+    clean, corrupted = _tokens()
+    _, cc = model.run_with_cache(clean, names_filter=head_names_filter("z"))
+    with pytest.raises(MemoryError, match="Raise max_bytes, or patch a smaller batch"):
+        get_act_patch_outputs(model, corrupted, cc, metric, max_bytes=1000, progress=False)
+    with pytest.raises(MemoryError, match="patches_per_pass=None"):
+        run_patches(model, corrupted, cc, metric, [], patches_per_pass=10_000, max_bytes=2**20)
+    with pytest.raises(KeyError, match="head_names_filter"):
+        _, pattern_only = model.run_with_cache(clean, names_filter=head_names_filter("pattern"))
+        get_act_patch_outputs(model, corrupted, pattern_only, metric, progress=False)
+    with pytest.raises(ValueError, match="level"):
+        patch_units(model, level="layer")  # type: ignore[arg-type]

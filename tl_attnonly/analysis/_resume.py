@@ -1,0 +1,174 @@
+"""Re-running the corrupted input from a layer on, many batch copies at a time.
+
+Exact patching of an activation in layer ``l`` leaves everything before layer ``l`` as in the
+corrupted run, so the patched runs can start at layer ``l`` from the corrupted residual stream
+(TransformerLens's ``forward(resid, start_at_layer=l)``) instead of from the tokens. Several
+patches share a pass as copies of the batch (the rows of a batch never interact), and a budget
+bounds the memory of those copies.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from jaxtyping import Float, Int
+from transformer_lens import HookedTransformer
+
+from tl_attnonly._compat import POST_NORM_ARCHITECTURES
+from tl_attnonly._types import FwdHooks
+from tl_attnonly.hooks import block_act_name, exact_names_filter
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
+#: Default memory budget (bytes) of the batch copies of one patched pass.
+PATCH_BUDGET = 1 << 30
+
+#: Most patches a pass takes when ``patches_per_pass`` is chosen from the budget.
+MAX_AUTO_PATCHES_PER_PASS = 256
+
+_BLOCK_RE = re.compile(r"^blocks\.(\d+)\.")
+
+
+def hook_layer(name: str) -> int | None:
+    """The block index of ``blocks.{l}.*`` hook names, ``None`` for the others (embeddings...)."""
+    match = _BLOCK_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def can_resume(model: object) -> bool:
+    """Whether ``model`` runs from a given layer (a decoder: ``forward(start_at_layer=...)``)."""
+    return isinstance(model, HookedTransformer)
+
+
+def additive_mlp_out(model: NeuronHeadModelMixin) -> bool:
+    """Whether an MLP's output is added to the residual stream as it is (no norm after it), so
+    that a change of ``hook_post`` by ``delta`` changes ``resid_post`` by ``delta @ W_out``."""
+    cfg = model.cfg
+    return (
+        can_resume(model)
+        and not cfg.use_normalization_before_and_after
+        and cfg.original_architecture not in POST_NORM_ARCHITECTURES
+    )
+
+
+def bytes_per_copy(model: NeuronHeadModelMixin, batch: int, pos: int) -> int:
+    """An estimate of the activation memory one copy of a ``[batch, pos]`` input needs in a pass
+    with the neuron-head path of one layer hooked: logits, residual streams, the per-head
+    temporaries of one neuron-head layer and one layer's attention pattern."""
+    cfg = model.cfg
+    itemsize = torch.empty(0, dtype=cfg.dtype).element_size()
+    per_token = (
+        cfg.d_vocab_out
+        + 8 * cfg.d_model
+        + (2 + 8 * model.n_heads_per_neuron) * (cfg.d_mlp or 0)
+        + 3 * cfg.n_heads * pos
+    )
+    return batch * pos * per_token * itemsize
+
+
+def patches_per_pass_for(
+    model: NeuronHeadModelMixin,
+    batch: int,
+    pos: int,
+    patches_per_pass: int | None,
+    max_bytes: int,
+) -> int:
+    """``patches_per_pass`` checked against ``max_bytes``, or chosen from it when ``None``.
+
+    Raises:
+        MemoryError: If one copy (or the ``patches_per_pass`` copies asked for) would exceed the
+            budget, naming what to change.
+    """
+    per_copy = bytes_per_copy(model, batch, pos)
+    if patches_per_pass is None:
+        if per_copy > max_bytes:
+            raise MemoryError(
+                f"One patched pass over the [batch={batch}, pos={pos}] input needs about "
+                f"{per_copy / 2**20:.1f} MiB of activations (logits of {model.cfg.d_vocab_out} "
+                f"tokens, residual streams, per-head temporaries), more than max_bytes="
+                f"{max_bytes / 2**20:.1f} MiB. Raise max_bytes, or patch a smaller batch or "
+                "fewer positions."
+            )
+        return max(1, min(MAX_AUTO_PATCHES_PER_PASS, max_bytes // per_copy))
+    if patches_per_pass < 1:
+        raise ValueError(f"patches_per_pass must be >= 1 (or None: from max_bytes), got "
+                         f"{patches_per_pass}.")  # fmt: skip
+    if patches_per_pass * per_copy > max_bytes:
+        raise MemoryError(
+            f"patches_per_pass={patches_per_pass} copies of the [batch={batch}, pos={pos}] input "
+            f"need about {patches_per_pass * per_copy / 2**20:.1f} MiB of activations, more than "
+            f"max_bytes={max_bytes / 2**20:.1f} MiB. Pass patches_per_pass=None (chosen from the "
+            f"budget: {max(1, max_bytes // per_copy)} here), a smaller value, or raise max_bytes."
+        )
+    return patches_per_pass
+
+
+class LayerRuns:
+    """The corrupted run's residual stream at every layer, and runs that resume from it.
+
+    Args:
+        model: A converted decoder (:class:`~tl_attnonly.AttnOnlyTransformer`).
+        corrupted_tokens: ``[batch, pos]``.
+        extra_names: Further hooks to cache from the corrupted run (e.g. neuron-head ``z``).
+    """
+
+    def __init__(
+        self,
+        model: NeuronHeadModelMixin,
+        corrupted_tokens: Int[torch.Tensor, "batch pos"],
+        extra_names: Sequence[str] = (),
+    ):
+        if not can_resume(model):
+            raise TypeError(f"{type(model).__name__} cannot start a forward pass at a layer.")
+        self.model = model
+        self.batch = corrupted_tokens.shape[0]
+        n_layers = model.cfg.n_layers
+        names = [block_act_name("resid_pre", li) for li in range(n_layers)]
+        names.append(block_act_name("resid_post", n_layers - 1))
+        with torch.no_grad():
+            # What forward(tokens) passes to every block besides the residual stream.
+            decoder = cast(HookedTransformer, model)
+            _, _, self._shortformer, self._mask = decoder.input_to_embed(corrupted_tokens)
+            _, self.cache = model.run_with_cache(
+                corrupted_tokens, names_filter=exact_names_filter(*names, *extra_names)
+            )
+
+    def resid(self, layer: int) -> Float[torch.Tensor, "batch pos d_model"]:
+        """The corrupted residual stream entering block ``layer`` (``n_layers``: the final one)."""
+        n_layers = self.model.cfg.n_layers
+        if layer == n_layers:
+            return self.cache[block_act_name("resid_post", n_layers - 1)]
+        return self.cache[block_act_name("resid_pre", layer)]
+
+    def run(
+        self,
+        resid: Float[torch.Tensor, "copies_batch pos d_model"],
+        layer: int,
+        fwd_hooks: FwdHooks = (),  # type: ignore[assignment]
+    ) -> Float[torch.Tensor, "copies_batch pos d_vocab"]:
+        """Logits of ``resid`` (copies of the batch, stacked on the batch axis) run from block
+        ``layer`` on (``n_layers``: only the final norm and the unembedding)."""
+        copies = resid.shape[0] // self.batch
+        kwargs: dict[str, Any] = {}
+        if self._mask is not None:
+            kwargs["attention_mask"] = self._mask.repeat(copies, 1)
+        if self._shortformer is not None:
+            kwargs["shortformer_pos_embed"] = self._shortformer.repeat(copies, 1, 1)
+        with torch.no_grad():
+            return self.model.run_with_hooks(
+                resid, start_at_layer=layer, fwd_hooks=list(fwd_hooks), **kwargs
+            )
+
+
+__all__ = [
+    "MAX_AUTO_PATCHES_PER_PASS",
+    "PATCH_BUDGET",
+    "LayerRuns",
+    "additive_mlp_out",
+    "bytes_per_copy",
+    "can_resume",
+    "hook_layer",
+    "patches_per_pass_for",
+]
