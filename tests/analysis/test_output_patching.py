@@ -10,9 +10,13 @@ from conftest import GATED_ZOO, ZOO, make_model, make_tokens
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
     PatchUnit,
+    attribute_then_patch,
+    attribution_patch,
     get_act_patch_neuron_heads,
     get_act_patch_outputs,
+    neuron_level,
     patch_units,
+    rank_agreement,
     run_patches,
 )
 from tl_attnonly.hooks import head_act_name, head_names_filter, neuron_act_name
@@ -172,3 +176,39 @@ def test_memory_budget_refuses_with_directions():
         get_act_patch_outputs(model, corrupted, pattern_only, metric, progress=False)
     with pytest.raises(ValueError, match="level"):
         patch_units(model, level="layer")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------- attribution, then exact
+@pytest.mark.parametrize("level", ["neuron", "head"])
+def test_attribute_then_patch_exact_column_is_direct_patching(level):
+    model = convert(make_model("gelu_new", torch.float64, normalization_type="LN"))
+    clean, corrupted = _tokens()
+    check = attribute_then_patch(model, clean, corrupted, metric, k=6, level=level, progress=False)
+    table = check.table
+    assert len(table) == 6 and check.level == level
+    # The k units are the k largest |attribution| at that level.
+    _, cc = model.run_with_cache(clean, names_filter=head_names_filter("z"))
+    scores, labels = attribution_patch(model, cc, corrupted, metric)
+    if level == "neuron":
+        scores, labels = neuron_level(scores, labels)
+        assert all("." not in label for label in table["label"] if "N" in label)
+    top = scores.abs().topk(6).indices.tolist()
+    assert table["label"].tolist() == [labels[i] for i in top]
+    torch.testing.assert_close(
+        torch.tensor(table["attribution"].to_numpy()), scores[top], rtol=0, atol=1e-12
+    )
+    # Exact column: one full forward pass per unit with its clean z (all its heads) put in.
+    units = patch_units(model, table["label"].tolist(), level=level)
+    direct = torch.tensor(
+        [_one_at_a_time(model, corrupted, cc, u, None) for u in units], dtype=torch.float64
+    )
+    corrupted_metric = metric(model(corrupted)).item()
+    assert check.corrupted_metric == pytest.approx(corrupted_metric, abs=1e-12)
+    torch.testing.assert_close(
+        torch.tensor(table["effect"].to_numpy()), direct - corrupted_metric, rtol=0, atol=1e-10
+    )
+    assert (table["effect"].abs() > 1e-4).all()  # the effects are real
+    effect = torch.tensor(table["effect"].to_numpy())
+    assert check.agreement == rank_agreement(torch.tensor(table["attribution"].to_numpy()), effect)
+    assert sorted(table["effect_rank"]) == list(range(1, 7))
+    assert table["effect_rank"].iloc[int(effect.abs().argmax())] == 1

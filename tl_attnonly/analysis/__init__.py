@@ -23,6 +23,8 @@ are listed, attention heads of every layer come first, then neuron-heads
 """
 
 from tl_attnonly.analysis.attribution import (
+    AttributionCheck,
+    attribute_then_patch,
     attribution_patch,
     pooled_cosine_metric,
     rank_agreement,
@@ -94,6 +96,8 @@ from tl_attnonly.analysis.summaries import (
 )
 
 __all__ = [
+    "AttributionCheck",
+    "attribute_then_patch",
     "PatchUnit",
     "get_act_patch_outputs",
     "patch_units",

@@ -7,8 +7,8 @@ into the corrupted run is approximated to first order by
 
 with the gradient taken on the corrupted run. One forward and one backward pass give the estimate
 for all ``n_layers * (n_heads + n_neuron_heads)`` heads, where activation patching needs one
-forward pass per head. Use it to rank heads, then confirm the top ones with
-:func:`~tl_attnonly.analysis.get_act_patch_all_heads` (exact).
+forward pass per head. Use it to rank heads, then confirm the top ones exactly:
+:func:`attribute_then_patch` does both in one call.
 
 The estimate is exact when the metric is linear in the activation along the patch (e.g. heads of
 the last layer of a model without final LayerNorm, with a metric linear in the logits); elsewhere it
@@ -18,15 +18,26 @@ is a linearisation, best for small clean/corrupted differences.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import FwdHooks, Metric, check_kinds, require_neuron_heads
-from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels
+from tl_attnonly._types import (
+    FwdHooks,
+    Metric,
+    check_kinds,
+    check_token_pair,
+    require_neuron_heads,
+)
+from tl_attnonly.analysis._resume import PATCH_BUDGET
+from tl_attnonly.analysis.output_patching import get_act_patch_outputs
+from tl_attnonly.analysis.ranking import neuron_level
+from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels, head_names_filter
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Activations attribution patching supports, and where their head axis is.
@@ -231,8 +242,116 @@ def rank_agreement(
     return {"spearman": spearman, "sign_agreement": sign}
 
 
+@dataclass
+class AttributionCheck:
+    """Attribution patching of every head, then exact patching of the ``k`` strongest units.
+
+    Attributes:
+        table: One row per unit checked, strongest attribution first, with columns ``label``,
+            ``attribution`` (the gradient estimate of ``metric(patched) - metric(corrupted)``),
+            ``effect`` (the exact ``metric(patched) - metric(corrupted)``), ``patched_metric``,
+            ``attribution_rank`` and ``effect_rank`` (1 = largest, by absolute value if
+            ``absolute``) and ``error`` (``attribution - effect``).
+        agreement: :func:`rank_agreement` of attribution and effect over the ``k`` units
+            (``spearman``, ``sign_agreement``).
+        corrupted_metric: ``metric`` of the unpatched corrupted run.
+        level: ``"neuron"`` or ``"head"``.
+    """
+
+    table: pd.DataFrame
+    agreement: dict[str, float]
+    corrupted_metric: float
+    level: str
+
+
+def attribute_then_patch(
+    model: NeuronHeadModelMixin,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    patching_metric: Metric,
+    k: int = 20,
+    *,
+    level: Literal["neuron", "head"] = "neuron",
+    kinds: Sequence[str] = ("attn", "neuron"),
+    absolute: bool = True,
+    clean_cache: ActivationCache | None = None,
+    patches_per_pass: int | None = None,
+    max_bytes: int = PATCH_BUDGET,
+    progress: bool = True,
+) -> AttributionCheck:
+    """Rank every head by attribution patching, then patch the top ``k`` exactly, in one call.
+
+    Attribution patching (:func:`attribution_patch`: one forward and one backward pass) scores
+    every head's output ``z``; at ``level="neuron"`` (the default) the ``K`` heads of a neuron are
+    summed (:func:`~tl_attnonly.analysis.neuron_level`; the first-order estimate of patching the
+    whole neuron, since its ``hook_post`` is the sum of its heads' ``z``). The ``k`` units with the
+    largest scores are then patched exactly, all positions, clean ``z`` into the corrupted run
+    (:func:`~tl_attnonly.analysis.get_act_patch_outputs`, batched), and the two are compared.
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        clean_tokens: ``[batch, pos]``; the patched values come from this run.
+        corrupted_tokens: ``[batch, pos]``, same shape; the run that is patched.
+        patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar, differentiable.
+        k: How many units to patch exactly.
+        level: ``"neuron"`` (a neuron's ``K`` heads are one unit) or ``"head"``.
+        kinds: Which heads to rank: ``("attn", "neuron")``, ``("attn",)`` or ``("neuron",)``.
+        absolute: Rank by ``|attribution|`` (default) or by signed attribution (largest first).
+        clean_cache: A clean cache holding every head's ``z``
+            (``names_filter=head_names_filter("z")``); made here if not given.
+        patches_per_pass, max_bytes: Batching of the exact patches (memory budget in bytes).
+        progress: Show progress bars.
+
+    Returns:
+        An :class:`AttributionCheck`: the table of the ``k`` units and the rank agreement.
+    """
+    require_neuron_heads(model)
+    check_token_pair(clean_tokens, corrupted_tokens)
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}.")
+    if clean_cache is None:
+        with torch.no_grad():
+            _, clean_cache = model.run_with_cache(clean_tokens, names_filter=head_names_filter("z"))
+    scores, labels = attribution_patch(
+        model, clean_cache, corrupted_tokens, patching_metric, kinds=kinds, progress=progress
+    )
+    if level == "neuron":
+        scores, labels = neuron_level(scores, labels)
+    key = scores.abs() if absolute else scores
+    top = key.topk(min(k, len(labels))).indices.tolist()
+    chosen = [labels[i] for i in top]
+    patched, patched_labels = get_act_patch_outputs(
+        model, corrupted_tokens, clean_cache, patching_metric, chosen, level=level,
+        patches_per_pass=patches_per_pass, max_bytes=max_bytes, progress=progress,
+    )  # fmt: skip
+    if patched_labels != chosen:  # cannot happen: units keep the order and labels given
+        raise RuntimeError(f"Patched units {patched_labels[:3]} differ from {chosen[:3]}.")
+    with torch.no_grad():
+        corrupted_metric = float(patching_metric(model(corrupted_tokens)).item())
+    attribution = scores[top].detach().to("cpu", torch.float64)
+    effect = patched - corrupted_metric
+    by_effect = effect.abs() if absolute else effect
+    table = pd.DataFrame(
+        {
+            "label": chosen,
+            "attribution": attribution.numpy(),
+            "effect": effect.numpy(),
+            "patched_metric": patched.numpy(),
+            "attribution_rank": range(1, len(chosen) + 1),
+            "effect_rank": (by_effect.argsort(descending=True).argsort() + 1).numpy(),
+            "error": (attribution - effect).numpy(),
+        }
+    )
+    agreement = rank_agreement(attribution, effect)  # Spearman is nan for k = 1
+    return AttributionCheck(table, agreement, corrupted_metric, level)
+
+
 __all__ = [
     "ATTRIBUTION_KINDS",
+    "AttributionCheck",
+    "attribute_then_patch",
     "attribution_patch",
     "pooled_cosine_metric",
     "rank_agreement",
