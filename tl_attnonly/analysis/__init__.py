@@ -86,7 +86,10 @@ from tl_attnonly.analysis.path_patching import (
     parse_receiver,
     path_patch,
     path_patch_caches,
+    path_patch_grid,
+    path_patch_receiver_sweep,
     path_patch_sweep,
+    receiver_label,
 )
 from tl_attnonly.analysis.ranking import composition_top_k, neuron_level
 from tl_attnonly.analysis.summaries import (
@@ -96,6 +99,9 @@ from tl_attnonly.analysis.summaries import (
 )
 
 __all__ = [
+    "path_patch_grid",
+    "path_patch_receiver_sweep",
+    "receiver_label",
     "AttributionCheck",
     "attribute_then_patch",
     "PatchUnit",

@@ -32,6 +32,13 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric, check_token_pair, require_neuron_heads
+from tl_attnonly.analysis._resume import (
+    PATCH_BUDGET,
+    LayerRuns,
+    can_resume,
+    hook_layer,
+    patches_per_pass_for,
+)
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -129,17 +136,18 @@ def path_patch_caches(
     return clean, corrupted
 
 
-def _path_patch_runs(
+def _record_receiver_inputs(
     model: NeuronHeadModelMixin,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
     corrupted_cache: ActivationCache,
     sender_sets: Sequence[Sequence[HeadRef]],
-    receivers: Sequence[Receiver],
-    patching_metric: Metric,
-) -> list[float]:
-    """Path patching for several sender sets at once, one batch copy per sender set."""
-    copies, batch = len(sender_sets), corrupted_tokens.shape[0]
+    names: Iterable[str],
+) -> dict[str, torch.Tensor]:
+    """Step 1 for several sender sets at once (one batch copy each): the corrupted run with
+    every head's ``z`` frozen to its corrupted value except the senders' (clean); returns the
+    activations of the hooks ``names`` (receivers' inputs), ``[copies * batch, ...]``."""
+    copies = len(sender_sets)
     n_layers, n_heads, n_neuron = model.cfg.n_layers, model.cfg.n_heads, model.n_neuron_heads
     device = corrupted_tokens.device
     masks = {
@@ -163,17 +171,36 @@ def _path_patch_runs(
 
         return name, hook
 
-    # step 1: senders clean, everything else frozen; record the receivers' inputs
     recorded: dict[str, torch.Tensor] = {}
-    targets = _receiver_hooks(model, receivers)
 
     def record(act, hook):
         recorded[hook.name] = act.detach().clone()
 
     step1 = [freeze(kind, li) for li in range(n_layers) for kind in ("attn", "neuron")]
-    step1 += [(name, record) for name in targets]
+    step1 += [(name, record) for name in names]
     with torch.no_grad():
         model.run_with_hooks(tokens, fwd_hooks=step1)
+    return recorded
+
+
+def _path_patch_runs(
+    model: NeuronHeadModelMixin,
+    corrupted_tokens: torch.Tensor,
+    clean_cache: ActivationCache,
+    corrupted_cache: ActivationCache,
+    sender_sets: Sequence[Sequence[HeadRef]],
+    receivers: Sequence[Receiver],
+    patching_metric: Metric,
+) -> list[float]:
+    """Path patching for several sender sets at once, one batch copy per sender set."""
+    copies, batch = len(sender_sets), corrupted_tokens.shape[0]
+    n_layers = model.cfg.n_layers
+    tokens = corrupted_tokens.repeat(copies, 1)
+    # step 1: senders clean, everything else frozen; record the receivers' inputs
+    targets = _receiver_hooks(model, receivers)
+    recorded = _record_receiver_inputs(
+        model, corrupted_tokens, clean_cache, corrupted_cache, sender_sets, targets
+    )
 
     # step 2: free run, receivers' inputs replaced
     final = block_act_name("resid_post", n_layers - 1)
@@ -292,9 +319,148 @@ def path_patch_sweep(
     return out, head_labels(refs, K)
 
 
+def receiver_label(receiver: Receiver, n_heads_per_neuron: int = 1) -> str:
+    """``"logits"``, or the head's label and its inputs: ``"L1H0:qkv"``, ``"L1N3.2:v"``."""
+    if receiver.head is None:
+        return LOGITS
+    return f"{receiver.head.label(n_heads_per_neuron)}:{receiver.inputs}"
+
+
+def path_patch_receiver_sweep(
+    model: NeuronHeadModelMixin,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    senders: Iterable[str | HeadRef],
+    patching_metric: Metric,
+    *,
+    receivers: Iterable[str | HeadRef | tuple | Receiver] | None = None,
+    patches_per_pass: int | None = None,
+    max_bytes: int = PATCH_BUDGET,
+    progress: bool = True,
+    clean_cache: ActivationCache | None = None,
+    corrupted_cache: ActivationCache | None = None,
+) -> tuple[Float[torch.Tensor, "n_receivers"], list[str]]:  # noqa: F821
+    """Path patching from a fixed set of ``senders`` to each receiver alone.
+
+    Equal to ``[path_patch(model, clean, corrupted, senders, [r], metric) for r in receivers]``
+    (tested), but step 1 (senders clean, every other head frozen) runs once for all receivers,
+    and the step-2 runs of ``patches_per_pass`` receivers share a pass as batch copies, each
+    starting at its receivers' layer from the corrupted residual stream.
+
+    Args:
+        senders: The sender set (head labels or :class:`HeadRef` s), patched together.
+        receivers: Receiver specs, each its own entry (``"L1H0:q"``, ``"L1N3"``, ``"logits"``,
+            ...); default every head with all its inputs, then ``"logits"``.
+        patches_per_pass: Receivers per step-2 pass; default: from ``max_bytes``.
+        max_bytes: Memory budget of a pass's copies of the batch (``MemoryError`` beyond it).
+        progress: Show a progress bar over passes.
+        Others: As in :func:`path_patch`.
+
+    Returns:
+        ``(metric for each receiver [n_receivers], receiver labels)``, float64; labels as
+        :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
+    """
+    specs: list = list(all_head_refs(model)) + [LOGITS] if receivers is None else list(receivers)
+    parsed, clean_cache, corrupted_cache = _prepare(
+        model, clean_tokens, corrupted_tokens, specs, clean_cache, corrupted_cache
+    )
+    K = model.n_heads_per_neuron
+    sender_refs = [parse_head_label(s, K) for s in senders]
+    batch, n_pos = corrupted_tokens.shape
+    step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
+    per_receiver = [_receiver_hooks(model, [r]) for r in parsed]
+    names = list(dict.fromkeys(name for hooks in per_receiver for name in hooks))
+    recorded = _record_receiver_inputs(
+        model, corrupted_tokens, clean_cache, corrupted_cache, [sender_refs], names
+    )
+    runs = LayerRuns(model, corrupted_tokens) if can_resume(model) else None
+    final = block_act_name("resid_post", model.cfg.n_layers - 1)
+    out = torch.zeros(len(parsed), dtype=torch.float64)
+    for start in tqdm(range(0, len(parsed), step), desc="path patching", disable=not progress):
+        chunk = per_receiver[start : start + step]
+        by_name: dict[str, list[tuple[int, list[int]]]] = {}
+        for c, receiver_hooks in enumerate(chunk):
+            for name, heads in receiver_hooks.items():
+                by_name.setdefault(name, []).append((c, heads))
+
+        def patch(name: str, edits: list[tuple[int, list[int]]]):
+            def hook(act, hook):
+                act = act.clone()  # the neuron-heads' q, v and pre may share storage
+                for c, heads in edits:
+                    rows = slice(c * batch, (c + 1) * batch)
+                    if name == final and not heads:  # the logits: the senders' direct effect
+                        act[rows] += recorded[name] - corrupted_cache[name]
+                    else:
+                        act[rows, :, heads] = recorded[name][:, :, heads].to(act.dtype)
+                return act
+
+            return hook
+
+        hooks: FwdHooks = [(name, patch(name, edits)) for name, edits in by_name.items()]
+        layers = [hook_layer(name) for name in by_name]
+        if runs is not None and None not in layers:
+            first = min(layer for layer in layers if layer is not None)
+            logits = runs.run(runs.resid(first).repeat(len(chunk), 1, 1), first, hooks)
+        else:
+            with torch.no_grad():
+                logits = model.run_with_hooks(
+                    corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=hooks
+                )
+        for c in range(len(chunk)):
+            out[start + c] = patching_metric(logits[c * batch : (c + 1) * batch]).item()
+    return out, [receiver_label(r, K) for r in parsed]
+
+
+def path_patch_grid(
+    model: NeuronHeadModelMixin,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    senders: Sequence[str | HeadRef],
+    receivers: Sequence[str | HeadRef | tuple | Receiver],
+    patching_metric: Metric,
+    *,
+    patches_per_pass: int | None = None,
+    max_bytes: int = PATCH_BUDGET,
+    progress: bool = True,
+    clean_cache: ActivationCache | None = None,
+    corrupted_cache: ActivationCache | None = None,
+) -> tuple[Float[torch.Tensor, "n_senders n_receivers"], list[str], list[str]]:
+    """Path patching from each sender alone to each receiver alone: a sender x receiver grid.
+
+    Entry ``[i, j]`` equals ``path_patch(model, clean, corrupted, [senders[i]], [receivers[j]],
+    metric)`` (tested); each row is one :func:`path_patch_receiver_sweep`.
+
+    Args:
+        senders: Head labels or :class:`HeadRef` s, one row each.
+        receivers: Receiver specs, one column each.
+        Others: As in :func:`path_patch_receiver_sweep`.
+
+    Returns:
+        ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
+    """
+    if clean_cache is None or corrupted_cache is None:
+        clean_cache, corrupted_cache = path_patch_caches(model, clean_tokens, corrupted_tokens)
+    K = model.n_heads_per_neuron
+    refs = [parse_head_label(s, K) for s in senders]
+    rows: list[torch.Tensor] = []
+    labels: list[str] = []
+    for ref in tqdm(refs, desc="senders", disable=not progress):
+        row, labels = path_patch_receiver_sweep(
+            model, clean_tokens, corrupted_tokens, [ref], patching_metric, receivers=receivers,
+            patches_per_pass=patches_per_pass, max_bytes=max_bytes, progress=False,
+            clean_cache=clean_cache, corrupted_cache=corrupted_cache,
+        )  # fmt: skip
+        rows.append(row)
+    grid = torch.stack(rows) if rows else torch.zeros(0, len(list(receivers)), dtype=torch.float64)
+    return grid, head_labels(refs, K), labels
+
+
 __all__ = [
     "LOGITS",
     "Receiver",
+    "path_patch_grid",
+    "path_patch_receiver_sweep",
+    "receiver_label",
     "parse_receiver",
     "path_patch",
     "path_patch_caches",
