@@ -9,7 +9,8 @@
 :mod:`.circuits`            OV / QK / full circuits of neuron-heads, composition scores, top-k
 :mod:`.graph`               the unified graph: embeddings, attention heads, neuron-heads, logits
 :mod:`.discovery`           edge attribution patching over that graph, pruning
-:mod:`.circuit_runs`        exact circuit runs, faithfulness, gate/value splits, discover_circuit
+:mod:`.circuit_runs`        exact circuit runs (full or restricted graphs), faithfulness, gate/value
+:mod:`.circuit_search`      discover_circuit: score, prune, check; two stages for large models
 :mod:`.node_circuits`       node-level circuits for encoders too (pair-cosine metric), gate/value
 :mod:`.summaries`           dataset-level neuron-head summaries (top contexts, firing, tokens)
 ==========================  ======================================================================
@@ -39,10 +40,10 @@ from tl_attnonly.analysis.circuit_runs import (
     circuit_gate_value_split,
     circuit_metric,
     circuit_metrics,
-    discover_circuit,
     faithfulness,
     path_gate_value_split,
 )
+from tl_attnonly.analysis.circuit_search import discover_circuit, top_nodes
 from tl_attnonly.analysis.circuits import (
     CompositionScores,
     bias_token_homogeneous,
@@ -123,6 +124,7 @@ __all__ = [
     "mask_size",
     "path_gate_value_split",
     "prune",
+    "top_nodes",
     "LOGITS",
     "CompositionScores",
     "Receiver",

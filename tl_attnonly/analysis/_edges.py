@@ -196,6 +196,13 @@ def _source_hooks(model, graph: HeadGraph) -> list[str]:
     return names
 
 
+def _kept(t: torch.Tensor, group: SourceGroup | InputGroup, dim: int) -> torch.Tensor:
+    """``t`` along ``dim`` restricted to the group's kept nodes (a restricted graph's)."""
+    if len(group.index) == group.size:
+        return t
+    return t.index_select(dim, torch.tensor(group.index, dtype=torch.long, device=t.device))
+
+
 def _source_values(
     acts: dict[str, torch.Tensor], src: SourceGroup, graph: HeadGraph
 ) -> torch.Tensor:
@@ -206,10 +213,12 @@ def _source_values(
             out = out + acts["hook_pos_embed"]
         return out.unsqueeze(2)
     if src.kind == "attn":
-        return acts[head_act_name("z", src.layer, "attn")]
-    if graph.neuron_level:
-        return acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
-    return acts[neuron_act_name("z", src.layer)]
+        out = acts[head_act_name("z", src.layer, "attn")]
+    elif graph.neuron_level:
+        out = acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
+    else:
+        out = acts[neuron_act_name("z", src.layer)]
+    return _kept(out, src, 2)
 
 
 def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
@@ -217,11 +226,11 @@ def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> t
     if src.kind == EMBED:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if src.kind == "attn":
-        return model.blocks[src.layer].attn.W_O
+        return _kept(model.blocks[src.layer].attn.W_O, src, 0)
     W_out = model.blocks[src.layer].mlp.W_out
     if not graph.neuron_level:
         W_out = W_out.repeat_interleave(graph.n_heads_per_neuron, dim=0)
-    return W_out.unsqueeze(1)
+    return _kept(W_out, src, 0).unsqueeze(1)
 
 
 def _neuron_read_matrix(model, dst: InputGroup, graph: HeadGraph) -> torch.Tensor:
@@ -235,11 +244,11 @@ def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> to
     if dst.kind == LOGITS:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if dst.kind == "attn":
-        return _kv_weights(model.blocks[dst.layer].attn, dst.input)[0]
+        return _kept(_kv_weights(model.blocks[dst.layer].attn, dst.input)[0], dst, 0)
     W_in = _neuron_read_matrix(model, dst, graph)
     if not graph.neuron_level:
         W_in = W_in.repeat_interleave(graph.n_heads_per_neuron, dim=1)
-    return W_in.T.unsqueeze(-1)
+    return _kept(W_in, dst, 1).T.unsqueeze(-1)
 
 
 def _input_hook(dst: InputGroup, graph: HeadGraph) -> str:
@@ -258,13 +267,13 @@ def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor)
     if dst.kind == LOGITS:
         return grad.unsqueeze(2)
     if dst.kind == "attn":
-        return grad
+        return _kept(grad, dst, 2)
     if graph.gated:  # d metric / d g or d u, [batch, pos, d_mlp] (neuron level only)
-        return grad.unsqueeze(-1)
+        return _kept(grad, dst, 2).unsqueeze(-1)
     mlp = model.blocks[dst.layer].mlp
     coef = _coef(mlp, grad, 0 if dst.input == "gate" else 2)  # q = b*pre + d, v = f*pre + e
     K = graph.n_heads_per_neuron
     per_head = grad.squeeze(-1).unflatten(-1, (-1, K)) * coef  # [batch, pos, d_mlp, K]
     if graph.neuron_level:
-        return per_head.sum(-1, keepdim=True)
-    return per_head.flatten(-2).unsqueeze(-1)
+        return _kept(per_head.sum(-1, keepdim=True), dst, 2)
+    return _kept(per_head.flatten(-2).unsqueeze(-1), dst, 2)

@@ -1,4 +1,4 @@
-"""Exact circuit runs over the head graph, faithfulness, gate/value splits, ``discover_circuit``.
+"""Exact circuit runs over the head graph, faithfulness, gate/value splits, :class:`Circuit`.
 
 A circuit is a set of edges of :class:`~tl_attnonly.analysis.graph.HeadGraph`. Its run is exact:
 the model runs on the clean input, and every input of every node receives the corrupted residual
@@ -13,11 +13,17 @@ m(corrupted))`` is 1 and 0 for them.
 A gated neuron's two inputs are its gate ``g = x W_gate`` (``hook_pre``) and linear branch
 ``u = x W_in`` (``hook_pre_linear``), rebuilt each from its own residual input; its heads then
 compute ``sigmoid(b_k g + d_k) (f_k g + e_k - g_k) u`` as in the model.
+
+On a restricted graph (``nodes=``) a circuit is the circuit of the full graph whose edges touching
+a dropped node are absent: a dropped node's inputs are corrupted, so its output is too.
+
+``discover_circuit`` (score, prune, check in one call, and the two-stage recipe for large models):
+:mod:`.circuit_search`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -42,7 +48,7 @@ from tl_attnonly.analysis._edges import (
     _writers,
     check_discoverable,
 )
-from tl_attnonly.analysis.discovery import EdgeScores, edge_attribution_scores, mask_size, prune
+from tl_attnonly.analysis.discovery import EdgeScores, mask_size
 from tl_attnonly.analysis.graph import LOGITS, HeadGraph, InputGroup
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +105,7 @@ def circuit_metric(
     metric: DiscoveryMetric,
     *,
     neuron_level: bool = True,
+    nodes: Collection[str] | None = None,
     batch_size: int | None = None,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = False,
@@ -112,6 +119,7 @@ def circuit_metric(
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``.
         metric: As in :func:`~tl_attnonly.analysis.edge_attribution_scores`.
         neuron_level: The graph's granularity (must match the mask).
+        nodes: The restricted graph's nodes (:class:`HeadGraph`), if the mask is over one.
         batch_size: Examples per pass.
         block_bytes: Budget for the residual inputs rebuilt at once (chunked to fit).
         progress: Progress bar over batches.
@@ -121,7 +129,7 @@ def circuit_metric(
     """
     return circuit_metrics(
         model, [mask], clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
-        batch_size=batch_size, block_bytes=block_bytes, progress=progress,
+        nodes=nodes, batch_size=batch_size, block_bytes=block_bytes, progress=progress,
     )[0]  # fmt: skip
 
 
@@ -133,6 +141,7 @@ def circuit_metrics(
     metric: DiscoveryMetric,
     *,
     neuron_level: bool = True,
+    nodes: Collection[str] | None = None,
     batch_size: int | None = None,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = False,
@@ -140,13 +149,14 @@ def circuit_metrics(
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
     check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
-    graph = HeadGraph(model, neuron_level=neuron_level)
+    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     for mask in masks:
         missing = set(graph.block_keys()) - set(mask)
         if missing:
             raise ValueError(
                 f"The mask lacks blocks {sorted(missing)[:3]}...: build it for this model with "
-                f"prune() or HeadGraph(model, neuron_level={neuron_level}).full_mask()."
+                f"prune() or HeadGraph(model, neuron_level={neuron_level}, nodes=...).full_mask() "
+                "(a restricted graph's mask needs the same nodes=...)."
             )
     totals = [0.0] * len(masks)
     names = _corrupted_names(model, graph)
@@ -175,17 +185,24 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
         return act
 
     def patch_for(dst: InputGroup):
-        blocks = [(src, mask[(src.key, dst.key)]) for src in graph.sources if src.order < dst.order]
-        n_in = sum(int(m.sum()) for _, m in blocks)
-        n_v = len(dst.labels)
-        included = torch.zeros(n_v, dtype=torch.long)
-        n_possible = sum(len(src.labels) for src, _ in blocks)
+        blocks = [
+            (src, mask[(src.key, dst.key)])
+            for src in graph.sources
+            if src.order < dst.order and src.labels and dst.labels
+        ]
+        # counts over the full graph: a restricted graph's dropped nodes have no edges
+        n_possible = sum(src.size for src in graph.sources if src.order < dst.order)
+        included = torch.zeros(dst.size, dtype=torch.long)
+        index = torch.tensor(dst.index, dtype=torch.long)
         for _, m in blocks:
-            included += m.sum(0).cpu()
-        if n_in == n_possible * n_v:
+            included[index] += m.sum(0).cpu()
+        if bool((included == n_possible).all()):
             return None  # the full set of edges: the current run's input
-        none = (included == 0).nonzero().flatten()
-        mixed = ((included > 0) & (included < n_possible)).nonzero().flatten()
+        none = (included == 0).nonzero().flatten()  # full indices: corrupted input
+        position = torch.full((dst.size,), -1, dtype=torch.long)
+        position[index] = torch.arange(len(index))
+        # restricted indices (columns of the masks) of the readers whose input is rebuilt
+        mixed = position[((included > 0) & (included < n_possible)).nonzero().flatten()]
         _, site_name = _site(model, dst)
         hook_name = _input_hook(dst, graph)
 
@@ -206,7 +223,8 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
             for start in range(0, len(mixed), step):
                 chunk = mixed[start : start + step].to(act.device)
                 x = corr[site_name].unsqueeze(2) + _delta_sum(blocks, chunk, act.shape[:2])
-                new, heads = _recompute(model, dst, graph, x.to(act.dtype), chunk)
+                full = index.to(act.device)[chunk]  # the readers' indices in the model
+                new, heads = _recompute(model, dst, graph, x.to(act.dtype), full)
                 act[:, :, heads] = new.to(act.dtype)
             return act
 
@@ -310,19 +328,20 @@ class Circuit:
 def circuit_gate_value_split(
     model,
     mask: Mask,
-    clean_tokens: torch.Tensor,
-    corrupted_tokens: torch.Tensor,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
     *,
     neurons: Sequence[str] | None = None,
     neuron_level: bool = True,
+    nodes: Collection[str] | None = None,
     batch_size: int | None = None,
     progress: bool = True,
 ) -> pd.DataFrame:
     """For each neuron of the circuit: the effect of its gate edges alone, value edges alone, both.
 
     With ``C`` the circuit and ``C - X`` the circuit without the edges into input(s) ``X`` of the
-    neuron (exact circuit runs, :func:`circuit_metric`):
+    neuron (exact circuit runs, :func:`~tl_attnonly.analysis.circuit_metric`):
 
     - ``gate = m(C - value) - m(C - gate - value)``: its pattern receives the circuit, its value
       does not;
@@ -340,13 +359,14 @@ def circuit_gate_value_split(
     Args:
         neurons: Labels of neurons (or neuron-heads) to split; default every neuron with an
             incoming circuit edge.
-        Others: As in :func:`circuit_metric`.
+        Others: As in :func:`~tl_attnonly.analysis.circuit_metric` (``nodes``: the mask's
+            restricted graph).
 
     Returns:
         DataFrame with columns ``node, gate, value, both, interaction, n_gate_edges,
         n_value_edges`` (metric units).
     """
-    graph = HeadGraph(model, neuron_level=neuron_level)
+    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     targets: dict[str, dict[str, list[tuple[tuple[str, str], int]]]] = {}
     for src, dst in graph.blocks():
         if dst.kind != "neuron":
@@ -372,7 +392,7 @@ def circuit_gate_value_split(
         masks += [without(entry, "gate"), without(entry, "value"), without(entry, "gate", "value")]
     values = circuit_metrics(
         model, masks, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
-        batch_size=batch_size, progress=progress,
+        nodes=nodes, batch_size=batch_size, progress=progress,
     )  # fmt: skip
     m_full = values[0]
     rows = []
@@ -462,75 +482,11 @@ def path_gate_value_split(
     return out
 
 
-def discover_circuit(
-    model,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    metric: DiscoveryMetric,
-    *,
-    top_n: int | None = None,
-    threshold: float | None = None,
-    method: str = "eap",
-    ig_steps: int = 5,
-    neuron_level: bool = True,
-    batch_size: int | None = None,
-    gate_value: bool = True,
-    max_gate_value_neurons: int = 8,
-    progress: bool = True,
-) -> Circuit:
-    """Score every edge, prune to a circuit, and check it exactly.
-
-    Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
-        clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
-        metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar (see the module
-            docstring).
-        top_n, threshold: How to prune (exactly one): :func:`prune`.
-        method, ig_steps, neuron_level, batch_size: :func:`edge_attribution_scores`.
-        gate_value: Also split the incoming edges of the circuit's neurons into gate and value
-            (:func:`circuit_gate_value_split`; 3 circuit runs per neuron).
-        max_gate_value_neurons: Split at most this many neurons (the ones with the largest summed
-            |score| of incoming edges).
-        progress: Progress bars.
-
-    Returns:
-        A :class:`Circuit`.
-    """
-    if top_n is None and threshold is None:
-        raise ValueError("Give top_n=... (edges to keep) or threshold=... (minimum |score|).")
-    scores = edge_attribution_scores(
-        model, clean_tokens, corrupted_tokens, metric, method=method, ig_steps=ig_steps,
-        neuron_level=neuron_level, batch_size=batch_size, progress=progress,
-    )  # fmt: skip
-    mask = prune(scores, top_n=top_n, threshold=threshold)
-    m_circ = circuit_metric(
-        model, mask, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
-        batch_size=batch_size,
-    )  # fmt: skip
-    circuit = Circuit(
-        scores, mask, scores.metric_clean, scores.metric_corrupted, m_circ,
-        faithfulness(m_circ, scores.metric_clean, scores.metric_corrupted),
-    )  # fmt: skip
-    if gate_value:
-        frame = circuit.edges()
-        into = frame[frame.target_kind == "neuron"]
-        ranked = (
-            into.groupby("target").score.apply(lambda s: s.abs().sum()).sort_values(ascending=False)
-        )
-        circuit.gate_value = circuit_gate_value_split(
-            model, mask, clean_tokens, corrupted_tokens, metric,
-            neurons=list(ranked.index[:max_gate_value_neurons]), neuron_level=neuron_level,
-            batch_size=batch_size, progress=progress,
-        )  # fmt: skip
-    return circuit
-
-
 __all__ = [
     "Circuit",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
-    "discover_circuit",
     "faithfulness",
     "path_gate_value_split",
 ]

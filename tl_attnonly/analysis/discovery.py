@@ -41,6 +41,7 @@ see :func:`logit_diff_metric`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import pandas as pd
@@ -67,6 +68,7 @@ from tl_attnonly.analysis._edges import (
     logit_diff_metric,
 )
 from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, edges_frame
+from tl_attnonly.hooks import attn_head_label
 
 
 def _block_scores(
@@ -152,6 +154,7 @@ def edge_attribution_scores(
     method: str = "eap",
     ig_steps: int = 5,
     neuron_level: bool = True,
+    nodes: Collection[str] | None = None,
     batch_size: int | None = None,
     max_bytes: int = 2**30,
     block_bytes: int = BLOCK_BUDGET,
@@ -167,6 +170,9 @@ def edge_attribution_scores(
             ``ig_steps`` runs with embeddings ``corrupted + t (clean - corrupted)``,
             ``t = 1/ig_steps .. 1``).
         neuron_level: One node per neuron (default) or per neuron-head (``K > 1``).
+        nodes: Score only the edges among these attention heads and neurons (and the embeddings
+            and logits): a restricted :class:`HeadGraph`. Its scores equal the corresponding
+            entries of the full graph's.
         batch_size: Examples per forward/backward pass; default all at once.
         max_bytes: Refuse when the score tensors alone would exceed this.
         block_bytes: Budget for the intermediates of one block (they are chunked to fit).
@@ -181,13 +187,15 @@ def edge_attribution_scores(
         raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
     if method == "eap-ig" and ig_steps < 1:
         raise ValueError(f"ig_steps must be >= 1, got {ig_steps}.")
-    graph = HeadGraph(model, neuron_level=neuron_level)
+    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
     if size > max_bytes:
         raise MemoryError(
             f"{graph.n_edges():,} edges need {size / 2**30:.2f} GiB of scores (budget "
-            f"{max_bytes / 2**30:.2f} GiB). Raise max_bytes=..., or score a smaller model."
+            f"{max_bytes / 2**30:.2f} GiB). Score the edges among fewer nodes (nodes=[...], or "
+            "discover_circuit(..., n_nodes=...), which picks them by node attribution), or "
+            "raise max_bytes=...."
         )
     device = clean_tokens.device
     scores = {
@@ -232,13 +240,15 @@ def edge_attribution_scores(
                 alpha,
             )
             for dst in graph.inputs:
+                if not dst.labels:
+                    continue
                 module, site_name = _site(model, dst)
                 lin = _norm_linearisation(module, sites[site_name].flatten(0, 1))
                 g = _read_gradient(model, dst, graph, grads[_input_hook(dst, graph)])
                 g = g.flatten(0, 1)
                 R = _readers(model, dst, graph, g)
                 for src in graph.sources:
-                    if src.order >= dst.order:
+                    if src.order >= dst.order or not src.labels:
                         continue
                     U = _writers(model, src, graph, g)
                     with torch.no_grad():
@@ -297,9 +307,9 @@ def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
     if dst.kind == LOGITS:
         return []
     if dst.kind == "attn" and dst.input in "kv" and graph.gqa:
-        heads = graph.source_by_key[f"attn.{dst.layer}"].labels
-        group = len(heads) // len(dst.labels)
-        return list(heads[v * group : (v + 1) * group])
+        group = graph.n_heads // graph.n_kv
+        j = dst.index[v]
+        return [attn_head_label(dst.layer, h) for h in range(j * group, (j + 1) * group)]
     return [dst.labels[v]]
 
 

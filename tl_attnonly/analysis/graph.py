@@ -15,11 +15,20 @@ the linear branch the product is multiplied by). The neuron writes ``act_K(g) * 
 
 Nodes are grouped by layer and kind; edge scores and circuit masks are stored per
 ``(source group, input group)`` block, ``[n_sources, n_inputs]``.
+
+**Restricted graphs.** ``HeadGraph(model, nodes=[...])`` keeps only the given attention heads and
+neurons (the embeddings and the logits are always kept): its edges are those of the full graph
+between kept nodes, and each group remembers which of the full group's nodes it holds
+(``index``), so scores over a restricted graph are the corresponding entries of the full graph's
+scores, and a circuit over it is a circuit of the full graph (every edge touching a dropped node
+absent). At neuron level a GPT-2-small-sized model has ~1.3e9 edges; a few thousand kept nodes
+have a few million. :func:`~tl_attnonly.analysis.discover_circuit` with ``n_nodes=`` picks them by
+node attribution first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import pandas as pd
@@ -45,6 +54,8 @@ class SourceGroup:
         layer: Layer index (-1 for the embeddings).
         labels: Node labels (``"embed"``, ``"L0H1"``, ``"L0N5"`` or ``"L0N5.1"``).
         order: Position in the residual stream (the group is read by inputs of larger order).
+        index: Positions of ``labels`` in the full group (all of it unless restricted).
+        size: Number of nodes in the full group.
     """
 
     key: str
@@ -52,6 +63,8 @@ class SourceGroup:
     layer: int
     labels: tuple[str, ...]
     order: int
+    index: tuple[int, ...]
+    size: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,8 @@ class InputGroup:
         labels: The reading nodes' labels (for ``k``/``v`` of grouped-query attention, the key/value
             heads ``L{l}KV{j}``).
         order: Reads every source group of smaller order.
+        index: Positions of ``labels`` in the full group (all of it unless restricted).
+        size: Number of readers in the full group.
     """
 
     key: str
@@ -74,6 +89,8 @@ class InputGroup:
     input: str
     labels: tuple[str, ...]
     order: int
+    index: tuple[int, ...]
+    size: int
 
 
 class HeadGraph:
@@ -83,19 +100,28 @@ class HeadGraph:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         neuron_level: One node per MLP neuron (its ``K`` heads summed; default). With False, one
             node per neuron-head (only differs when ``K > 1``; plain MLPs only).
+        nodes: Restrict the graph to these attention heads (``"L0H1"``) and neurons (``"L0N5"``;
+            at head level neuron-heads ``"L0N5.1"``); the embeddings and the logits are always
+            kept. Default: every node.
 
     Attributes:
         gated: Whether the MLPs are gated (inputs ``gate = g``, ``value = u``; see above).
+        restricted: Whether ``nodes`` dropped any node.
+
+    Raises:
+        ValueError: If ``nodes`` names a node the model does not have.
     """
 
-    def __init__(self, model, neuron_level: bool = True):
+    def __init__(self, model, neuron_level: bool = True, nodes: Collection[str] | None = None):
         cfg = model.cfg
+        self.n_heads = cfg.n_heads
         self.n_layers = cfg.n_layers
         self.n_heads_per_neuron = model.n_heads_per_neuron
         self.neuron_level = neuron_level or model.n_heads_per_neuron == 1
         self.gated = any(isinstance(block.mlp, GatedNeuronHeadMLP) for block in model.blocks)
         self.parallel = bool(cfg.parallel_attn_mlp)
         n_kv = cfg.n_key_value_heads or cfg.n_heads
+        self.n_kv = n_kv
         self.gqa = n_kv != cfg.n_heads
         K = self.n_heads_per_neuron
         if self.neuron_level:
@@ -105,41 +131,93 @@ class HeadGraph:
                 [neuron_head_label(li, h, K) for h in range(cfg.d_mlp * K)]
                 for li in range(cfg.n_layers)
             ]
+        keep = None if nodes is None else set(nodes)
+        if keep is not None:
+            known = {
+                attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)
+            }
+            known.update(label for layer in neuron_labels for label in layer)
+            unknown = sorted(keep - known - {EMBED, LOGITS})
+            if unknown:
+                raise ValueError(
+                    f"nodes names {len(unknown)} node(s) this graph does not have, e.g. "
+                    f"{unknown[:3]}: give attention heads 'L{{l}}H{{h}}' and "
+                    + ("neurons 'L{l}N{i}'" if self.neuron_level else "neuron-heads 'L{l}N{i}.{k}'")
+                    + f" (neuron_level={self.neuron_level})."
+                )
+
+        def pick(labels, kept_by=None):
+            """(labels, index, size) of the kept nodes; ``kept_by(j)``: whether node j is kept."""
+            idx = tuple(
+                j
+                for j, label in enumerate(labels)
+                if keep is None or (kept_by(j) if kept_by else label in keep)
+            )
+            return tuple(labels[j] for j in idx), idx, len(labels)
+
         # order: embed 0; attn of layer l at 3l+1 (reads < 3l+1); mlp at 3l+2 (reads < 3l+2,
         # or < 3l+1 when attention and MLP run in parallel); logits last.
-        self.sources: list[SourceGroup] = [SourceGroup(EMBED, EMBED, -1, (EMBED,), 0)]
+        self.sources: list[SourceGroup] = [SourceGroup(EMBED, EMBED, -1, (EMBED,), 0, (0,), 1)]
         self.inputs: list[InputGroup] = []
+        group = cfg.n_heads // n_kv
         for li in range(cfg.n_layers):
             heads = tuple(attn_head_label(li, h) for h in range(cfg.n_heads))
             kv = tuple(f"L{li}KV{j}" for j in range(n_kv)) if self.gqa else heads
             for inp in ATTN_INPUTS:
-                labels = heads if inp == "q" else kv
+                if inp == "q" or not self.gqa:
+                    picked = pick(heads)
+                else:  # a key/value head is kept with any of the query heads it serves
+                    picked = pick(
+                        kv,
+                        lambda j, li=li: (
+                            keep is not None
+                            and any(
+                                attn_head_label(li, h) in keep
+                                for h in range(j * group, (j + 1) * group)
+                            )
+                        ),
+                    )
                 self.inputs.append(
-                    InputGroup(f"attn.{li}.{inp}", "attn", li, inp, labels, 3 * li + 1)
+                    InputGroup(
+                        f"attn.{li}.{inp}", "attn", li, inp, picked[0], 3 * li + 1, *picked[1:]
+                    )
                 )
-            self.sources.append(SourceGroup(f"attn.{li}", "attn", li, heads, 3 * li + 1))
+            kept_heads, index, size = pick(heads)
+            self.sources.append(
+                SourceGroup(f"attn.{li}", "attn", li, kept_heads, 3 * li + 1, index, size)
+            )
             mlp_order = 3 * li + 1 if self.parallel else 3 * li + 2
+            neurons = pick(tuple(neuron_labels[li]))
             for inp in NEURON_INPUTS:
                 self.inputs.append(
                     InputGroup(
-                        f"neuron.{li}.{inp}", "neuron", li, inp, tuple(neuron_labels[li]), mlp_order
+                        f"neuron.{li}.{inp}", "neuron", li, inp, neurons[0], mlp_order, *neurons[1:]
                     )
                 )
             self.sources.append(
-                SourceGroup(f"neuron.{li}", "neuron", li, tuple(neuron_labels[li]), 3 * li + 2)
+                SourceGroup(f"neuron.{li}", "neuron", li, neurons[0], 3 * li + 2, *neurons[1:])
             )
         self.inputs.append(
-            InputGroup(LOGITS, LOGITS, cfg.n_layers, "", (LOGITS,), 3 * cfg.n_layers + 3)
+            InputGroup(LOGITS, LOGITS, cfg.n_layers, "", (LOGITS,), 3 * cfg.n_layers + 3, (0,), 1)
+        )
+        self.restricted = any(len(g.labels) < g.size for g in self.sources) or any(
+            len(g.labels) < g.size for g in self.inputs
         )
         self.source_by_key = {g.key: g for g in self.sources}
         self.input_by_key = {g.key: g for g in self.inputs}
 
     def blocks(self) -> Iterator[tuple[SourceGroup, InputGroup]]:
-        """Every (source group, input group) pair joined by edges."""
+        """Every (source group, input group) pair joined by edges (both non-empty)."""
         for dst in self.inputs:
+            if not dst.labels:
+                continue
             for src in self.sources:
-                if src.order < dst.order:
+                if src.order < dst.order and src.labels:
                     yield src, dst
+
+    def node_labels(self) -> list[str]:
+        """Labels of the graph's attention heads and neurons (restricted: the kept ones)."""
+        return [label for g in self.sources if g.kind != EMBED for label in g.labels]
 
     def block_keys(self) -> list[tuple[str, str]]:
         return [(s.key, d.key) for s, d in self.blocks()]

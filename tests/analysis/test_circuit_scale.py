@@ -1,0 +1,155 @@
+"""Circuit discovery on restricted graphs (``nodes=``) and in two stages (``n_nodes=``).
+
+A restricted graph's edge scores must equal the corresponding entries of the full graph's, and its
+circuit runs the full graph's runs with every edge touching a dropped node removed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GATED_ZOO, make_model, make_tokens
+
+from tl_attnonly import convert
+from tl_attnonly.analysis import (
+    HeadGraph,
+    circuit_metric,
+    discover_circuit,
+    edge_attribution_scores,
+    logit_diff_metric,
+    top_nodes,
+)
+from tl_attnonly.analysis.node_circuits import ModelInputs, node_attribution_scores
+
+CLEAN, CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+METRIC = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+MODELS = {
+    "ln_gelu": ("gelu", dict(normalization_type="LN")),
+    "gqa": ("silu", dict(normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2)),
+    "llama": ("silu", GATED_ZOO["llama"]),
+}
+NODES = ["L0H1", "L0H3", "L0N2", "L0N5", "L0N17", "L1H2", "L1N0", "L1N9", "L1N20"]
+
+
+def _model(name: str):
+    act_fn, overrides = MODELS[name]
+    return convert(make_model(act_fn, **overrides))
+
+
+def _nodes(model) -> list[str]:
+    return [n for n in NODES if "H" not in n or int(n.split("H")[1]) < model.cfg.n_heads]
+
+
+def _embed(restricted: HeadGraph, full: HeadGraph, blocks: dict) -> dict:
+    """A restricted graph's mask as a mask of the full graph (False outside it)."""
+    out = full.full_mask(False)
+    for (s, d), m in blocks.items():
+        rows = torch.tensor(restricted.source_by_key[s].index)
+        cols = torch.tensor(restricted.input_by_key[d].index)
+        out[(s, d)][rows[:, None], cols[None, :]] = m
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_restricted_scores_are_entries_of_the_full_scores(name):
+    model = _model(name)
+    nodes = _nodes(model)
+    full = edge_attribution_scores(model, CLEAN, CORRUPTED, METRIC, batch_size=3, progress=False)
+    part = edge_attribution_scores(
+        model, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=3, progress=False
+    )
+    graph = part.graph
+    assert graph.restricted and set(graph.node_labels()) == set(nodes)
+    assert graph.n_edges() < full.graph.n_edges() / 4
+    assert part.metric_clean == full.metric_clean
+    for (s, d), block in part.scores.items():
+        rows = torch.tensor(graph.source_by_key[s].index)
+        cols = torch.tensor(graph.input_by_key[d].index)
+        expected = full.scores[(s, d)][rows[:, None], cols[None, :]]
+        torch.testing.assert_close(block, expected, rtol=1e-12, atol=1e-14)
+    # the frame names the same edges with the same scores
+    frame, full_frame = part.frame(), full.frame().set_index("edge")
+    assert frame.score.tolist() == pytest.approx(full_frame.loc[frame.edge].score.tolist())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_restricted_circuit_runs_equal_full_runs_without_dropped_nodes(name):
+    model = _model(name)
+    nodes = _nodes(model)
+    graph, full = HeadGraph(model, nodes=nodes), HeadGraph(model)
+    g = torch.Generator().manual_seed(0)
+    some = {k: torch.rand(m.shape, generator=g) < 0.5 for k, m in graph.full_mask().items()}
+    for mask in (graph.full_mask(True), some, graph.full_mask(False)):
+        got = circuit_metric(model, mask, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+        expected = circuit_metric(model, _embed(graph, full, mask), CLEAN, CORRUPTED, METRIC)
+        assert got == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    # the empty restricted graph is the corrupted run
+    corrupted = METRIC(model(CORRUPTED), torch.arange(4)).item()
+    empty = circuit_metric(model, graph.full_mask(False), CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    assert empty == pytest.approx(corrupted, rel=1e-12)
+
+
+def test_two_stage_discovery_keeps_the_top_attributed_nodes():
+    model = _model("llama")
+    circuit = discover_circuit(
+        model, CLEAN, CORRUPTED, METRIC, n_nodes=6, top_n=10, batch_size=3,
+        max_gate_value_neurons=2, progress=False,
+    )  # fmt: skip
+    node_metric = lambda out, inputs: METRIC(out, torch.arange(4))  # noqa: E731
+    scores = node_attribution_scores(
+        model, ModelInputs(CLEAN), ModelInputs(CORRUPTED), node_metric
+    ).scores.drop("embed")
+    expected = list(scores.abs().sort_values(ascending=False, kind="stable").index[:6])
+    assert circuit.extra["nodes"] == expected
+    assert set(circuit.graph.node_labels()) == set(expected)
+    assert set(circuit.edges().source) <= set(expected) | {"embed"}
+    again = circuit_metric(model, circuit.mask, CLEAN, CORRUPTED, METRIC, nodes=expected)
+    assert circuit.metric_circuit == pytest.approx(again, rel=1e-12)
+    # batched node attribution sums to the unbatched one
+    labels, batched = top_nodes(model, CLEAN, CORRUPTED, METRIC, 6, batch_size=3, progress=False)
+    assert labels == expected
+    torch.testing.assert_close(
+        torch.tensor(batched[scores.index].values), torch.tensor(scores.values), rtol=1e-10, atol=0
+    )
+
+
+def test_restricted_graphs_refuse_unknown_nodes_and_name_the_fix():
+    model = _model("ln_gelu")
+    with pytest.raises(ValueError, match="L0N5.1"):
+        HeadGraph(model, nodes=["L0H1", "L0N5.1"])
+    with pytest.raises(ValueError, match="not both"):
+        discover_circuit(model, CLEAN, CORRUPTED, METRIC, top_n=3, nodes=["L0H1"], n_nodes=2)
+    with pytest.raises(MemoryError, match="n_nodes"):
+        edge_attribution_scores(model, CLEAN, CORRUPTED, METRIC, max_bytes=1000, progress=False)
+    heads = HeadGraph(model, neuron_level=False, nodes=["L0N5.1", "L1H0"])
+    assert heads.node_labels() == ["L0N5.1", "L1H0"]
+
+
+@pytest.mark.slow
+def test_gpt2_small_sized_two_stage_discovery_runs_where_the_full_graph_is_refused():
+    """12 layers, d_model 768, d_mlp 3072 (GELU, K=4), vocab 1000, fp32: the full graph (1.26e9
+    edges) is refused before any work; the two stages complete (timed in
+    ``benchmarks/bench_discovery.py``) and the circuit's run is reproducible exactly."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=12, d_model=768, n_heads=12, d_head=64, d_mlp=3072, d_vocab=1000, n_ctx=16,
+        act_fn="gelu", normalization_type="LN", seed=0, device="cpu",
+    )  # fmt: skip
+    model = convert(HookedTransformer(cfg).eval(), share_weights=True)
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 1000, (4, 12), generator=g)
+    corrupted = torch.cat([clean[:, :6], torch.randint(0, 1000, (4, 6), generator=g)], 1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+    assert HeadGraph(model).n_edges() == 1_258_897_825
+    with pytest.raises(MemoryError, match="n_nodes"):
+        edge_attribution_scores(model, clean, corrupted, metric, progress=False)
+    circuit = discover_circuit(
+        model, clean, corrupted, metric, n_nodes=200, top_n=100, batch_size=2,
+        max_gate_value_neurons=1, progress=False,
+    )  # fmt: skip
+    assert circuit.graph.n_edges() < 60_000 and len(circuit.extra["nodes"]) == 200
+    again = circuit_metric(
+        model, circuit.mask, clean, corrupted, metric, nodes=circuit.extra["nodes"]
+    )
+    assert again == pytest.approx(circuit.metric_circuit, rel=1e-5, abs=1e-6)
