@@ -13,6 +13,7 @@
 :mod:`.circuit_search`      discover_circuit: score, prune, check; two stages for large models
 :mod:`.node_circuits`       node-level circuits for encoders too (pair-cosine metric), gate/value
 :mod:`.summaries`           dataset-level neuron-head summaries (top contexts, firing, tokens)
+:mod:`.ioi`                 IOI prompts, head roles (name mover, S-inhibition, ...) from patterns
 ==========================  ======================================================================
 
 Heads are labelled ``L{l}H{h}`` (attention heads, TransformerLens's style), ``L{l}N{i}`` or
@@ -70,6 +71,12 @@ from tl_attnonly.analysis.discovery import (
     prune,
 )
 from tl_attnonly.analysis.graph import HeadGraph
+from tl_attnonly.analysis.ioi import (
+    IOIDataset,
+    IOIHeadScores,
+    ioi_head_scores,
+    make_ioi_dataset,
+)
 from tl_attnonly.analysis.output_patching import (
     PatchUnit,
     get_act_patch_outputs,
@@ -108,6 +115,10 @@ __all__ = [
     "PatchUnit",
     "get_act_patch_outputs",
     "patch_units",
+    "IOIDataset",
+    "IOIHeadScores",
+    "ioi_head_scores",
+    "make_ioi_dataset",
     "composition_top_k",
     "neuron_level",
     "Circuit",
