@@ -126,6 +126,21 @@ def test_summaries_round_trip_rank_and_render(tmp_path):
         summary.rank(0, by="nope")
 
 
+def test_rank_lists_neurons_with_all_their_heads_by_default():
+    model = convert(make_model("gelu", normalization_type="LN", n_ctx=12))
+    K = model.n_heads_per_neuron
+    assert K == 4
+    summary = summarize_neuron_heads(model, _corpus(1), k=2, batch_size=4, progress=False)
+    fire = summary.firing_fraction()[1]
+    by_neuron = summary.rank(1, top=3)
+    best = fire.double().reshape(-1, K).amax(-1).argsort(descending=True, stable=True)[:3]
+    assert by_neuron == [n * K + k for n in best.tolist() for k in range(K)]
+    by_head = summary.rank(1, top=3, level="head")
+    assert by_head == fire.double().argsort(descending=True)[:3].tolist()
+    with pytest.raises(ValueError, match="level"):
+        summary.rank(1, level="layer")
+
+
 def test_summaries_refuse_over_budget_and_bad_items():
     model = convert(make_model("silu", n_ctx=12))
     with pytest.raises(MemoryError, match="token_stats=False"):

@@ -8,7 +8,13 @@ from conftest import make_model, make_tokens
 
 import tl_attnonly.analysis.circuits as circuits
 from tl_attnonly import convert
-from tl_attnonly.analysis import composition_scores, composition_top_k, neuron_level, top_k
+from tl_attnonly.analysis import (
+    composition_scores,
+    composition_top_k,
+    neuron_level,
+    neuron_level_pairs,
+    top_k,
+)
 from tl_attnonly.hooks import all_head_refs, head_labels, neuron_act_name
 
 
@@ -19,27 +25,51 @@ def gelu_k4():
 
 @pytest.mark.parametrize("mode", ["Q", "V"])
 @pytest.mark.parametrize("largest", [True, False])
-def test_streamed_top_k_equals_the_full_matrix(gelu_k4, mode, largest, monkeypatch):
+@pytest.mark.parametrize("level", ["neuron", "head"])
+def test_streamed_top_k_equals_the_full_matrix(gelu_k4, mode, largest, level, monkeypatch):
     monkeypatch.setattr(circuits, "_SENDERS_PER_BLOCK", 5)  # many blocks
     full = composition_scores(gelu_k4, mode)
-    n_zero = int((full.scores == 0).sum())
+    scores, senders, receivers = full.scores, full.senders, full.receivers
+    if level == "neuron":
+        scores, senders, receivers = neuron_level_pairs(scores, senders, receivers)
+        n_attn = gelu_k4.cfg.n_layers * gelu_k4.cfg.n_heads
+        assert len(senders) == (len(full.senders) - n_attn) // 4 + n_attn and "L0N7" in senders
+    n_zero = int((scores == 0).sum())
     k = 25
-    expected = full.top_k(k, largest=largest)
-    streamed = composition_top_k(gelu_k4, mode, k, largest=largest)
+    expected = full.top_k(k, largest=largest, level=level)
+    streamed = composition_top_k(gelu_k4, mode, k, largest=largest, level=level)
+    pairs = list(zip(streamed["sender"], streamed["receiver"], strict=True))
+    assert len(set(pairs)) == k  # no pair twice (at neuron level: not K^2 times)
     # The K heads of a neuron tie (composition is scale-free): compare scores, then check that
     # every streamed pair has the score the full matrix gives it.
-    rows = {label: i for i, label in enumerate(full.senders)}
-    cols = {label: j for j, label in enumerate(full.receivers)}
+    rows = {label: i for i, label in enumerate(senders)}
+    cols = {label: j for j, label in enumerate(receivers)}
     for sender, receiver, score in streamed.itertuples(index=False):
-        assert full.scores[rows[sender], cols[receiver]].item() == pytest.approx(score, abs=1e-12)
+        assert scores[rows[sender], cols[receiver]].item() == pytest.approx(score, abs=1e-12)
     if largest:
         torch.testing.assert_close(
             torch.tensor(streamed["score"].to_numpy()), torch.tensor(expected["score"].to_numpy())
         )
     else:  # the full matrix also holds the zeros of pairs that cannot compose
         assert n_zero > 0 and (streamed["score"] > 0).all()
-        nonzero = full.scores[full.scores > 0].sort().values[:k]
+        nonzero = scores[scores > 0].sort().values[:k]
         torch.testing.assert_close(torch.tensor(streamed["score"].to_numpy()), nonzero)
+
+
+def test_every_head_of_a_neuron_has_the_neurons_composition_score(gelu_k4):
+    """Why neuron level may score one head per neuron: the K heads' scores are equal."""
+    for mode in ("Q", "V"):
+        full = composition_scores(gelu_k4, mode)
+        n_attn = gelu_k4.cfg.n_layers * gelu_k4.cfg.n_heads
+        neuron_rows = full.scores[n_attn:].reshape(-1, 4, full.scores.shape[1])
+        torch.testing.assert_close(
+            neuron_rows, neuron_rows[:, :1].expand_as(neuron_rows), rtol=1e-12, atol=1e-14
+        )
+        neuron_cols = full.scores[:, n_attn:].reshape(full.scores.shape[0], -1, 4)
+        torch.testing.assert_close(
+            neuron_cols, neuron_cols[..., :1].expand_as(neuron_cols), rtol=1e-12, atol=1e-14
+        )
+        assert neuron_rows.abs().sum() > 0 and neuron_cols.abs().sum() > 0
 
 
 def test_streaming_needs_no_budget_where_the_matrix_is_refused(gelu_k4):

@@ -99,7 +99,7 @@ from tl_attnonly.analysis.path_patching import (
     path_patch_sweep,
     receiver_label,
 )
-from tl_attnonly.analysis.ranking import composition_top_k, neuron_level
+from tl_attnonly.analysis.ranking import composition_top_k, neuron_level, neuron_level_pairs
 from tl_attnonly.analysis.summaries import (
     NeuronHeadSummaries,
     stdlib_corpus,
@@ -121,6 +121,7 @@ __all__ = [
     "make_ioi_dataset",
     "composition_top_k",
     "neuron_level",
+    "neuron_level_pairs",
     "Circuit",
     "EdgeScores",
     "HeadGraph",

@@ -266,9 +266,12 @@ class CompositionScores:
     receivers: list[str]
     mode: str
 
-    def top_k(self, k: int = 10, largest: bool = True) -> pd.DataFrame:
-        """The ``k`` strongest (``largest``) or weakest pairs: sender, receiver, score."""
-        return top_k(self.scores, self.senders, self.receivers, k=k, largest=largest)
+    def top_k(
+        self, k: int = 10, largest: bool = True, level: Literal["neuron", "head"] = "neuron"
+    ) -> pd.DataFrame:
+        """The ``k`` strongest (``largest``) or weakest pairs: sender, receiver, score; per neuron
+        by default (``level="head"``: per head; see :func:`top_k`)."""
+        return top_k(self.scores, self.senders, self.receivers, k=k, largest=largest, level=level)
 
     def to_frame(self) -> pd.DataFrame:
         """The scores as a labelled DataFrame (rows: senders, columns: receivers)."""
@@ -403,10 +406,13 @@ def top_k(
 ) -> pd.DataFrame:
     """The ``k`` largest (or smallest) entries of a labelled score vector or matrix.
 
-    A vector of per-head scores (attributions, patching effects of z, DLA) is ranked per neuron by
-    default: the ``K`` heads ``L{l}N{i}.{k}`` of a neuron are summed into ``L{l}N{i}``
-    (:func:`~tl_attnonly.analysis.ranking.neuron_level`). Matrices (composition scores, which do
-    not add up) stay per head.
+    Ranked per neuron by default. A vector of additive per-head scores (attribution estimates, DLA,
+    ``z``) sums the ``K`` heads ``L{l}N{i}.{k}`` of a neuron into ``L{l}N{i}``
+    (:func:`~tl_attnonly.analysis.ranking.neuron_level`); exact patching effects do not add up
+    (patch neurons with ``get_act_patch_outputs(level="neuron")``). A matrix of pair scores
+    (composition scores, where a neuron's ``K`` heads all have the neuron's score) keeps the
+    maximum over each pair of units' heads
+    (:func:`~tl_attnonly.analysis.ranking.neuron_level_pairs`).
 
     Args:
         scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
@@ -416,8 +422,8 @@ def top_k(
         k: How many entries.
         largest: Largest (default) or smallest first.
         absolute: Rank by ``|score|`` (the table still shows the signed score).
-        level: ``"neuron"`` (default) sums each neuron's heads first (vectors only); ``"head"``
-            ranks the heads themselves.
+        level: ``"neuron"`` (default) ranks units (neurons and attention heads): sums of heads
+            for vectors, the maximum over heads for matrices; ``"head"`` ranks the heads.
 
     Returns:
         A DataFrame with columns ``label, score`` (1-d) or ``sender, receiver, score`` (2-d).
@@ -434,6 +440,10 @@ def top_k(
         from tl_attnonly.analysis.ranking import neuron_level
 
         scores, row_labels = neuron_level(scores, row_labels)
+    elif level == "neuron" and col_labels is not None:
+        from tl_attnonly.analysis.ranking import neuron_level_pairs
+
+        scores, row_labels, col_labels = neuron_level_pairs(scores, row_labels, col_labels)
     flat = scores.detach().flatten()
     key = flat.abs() if absolute else flat
     idx = key.topk(min(k, flat.numel()), largest=largest).indices

@@ -27,10 +27,12 @@ def neuron_level(
 ) -> tuple[Float[torch.Tensor, "n_units ..."], list[str]]:
     """Sum the ``K`` heads of each neuron: rows ``L{l}N{i}.{k}`` become one row ``L{l}N{i}``.
 
-    For additive per-head quantities: direct logit attribution, per-head results, attribution
-    scores, the effect of patching ``z`` (a neuron's ``hook_post`` is the sum of its heads'
-    ``z``). Other rows (attention heads, one-head neurons) are kept; rows keep the order of their
-    first head.
+    For additive per-head quantities: direct logit attribution, per-head results, ``z`` (a
+    neuron's ``hook_post`` is the sum of its heads' ``z``), attribution-patching estimates (the
+    neuron's estimate is the sum of its heads'). Not for exact patching effects, which do not add
+    up: patch the neuron's heads together instead
+    (:func:`~tl_attnonly.analysis.get_act_patch_outputs`, ``level="neuron"``). Other rows
+    (attention heads, one-head neurons) are kept; rows keep the order of their first head.
 
     Args:
         scores: ``[n_heads, ...]`` per-head values.
@@ -63,12 +65,18 @@ def composition_top_k(
     largest: bool = True,
     progress: bool = False,
     per_unit_u: bool = False,
+    level: Literal["neuron", "head"] = "neuron",
 ) -> pd.DataFrame:
     """The ``k`` strongest (or weakest) composition pairs, streamed block by block: the full score
     matrix is never built, so every head of a large model fits (memory: one block at a time).
 
-    The same pairs and scores as ``composition_scores(model, mode, senders, receivers).top_k(k)``
-    (tested); pairs whose receiver reads before the sender writes are left out.
+    The same pairs and scores as ``composition_scores(model, mode, senders, receivers).top_k(k,
+    level=level)`` (tested); pairs whose receiver reads before the sender writes are left out.
+
+    At ``level="neuron"`` (the default) a neuron is one entry, ``L{l}N{i}``, not ``K``: its heads
+    write the same ``W_out[i]`` and read multiples of one column of ``W_in`` (``b_k``, ``f_k``
+    times it), and composition scores are scale-free, so every head of a neuron has the neuron's
+    score; one head per neuron is scored (``K^2`` times fewer pairs).
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
@@ -79,18 +87,31 @@ def composition_top_k(
         largest: Strongest (default) or weakest pairs.
         progress: Show a progress bar over sender groups.
         per_unit_u: As for :func:`~tl_attnonly.analysis.composition_scores` (gated models).
+        level: ``"neuron"`` (default; labels ``L{l}N{i}``) or ``"head"`` (``L{l}N{i}.{k}``).
+            At neuron level a head in ``senders``/``receivers`` stands for its neuron.
 
     Returns:
         A DataFrame with columns ``sender, receiver, score``.
     """
     if mode not in ("Q", "K", "V"):
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
     _layers(model, None)
     K = model.n_heads_per_neuron
-    send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-    recv = (
-        all_head_refs(model) if receivers is None else [parse_head_label(r, K) for r in receivers]
-    )
+    if level == "neuron" and K > 1:
+        send, send_labels = _representatives(model, senders, None)
+        recv, recv_labels = _representatives(model, receivers, mode)
+    else:
+        send = (
+            all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
+        )
+        recv = (
+            all_head_refs(model)
+            if receivers is None
+            else [parse_head_label(r, K) for r in receivers]
+        )
+        send_labels, recv_labels = head_labels(send, K), head_labels(recv, K)
     dtype = model.W_E.dtype
     best = torch.empty(0, dtype=dtype)
     pairs = torch.empty(0, 2, dtype=torch.long)
@@ -103,7 +124,6 @@ def composition_top_k(
             keep = best.topk(min(k, best.numel()), largest=largest).indices
             best, pairs = best[keep], pairs[keep]
     order = best.sort(descending=largest, stable=True).indices
-    send_labels, recv_labels = head_labels(send, K), head_labels(recv, K)
     return pd.DataFrame(
         {
             "sender": [send_labels[i] for i in pairs[order, 0].tolist()],
@@ -113,4 +133,69 @@ def composition_top_k(
     )
 
 
-__all__ = ["composition_top_k", "neuron_level"]
+def _head_refs(model, specs: Sequence[str | HeadRef] | None) -> list[HeadRef]:
+    if specs is None:
+        return all_head_refs(model)
+    return [parse_head_label(spec, model.n_heads_per_neuron) for spec in specs]
+
+
+def _representatives(
+    model, specs: Sequence[str | HeadRef] | None, mode: str | None
+) -> tuple[list[HeadRef], list[str]]:
+    """One head per unit (attention head or neuron) and the units' labels.
+
+    A neuron's representative is the head whose coefficient scales the neuron's read the most
+    (``|b_k|`` for queries, ``|f_k|`` for values: never 0 for a head that reads), or head 0 as a
+    sender (all ``K`` heads write ``W_out[i]``) and for keys (constant).
+    """
+    from tl_attnonly.analysis.output_patching import patch_units
+
+    refs: list[HeadRef] = []
+    labels: list[str] = []
+    for unit in patch_units(model, specs, level="neuron"):
+        pick = 0
+        if unit.kind == "neuron" and mode in ("Q", "V"):
+            coefficients = model.neuron_heads[unit.layer].coefficients
+            values = coefficients.b if mode == "Q" else coefficients.f
+            pick = max(range(len(values)), key=lambda k: abs(values[k]))
+        refs.append(HeadRef(unit.kind, unit.layer, unit.heads[pick]))
+        labels.append(unit.label)
+    return refs, labels
+
+
+def neuron_level_pairs(
+    scores: Float[torch.Tensor, "n_rows n_cols"],
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+) -> tuple[Float[torch.Tensor, "n_row_units n_col_units"], list[str], list[str]]:
+    """Pairwise head scores (composition scores) at neuron level: the maximum over each pair of
+    units' heads. For composition scores every head of a neuron has the neuron's score (see
+    :func:`composition_top_k`), so this keeps it and drops the ``K^2 - 1`` copies.
+
+    Args:
+        scores: ``[n_rows, n_cols]`` per-head-pair scores.
+        row_labels, col_labels: The heads' labels.
+
+    Returns:
+        ``(scores, row unit labels, column unit labels)``.
+    """
+    rows, row_units = _groups(row_labels, scores.device)
+    cols, col_units = _groups(col_labels, scores.device)
+    fill = torch.finfo(scores.dtype).min if scores.is_floating_point() else 0
+    out = scores.new_full((len(row_units), scores.shape[1]), fill)
+    out = out.scatter_reduce(0, rows[:, None].expand_as(scores), scores, "amax")
+    final = scores.new_full((len(row_units), len(col_units)), fill)
+    final = final.scatter_reduce(1, cols[None, :].expand_as(out), out, "amax")
+    return final, row_units, col_units
+
+
+def _groups(labels: Sequence[str], device: torch.device) -> tuple[torch.Tensor, list[str]]:
+    units: dict[str, int] = {}
+    group = []
+    for label in labels:
+        match = _HEAD_OF_NEURON.match(label)
+        group.append(units.setdefault(match.group(1) if match else label, len(units)))
+    return torch.tensor(group, device=device, dtype=torch.long), list(units)
+
+
+__all__ = ["composition_top_k", "neuron_level", "neuron_level_pairs"]

@@ -221,18 +221,29 @@ class NeuronHeadSummaries:
             if v > -torch.inf
         ]
 
-    def rank(self, layer: int, by: str = "firing_fraction", top: int | None = None) -> list[int]:
+    def rank(
+        self,
+        layer: int,
+        by: str = "firing_fraction",
+        top: int | None = None,
+        level: str = "neuron",
+    ) -> list[int]:
         """Neuron-heads of ``layer`` ranked by a dataset statistic (largest first).
 
         Args:
             by: ``"firing_fraction"``, ``"max_self"`` (best top context by weight on self),
                 ``"max_abs_z"`` (best top context by |z|), or ``"selectivity"`` (the best token's
                 :meth:`firing_auc_by_token`, tokens seen at least 5 times).
-            top: How many; default all.
+            top: How many neurons (``level="head"``: heads); default all.
+            level: ``"neuron"`` (default): neurons ranked by the largest statistic of their ``K``
+                heads, each listed with all its heads (consecutively); ``"head"``: heads ranked
+                one by one. The same for ``K = 1``.
 
         Returns:
             Head indices, usable as ``heads=`` in the views of :mod:`tl_attnonly.vis`.
         """
+        if level not in ("neuron", "head"):
+            raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
         if by == "firing_fraction":
             score = self.firing_fraction()[layer]
         elif by == "max_self":
@@ -246,6 +257,11 @@ class NeuronHeadSummaries:
                 "by must be 'firing_fraction', 'max_self', 'max_abs_z' or 'selectivity', got "
                 f"{by!r}."
             )
+        K = self.n_heads_per_neuron
+        if level == "neuron" and K > 1:
+            neurons = score.double().reshape(-1, K).amax(-1).argsort(descending=True, stable=True)
+            chosen = neurons[: top or len(neurons)].tolist()
+            return [n * K + k for n in chosen for k in range(K)]
         order = score.double().argsort(descending=True)
         return order[: top or len(order)].tolist()
 

@@ -51,6 +51,7 @@ from tl_attnonly.vis.patterns import (
     TokensLike,
     neuron_head_attention_view,
     neuron_head_scores,
+    rank_neuron_heads,
     select_neuron_heads,
     square_neuron_pattern,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "neuron_head_activation",
     "neuron_head_attention_view",
     "neuron_head_scores",
+    "rank_neuron_heads",
     "neuron_head_strips",
     "omega_error_figure",
     "patching_heatmap",

@@ -7,7 +7,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -22,8 +22,7 @@ from tl_attnonly.vis.patterns import (
     HeadsLike,
     _model,
     _weights_and_z,
-    neuron_head_scores,
-    select_neuron_heads,
+    rank_neuron_heads,
 )
 
 #: Colours: weight on the bias token -> weight on self.
@@ -39,6 +38,7 @@ def neuron_activity_heatmap(
     top_k: int | None = 40,
     rank_by: str = "z",
     batch_index: int = 0,
+    level: Literal["neuron", "head"] = "neuron",
 ) -> go.Figure:
     """Heatmap of neuron-head activity over tokens: weight on self (1) vs on the bias token (0).
 
@@ -51,9 +51,12 @@ def neuron_activity_heatmap(
         layer: A layer, several, or ``None`` for all.
         str_tokens: The prompt's string tokens (``model.to_str_tokens(prompt)``).
         heads: Explicit head indices (the same in every layer); default: ranked by ``rank_by``.
-        top_k: Heads per layer (``None``: all; thousands of rows make a slow figure).
+        top_k: Neurons (``level="head"``: heads) per layer (``None``: all; thousands of rows
+            make a slow figure).
         rank_by: See :func:`neuron_head_scores`.
         batch_index: Which prompt of the batch.
+        level: ``"neuron"`` (default): rank neurons, each shown with all its ``K`` heads;
+            ``"head"``: rank heads (:func:`~tl_attnonly.vis.patterns.rank_neuron_heads`).
 
     Returns:
         A plotly Figure.
@@ -63,8 +66,7 @@ def neuron_activity_heatmap(
     str_tokens = list(str_tokens)
     selections = []
     for lay in layers:
-        scores = None if heads is not None else neuron_head_scores(cache, lay, rank_by, batch_index)
-        selections.append(select_neuron_heads(scores, model.n_neuron_heads, heads, top_k))
+        selections.append(rank_neuron_heads(cache, lay, heads, top_k, rank_by, batch_index, level))
     n_rows = max(len(shown) for shown in selections)
     # Pixels: each panel's rows, plus room under it for the rotated token labels.
     label_px = _LABEL_PX

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -86,8 +86,9 @@ def neuron_head_scores(
     layer: int,
     rank_by: str = "z",
     batch_index: int = 0,
+    level: Literal["head", "neuron"] = "head",
 ) -> torch.Tensor:
-    """How active each neuron-head of a layer is on one prompt.
+    """How active each neuron-head (or each neuron) of a layer is on one prompt.
 
     Args:
         cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run holding
@@ -98,18 +99,29 @@ def neuron_head_scores(
             switch between self and the bias token); ``"output"``: max ``|z| * |W_O|`` (size of
             what the head writes to the residual stream).
         batch_index: Which prompt of the batch.
+        level: ``"head"`` (default here): one score per neuron-head. ``"neuron"``: one per neuron,
+            from the sum of its ``K`` heads' ``z`` (what the neuron writes before ``W_out``) for
+            ``"z"``/``"output"``, the largest of its heads' scores for ``"self"``/``"contrast"``.
 
     Returns:
-        One score per neuron-head, ``[n_neuron_heads]``, higher = more active.
+        One score per neuron-head ``[n_neuron_heads]`` (or per neuron ``[d_mlp]``), higher = more
+        active.
     """
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}.")
+    if level not in ("head", "neuron"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    K = _model(cache).n_heads_per_neuron
     if rank_by in ("self", "contrast"):
         weight_self = _cached(cache, "pattern", layer)[batch_index, :, :, 0].float()
-        if rank_by == "self":
-            return weight_self.amax(-1)
-        return weight_self.amax(-1) - weight_self.amin(-1)
-    z = _cached(cache, "z", layer)[batch_index, :, :, 0].float().abs().amax(0)
+        score = weight_self.amax(-1)
+        if rank_by == "contrast":
+            score = score - weight_self.amin(-1)
+        return score.reshape(-1, K).amax(-1) if level == "neuron" else score
+    z_heads = _cached(cache, "z", layer)[batch_index, :, :, 0]  # [pos, n_neuron_heads]
+    if level == "neuron":  # the neuron: the sum of its heads, then the max over tokens
+        z_heads = z_heads.reshape(z_heads.shape[0], -1, K).sum(-1)
+    z = z_heads.float().abs().amax(0)
     if rank_by == "z":
         return z
     mlp = _model(cache).neuron_heads[layer]
@@ -118,8 +130,41 @@ def neuron_head_scores(
             f"rank_by='output' needs one output vector per neuron-head; layer {layer} is a "
             f"{type(mlp).__name__}, whose heads' outputs depend on the routing. Use rank_by='z'."
         )
-    w_o = mlp.W_O.detach().float().norm(dim=-1).squeeze(-1)
-    return z * w_o.to(z.device)
+    w_o = (mlp.W_out if level == "neuron" else mlp.W_O).detach().float().norm(dim=-1)
+    return z * w_o.reshape(-1).to(z.device)
+
+
+def rank_neuron_heads(
+    cache: ActivationCache,
+    layer: int,
+    heads: HeadsLike = None,
+    top_k: int | None = None,
+    rank_by: str = "z",
+    batch_index: int = 0,
+    level: Literal["neuron", "head"] = "neuron",
+) -> list[int]:
+    """The neuron-heads a view shows: ``heads`` as given, else the most active first.
+
+    At ``level="neuron"`` (the default) neurons are ranked (:func:`neuron_head_scores` with
+    ``level="neuron"``) and each contributes all its ``K`` heads, consecutively; ``top_k`` counts
+    neurons. At ``level="head"`` heads are ranked one by one and ``top_k`` counts heads. For
+    ``K = 1`` the two are the same.
+
+    Returns:
+        Neuron-head indices (``neuron * K + k``), in display order.
+    """
+    model = _model(cache)
+    K = model.n_heads_per_neuron
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    if heads is not None or level == "head" or K == 1:
+        scores = (
+            None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
+        )
+        return select_neuron_heads(scores, model.n_neuron_heads, heads, top_k)
+    scores = neuron_head_scores(cache, layer, rank_by, batch_index, level="neuron")
+    neurons = select_neuron_heads(scores, scores.shape[0], None, top_k)
+    return [n * K + k for n in neurons for k in range(K)]
 
 
 def select_neuron_heads(
@@ -248,11 +293,13 @@ def neuron_head_attention_view(
     page: int = 0,
     page_size: int = DEFAULT_PAGE_SIZE,
     batch_index: int = 0,
+    level: Literal["neuron", "head"] = "neuron",
 ) -> NeuronHeadView:
     """circuitsvis attention view of a layer's neuron-heads, the bias token drawn as ``"<bias>"``.
 
     Heads are chosen by ``heads`` or ``neurons`` (explicit), else ranked by ``rank_by`` (most
-    active first); ``top_k`` keeps the first ``k``; the selection is then cut into pages of
+    active first: neurons, each with all its ``K`` heads, unless ``level="head"``); ``top_k``
+    keeps the first ``k`` (neurons, or heads at head level); the selection is then cut into pages of
     ``page_size`` and page ``page`` is drawn. A page never holds more than
     :data:`MAX_HEADS_PER_VIEW` heads: circuitsvis draws one chart per head.
 
@@ -265,11 +312,13 @@ def neuron_head_attention_view(
             string tokens. Needed to label the tokens.
         heads: Neuron-head indices to show (``h = neuron * K + k``).
         neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
-        top_k: Keep only the ``top_k`` first heads of the selection.
+        top_k: Keep only the ``top_k`` first neurons (``level="head"``: heads) of the ranking.
         rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
         page: Which page of the selection (0-based).
         page_size: Heads per page (at most :data:`MAX_HEADS_PER_VIEW`).
         batch_index: Which prompt of a batch.
+        level: ``"neuron"`` (default) ranks neurons, ``"head"`` ranks heads
+            (:func:`rank_neuron_heads`).
 
     Returns:
         A :class:`NeuronHeadView`; ``view.heads`` and ``view.n_pages`` say what it holds.
@@ -288,8 +337,7 @@ def neuron_head_attention_view(
     n_heads = model.n_neuron_heads
     k_per_neuron = model.n_heads_per_neuron
     heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
-    scores = None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
-    selection = select_neuron_heads(scores, n_heads, heads, top_k)
+    selection = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
     n_pages = max(1, math.ceil(len(selection) / page_size))
     if not 0 <= page < n_pages:
         raise IndexError(f"page must be in [0, {n_pages}) for {len(selection)} heads, got {page}.")
@@ -302,7 +350,8 @@ def neuron_head_attention_view(
         )
     square = square_neuron_pattern(pattern.detach().float().cpu())
     labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
-    how = "chosen" if heads is not None else f"ranked by {_RANK_DESCRIPTIONS[rank_by]}"
+    what = "neurons" if level == "neuron" and k_per_neuron > 1 else "heads"
+    how = "chosen" if heads is not None else f"{what} ranked by {_RANK_DESCRIPTIONS[rank_by]}"
     caption = (
         f"Layer {layer}: neuron-heads {page * page_size + 1}-{page * page_size + len(shown)} of "
         f"{len(selection)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "

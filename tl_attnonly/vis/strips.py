@@ -9,7 +9,7 @@ dozens of heads fit on one screen; keep the square view for a few heads.
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import plotly.graph_objects as go
@@ -24,8 +24,7 @@ from tl_attnonly.vis.patterns import (
     _heads_from_neurons,
     _model,
     _weights_and_z,
-    neuron_head_scores,
-    select_neuron_heads,
+    rank_neuron_heads,
 )
 
 #: Colours from 0 to 1: weight on self (red, as in the activity heatmap) and on the bias token.
@@ -45,6 +44,7 @@ def neuron_head_strips(
     top_k: int | None = 32,
     rank_by: str = "z",
     batch_index: int = 0,
+    level: Literal["neuron", "head"] = "neuron",
 ) -> go.Figure:
     """Per-token (self, bias) strips of a layer's neuron-heads: a compact view of many heads.
 
@@ -58,9 +58,12 @@ def neuron_head_strips(
         tokens: The prompt (text or ids), or with a cache its string tokens.
         heads: Neuron-head indices to show (``h = neuron * K + k``).
         neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
-        top_k: Keep the first ``top_k`` heads of the selection (``None``: all).
+        top_k: Keep the first ``top_k`` neurons (``level="head"``: heads) of the ranking
+            (``None``: all).
         rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
         batch_index: Which prompt of a batch.
+        level: ``"neuron"`` (default): rank neurons, each shown with all its ``K`` heads;
+            ``"head"``: rank heads (:func:`~tl_attnonly.vis.patterns.rank_neuron_heads`).
 
     Returns:
         A plotly Figure, ``2 * len(heads)`` thin rows.
@@ -69,8 +72,7 @@ def neuron_head_strips(
     model = _model(cache)
     k_per_neuron = model.n_heads_per_neuron
     heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
-    scores = None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
-    shown = select_neuron_heads(scores, model.n_neuron_heads, heads, top_k)
+    shown = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
     pattern, z_shown = _weights_and_z(cache, layer, shown, len(str_tokens), batch_index)
     n_heads, n_pos, _ = pattern.shape  # [head, pos, (self, bias)]
     labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
