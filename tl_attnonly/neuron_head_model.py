@@ -117,10 +117,20 @@ class NeuronHeadModelMixin(_MixedInto):
         coefficients = _PENDING_COEFFICIENTS.get() or conversion.coefficients(self.cfg.act_fn)
         for block in self.blocks:
             mlp = block.mlp
-            neuron_heads = neuron_heads_for(mlp, coefficients)
+            with torch.device("meta"):  # no memory: the MLP's own tensors are put in place
+                neuron_heads = neuron_heads_for(mlp, coefficients)
             neuron_heads.fused = conversion.fused
-            # Keep TransformerLens's initialisation (or loaded weights) of the MLP.
-            neuron_heads.load_state_dict(mlp.state_dict())
+            # TransformerLens's initialisation (or loaded weights) of the MLP, on its device: the
+            # same tensors, not copies, so building the model holds each weight once. (Only a
+            # tensor TL builds in another dtype than cfg.dtype, MoE's float32 layers, is cast.)
+            dtypes = {name: p.dtype for name, p in neuron_heads.named_parameters()}
+            _share_tensors(neuron_heads, mlp, fix=_INSTALL_FIX)
+            for name, param in list(neuron_heads.named_parameters()):
+                if param.dtype != dtypes[name]:
+                    module_name, _, leaf = name.rpartition(".")
+                    neuron_heads.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(
+                        param.detach().to(dtypes[name]), requires_grad=param.requires_grad
+                    )
             block.mlp = neuron_heads
 
     @classmethod
@@ -375,15 +385,31 @@ def _check_saved_coefficients(
             )
 
 
-def _share_tensors(converted: torch.nn.Module, model: torch.nn.Module) -> None:
-    """Make every parameter and buffer of ``converted`` the same tensor as ``model``'s."""
+_SHARE_FIX = "Convert without share_weights=True (copies the weights)."
+_INSTALL_FIX = (
+    "The TransformerLens MLP class and its neuron-head replacement disagree; please report this "
+    "with the model's config."
+)
+
+
+def _share_tensors(
+    converted: torch.nn.Module, model: torch.nn.Module, fix: str = _SHARE_FIX
+) -> None:
+    """Make every parameter and buffer of ``converted`` the same tensor as ``model``'s.
+
+    Each tensor stays where it is (device, dtype, ``requires_grad``): a model split over devices
+    stays split the same way.
+
+    Raises:
+        ValueError: If the two modules' tensors do not have the same names (``fix`` says what to
+            do).
+    """
     expected = dict(converted.named_parameters()).keys() | dict(converted.named_buffers()).keys()
     given = dict(model.named_parameters()).keys() | dict(model.named_buffers()).keys()
     if expected != given:
         raise ValueError(
-            "Cannot share weights: the converted model's tensors "
-            f"{sorted(expected ^ given)[:5]} do not match the original's. Convert without "
-            "share_weights=True (copies the weights)."
+            "Cannot put the original's tensors in place: the new model's tensors "
+            f"{sorted(expected ^ given)[:5]} do not match the original's. {fix}"
         )
     for kind, tensors in (
         ("_parameters", model.named_parameters()),
@@ -392,12 +418,18 @@ def _share_tensors(converted: torch.nn.Module, model: torch.nn.Module) -> None:
         for name, tensor in tensors:
             module_name, _, leaf = name.rpartition(".")
             getattr(converted.get_submodule(module_name), kind)[leaf] = tensor
-    left = [name for name, t in converted.state_dict(keep_vars=True).items() if t.is_meta]
-    left += [name for name, t in converted.named_buffers() if t.is_meta]
+    # Meta tensors left that the original does not have as meta (a model built on the meta
+    # device, as the share_weights path builds it, hands its meta tensors on).
+    source = {**model.state_dict(keep_vars=True), **dict(model.named_buffers())}
+    left = [
+        name
+        for name, t in [*converted.state_dict(keep_vars=True).items(), *converted.named_buffers()]
+        if t.is_meta and not (name in source and source[name].is_meta)
+    ]
     if left:
         raise ValueError(
-            f"Cannot share weights: {left[:5]} have no counterpart in the original model. Convert "
-            "without share_weights=True (copies the weights)."
+            f"Cannot put the original's tensors in place: {left[:5]} have no counterpart in the "
+            f"original model. {fix}"
         )
 
 
