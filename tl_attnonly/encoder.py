@@ -21,10 +21,13 @@ import copy
 import warnings
 from typing import Any
 
+import torch
 from transformer_lens import HookedEncoder, HookedTransformerConfig
 
 from tl_attnonly.neuron_head_model import (
+    _UNCONVERT_FIX,
     NeuronHeadModelMixin,
+    _share_tensors,
     pending_options,
     resolve_options,
 )
@@ -114,12 +117,13 @@ class AttnOnlyEncoder(NeuronHeadModelMixin, HookedEncoder):
             return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
 
     def to_hooked_encoder(self) -> HookedEncoder:
-        """The original MLP encoder back: a plain ``HookedEncoder`` with the same weights."""
-        with warnings.catch_warnings():
+        """The original MLP encoder back: a plain ``HookedEncoder`` with the same weights (each
+        tensor copied on its own device)."""
+        with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore", DeprecationWarning)
             model = HookedEncoder(copy.deepcopy(self.cfg), self.tokenizer, move_to_device=False)
-        model.load_state_dict(self.state_dict(), strict=True)
-        return model.to(next(self.parameters()).device, print_details=False).train(self.training)
+        _share_tensors(model, self, fix=_UNCONVERT_FIX, clone=True)
+        return model.train(self.training)
 
 
 def convert_encoder(

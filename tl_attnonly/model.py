@@ -13,10 +13,13 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal
 
+import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from tl_attnonly.neuron_head_model import (
+    _UNCONVERT_FIX,
     NeuronHeadModelMixin,
+    _share_tensors,
     pending_options,
     resolve_options,
 )
@@ -106,17 +109,16 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
     def to_hooked_transformer(self) -> HookedTransformer:
         """The original MLP model back: a plain ``HookedTransformer`` with the same weights.
 
-        The state dicts of both forms are identical, so nothing is lost by converting.
+        The state dicts of both forms are identical, so nothing is lost by converting. Each
+        tensor is copied on its own device (a model split over devices stays split).
         """
         cfg = copy.deepcopy(self.cfg)
         init_weights, cfg.init_weights = cfg.init_weights, False
-        model = HookedTransformer(cfg, self.tokenizer, move_to_device=False)
+        with torch.device("meta"):  # no memory: copies of this model's tensors are put in place
+            model = HookedTransformer(cfg, self.tokenizer, move_to_device=False)
         model.cfg.init_weights = init_weights
-        model.load_state_dict(self.state_dict(), strict=True)
-        frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
-        for name, param in model.named_parameters():
-            param.requires_grad_(name not in frozen)
-        return model.to(next(self.parameters()).device, print_details=False).train(self.training)
+        _share_tensors(model, self, fix=_UNCONVERT_FIX, clone=True)  # on their devices
+        return model.train(self.training)
 
 
 __all__ = [

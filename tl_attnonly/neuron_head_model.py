@@ -139,27 +139,21 @@ class NeuronHeadModelMixin(_MixedInto):
     ) -> M:
         """A converted copy of a TransformerLens ``model`` (which is left untouched).
 
-        ``share_weights``: the copy's parameters and buffers are ``model``'s own tensors. The
-        copy is built on the meta device (no memory) and the tensors are then put in place, so
-        converting never holds a second copy of the weights.
+        The copy is built on the meta device (no memory), then every parameter and buffer is put
+        in place: a copy of ``model``'s (default) or, with ``share_weights``, ``model``'s own
+        tensor. Either way each tensor keeps its device, dtype and ``requires_grad``, so a model
+        that TransformerLens split over several devices (``cfg.n_devices > 1``) converts to one
+        split the same way, and converting holds at most one copy of the weights.
         """
         cfg = copy.deepcopy(model.cfg)
         init_weights = cfg.init_weights
-        cfg.init_weights = False  # the weights are copied below; skip a random initialisation
-        if share_weights:
-            with torch.device("meta"):
-                converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
-            converted.cfg.init_weights = init_weights
-            _share_tensors(converted, model)
-            converted.train(model.training)
-            return converted
-        converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
+        cfg.init_weights = False  # the weights are put in place below; no random initialisation
+        with torch.device("meta"):
+            converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
         converted.cfg.init_weights = init_weights
-        converted.load_state_dict(model.state_dict(), strict=True)
-        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-        for name, param in converted.named_parameters():
-            param.requires_grad_(name not in frozen)
-        converted.to(next(model.parameters()).device, print_details=False)
+        _share_tensors(
+            converted, model, _SHARE_FIX if share_weights else _INSTALL_FIX, clone=not share_weights
+        )
         converted.train(model.training)
         return converted
 
@@ -307,7 +301,9 @@ class NeuronHeadModelMixin(_MixedInto):
         Args:
             directory: The directory :meth:`save_pretrained` wrote.
             device: Where to put the model; default: the saved config's device if available,
-                else CPU.
+                else CPU. A model saved with ``cfg.n_devices > 1`` is split again by
+                TransformerLens's ``move_model_modules_to_device`` when ``device`` is CUDA and
+                that many CUDA devices exist; otherwise it loads onto one device.
         """
         from safetensors.torch import load_file
 
@@ -344,6 +340,7 @@ class NeuronHeadModelMixin(_MixedInto):
             if not _device_available(device):
                 device = "cpu"
         cfg_dict["device"] = str(device)
+        cfg_dict["n_devices"] = _usable_n_devices(device, cfg_dict.get("n_devices", 1), directory)
         # A config with a seed reseeds the global RNGs when constructed; loading must not.
         seed = cfg_dict.pop("seed", None)
         cfg = HookedTransformerConfig.from_dict(cfg_dict)
@@ -352,6 +349,9 @@ class NeuronHeadModelMixin(_MixedInto):
             model = cls(cfg, tokenizer, move_to_device=False, conversion=options)
         model.cfg.init_weights = init_weights
         model.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=True)
+        if model.cfg.n_devices > 1:  # TransformerLens's own split, as its from_pretrained does
+            model.move_model_modules_to_device()  # type: ignore[operator]
+            return model
         return model.to(device, print_details=False)
 
 
@@ -386,6 +386,10 @@ def _check_saved_coefficients(
 
 
 _SHARE_FIX = "Convert without share_weights=True (copies the weights)."
+_UNCONVERT_FIX = (
+    "The converted model's tensors no longer match TransformerLens's original class; please "
+    "report this with the model's config."
+)
 _INSTALL_FIX = (
     "The TransformerLens MLP class and its neuron-head replacement disagree; please report this "
     "with the model's config."
@@ -393,9 +397,10 @@ _INSTALL_FIX = (
 
 
 def _share_tensors(
-    converted: torch.nn.Module, model: torch.nn.Module, fix: str = _SHARE_FIX
+    converted: torch.nn.Module, model: torch.nn.Module, fix: str = _SHARE_FIX, clone: bool = False
 ) -> None:
-    """Make every parameter and buffer of ``converted`` the same tensor as ``model``'s.
+    """Make every parameter and buffer of ``converted`` the same tensor as ``model``'s (or, with
+    ``clone``, a copy of it).
 
     Each tensor stays where it is (device, dtype, ``requires_grad``): a model split over devices
     stays split the same way.
@@ -417,6 +422,11 @@ def _share_tensors(
     ):
         for name, tensor in tensors:
             module_name, _, leaf = name.rpartition(".")
+            if clone:
+                copied = tensor.detach().clone()
+                if isinstance(tensor, torch.nn.Parameter):
+                    copied = torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
+                tensor = copied
             getattr(converted.get_submodule(module_name), kind)[leaf] = tensor
     # Meta tensors left that the original does not have as meta (a model built on the meta
     # device, as the share_weights path builds it, hands its meta tensors on).
@@ -470,6 +480,27 @@ def _version() -> str:
     from tl_attnonly import __version__
 
     return __version__
+
+
+def _usable_n_devices(device: str | torch.device, saved: int, directory: Path) -> int:
+    """The saved ``n_devices`` where the target can hold it, else 1 (a warning says so on CUDA).
+
+    TransformerLens splits layers over devices only on CUDA; elsewhere ``n_devices`` means
+    nothing, and its config refuses more CUDA devices than exist.
+    """
+    if saved <= 1 or torch.device(device).type != "cuda":
+        return 1
+    available = torch.cuda.device_count()
+    if available < saved:
+        warnings.warn(
+            f"{directory} was saved split over n_devices={saved}, but only {available} CUDA "
+            "device(s) exist: loading onto one. Set model.cfg.n_devices and call "
+            "model.move_model_modules_to_device() to split it again.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return 1
+    return saved
 
 
 def _device_available(device: str) -> bool:
