@@ -17,6 +17,8 @@ from tl_attnonly.analysis import (
     discover_circuit,
     edge_attribution_scores,
     logit_diff_metric,
+    prune,
+    top_edges,
     top_nodes,
 )
 from tl_attnonly.analysis.node_circuits import ModelInputs, node_attribution_scores
@@ -153,3 +155,31 @@ def test_gpt2_small_sized_two_stage_discovery_runs_where_the_full_graph_is_refus
         model, circuit.mask, clean, corrupted, metric, nodes=circuit.extra["nodes"]
     )
     assert again == pytest.approx(circuit.metric_circuit, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, method, absolute",
+    [("ln_gelu", "eap", True), ("gqa", "eap", False), ("llama", "eap", True),
+     ("llama", "eap-ig", True)],
+)  # fmt: skip
+def test_streamed_top_n_equals_the_full_top_n(name, method, absolute):
+    model = _model(name)
+    kwargs = dict(method=method, ig_steps=2, batch_size=3, progress=False)
+    full = edge_attribution_scores(model, CLEAN, CORRUPTED, METRIC, **kwargs)
+    top = top_edges(model, 40, CLEAN, CORRUPTED, METRIC, absolute=absolute, **kwargs)
+    frame = full.frame()
+    if not absolute:
+        frame = frame.sort_values("score", ascending=False, kind="stable")
+    expected = frame.head(40)
+    assert top.frame.edge.tolist() == expected.edge.tolist()
+    assert top.frame.score.tolist() == pytest.approx(expected.score.tolist(), rel=1e-9, abs=1e-12)
+    assert (top.metric_clean, top.metric_corrupted) == (full.metric_clean, full.metric_corrupted)
+    assert top.n_scored == full.graph.n_edges()
+    # the streamed edges run exactly on the restricted graph of their nodes
+    if absolute:
+        nodes, mask = top.restricted_mask(model)
+        got = circuit_metric(model, mask, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+        dense = prune(full, top_n=40, drop_dangling=False)
+        assert got == pytest.approx(
+            circuit_metric(model, dense, CLEAN, CORRUPTED, METRIC), rel=1e-10
+        )

@@ -11,6 +11,7 @@
 :mod:`.discovery`           edge attribution patching over that graph, pruning
 :mod:`.circuit_runs`        exact circuit runs (full or restricted graphs), faithfulness, gate/value
 :mod:`.circuit_search`      discover_circuit: score, prune, check; two stages for large models
+:mod:`.streaming`           top-n edges of graphs too large for dense scores, block by block
 :mod:`.node_circuits`       node-level circuits for encoders too (pair-cosine metric), gate/value
 :mod:`.summaries`           dataset-level neuron-head summaries (top contexts, firing, tokens)
 :mod:`.ioi`                 IOI prompts, head roles (name mover, S-inhibition, ...) from patterns
@@ -100,6 +101,7 @@ from tl_attnonly.analysis.path_patching import (
     receiver_label,
 )
 from tl_attnonly.analysis.ranking import composition_top_k, neuron_level, neuron_level_pairs
+from tl_attnonly.analysis.streaming import TopEdges, top_edges
 from tl_attnonly.analysis.summaries import (
     NeuronHeadSummaries,
     stdlib_corpus,
@@ -136,6 +138,8 @@ __all__ = [
     "mask_size",
     "path_gate_value_split",
     "prune",
+    "TopEdges",
+    "top_edges",
     "top_nodes",
     "LOGITS",
     "CompositionScores",

@@ -15,7 +15,7 @@ import torch.nn as nn
 from jaxtyping import Int
 from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNormPre
 
-from tl_attnonly._types import require_neuron_heads
+from tl_attnonly._types import check_token_pair, require_neuron_heads
 from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, SourceGroup
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
@@ -88,6 +88,18 @@ def check_discoverable(model, neuron_level: bool = True) -> None:
             "learned or rotary positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no mixtures "
             "of experts). Not supported here: " + ", ".join(problems) + "."
         )
+
+
+def check_scoring_args(
+    model, clean_tokens, corrupted_tokens, method: str, ig_steps: int, neuron_level: bool
+) -> None:
+    """Refuse, before any work, what edge attribution cannot score (model, tokens, method)."""
+    check_discoverable(model, neuron_level)
+    check_token_pair(clean_tokens, corrupted_tokens)
+    if method not in ("eap", "eap-ig"):
+        raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
+    if method == "eap-ig" and ig_steps < 1:
+        raise ValueError(f"ig_steps must be >= 1, got {ig_steps}.")
 
 
 def _call_metric(

@@ -41,15 +41,15 @@ see :func:`logit_diff_metric`).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import check_token_pair
 from tl_attnonly.analysis._edges import (
     BLOCK_BUDGET,
     DiscoveryMetric,
@@ -65,6 +65,7 @@ from tl_attnonly.analysis._edges import (
     _source_values,
     _writers,
     check_discoverable,
+    check_scoring_args,
     logit_diff_metric,
 )
 from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, edges_frame
@@ -181,12 +182,7 @@ def edge_attribution_scores(
     Returns:
         :class:`EdgeScores`.
     """
-    check_discoverable(model, neuron_level)
-    check_token_pair(clean_tokens, corrupted_tokens)
-    if method not in ("eap", "eap-ig"):
-        raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
-    if method == "eap-ig" and ig_steps < 1:
-        raise ValueError(f"ig_steps must be >= 1, got {ig_steps}.")
+    check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
     graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
@@ -202,11 +198,50 @@ def edge_attribution_scores(
         (s.key, d.key): torch.zeros(len(s.labels), len(d.labels), dtype=dtype, device=device)
         for s, d in graph.blocks()
     }
+    metrics = [0.0, 0.0]
+    terms = _attribution_terms(
+        model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
+        progress, metrics,
+    )  # fmt: skip
+    for deltas, reads, weight in terms:
+        readers: dict[str, torch.Tensor] = {}
+        for src, dst in graph.blocks():
+            g, lin = reads[dst.key]
+            if dst.key not in readers:
+                readers[dst.key] = _readers(model, dst, graph, g)
+            U = _writers(model, src, graph, g)
+            with torch.no_grad():
+                block = _block_scores(deltas[src.key], U, g, readers[dst.key], lin, block_bytes)
+            scores[(src.key, dst.key)] += block.to(dtype) * weight
+    return EdgeScores(graph, scores, metrics[0], metrics[1], method)
+
+
+#: What :func:`_attribution_terms` yields per batch and interpolation step: every source group's
+#: change ``[rows, n, r]``, every input group's read gradient ``[rows, n, s]`` with its
+#: normalisation linearised at each row, and the weight of the step (``1 / ig_steps``).
+Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, Any]], float]
+
+
+def _attribution_terms(
+    model,
+    graph: HeadGraph,
+    clean_tokens: torch.Tensor,
+    corrupted_tokens: torch.Tensor,
+    metric: DiscoveryMetric,
+    method: str,
+    ig_steps: int,
+    batch_size: int | None,
+    progress: bool,
+    metrics: list[float],
+) -> Iterator[Terms]:
+    """The per-row terms of the EAP scores, batch by batch (``rows = batch * pos``).
+
+    Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``.
+    """
     source_names = _source_hooks(model, graph)
     input_names = sorted({_input_hook(d, graph) for d in graph.inputs})
     site_names = sorted({_site(model, d)[1] for d in graph.inputs})
     alphas = [1.0 * k / ig_steps for k in range(1, ig_steps + 1)] if method == "eap-ig" else [0.0]
-    m_clean = m_corr = 0.0
     batches = _batches(clean_tokens.shape[0], batch_size)
     bar = tqdm(total=len(batches) * len(alphas), desc="edge attribution", disable=not progress)
     for idx in batches:
@@ -215,48 +250,35 @@ def edge_attribution_scores(
             logits, clean_cache = model.run_with_cache(
                 clean, names_filter=lambda n: n in source_names
             )
-            m_clean += _call_metric(metric, logits, idx).item()
+            metrics[0] += _call_metric(metric, logits, idx).item()
             logits, corr_cache = model.run_with_cache(
                 corrupted, names_filter=lambda n: n in source_names
             )
-            m_corr += _call_metric(metric, logits, idx).item()
+            metrics[1] += _call_metric(metric, logits, idx).item()
         clean_cache, corr_cache = dict(clean_cache.cache_dict), dict(corr_cache.cache_dict)
         deltas = {
             s.key: (
                 _source_values(clean_cache, s, graph) - _source_values(corr_cache, s, graph)
             ).flatten(0, 1)
             for s in graph.sources
+            if s.labels
         }
         for alpha in alphas:
             grads, sites = _gradient_pass(
-                model,
-                corrupted,
-                idx,
-                metric,
-                input_names,
-                site_names,
-                clean_cache,
-                corr_cache,
+                model, corrupted, idx, metric, input_names, site_names, clean_cache, corr_cache,
                 alpha,
-            )
+            )  # fmt: skip
+            reads = {}
             for dst in graph.inputs:
                 if not dst.labels:
                     continue
                 module, site_name = _site(model, dst)
                 lin = _norm_linearisation(module, sites[site_name].flatten(0, 1))
                 g = _read_gradient(model, dst, graph, grads[_input_hook(dst, graph)])
-                g = g.flatten(0, 1)
-                R = _readers(model, dst, graph, g)
-                for src in graph.sources:
-                    if src.order >= dst.order or not src.labels:
-                        continue
-                    U = _writers(model, src, graph, g)
-                    with torch.no_grad():
-                        block = _block_scores(deltas[src.key], U, g, R, lin, block_bytes)
-                    scores[(src.key, dst.key)] += block.to(dtype) / len(alphas)
+                reads[dst.key] = (g.flatten(0, 1), lin)
+            yield deltas, reads, 1.0 / len(alphas)
             bar.update()
     bar.close()
-    return EdgeScores(graph, scores, m_clean, m_corr, method)
 
 
 def _gradient_pass(

@@ -23,7 +23,8 @@ between kept nodes, and each group remembers which of the full group's nodes it 
 scores, and a circuit over it is a circuit of the full graph (every edge touching a dropped node
 absent). At neuron level a GPT-2-small-sized model has ~1.3e9 edges; a few thousand kept nodes
 have a few million. :func:`~tl_attnonly.analysis.discover_circuit` with ``n_nodes=`` picks them by
-node attribution first.
+node attribution first; :func:`~tl_attnonly.analysis.top_edges` streams the full graph's top-n
+edges instead.
 """
 
 from __future__ import annotations
