@@ -9,7 +9,8 @@ converted / original for:
 - conversion time (absolute, and relative to one forward pass).
 
 Run: ``python benchmarks/bench_forward.py [--repeats 7] [--threads 2]``; blocks only (the
-unembedding diluting nothing): ``--layers 4 --vocab 1000 --shapes 1x128 2x256 8x128 1x1024``.
+unembedding diluting nothing): ``--layers 4 --vocab 1000 --shapes 1x128 2x256 8x128 1x1024``;
+gated MLPs (GeGLU at K = 4): ``--gated --act gelu_pytorch_tanh``.
 Timings are medians over interleaved repeats; the ratios are what the README's performance
 table reports.
 """
@@ -32,9 +33,10 @@ warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
 
 def gpt2_small_config(
-    act_fn: str, n_layers: int = 12, d_vocab: int = 50257
+    act_fn: str, n_layers: int = 12, d_vocab: int = 50257, gated: bool = False
 ) -> HookedTransformerConfig:
     return HookedTransformerConfig(
+        gated_mlp=gated,
         n_layers=n_layers,
         d_model=768,
         n_heads=12,
@@ -105,10 +107,15 @@ def conversion_memory_ratio(original, share_weights: bool) -> float:
 
 
 def bench(
-    act_fn: str, repeats: int, n_layers: int, d_vocab: int, shapes: list[tuple[int, int]]
+    act_fn: str,
+    repeats: int,
+    n_layers: int,
+    d_vocab: int,
+    shapes: list[tuple[int, int]],
+    gated: bool = False,
 ) -> list[tuple[str, float, float]]:
     torch.manual_seed(0)
-    original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab)).eval()
+    original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab, gated)).eval()
     memory_rows = [
         (
             f"conversion peak memory / model size ({how})",
@@ -162,18 +169,22 @@ def main() -> None:
     parser.add_argument(
         "--shapes", nargs="*", default=["1x128", "4x128"], help="batch x N, e.g. 2x256"
     )
+    parser.add_argument(
+        "--gated", action="store_true", help="gated MLPs (TL's GatedMLP: SwiGLU, GeGLU, ...)"
+    )
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats, fp32, CPU, "
-        f"{args.layers} layers, d_model 768, d_mlp 3072, vocab {args.vocab}"
+        f"{args.layers} layers, d_model 768, d_mlp 3072{' gated' if args.gated else ''}, "
+        f"vocab {args.vocab}"
     )
     print("| activation | measurement | original | converted | ratio |")
     print("|---|---|---|---|---|")
     for act_fn in args.act:
         for name, a, b in bench(
-            act_fn, args.repeats, args.layers, args.vocab, shapes
+            act_fn, args.repeats, args.layers, args.vocab, shapes, args.gated
         ):  # one model pair alive at a time
             unit = "" if "MiB" in name or "(s)" in name or "size" in name else " s"
             print(f"| {act_fn} | {name} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.2f} |")
