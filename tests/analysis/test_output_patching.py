@@ -19,6 +19,7 @@ from tl_attnonly.analysis import (
     rank_agreement,
     run_patches,
 )
+from tl_attnonly.analysis._resume import LayerRuns
 from tl_attnonly.hooks import head_act_name, head_names_filter, neuron_act_name
 
 TARGETS = torch.tensor([3, 17, 42])
@@ -57,7 +58,8 @@ MODELS = {
     "silu_ln": ("silu", ZOO["ln_learned"]),
     "gelu_k4_rms": ("gelu", dict(normalization_type="RMS")),
     "parallel_gelu_new": ("gelu_new", ZOO["parallel_neox"]),
-    "swiglu_llama": ("silu", GATED_ZOO["llama"]),
+    "swiglu_llama": ("silu", GATED_ZOO["llama"]),  # rotary, GQA
+    "swiglu_mistral_window": ("silu", GATED_ZOO["mistral_window"]),  # local attention windows
     "geglu_gemma2": (
         "gelu_pytorch_tanh",
         {k: v for k, v in GATED_ZOO["gemma2"].items() if k != "act_fn"},
@@ -212,3 +214,29 @@ def test_attribute_then_patch_exact_column_is_direct_patching(level):
     assert check.agreement == rank_agreement(torch.tensor(table["attribution"].to_numpy()), effect)
     assert sorted(table["effect_rank"]) == list(range(1, 7))
     assert table["effect_rank"].iloc[int(effect.abs().argmax())] == 1
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [ZOO["ln_learned"], ZOO["rms_rotary"], ZOO["gqa"], ZOO["parallel_neox"],
+     GATED_ZOO["mistral_window"]],
+    ids=["ln_learned", "rms_rotary", "gqa", "parallel_neox", "mistral_window"],
+)  # fmt: skip
+def test_runs_from_a_layer_skip_unchanged_leading_positions_exactly(overrides):
+    """A change at positions >= p: running positions p.. against the corrupted keys and values of
+    the prefix gives the logits of the full run from that layer."""
+    model = convert(make_model("silu", torch.float64, **overrides))
+    _, corrupted = _tokens()
+    runs = LayerRuns(model, corrupted)
+    assert runs.prefix_reuse
+    g = torch.Generator().manual_seed(0)
+    for layer, first in [(1, 3), (0, 5), (2, 4), (1, corrupted.shape[1])]:
+        resid = runs.resid(layer).repeat(3, 1, 1)
+        change = torch.randn(resid.shape, generator=g, dtype=resid.dtype)
+        change[:, :first] = 0
+        full = runs.run(resid + change, layer)
+        skipping = runs.run(resid + change, layer, first_pos=first)
+        torch.testing.assert_close(skipping, full, rtol=0, atol=1e-10)
+        assert first in runs._prefixes or first == corrupted.shape[1]
+    with torch.no_grad():  # and the runs from a layer are the model's
+        torch.testing.assert_close(runs.run(runs.resid(1), 1), model(corrupted), rtol=0, atol=1e-12)

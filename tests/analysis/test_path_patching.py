@@ -11,6 +11,7 @@ from tl_attnonly.analysis import (
     path_patch,
     path_patch_grid,
     path_patch_receiver_sweep,
+    path_patch_sweep,
     receiver_label,
 )
 from tl_attnonly.analysis.path_patching import Receiver, parse_receiver
@@ -110,3 +111,20 @@ def test_receiver_sweep_defaults_and_grid():
     assert grid.std() > 1e-4
     column = labels.index("L1N3:qv")
     assert swept[column].item() == pytest.approx(grid[1, 1].item(), abs=1e-10)
+
+
+def test_sweeps_refuse_beyond_their_memory_budget():
+    model = convert(make_model("silu", torch.float64, normalization_type="LN"))
+    clean, corrupted = _pair_of_runs()
+    for sweep in (path_patch_sweep, path_patch_receiver_sweep):
+        args = (["L1N0"], _metric) if sweep is path_patch_sweep else (["L0N0"], _metric)
+        with pytest.raises(MemoryError, match="max_bytes"):
+            sweep(model, clean, corrupted, *args, max_bytes=10_000, progress=False)
+        with pytest.raises(MemoryError, match="patches_per_pass=None"):
+            sweep(model, clean, corrupted, *args, patches_per_pass=64, max_bytes=2**20,
+                  progress=False)  # fmt: skip
+    values, _ = path_patch_sweep(
+        model, clean, corrupted, ["L1N0"], _metric, senders=["L0H0", "L0N3"],
+        patches_per_pass=None, progress=False,
+    )  # fmt: skip
+    assert values.shape == (2,)

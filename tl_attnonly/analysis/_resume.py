@@ -5,6 +5,12 @@ corrupted run, so the patched runs can start at layer ``l`` from the corrupted r
 (TransformerLens's ``forward(resid, start_at_layer=l)``) instead of from the tokens. Several
 patches share a pass as copies of the batch (the rows of a batch never interact), and a budget
 bounds the memory of those copies.
+
+In a causal decoder a patch that changes the residual stream only at positions ``>= p`` leaves
+every earlier position as in the corrupted run, in every later layer. Such a pass runs positions
+``p..`` only, attending to the corrupted run's keys and values of positions ``< p``
+(TransformerLens's frozen key-value cache, filled once by a run of the prefix); the logits of
+positions ``< p`` are the corrupted run's.
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
-from transformer_lens import HookedTransformer
+from transformer_lens import (
+    HookedTransformer,
+    TransformerLensKeyValueCache,
+    TransformerLensKeyValueCacheEntry,
+)
 
 from tl_attnonly._compat import POST_NORM_ARCHITECTURES
 from tl_attnonly._types import FwdHooks
@@ -127,13 +137,23 @@ class LayerRuns:
         n_layers = model.cfg.n_layers
         names = [block_act_name("resid_pre", li) for li in range(n_layers)]
         names.append(block_act_name("resid_post", n_layers - 1))
+        self.tokens = corrupted_tokens
         with torch.no_grad():
             # What forward(tokens) passes to every block besides the residual stream.
             decoder = cast(HookedTransformer, model)
             _, _, self._shortformer, self._mask = decoder.input_to_embed(corrupted_tokens)
-            _, self.cache = model.run_with_cache(
+            self.logits, self.cache = model.run_with_cache(
                 corrupted_tokens, names_filter=exact_names_filter(*names, *extra_names)
             )
+        cfg = model.cfg
+        #: Whether passes may skip unchanged leading positions (see the module docstring).
+        self.prefix_reuse = (
+            cfg.attention_dir == "causal"
+            and cfg.positional_embedding_type in ("standard", "rotary")
+            and self._mask is None
+            and self._shortformer is None
+        )
+        self._prefixes: dict[int, TransformerLensKeyValueCache] = {}
 
     def resid(self, layer: int) -> Float[torch.Tensor, "batch pos d_model"]:
         """The corrupted residual stream entering block ``layer`` (``n_layers``: the final one)."""
@@ -147,10 +167,25 @@ class LayerRuns:
         resid: Float[torch.Tensor, "copies_batch pos d_model"],
         layer: int,
         fwd_hooks: FwdHooks = (),  # type: ignore[assignment]
+        first_pos: int = 0,
     ) -> Float[torch.Tensor, "copies_batch pos d_vocab"]:
         """Logits of ``resid`` (copies of the batch, stacked on the batch axis) run from block
-        ``layer`` on (``n_layers``: only the final norm and the unembedding)."""
+        ``layer`` on (``n_layers``: only the final norm and the unembedding).
+
+        ``first_pos``: ``resid`` equals the corrupted residual stream at every position before
+        it, so where :attr:`prefix_reuse` holds only positions ``first_pos..`` are run.
+        """
         copies = resid.shape[0] // self.batch
+        n_pos = resid.shape[1]
+        if first_pos > 0 and self.prefix_reuse and not fwd_hooks:
+            first_pos = min(first_pos, n_pos)
+            prefix = self.logits[:, :first_pos].repeat(copies, 1, 1)
+            if first_pos == n_pos:
+                return prefix
+            past = self._prefix_cache(first_pos, copies)
+            with torch.no_grad():
+                suffix = self.model(resid[:, first_pos:], start_at_layer=layer, past_kv_cache=past)
+            return torch.cat((prefix, suffix), dim=1)
         kwargs: dict[str, Any] = {}
         if self._mask is not None:
             kwargs["attention_mask"] = self._mask.repeat(copies, 1)
@@ -160,6 +195,29 @@ class LayerRuns:
             return self.model.run_with_hooks(
                 resid, start_at_layer=layer, fwd_hooks=list(fwd_hooks), **kwargs
             )
+
+    def _prefix_cache(self, first_pos: int, copies: int) -> TransformerLensKeyValueCache:
+        """The corrupted run's keys and values of positions ``< first_pos``, every layer, for
+        ``copies`` copies of the batch, frozen (a pass reads them, never extends them)."""
+        if first_pos not in self._prefixes:
+            cache = TransformerLensKeyValueCache.init_cache(
+                self.model.cfg, self.model.cfg.device, self.batch
+            )
+            prefix = self.tokens[:, :first_pos]
+            with torch.no_grad():  # causal: the prefix alone gives the same keys and values
+                self.model(prefix, past_kv_cache=cache, attention_mask=torch.ones_like(prefix))
+            self._prefixes[first_pos] = cache
+        cache = self._prefixes[first_pos]
+        entries = [
+            TransformerLensKeyValueCacheEntry(
+                entry.past_keys.repeat(copies, 1, 1, 1),
+                entry.past_values.repeat(copies, 1, 1, 1),
+                frozen=True,
+            )
+            for entry in cache.entries
+        ]
+        mask = cache.previous_attention_mask.repeat(copies, 1)
+        return TransformerLensKeyValueCache(entries, mask, frozen=True)
 
 
 __all__ = [

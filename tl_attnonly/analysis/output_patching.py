@@ -7,7 +7,10 @@ added to the residual stream) the residual stream after layer ``l`` by exactly `
 W_out[i]``. So a patched run is the corrupted residual stream after layer ``l`` plus that rank-1
 change, run through the layers after ``l`` only (TransformerLens's ``start_at_layer``); layers
 ``0..l`` are never recomputed, and many patches share a pass as copies of the batch. For a patch
-in the last layer only the final norm and the unembedding run.
+in the last layer only the final norm and the unembedding run. In a causal decoder the positions
+before the first one the patch changes are the corrupted run's in every later layer, so only the
+positions from there on run, against the corrupted keys and values of the prefix
+(:class:`~tl_attnonly.analysis._resume.LayerRuns`).
 
 Attention heads (and neuron-heads of models that normalise the MLP output before adding it:
 Gemma 2/3, OLMo 2/3) are patched through their ``hook_z`` in a pass that starts at their layer
@@ -250,7 +253,10 @@ def _delta_pass(
     rows = w_out[torch.tensor([u.heads[0] // K for u in units], device=w_out.device)]
     resid = runs.resid(layer + 1)  # [batch, pos, d_model]
     patched = resid + delta.to(resid.device)[..., None] * rows[:, None, None, :]
-    return runs.run(patched.flatten(0, 1), layer + 1)
+    # Positions before the first change are the corrupted run's in every later layer.
+    changed = (delta != 0).any(0).any(0).nonzero()
+    first_pos = int(changed[0]) if len(changed) else resid.shape[1]
+    return runs.run(patched.flatten(0, 1), layer + 1, first_pos=first_pos)
 
 
 def _hooked_pass(

@@ -286,7 +286,8 @@ def path_patch_sweep(
     patching_metric: Metric,
     *,
     senders: Sequence[str | HeadRef] | None = None,
-    patches_per_pass: int = 16,
+    patches_per_pass: int | None = 16,
+    max_bytes: int = PATCH_BUDGET,
     progress: bool = True,
     clean_cache: ActivationCache | None = None,
     corrupted_cache: ActivationCache | None = None,
@@ -294,9 +295,12 @@ def path_patch_sweep(
     """Path patching from each sender alone to ``receivers`` (the IOI paper's per-head plots).
 
     ``patches_per_pass`` senders share each pair of forward passes (one batch copy each; exact).
+    For one sender set and many receivers, see :func:`path_patch_receiver_sweep`.
 
     Args:
         senders: Heads to sweep; default every head (attention heads first, then neuron-heads).
+        patches_per_pass: Senders per pair of passes; ``None``: as many as ``max_bytes`` allows.
+        max_bytes: Memory budget of a pass's copies of the batch (``MemoryError`` beyond it).
         Others: As in :func:`path_patch`.
 
     Returns:
@@ -308,7 +312,8 @@ def path_patch_sweep(
     K = model.n_heads_per_neuron
     refs = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
     out = torch.zeros(len(refs), device=model.cfg.device)
-    step = max(1, patches_per_pass)
+    batch, n_pos = corrupted_tokens.shape
+    step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
     for start in tqdm(range(0, len(refs), step), desc="path patching", disable=not progress):
         chunk = refs[start : start + step]
         values = _path_patch_runs(
