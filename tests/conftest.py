@@ -122,6 +122,24 @@ def make_tokens(batch: int = 2, pos: int = 10, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, D_VOCAB, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
 
+#: Tokens whose mean logit is the patching tests' metric.
+PATCH_TARGETS = torch.tensor([3, 17, 42])
+
+
+def patch_metric(logits: torch.Tensor) -> torch.Tensor:
+    """Mean logit of a few tokens over every position: sensitive to every position's stream."""
+    return logits[..., PATCH_TARGETS].mean()
+
+
+def patch_token_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """(clean, corrupted) tokens ``[2, 10]`` for the patching tests: two positions (2, 6) differ."""
+    clean = make_tokens(seed=0)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (clean[:, 2] + 11) % D_VOCAB
+    corrupted[:, 6] = (clean[:, 6] + 5) % D_VOCAB
+    return clean, corrupted
+
+
 @pytest.fixture(params=sorted(ZOO))
 def zoo_name(request) -> str:
     return request.param

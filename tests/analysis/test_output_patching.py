@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GATED_ZOO, ZOO, make_model, make_tokens
+from conftest import GATED_ZOO, ZOO, make_model
+from conftest import patch_metric as metric
+from conftest import patch_token_pair as _tokens
 
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
@@ -21,20 +23,6 @@ from tl_attnonly.analysis import (
 )
 from tl_attnonly.analysis._resume import LayerRuns
 from tl_attnonly.hooks import head_act_name, head_names_filter, neuron_act_name
-
-TARGETS = torch.tensor([3, 17, 42])
-
-
-def metric(logits: torch.Tensor) -> torch.Tensor:
-    return logits[..., TARGETS].mean()
-
-
-def _tokens():
-    clean = make_tokens(seed=0)
-    corrupted = clean.clone()
-    corrupted[:, 2] = (clean[:, 2] + 11) % 61
-    corrupted[:, 6] = (clean[:, 6] + 5) % 61
-    return clean, corrupted
 
 
 def _one_at_a_time(model, corrupted, clean_cache, unit: PatchUnit, pos: int | None) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, make_tokens
+from conftest import patch_metric as metric
+from conftest import patch_token_pair as _tokens
 from transformer_lens.patching import generic_activation_patch, get_act_patch_attn_head_out_all_pos
 
 from tl_attnonly import convert
@@ -27,21 +29,6 @@ from tl_attnonly.hooks import (
     neuron_act_name,
     neuron_names_filter,
 )
-
-TARGETS = torch.tensor([3, 17, 42])
-
-
-def metric(logits: torch.Tensor) -> torch.Tensor:
-    """Mean logit of a few tokens over every position: sensitive to every position's stream."""
-    return logits[..., TARGETS].mean()
-
-
-def _tokens():
-    clean = make_tokens(seed=0)
-    corrupted = clean.clone()
-    corrupted[:, 2] = (clean[:, 2] + 11) % 61
-    corrupted[:, 6] = (clean[:, 6] + 5) % 61
-    return clean, corrupted
 
 
 @pytest.fixture(scope="module")

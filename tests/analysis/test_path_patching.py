@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokens
+from conftest import make_model
+from conftest import patch_metric as _metric
+from conftest import patch_token_pair as _pair_of_runs
 
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
@@ -38,18 +40,6 @@ def test_a_pair_names_the_inputs():
 
 
 # ------------------------------------------------------------------------- sweeps over receivers
-def _metric(logits: torch.Tensor) -> torch.Tensor:
-    return logits[..., [3, 17, 42]].mean()
-
-
-def _pair_of_runs():
-    clean = make_tokens(seed=0)
-    corrupted = clean.clone()
-    corrupted[:, 2] = (clean[:, 2] + 11) % 61
-    corrupted[:, 6] = (clean[:, 6] + 5) % 61
-    return clean, corrupted
-
-
 def _receivers(K: int) -> list[str]:
     k = (lambda i: f".{i}") if K > 1 else (lambda i: "")
     return ["L0H1:q", "L1H0:k", "L1H1", "L1H0:v", f"L1N3{k(1)}:v", f"L0N5{k(0)}", f"L1N7{k(2)}:q",

@@ -28,7 +28,7 @@ from transformer_lens import (
 )
 
 from tl_attnonly._compat import POST_NORM_ARCHITECTURES
-from tl_attnonly._types import FwdHooks
+from tl_attnonly._types import FwdHooks, Metric
 from tl_attnonly.hooks import block_act_name, exact_names_filter
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
@@ -220,8 +220,38 @@ class LayerRuns:
         return TransformerLensKeyValueCache(entries, mask, frozen=True)
 
 
+def run_copies(
+    model: NeuronHeadModelMixin,
+    runs: LayerRuns | None,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    copies: int,
+    fwd_hooks: FwdHooks,
+) -> Float[torch.Tensor, "copies_batch pos d_vocab"]:
+    """Logits of ``copies`` copies of the corrupted batch with ``fwd_hooks`` (named hooks that
+    edit each copy's rows): from the earliest hooked block when every hook is in a block and
+    ``runs`` is given, else a full forward pass."""
+    layers = [hook_layer(name) if isinstance(name, str) else None for name, _ in fwd_hooks]
+    if runs is not None and fwd_hooks and None not in layers:
+        first = min(layer for layer in layers if layer is not None)
+        return runs.run(runs.resid(first).repeat(copies, 1, 1), first, fwd_hooks)
+    with torch.no_grad():
+        return model.run_with_hooks(corrupted_tokens.repeat(copies, 1), fwd_hooks=fwd_hooks)
+
+
+def metric_of_copies(
+    patching_metric: Metric, logits: Float[torch.Tensor, "copies_batch pos d_vocab"], batch: int
+) -> list[float]:
+    """``patching_metric`` of each copy's ``[batch, pos, d_vocab]`` slice of ``logits``."""
+    return [
+        float(patching_metric(logits[start : start + batch]).item())
+        for start in range(0, logits.shape[0], batch)
+    ]
+
+
 __all__ = [
     "MAX_AUTO_PATCHES_PER_PASS",
+    "metric_of_copies",
+    "run_copies",
     "PATCH_BUDGET",
     "LayerRuns",
     "additive_mlp_out",

@@ -36,6 +36,7 @@ from tl_attnonly.analysis._resume import (
     LayerRuns,
     additive_mlp_out,
     can_resume,
+    metric_of_copies,
     patches_per_pass_for,
 )
 from tl_attnonly.hooks import (
@@ -200,8 +201,8 @@ def get_act_patch_outputs(
             logits = _delta_pass(model, runs, clean_cache, layer, chunk_units, chunk_pos)
         else:
             logits = _hooked_pass(runs, clean_cache, layer, chunk_units, chunk_pos)
-        for c, (i, p) in enumerate(chunk):
-            value = patching_metric(logits[c * batch : (c + 1) * batch]).item()
+        values = metric_of_copies(patching_metric, logits, batch)
+        for (i, p), value in zip(chunk, values, strict=True):
             out[i, 0 if p is None else column[p]] = value
     return (out if per_position else out[:, 0]), [u.label for u in units]
 

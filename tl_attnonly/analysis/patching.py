@@ -40,8 +40,9 @@ from tl_attnonly.analysis._resume import (
     PATCH_BUDGET,
     LayerRuns,
     can_resume,
-    hook_layer,
+    metric_of_copies,
     patches_per_pass_for,
+    run_copies,
 )
 from tl_attnonly.analysis.output_patching import PatchUnit, get_act_patch_outputs
 from tl_attnonly.hooks import (
@@ -352,18 +353,9 @@ def run_patches(
         fwd_hooks: FwdHooks = [
             (name, _patch_hook(edits, clean_cache, batch)) for name, edits in by_hook.items()
         ]
-        layers = [hook_layer(name) for name in by_hook]
-        if runs is not None and by_hook and None not in layers:
-            first = min(layer for layer in layers if layer is not None)
-            resid = runs.resid(first).repeat(len(chunk), 1, 1)
-            logits = runs.run(resid, first, fwd_hooks)
-        else:
-            with torch.no_grad():
-                logits = model.run_with_hooks(
-                    corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=fwd_hooks
-                )
-        for copy in range(len(chunk)):
-            out[start + copy] = patching_metric(logits[copy * batch : (copy + 1) * batch]).item()
+        logits = run_copies(model, runs, corrupted_tokens, len(chunk), fwd_hooks)
+        values = metric_of_copies(patching_metric, logits, batch)
+        out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
     return out
 
 

@@ -36,8 +36,9 @@ from tl_attnonly.analysis._resume import (
     PATCH_BUDGET,
     LayerRuns,
     can_resume,
-    hook_layer,
+    metric_of_copies,
     patches_per_pass_for,
+    run_copies,
 )
 from tl_attnonly.hooks import (
     HeadRef,
@@ -402,17 +403,9 @@ def path_patch_receiver_sweep(
             return hook
 
         hooks: FwdHooks = [(name, patch(name, edits)) for name, edits in by_name.items()]
-        layers = [hook_layer(name) for name in by_name]
-        if runs is not None and None not in layers:
-            first = min(layer for layer in layers if layer is not None)
-            logits = runs.run(runs.resid(first).repeat(len(chunk), 1, 1), first, hooks)
-        else:
-            with torch.no_grad():
-                logits = model.run_with_hooks(
-                    corrupted_tokens.repeat(len(chunk), 1), fwd_hooks=hooks
-                )
-        for c in range(len(chunk)):
-            out[start + c] = patching_metric(logits[c * batch : (c + 1) * batch]).item()
+        logits = run_copies(model, runs, corrupted_tokens, len(chunk), hooks)
+        values = metric_of_copies(patching_metric, logits, batch)
+        out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
     return out, [receiver_label(r, K) for r in parsed]
 
 
