@@ -166,6 +166,8 @@ def test_memory_budget_refuses_with_directions():
         get_act_patch_outputs(model, corrupted, pattern_only, metric, progress=False)
     with pytest.raises(ValueError, match="level"):
         patch_units(model, level="layer")  # type: ignore[arg-type]
+    with pytest.raises(IndexError, match="positions must be in"):
+        get_act_patch_outputs(model, corrupted, cc, metric, per_position=True, positions=[10])
 
 
 # ------------------------------------------------------------------------- attribution, then exact

@@ -156,6 +156,7 @@ def get_act_patch_outputs(
 
     Raises:
         KeyError: If ``clean_cache`` lacks a ``hook_z`` it needs.
+        IndexError: For positions outside the input.
         MemoryError: If the budget cannot hold one copy of the batch (or ``patches_per_pass``).
     """
     require_neuron_heads(model)
@@ -171,6 +172,11 @@ def get_act_patch_outputs(
         units = patch_units(model, heads, level)  # type: ignore[arg-type]
     batch, n_pos = corrupted_tokens.shape
     pos_list = list(range(n_pos)) if positions is None else [int(p) for p in positions]
+    bad = [p for p in pos_list if not 0 <= p < n_pos]
+    if bad:
+        raise IndexError(
+            f"positions must be in [0, {n_pos}) for [batch, {n_pos}] tokens, got {bad[:5]}."
+        )
     step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
     names = sorted({head_act_name("z", u.layer, u.kind) for u in units})
     missing = [name for name in names if name not in clean_cache.cache_dict]
