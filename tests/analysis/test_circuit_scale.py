@@ -183,3 +183,67 @@ def test_streamed_top_n_equals_the_full_top_n(name, method, absolute):
         assert got == pytest.approx(
             circuit_metric(model, dense, CLEAN, CORRUPTED, METRIC), rel=1e-10
         )
+
+
+def _expand(graph: HeadGraph, full: HeadGraph, mask: dict) -> dict:
+    """A mask of a graph with MLP remainders as a mask of the full graph: an edge out of (into)
+    ``L{l}MLP`` is the same edge out of (into) each of its neurons."""
+    out = full.full_mask(False)
+
+    def positions(group):
+        key = group.key.replace("mlp.", "neuron.")
+        return key, torch.tensor(group.index)
+
+    for (s, d), m in mask.items():
+        (fs, rows), (fd, cols) = positions(graph.source_by_key[s]), positions(graph.input_by_key[d])
+        if graph.source_by_key[s].kind == "mlp":
+            m = m.expand(len(rows), -1)
+        if graph.input_by_key[d].kind == "mlp":
+            m = m.expand(-1, len(cols))
+        out[(fs, fd)][rows[:, None], cols[None, :]] |= m
+    return out
+
+
+@pytest.mark.parametrize("name", ["ln_gelu", "llama"])
+def test_mlp_remainders_sum_their_neurons_and_run_exactly(name):
+    """``L{l}MLP`` holds layer l's neurons left out of ``nodes``: its edge scores are the sums of
+    its neurons' (EAP is linear in both ends), and its circuit runs are the full graph's with the
+    same edges into and out of each of its neurons; with every head kept, the full graph is the
+    clean run."""
+    model = _model(name)
+    nodes = _nodes(model) + ["L0MLP", "L1MLP"]
+    full = edge_attribution_scores(model, CLEAN, CORRUPTED, METRIC, batch_size=3, progress=False)
+    part = edge_attribution_scores(
+        model, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=3, progress=False
+    )
+    graph = part.graph
+    assert graph.members("L0MLP") == [f"L0N{i}" for i in range(24) if i not in (2, 5, 17)]
+    for (s, d), block in part.scores.items():
+        src, dst = graph.source_by_key[s], graph.input_by_key[d]
+        fs, fd = s.replace("mlp.", "neuron."), d.replace("mlp.", "neuron.")
+        rows, cols = torch.tensor(src.index), torch.tensor(dst.index)
+        expected = full.scores[(fs, fd)][rows[:, None], cols[None, :]]
+        if src.kind == "mlp":
+            expected = expected.sum(0, keepdim=True)
+        if dst.kind == "mlp":
+            expected = expected.sum(1, keepdim=True)
+        torch.testing.assert_close(block, expected, rtol=1e-10, atol=1e-13)
+    full_graph = HeadGraph(model)
+    g = torch.Generator().manual_seed(1)
+    some = {k: torch.rand(m.shape, generator=g) < 0.6 for k, m in graph.full_mask().items()}
+    got = circuit_metric(model, some, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    expected = circuit_metric(model, _expand(graph, full_graph, some), CLEAN, CORRUPTED, METRIC)
+    assert got == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    heads = [f"L{li}H{h}" for li in range(2) for h in range(model.cfg.n_heads)]
+    everything = heads + ["L0N3", "L1N7", "L0MLP", "L1MLP"]
+    clean = METRIC(model(CLEAN), torch.arange(4)).item()
+    whole = HeadGraph(model, nodes=everything).full_mask(True)
+    assert circuit_metric(model, whole, CLEAN, CORRUPTED, METRIC, nodes=everything) == (
+        pytest.approx(clean, rel=1e-12)
+    )
+    circuit = discover_circuit(
+        model, CLEAN, CORRUPTED, METRIC, nodes=heads, mlp_rest=True, top_n=30,
+        gate_value=False, progress=False,
+    )  # fmt: skip
+    assert {"L0MLP", "L1MLP"} <= set(circuit.graph.node_labels())
+    circuit.figure()

@@ -16,7 +16,14 @@ from jaxtyping import Int
 from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNormPre
 
 from tl_attnonly._types import check_token_pair, require_neuron_heads
-from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, SourceGroup
+from tl_attnonly.analysis.graph import (
+    EMBED,
+    LOGITS,
+    MLP_REST,
+    HeadGraph,
+    InputGroup,
+    SourceGroup,
+)
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
@@ -209,7 +216,13 @@ def _source_hooks(model, graph: HeadGraph) -> list[str]:
 
 
 def _kept(t: torch.Tensor, group: SourceGroup | InputGroup, dim: int) -> torch.Tensor:
-    """``t`` along ``dim`` restricted to the group's kept nodes (a restricted graph's)."""
+    """``t`` along ``dim`` restricted to the group's kept nodes (a restricted graph's).
+
+    An MLP remainder (one node holding ``m`` neurons) takes its neurons' entries of ``t``
+    ``[..., n, 1]`` (``dim = -2``) as one node's ``m`` coefficients ``[..., 1, m]``.
+    """
+    if group.kind == MLP_REST:
+        return t.index_select(dim, torch.tensor(group.index, device=t.device)).transpose(-1, -2)
     if len(group.index) == group.size:
         return t
     return t.index_select(dim, torch.tensor(group.index, dtype=torch.long, device=t.device))
@@ -242,6 +255,8 @@ def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> t
     W_out = model.blocks[src.layer].mlp.W_out
     if not graph.neuron_level:
         W_out = W_out.repeat_interleave(graph.n_heads_per_neuron, dim=0)
+    if src.kind == MLP_REST:  # one node writing sum_i post_i W_out[i]: [1, m, d_model]
+        return W_out[list(src.index)].unsqueeze(0)
     return _kept(W_out, src, 0).unsqueeze(1)
 
 
@@ -260,6 +275,8 @@ def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> to
     W_in = _neuron_read_matrix(model, dst, graph)
     if not graph.neuron_level:
         W_in = W_in.repeat_interleave(graph.n_heads_per_neuron, dim=1)
+    if dst.kind == MLP_REST:  # one reader of m neurons' inputs: [1, d_model, m]
+        return W_in[:, list(dst.index)].unsqueeze(0)
     return _kept(W_in, dst, 1).T.unsqueeze(-1)
 
 
@@ -267,7 +284,7 @@ def _input_hook(dst: InputGroup, graph: HeadGraph) -> str:
     """The hook holding what ``dst`` reads (gated MLPs: ``hook_pre`` / ``hook_pre_linear``)."""
     if dst.kind == LOGITS:
         return block_act_name("resid_post", graph.n_layers - 1)
-    if dst.kind == "neuron" and graph.gated:
+    if dst.kind in ("neuron", MLP_REST) and graph.gated:
         return neuron_act_name("pre" if dst.input == "gate" else "pre_linear", dst.layer)
     head_kind = "attn" if dst.kind == "attn" else "neuron"
     inp = {"gate": "q", "value": "v"}.get(dst.input, dst.input)
@@ -281,7 +298,7 @@ def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor)
     if dst.kind == "attn":
         return _kept(grad, dst, 2)
     if graph.gated:  # d metric / d g or d u, [batch, pos, d_mlp] (neuron level only)
-        return _kept(grad, dst, 2).unsqueeze(-1)
+        return _kept(grad.unsqueeze(-1), dst, 2)
     mlp = model.blocks[dst.layer].mlp
     coef = _coef(mlp, grad, 0 if dst.input == "gate" else 2)  # q = b*pre + d, v = f*pre + e
     K = graph.n_heads_per_neuron

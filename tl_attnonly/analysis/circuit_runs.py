@@ -49,7 +49,7 @@ from tl_attnonly.analysis._edges import (
     check_discoverable,
 )
 from tl_attnonly.analysis.discovery import EdgeScores, mask_size
-from tl_attnonly.analysis.graph import LOGITS, HeadGraph, InputGroup
+from tl_attnonly.analysis.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
 
 # ---------------------------------------------------------------------------------------------
 # exact circuit runs
@@ -79,12 +79,12 @@ def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes:
         return out, nodes
     if graph.gated:  # TL's GatedMLP: g = x W_gate, u = x W_in, no biases before the product
         W = _neuron_read_matrix(model, dst, graph)[:, nodes]
-        return torch.einsum("bpmd,dm->bpm", normalised, W), nodes
+        return _project(normalised, W), nodes
     mlp = model.blocks[dst.layer].mlp
     K = graph.n_heads_per_neuron
     neurons = nodes if graph.neuron_level else nodes // K
     W_in = mlp.W_in[:, neurons]  # [d, m]
-    pre = torch.einsum("bpmd,dm->bpm", normalised, W_in) + mlp.b_in[neurons]
+    pre = _project(normalised, W_in) + mlp.b_in[neurons]
     scale = _coef(mlp, pre, 0 if dst.input == "gate" else 2)
     shift = _coef(mlp, pre, 1 if dst.input == "gate" else 3)
     if graph.neuron_level:
@@ -95,6 +95,14 @@ def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes:
         k = nodes % K
         out = pre * scale[k] + shift[k]
     return out.unsqueeze(-1), heads
+
+
+def _project(normalised: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``[b, p, m]``: each of ``m`` readers' normalised input ``[b, p, m, d]`` times its column of
+    ``W [d, m]``; one input ``[b, p, 1, d]`` (an MLP remainder) is read by every column."""
+    if normalised.shape[2] != W.shape[1]:
+        return normalised[:, :, 0] @ W
+    return torch.einsum("bpmd,dm->bpm", normalised, W)
 
 
 def circuit_metric(
@@ -190,19 +198,28 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
             for src in graph.sources
             if src.order < dst.order and src.labels and dst.labels
         ]
-        # counts over the full graph: a restricted graph's dropped nodes have no edges
-        n_possible = sum(src.size for src in graph.sources if src.order < dst.order)
+        # Counts of the model's nodes whose change reaches each reader (an MLP remainder counts
+        # its neurons); a restricted graph's dropped nodes have no edges.
+        n_possible = sum(
+            src.size for src in graph.sources if src.order < dst.order and src.kind != MLP_REST
+        )
         included = torch.zeros(dst.size, dtype=torch.long)
         index = torch.tensor(dst.index, dtype=torch.long)
-        for _, m in blocks:
-            included[index] += m.sum(0).cpu()
-        if bool((included == n_possible).all()):
+        for src, m in blocks:
+            covers = len(src.index) if src.kind == MLP_REST else 1
+            included[index] += m.sum(0).cpu() * covers
+        # the readers this group patches: an MLP remainder's neurons are its own, not the group's
+        others = _readers_of_other_groups(graph, dst)
+        ours = torch.ones(dst.size, dtype=torch.bool)
+        ours[others] = False
+        if bool((included == n_possible)[ours].all()):
             return None  # the full set of edges: the current run's input
-        none = (included == 0).nonzero().flatten()  # full indices: corrupted input
+        none = ((included == 0) & ours).nonzero().flatten()  # full indices: corrupted input
         position = torch.full((dst.size,), -1, dtype=torch.long)
-        position[index] = torch.arange(len(index))
+        position[index] = 0 if dst.kind == MLP_REST else torch.arange(len(index))
         # restricted indices (columns of the masks) of the readers whose input is rebuilt
-        mixed = position[((included > 0) & (included < n_possible)).nonzero().flatten()]
+        mixed = position[((included > 0) & (included < n_possible) & ours).nonzero().flatten()]
+        mixed = mixed.unique()  # an MLP remainder: one column (0) for all its neurons
         _, site_name = _site(model, dst)
         hook_name = _input_hook(dst, graph)
 
@@ -213,7 +230,7 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
                     return corr[hook_name].clone()
                 return corr[hook_name] + _delta_sum(blocks, mixed, act.shape[:2])[:, :, 0]
             corr_act = corr[hook_name]
-            if dst.kind == "neuron":
+            if dst.kind in ("neuron", MLP_REST):
                 none_heads = _heads_of(graph, dst, none)
                 act[:, :, none_heads] = corr_act[:, :, none_heads]
             else:
@@ -223,7 +240,8 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
             for start in range(0, len(mixed), step):
                 chunk = mixed[start : start + step].to(act.device)
                 x = corr[site_name].unsqueeze(2) + _delta_sum(blocks, chunk, act.shape[:2])
-                full = index.to(act.device)[chunk]  # the readers' indices in the model
+                # the readers' indices in the model (an MLP remainder: all its neurons)
+                full = index.to(act.device) if dst.kind == MLP_REST else index.to(act.device)[chunk]
                 new, heads = _recompute(model, dst, graph, x.to(act.dtype), full)
                 act[:, :, heads] = new.to(act.dtype)
             return act
@@ -256,9 +274,20 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
     return model.run_with_hooks(tokens, fwd_hooks=hooks)
 
 
+def _readers_of_other_groups(graph: HeadGraph, dst: InputGroup) -> torch.Tensor:
+    """Positions of ``dst``'s full group read by another group of the graph (an MLP remainder
+    holds the neurons its layer's neuron group left out, and vice versa)."""
+    if dst.kind == MLP_REST:
+        mine = torch.zeros(dst.size, dtype=torch.bool)
+        mine[list(dst.index)] = True
+        return (~mine).nonzero().flatten()
+    rest = graph.input_by_key.get(f"mlp.{dst.layer}.{dst.input}") if dst.kind == "neuron" else None
+    return torch.tensor(rest.index if rest is not None else (), dtype=torch.long)
+
+
 def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.Tensor:
     """Indices into ``dst``'s input hook of ``nodes`` (a neuron's ``K`` heads, or itself)."""
-    if dst.kind != "neuron" or not graph.neuron_level or graph.gated:
+    if dst.kind not in ("neuron", MLP_REST) or not graph.neuron_level or graph.gated:
         return nodes
     K = graph.n_heads_per_neuron
     return (nodes[:, None] * K + torch.arange(K)).flatten()

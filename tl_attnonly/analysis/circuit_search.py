@@ -32,7 +32,7 @@ from tl_attnonly.analysis.circuit_runs import (
     faithfulness,
 )
 from tl_attnonly.analysis.discovery import edge_attribution_scores, prune
-from tl_attnonly.analysis.graph import EMBED
+from tl_attnonly.analysis.graph import EMBED, mlp_rest_label
 
 
 def top_nodes(
@@ -104,6 +104,7 @@ def discover_circuit(
     neuron_level: bool = True,
     nodes: Collection[str] | None = None,
     n_nodes: int | None = None,
+    mlp_rest: bool = False,
     batch_size: int | None = None,
     gate_value: bool = True,
     max_gate_value_neurons: int = 8,
@@ -123,6 +124,9 @@ def discover_circuit(
             are always in it).
         n_nodes: Two stages: keep the ``n_nodes`` nodes of :func:`top_nodes` (node attribution),
             then discover edges among them. Exclusive with ``nodes``.
+        mlp_rest: With ``nodes`` or ``n_nodes``: keep each layer's other neurons as one node
+            ``L{l}MLP`` (:class:`~tl_attnonly.analysis.graph.HeadGraph`), so that what they carry
+            together can be in the circuit instead of being frozen to the corrupted run.
         gate_value: Also split the incoming edges of the circuit's neurons into gate and value
             (:func:`~tl_attnonly.analysis.circuit_gate_value_split`; 3 circuit runs per neuron).
         max_gate_value_neurons: Split at most this many neurons (the ones with the largest summed
@@ -146,6 +150,8 @@ def discover_circuit(
             batch_size=batch_size, progress=progress,
         )  # fmt: skip
         extra = {"nodes": nodes, "node_scores": node_scores}
+    if mlp_rest and nodes is not None:
+        nodes = [*nodes, *(mlp_rest_label(li) for li in range(model.cfg.n_layers))]
     scores = edge_attribution_scores(
         model, clean_tokens, corrupted_tokens, metric, method=method, ig_steps=ig_steps,
         neuron_level=neuron_level, nodes=nodes, batch_size=batch_size, progress=progress,

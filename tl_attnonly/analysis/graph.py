@@ -43,6 +43,13 @@ ATTN_INPUTS = ("q", "k", "v")
 NEURON_INPUTS = ("gate", "value")
 LOGITS = "logits"
 EMBED = "embed"
+#: Kind of the node ``L{l}MLP``: layer ``l``'s neurons left out of a restricted graph, together.
+MLP_REST = "mlp"
+
+
+def mlp_rest_label(layer: int) -> str:
+    """``"L{layer}MLP"``: the node of a layer's neurons left out of a restricted graph."""
+    return f"L{layer}MLP"
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ class SourceGroup:
         layer: Layer index (-1 for the embeddings).
         labels: Node labels (``"embed"``, ``"L0H1"``, ``"L0N5"`` or ``"L0N5.1"``).
         order: Position in the residual stream (the group is read by inputs of larger order).
-        index: Positions of ``labels`` in the full group (all of it unless restricted).
+        index: Positions of ``labels`` in the full group (all of it unless restricted); for an
+            MLP remainder (kind ``"mlp"``, one node) the positions of the neurons it holds.
         size: Number of nodes in the full group.
     """
 
@@ -80,7 +88,8 @@ class InputGroup:
         labels: The reading nodes' labels (for ``k``/``v`` of grouped-query attention, the key/value
             heads ``L{l}KV{j}``).
         order: Reads every source group of smaller order.
-        index: Positions of ``labels`` in the full group (all of it unless restricted).
+        index: Positions of ``labels`` in the full group (all of it unless restricted); for an
+            MLP remainder (kind ``"mlp"``, one reader) the positions of the neurons it holds.
         size: Number of readers in the full group.
     """
 
@@ -103,7 +112,9 @@ class HeadGraph:
             node per neuron-head (only differs when ``K > 1``; plain MLPs only).
         nodes: Restrict the graph to these attention heads (``"L0H1"``) and neurons (``"L0N5"``;
             at head level neuron-heads ``"L0N5.1"``); the embeddings and the logits are always
-            kept. Default: every node.
+            kept. ``"L{l}MLP"`` keeps layer ``l``'s other neurons as one node (their summed output
+            is its output; its gate and value inputs are theirs, all receiving the same edges).
+            Default: every node.
 
     Attributes:
         gated: Whether the MLPs are gated (inputs ``gate = g``, ``value = u``; see above).
@@ -138,13 +149,14 @@ class HeadGraph:
                 attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)
             }
             known.update(label for layer in neuron_labels for label in layer)
+            known.update(mlp_rest_label(li) for li in range(cfg.n_layers))
             unknown = sorted(keep - known - {EMBED, LOGITS})
             if unknown:
                 raise ValueError(
                     f"nodes names {len(unknown)} node(s) this graph does not have, e.g. "
-                    f"{unknown[:3]}: give attention heads 'L{{l}}H{{h}}' and "
+                    f"{unknown[:3]}: give attention heads 'L{{l}}H{{h}}', "
                     + ("neurons 'L{l}N{i}'" if self.neuron_level else "neuron-heads 'L{l}N{i}.{k}'")
-                    + f" (neuron_level={self.neuron_level})."
+                    + f" (neuron_level={self.neuron_level}) and MLP remainders 'L{{l}}MLP'."
                 )
 
         def pick(labels, kept_by=None):
@@ -198,6 +210,19 @@ class HeadGraph:
             self.sources.append(
                 SourceGroup(f"neuron.{li}", "neuron", li, neurons[0], 3 * li + 2, *neurons[1:])
             )
+            kept = set(neurons[1])
+            rest = tuple(j for j in range(neurons[2]) if j not in kept)
+            if keep is not None and mlp_rest_label(li) in keep and rest:
+                label = (mlp_rest_label(li),)
+                for inp in NEURON_INPUTS:
+                    self.inputs.append(
+                        InputGroup(
+                            f"mlp.{li}.{inp}", MLP_REST, li, inp, label, mlp_order, rest, neurons[2]
+                        )
+                    )
+                self.sources.append(
+                    SourceGroup(f"mlp.{li}", MLP_REST, li, label, 3 * li + 2, rest, neurons[2])
+                )
         self.inputs.append(
             InputGroup(LOGITS, LOGITS, cfg.n_layers, "", (LOGITS,), 3 * cfg.n_layers + 3, (0,), 1)
         )
@@ -215,6 +240,15 @@ class HeadGraph:
             for src in self.sources:
                 if src.order < dst.order and src.labels:
                     yield src, dst
+
+    def members(self, label: str) -> list[str]:
+        """The neurons (or neuron-heads) of an MLP remainder ``"L{l}MLP"``."""
+        group = self.source_by_key[f"mlp.{label[1:-3]}"]
+        K = self.n_heads_per_neuron
+        return [
+            f"L{group.layer}N{j}" if self.neuron_level else neuron_head_label(group.layer, j, K)
+            for j in group.index
+        ]
 
     def node_labels(self) -> list[str]:
         """Labels of the graph's attention heads and neurons (restricted: the kept ones)."""
@@ -283,10 +317,12 @@ __all__ = [
     "ATTN_INPUTS",
     "EMBED",
     "LOGITS",
+    "MLP_REST",
     "NEURON_INPUTS",
     "HeadGraph",
     "InputGroup",
     "SourceGroup",
     "edge_label",
     "edges_frame",
+    "mlp_rest_label",
 ]

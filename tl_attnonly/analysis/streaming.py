@@ -33,7 +33,7 @@ from tl_attnonly.analysis._edges import (
     check_scoring_args,
 )
 from tl_attnonly.analysis.discovery import _attribution_terms, _block_scores
-from tl_attnonly.analysis.graph import EMBED, HeadGraph, edge_label
+from tl_attnonly.analysis.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.model import AttnOnlyTransformer
 
 
@@ -83,6 +83,8 @@ class TopEdges:
         circuit's exact run.
         """
         nodes = self.nodes()
+        if any(g.kind == MLP_REST for g in self.graph.sources):  # keep the remainders' members
+            nodes = self.graph.node_labels()
         graph = HeadGraph(model, neuron_level=self.graph.neuron_level, nodes=nodes)
         mask = graph.full_mask(False)
         position = {g.key: {label: i for i, label in enumerate(g.labels)} for g in graph.sources}

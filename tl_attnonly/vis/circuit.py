@@ -53,10 +53,10 @@ def _column(label: str, kind: str, layer: int, n_layers: int) -> int:
 def _kind_layer(label: str) -> tuple[str, int]:
     if label in (EMBED, LOGITS):
         return label, -1
-    match = re.match(r"^L(\d+)(H|KV|N)", label)
+    match = re.match(r"^L(\d+)(H|KV|N|MLP)", label)
     if match is None:
         raise ValueError(f"Not a node label: {label!r}.")
-    return ("neuron" if match.group(2) == "N" else "attn"), int(match.group(1))
+    return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
 
 
 def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None) -> go.Figure:
