@@ -247,3 +247,26 @@ def test_mlp_remainders_sum_their_neurons_and_run_exactly(name):
     )  # fmt: skip
     assert {"L0MLP", "L1MLP"} <= set(circuit.graph.node_labels())
     circuit.figure()
+
+
+@pytest.mark.parametrize("norm", [None, "ln", "rms"])
+def test_block_scores_by_pairs_and_by_rows_agree(norm):
+    """The two ways of scoring one block (writer x reader products, or each row's residual
+    vectors) give the same scores, chunked or not."""
+    from tl_attnonly.analysis.discovery import _block_scores
+
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    B, u, v, r, s, d = 7, 5, 4, 3, 6, 8
+    a, U, grad, R = rand(B, u, r), rand(u, r, d), rand(B, v, s), rand(v, d, s)
+    lin = None
+    if norm is not None:
+        lin = (rand(B, d), rand(B).abs() + 0.5, rand(d), norm == "ln")
+    pairs = _block_scores(a, U, grad, R, lin, 2**20, path="pairs")
+    for budget in (2**20, 1):
+        rows = _block_scores(a, U, grad, R, lin, budget, path="rows")
+        torch.testing.assert_close(rows, pairs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_block_scores(a, U, grad, R, lin, 1), pairs, rtol=1e-12, atol=1e-12)

@@ -79,6 +79,7 @@ def _block_scores(
     R: torch.Tensor,
     lin,
     budget: int,
+    path: str | None = None,
 ) -> torch.Tensor:
     """``sum_B a[B,u] U[u] J[B]^T-read R[v] g[B,v]``: EAP scores of one block, ``[u, v]``.
 
@@ -86,6 +87,11 @@ def _block_scores(
     [v, d, s]`` readers; ``lin`` the reader's normalisation linearised at each of the ``B`` rows.
     With ``J = (diag(w) C - (w*x_hat) x_hat^T / d) / sigma`` (``C`` centring for LayerNorm):
     ``score = sum_B [a U C diag(w) R g - (a U . x_hat)((w*x_hat) . R g) / d] / sigma``.
+
+    The first term is computed either through the ``[u, v, r, s]`` products of writers and readers
+    (``path="pairs"``: cheap when ``r``, ``s`` are small and ``B`` large) or through each row's
+    written and read residual vectors (``"rows"``: cheap for wide nodes such as MLP remainders or
+    few rows); by default the cheaper one that fits ``budget``.
     """
     n_u, r, d = U.shape
     n_v, _, s = R.shape
@@ -100,11 +106,25 @@ def _block_scores(
         if w is not None:
             Uw = Uw * w.to(dtype)
     out = a.new_zeros(n_u, n_v)
-    per_u = max(1, n_v * r * s * 2 * a.element_size())
+    B, size = a.shape[0], a.element_size()
+    if path is None:
+        pairs_cost = n_u * n_v * r * s * (d + B)
+        rows_cost = B * (n_v * s * d + n_u * r * d + n_u * n_v * d)
+        fits = B * n_v * d * size <= budget
+        path = "rows" if fits and rows_cost < pairs_cost else "pairs"
+    if path == "rows":
+        G = torch.einsum("vds,bvs->bvd", R, g)  # what each row's gradient reads, [B, v, d]
+        per_u = max(1, B * (d + n_v) * size)
+    else:
+        per_u = max(1, n_v * r * s * 2 * size)
     step = max(1, min(n_u, budget // per_u))
     for start in range(0, n_u, step):
         sl = slice(start, start + step)
         aw = a[:, sl] if inv is None else a[:, sl] * inv[:, None, None]
+        if path == "rows":
+            A = torch.einsum("bur,urd->bud", aw, Uw[sl])  # what each row writes, [B, u, d]
+            out[sl] = torch.einsum("bud,bvd->uv", A, G)
+            continue
         M = torch.einsum("urd,vds->uvrs", Uw[sl], R)
         S = torch.einsum("bur,bvs->uvrs", aw, g)
         out[sl] = (M * S).sum((2, 3))
