@@ -8,7 +8,8 @@ Its full head graph has 1.26e9 edges: ``edge_attribution_scores`` refuses it bef
 node attribution; ``discover_circuit(..., nodes=...)`` scores the edges among the top ``N``,
 prunes to ``T`` edges, runs the circuit exactly and splits the gate and value of 4 neurons.
 Printed: the time of each stage, the peak resident memory above the loaded model (Linux
-``VmHWM`` after resetting it), and PASS/FAIL against ``--budget-s`` and ``--budget-mib``. With
+``VmHWM`` after resetting it), and PASS/FAIL against ``--budget-s`` and ``--budget-mib``.
+``--mlp-rest`` adds each layer's other neurons as one node ``L{l}MLP``. With
 ``--stream N``, ``top_edges`` also streams the top ``N`` of all 1.26e9 edges (timed apart) and
 their circuit runs exactly on the restricted graph of their nodes.
 
@@ -76,6 +77,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=600.0)
     parser.add_argument("--budget-mib", type=float, default=2048.0)
     parser.add_argument(
+        "--mlp-rest", action="store_true",
+        help="keep each layer's other neurons as one node L{l}MLP (discover_circuit mlp_rest)",
+    )  # fmt: skip
+    parser.add_argument(
         "--stream", type=int, default=0, metavar="N",
         help="also stream the top N edges of the full graph (top_edges), timed apart",
     )  # fmt: skip
@@ -119,19 +124,20 @@ def main() -> None:
     times["node attribution"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     circuit = discover_circuit(
-        model, clean, corrupted, metric, nodes=nodes, top_n=args.top_n,
+        model, clean, corrupted, metric, nodes=nodes, top_n=args.top_n, mlp_rest=args.mlp_rest,
         batch_size=args.batch_size, max_gate_value_neurons=4, progress=True,
     )  # fmt: skip
     times["edges + prune + circuit run + gate/value (4 neurons)"] = time.perf_counter() - t0
     peak = _status("VmHWM") - base
     t0 = time.perf_counter()
     full = circuit_metric(
-        model, circuit.graph.full_mask(True), clean, corrupted, metric, nodes=nodes,
-        batch_size=args.batch_size,
+        model, circuit.graph.full_mask(True), clean, corrupted, metric,
+        nodes=circuit.graph.node_labels(), batch_size=args.batch_size,
     )  # fmt: skip
     times["one exact circuit run (all edges among the kept nodes)"] = time.perf_counter() - t0
     print(
-        f"restricted graph: {len(nodes)} nodes, {circuit.graph.n_edges():,} edges; circuit: "
+        f"restricted graph: {len(circuit.graph.node_labels())} nodes, "
+        f"{circuit.graph.n_edges():,} edges; circuit: "
         f"{mask_size(circuit.mask)} edges, faithfulness {circuit.faithfulness:.3f} (all kept "
         f"nodes' edges: {(full - circuit.metric_corrupted) / (circuit.metric_clean - circuit.metric_corrupted):.3f})"  # noqa: E501
     )
