@@ -123,6 +123,8 @@ def test_restricted_graphs_refuse_unknown_nodes_and_name_the_fix():
         discover_circuit(model, CLEAN, CORRUPTED, METRIC, top_n=3, nodes=["L0H1"], n_nodes=2)
     with pytest.raises(MemoryError, match="n_nodes"):
         edge_attribution_scores(model, CLEAN, CORRUPTED, METRIC, max_bytes=1000, progress=False)
+    with pytest.raises(ValueError, match="mlp_rest=True"):
+        discover_circuit(model, CLEAN, CORRUPTED, METRIC, top_n=3, mlp_rest=True)
     heads = HeadGraph(model, neuron_level=False, nodes=["L0N5.1", "L1H0"])
     assert heads.node_labels() == ["L0N5.1", "L1H0"]
 

@@ -139,6 +139,11 @@ def discover_circuit(
     """
     if top_n is None and threshold is None:
         raise ValueError("Give top_n=... (edges to keep) or threshold=... (minimum |score|).")
+    if mlp_rest and nodes is None and n_nodes is None:
+        raise ValueError(
+            "mlp_rest=True keeps the neurons left out of a restricted graph; give nodes=[...] or "
+            "n_nodes=N too (the full graph leaves none out)."
+        )
     if nodes is not None and n_nodes is not None:
         raise ValueError(
             "Give nodes=[...] (your own) or n_nodes=N (picked by attribution), not both."
