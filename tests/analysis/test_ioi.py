@@ -7,7 +7,9 @@ final norm, last layer), and converted against original. The real SmolLM2 test i
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +265,36 @@ def test_smollm2_head_roles_converted_equal_original():
     assert "negative name mover" in roles["L24H4"]
     assert "duplicate token" in roles["L8H1"]
     assert "induction" in roles["L17H4"]
+
+
+def test_additive_metric_sums_over_batches_to_the_mean():
+    model = make_model(**GATED_ZOO["llama"])
+    data = random_dataset(batch=5)
+    logits = model(data.tokens)
+    metric = data.additive_metric()
+    parts = [torch.arange(0, 2), torch.arange(2, 5)]
+    total = sum(metric(logits[idx], idx) for idx in parts)
+    torch.testing.assert_close(total, data.metric(logits), rtol=0, atol=1e-12)
+    torch.testing.assert_close(data.metric(logits), data.logit_diff(logits).mean())
+    assert data.metric(logits).abs() > 1e-3
+
+
+def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys):
+    # scripts/circuit_smollm2_ioi.py prints the README's IOI figures; its stages take any model.
+    path = Path(__file__).parents[2] / "scripts" / "circuit_smollm2_ioi.py"
+    spec = importlib.util.spec_from_file_location("circuit_smollm2_ioi", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = make_model(dtype=torch.float32, **GATED_ZOO["llama"])
+    converted = tl_attnonly.convert(model)
+    data = random_dataset()
+    scores = ioi_head_scores(model, data)
+    args = argparse.Namespace(n_nodes=12, edges=[10, 20], batch_size=3, sizes=[5, 10])
+    script.print_roles(scores)
+    script.stage_s_inhibition(converted, scores, data)
+    script.stage_edges(converted, scores, data, args)
+    script.stage_nodes(converted, scores, data, args)
+    out = capsys.readouterr().out
+    for text in ("name mover:", "Edge-level circuit", "| all |", "gate/value split", "Node-level"):
+        assert text in out

@@ -42,7 +42,7 @@ attention layers, so its scores are the original's to rounding) with causal atte
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -247,6 +247,25 @@ class IOIDataset:
         Extra arguments (a node-circuit metric's inputs) are ignored.
         """
         return self.logit_diff(logits).mean()
+
+    def additive_metric(
+        self,
+    ) -> Callable[
+        [Float[torch.Tensor, "batch pos d_vocab"], Int[torch.Tensor, " batch"]], torch.Tensor
+    ]:
+        """The mean ``logit(IO) - logit(S)`` at END as a batch-additive ``metric(logits, indices)``.
+
+        For circuit discovery in batches (:func:`~tl_attnonly.analysis.discover_circuit`,
+        ``batch_size=``): ``logits`` are those of the rows ``indices`` of this dataset, and the
+        metric is their summed logit difference divided by ``len(self)``, so the sum over batches
+        is the dataset mean.
+        """
+        n = len(self)
+
+        def metric(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+            return self.select(indices.cpu()).logit_diff(logits).sum() / n
+
+        return metric
 
 
 def _single_token(model, word: str) -> int:
