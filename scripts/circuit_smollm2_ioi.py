@@ -19,9 +19,11 @@ when ``roles`` runs too):
   suppressors, as Wang et al. confirm S-inhibition heads (corrupted senders in the clean run).
 * ``edges``: edge-level circuit in two stages (:func:`~tl_attnonly.analysis.discover_circuit`
   with ``n_nodes``): node attribution keeps the ``--n-nodes`` best attention heads and neurons,
-  then edge attribution patching scores the edges among them (gate and value edges into neurons
-  apart); the faithfulness of circuits of ``--edges`` edges (exact runs), their heads with their
-  roles, their neurons, edge counts by kind, and the exact gate/value split of the top neurons.
+  and each layer's other neurons become one node ``L{l}MLP`` (so what they carry together can be
+  in the circuit), then edge attribution patching scores the edges among them (gate and value
+  edges into neurons apart); the faithfulness of circuits of ``--edges`` edges (exact runs),
+  their heads with their roles, their neurons, edge counts by kind, and the exact gate/value
+  split of the top neurons.
 * ``nodes``: node-level attribution of every node (embeddings, 270 attention heads, 46,080
   neurons, each neuron's gate and value) on the ``--prompts`` circuit prompts; the top heads with
   their roles, the top neurons, the faithfulness of node circuits of ``--sizes`` nodes (exact
@@ -51,6 +53,7 @@ from tl_attnonly.analysis import (
     path_patch_sweep,
     prune,
 )
+from tl_attnonly.analysis.graph import mlp_rest_label
 from tl_attnonly.analysis.ioi import ATTENTION_SCORES, ROLES
 from tl_attnonly.analysis.node_circuits import (
     ModelInputs,
@@ -168,14 +171,18 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     circuit = discover_circuit(
         model, data.tokens, data.corrupted_tokens, metric, n_nodes=args.n_nodes,
         top_n=args.edges[0], batch_size=args.batch_size, max_gate_value_neurons=6,
+        mlp_rest=not args.no_mlp_rest,
     )  # fmt: skip
-    nodes = circuit.extra["nodes"]
-    graph = circuit.graph
+    nodes = list(circuit.extra["nodes"])
     n_kept_heads = sum("H" in n for n in nodes)
+    if not args.no_mlp_rest:
+        nodes += [mlp_rest_label(li) for li in range(model.cfg.n_layers)]
+    graph = circuit.graph
+    rest = "" if args.no_mlp_rest else ", plus each layer's other neurons as one node L{l}MLP"
     print(
         f"\n## Edge-level circuit (two stages: the {args.n_nodes} nodes with the largest node "
         f"attribution |score| ({n_kept_heads} attention heads, {args.n_nodes - n_kept_heads} "
-        f"neurons), then EAP over the {graph.n_edges():,} edges among them)\n"
+        f"neurons){rest}, then EAP over the {graph.n_edges():,} edges among them)\n"
         f"metric: clean {circuit.metric_clean:.3f}, corrupted {circuit.metric_corrupted:.3f}"
     )
     masks = [graph.full_mask()] + [prune(circuit.scores, top_n=n) for n in args.edges]
@@ -183,23 +190,27 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
         model, masks, data.tokens, data.corrupted_tokens, metric, nodes=nodes,
         batch_size=args.batch_size,
     )  # fmt: skip
-    print("| edges kept | after dropping dangling | attention heads | neurons | faithfulness |")
-    print("|---|---|---|---|---|")
+    print(
+        "| edges kept | after dropping dangling | attention heads | neurons | MLP remainders "
+        "| faithfulness |"
+    )
+    print("|---|---|---|---|---|---|")
     for n, mask, value in zip(["all"] + args.edges, masks, values, strict=True):
         frame = circuit.scores.frame(mask)
         kept = set(frame.source) | set(frame.target)
         faith = faithfulness(value, circuit.metric_clean, circuit.metric_corrupted)
         print(
             f"| {n} | {len(frame):,} | {sum('H' in x for x in kept)} | "
-            f"{sum('N' in x for x in kept)} | {faith:.3f} |"
+            f"{sum('N' in x for x in kept)} | {sum('MLP' in x for x in kept)} | {faith:.3f} |"
         )
     frame = circuit.edges()
     kept = set(frame.source) | set(frame.target)
     heads = sorted((x for x in kept if "H" in x), key=lambda x: tuple(map(int, x[1:].split("H"))))
     neurons = sorted(x for x in kept if "N" in x)
+    rests = sorted(x for x in kept if "MLP" in x)
     print(
         f"\n{args.edges[0]}-edge circuit: {len(frame)} edges, {len(heads)} attention heads, "
-        f"{len(neurons)} neurons"
+        f"{len(neurons)} neurons, {len(rests)} MLP remainders"
     )
     print("attention heads:")
     if scores is not None:
@@ -207,6 +218,7 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     else:
         print("  " + ", ".join(heads))
     print("neurons:", ", ".join(neurons))
+    print("MLP remainders:", ", ".join(rests))
     print("edges by kind (count, sum of |EAP score|):")
     for (src, dst, inp), group in frame.groupby(["source_kind", "target_kind", "input"]):
         print(
@@ -237,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
     parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400])
     parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument(
+        "--no-mlp-rest", action="store_true", help="no L{l}MLP nodes for the left-out neurons"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

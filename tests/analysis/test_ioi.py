@@ -290,7 +290,9 @@ def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys):
     converted = tl_attnonly.convert(model)
     data = random_dataset()
     scores = ioi_head_scores(model, data)
-    args = argparse.Namespace(n_nodes=12, edges=[10, 20], batch_size=3, sizes=[5, 10])
+    args = argparse.Namespace(
+        n_nodes=12, edges=[10, 20], batch_size=3, sizes=[5, 10], no_mlp_rest=False
+    )
     script.print_roles(scores)
     script.stage_s_inhibition(converted, scores, data)
     script.stage_edges(converted, scores, data, args)
