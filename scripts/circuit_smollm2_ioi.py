@@ -23,7 +23,7 @@ when ``roles`` runs too):
   in the circuit), then edge attribution patching scores the edges among them (gate and value
   edges into neurons apart); the faithfulness of circuits of ``--edges`` edges (exact runs),
   their heads with their roles, their neurons, edge counts by kind, and the exact gate/value
-  split of the top neurons.
+  split of the top neurons inside the graph of all kept edges.
 * ``nodes``: node-level attribution of every node (embeddings, 270 attention heads, 46,080
   neurons, each neuron's gate and value) on the ``--prompts`` circuit prompts; the top heads with
   their roles, the top neurons, the faithfulness of node circuits of ``--sizes`` nodes (exact
@@ -44,6 +44,7 @@ import torch
 import tl_attnonly
 from tl_attnonly.analysis import (
     IOIHeadScores,
+    circuit_gate_value_split,
     circuit_metrics,
     discover_circuit,
     faithfulness,
@@ -170,7 +171,7 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     metric = data.additive_metric()
     circuit = discover_circuit(
         model, data.tokens, data.corrupted_tokens, metric, n_nodes=args.n_nodes,
-        top_n=args.edges[0], batch_size=args.batch_size, max_gate_value_neurons=6,
+        top_n=args.edges[0], batch_size=args.batch_size, gate_value=False,
         mlp_rest=not args.no_mlp_rest,
     )  # fmt: skip
     nodes = list(circuit.extra["nodes"])
@@ -228,8 +229,16 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     print("top 15 edges:")
     for row in frame.head(15).itertuples():
         print(f"  {row.edge} {row.score:+.4f}")
-    print("\ngate/value split (exact circuit runs) of the circuit's top neurons")
-    print(circuit.gate_value.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    top = [n for n in circuit.extra["nodes"] if "N" in n][: args.gate_value_neurons]
+    split = circuit_gate_value_split(
+        model, graph.full_mask(), data.tokens, data.corrupted_tokens, metric, neurons=top,
+        nodes=nodes, batch_size=args.batch_size,
+    )  # fmt: skip
+    print(
+        f"\ngate/value split (exact circuit runs) of the top {len(top)} neurons by node "
+        f"attribution, inside the graph of all {graph.n_edges():,} edges"
+    )
+    print(split.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
-    parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400])
+    parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400, 1000, 3000])
+    parser.add_argument("--gate-value-neurons", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument(
         "--no-mlp-rest", action="store_true", help="no L{l}MLP nodes for the left-out neurons"

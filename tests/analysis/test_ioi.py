@@ -291,7 +291,12 @@ def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys):
     data = random_dataset()
     scores = ioi_head_scores(model, data)
     args = argparse.Namespace(
-        n_nodes=12, edges=[10, 20], batch_size=3, sizes=[5, 10], no_mlp_rest=False
+        n_nodes=12,
+        edges=[10, 20],
+        batch_size=3,
+        sizes=[5, 10],
+        no_mlp_rest=False,
+        gate_value_neurons=2,
     )
     script.print_roles(scores)
     script.stage_s_inhibition(converted, scores, data)
