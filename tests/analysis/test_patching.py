@@ -287,9 +287,13 @@ def test_path_patching_respects_order_and_sweeps_match(pair):
     )  # fmt: skip
     assert labels == senders
     single = torch.tensor(
-        [path_patch(converted, clean, corrupted, [s], receivers, metric) for s in senders]
+        [path_patch(converted, clean, corrupted, [s], receivers, metric) for s in senders],
+        dtype=torch.float64,
     )
-    torch.testing.assert_close(swept, single.to(swept.dtype), rtol=1e-6, atol=1e-7)
+    # float64 like the other sweeps (path_patch_receiver_sweep, path_patch_grid): a float32
+    # result would round the fp64 model's metric to ~1e-8.
+    assert swept.dtype == torch.float64
+    torch.testing.assert_close(swept.cpu(), single, rtol=0, atol=1e-10)
     assert swept[-1].item() == pytest.approx(baseline, abs=1e-6)  # L1N3 reaches no receiver
     assert (swept[:-1] - baseline).abs().min() > 1e-6  # the others do
 

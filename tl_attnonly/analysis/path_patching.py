@@ -305,14 +305,15 @@ def path_patch_sweep(
         Others: As in :func:`path_patch`.
 
     Returns:
-        ``(metric for each sender [n_senders], sender labels)``.
+        ``(metric for each sender [n_senders], sender labels)``, float64 on the CPU like
+        :func:`path_patch_receiver_sweep`.
     """
     parsed, clean_cache, corrupted_cache = _prepare(
         model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
     )
     K = model.n_heads_per_neuron
     refs = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-    out = torch.zeros(len(refs), device=model.cfg.device)
+    out = torch.zeros(len(refs), dtype=torch.float64)
     batch, n_pos = corrupted_tokens.shape
     step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
     for start in tqdm(range(0, len(refs), step), desc="path patching", disable=not progress):
@@ -321,7 +322,7 @@ def path_patch_sweep(
             model, corrupted_tokens, clean_cache, corrupted_cache, [[r] for r in chunk], parsed,
             patching_metric,
         )  # fmt: skip
-        out[start : start + len(chunk)] = torch.tensor(values)
+        out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
     return out, head_labels(refs, K)
 
 
