@@ -139,6 +139,19 @@ def require_additive_residual(model: object, what: str) -> None:
     )
 
 
+def check_tokens(tokens: object) -> None:
+    """Refuse tokens that are not a 2-d tensor ``[batch, pos]`` (e.g. a string or one prompt).
+
+    Raises:
+        TypeError: If ``tokens`` is not a 2-d tensor.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+        raise TypeError(
+            "Pass tokens as int tensors [batch, pos] (model.to_tokens(...)); clean and corrupted "
+            "runs must have the same shape."
+        )
+
+
 def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
     """Refuse clean and corrupted tokens that are not int tensors ``[batch, pos]`` of one shape.
 
@@ -146,9 +159,8 @@ def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
         TypeError: If either is not a 2-d tensor.
         ValueError: If their shapes differ.
     """
-    for tokens in (clean, corrupted):
-        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-            raise TypeError("Pass clean and corrupted tokens as int tensors [batch, pos].")
+    check_tokens(clean)
+    check_tokens(corrupted)
     if clean.shape != corrupted.shape:
         raise ValueError(
             f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} tokens must have "
@@ -166,6 +178,7 @@ __all__ = [
     "Metric",
     "check_kinds",
     "check_token_pair",
+    "check_tokens",
     "require_additive_residual",
     "require_neuron_heads",
 ]

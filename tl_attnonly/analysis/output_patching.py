@@ -30,7 +30,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import Metric, check_token_pair, require_neuron_heads
+from tl_attnonly._types import Metric, check_tokens, require_neuron_heads
 from tl_attnonly.analysis._resume import (
     PATCH_BUDGET,
     LayerRuns,
@@ -160,7 +160,7 @@ def get_act_patch_outputs(
         MemoryError: If the budget cannot hold one copy of the batch (or ``patches_per_pass``).
     """
     require_neuron_heads(model)
-    check_token_pair(corrupted_tokens, corrupted_tokens)
+    check_tokens(corrupted_tokens)
     if not can_resume(model):
         raise TypeError(
             f"get_act_patch_outputs resumes decoder runs at a layer; {type(model).__name__} "

@@ -35,7 +35,7 @@ from transformer_lens.patching import (
     layer_pos_head_vector_patch_setter,
 )
 
-from tl_attnonly._types import FwdHooks, Metric, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, check_tokens, require_neuron_heads
 from tl_attnonly.analysis._resume import (
     PATCH_BUDGET,
     LayerRuns,
@@ -59,14 +59,6 @@ from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 #: Neuron-head activations that can be patched, and their layout.
 VECTOR_KINDS = ("z", "v", "q", "result")  # [batch, pos, head, ...]
 PATTERN_KINDS = ("pattern", "attn_scores")  # [batch, head, query_pos, 2]
-
-
-def _check_tokens(tokens) -> None:
-    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
-        raise TypeError(
-            "Pass tokens as an int tensor [batch, pos] (model.to_tokens(...)); patching needs the "
-            "clean and corrupted runs to have the same shape."
-        )
 
 
 class _NeuronHeadNames:
@@ -208,7 +200,7 @@ def get_act_patch_neuron_heads(
         ``return_index_df``.
     """
     require_neuron_heads(model)
-    _check_tokens(corrupted_tokens)
+    check_tokens(corrupted_tokens)
     index_df = neuron_head_patch_index(
         model,
         activation_name,
@@ -338,7 +330,7 @@ def run_patches(
     Raises:
         MemoryError: If ``patches_per_pass`` copies (or one) exceed ``max_bytes``.
     """
-    _check_tokens(corrupted_tokens)
+    check_tokens(corrupted_tokens)
     batch, pos = corrupted_tokens.shape
     step = patches_per_pass_for(model, batch, pos, patches_per_pass, max_bytes)
     out = torch.zeros(len(patches), dtype=torch.float64)
