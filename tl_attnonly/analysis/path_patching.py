@@ -373,41 +373,78 @@ def path_patch_receiver_sweep(
     )
     K = model.n_heads_per_neuron
     sender_refs = [parse_head_label(s, K) for s in senders]
-    batch, n_pos = corrupted_tokens.shape
-    step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
-    per_receiver = [_receiver_hooks(model, [r]) for r in parsed]
-    names = list(dict.fromkeys(name for hooks in per_receiver for name in hooks))
-    recorded = _record_receiver_inputs(
-        model, corrupted_tokens, clean_cache, corrupted_cache, [sender_refs], names
-    )
-    runs = LayerRuns(model, corrupted_tokens) if can_resume(model) else None
-    final = block_act_name("resid_post", model.cfg.n_layers - 1)
-    out = torch.zeros(len(parsed), dtype=torch.float64)
-    for start in tqdm(range(0, len(parsed), step), desc="path patching", disable=not progress):
-        chunk = per_receiver[start : start + step]
-        by_name: dict[str, list[tuple[int, list[int]]]] = {}
-        for c, receiver_hooks in enumerate(chunk):
-            for name, heads in receiver_hooks.items():
-                by_name.setdefault(name, []).append((c, heads))
-
-        def patch(name: str, edits: list[tuple[int, list[int]]]):
-            def hook(act, hook):
-                act = act.clone()  # the neuron-heads' q, v and pre may share storage
-                for c, heads in edits:
-                    rows = slice(c * batch, (c + 1) * batch)
-                    if name == final and not heads:  # the logits: the senders' direct effect
-                        act[rows] += recorded[name] - corrupted_cache[name]
-                    else:
-                        act[rows, :, heads] = recorded[name][:, :, heads].to(act.dtype)
-                return act
-
-            return hook
-
-        hooks: FwdHooks = [(name, patch(name, edits)) for name, edits in by_name.items()]
-        logits = run_copies(model, runs, corrupted_tokens, len(chunk), hooks)
-        values = metric_of_copies(patching_metric, logits, batch)
-        out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
+    sweep = _ReceiverSweep(model, corrupted_tokens, corrupted_cache, parsed, patches_per_pass,
+                           max_bytes)  # fmt: skip
+    out = sweep.run(clean_cache, sender_refs, patching_metric, progress)
     return out, [receiver_label(r, K) for r in parsed]
+
+
+class _ReceiverSweep:
+    """What every sender set's receiver sweep shares: the receivers' hooks, the step and the
+    corrupted run that step-2 passes resume from (made once, also for a sender x receiver grid).
+    """
+
+    def __init__(
+        self,
+        model: NeuronHeadModelMixin,
+        corrupted_tokens: torch.Tensor,
+        corrupted_cache: ActivationCache,
+        parsed: Sequence[Receiver],
+        patches_per_pass: int | None,
+        max_bytes: int,
+    ):
+        self.model = model
+        self.corrupted_tokens = corrupted_tokens
+        self.corrupted_cache = corrupted_cache
+        batch, n_pos = corrupted_tokens.shape
+        self.step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
+        self.per_receiver = [_receiver_hooks(model, [r]) for r in parsed]
+        self.names = list(dict.fromkeys(name for hooks in self.per_receiver for name in hooks))
+        self.runs = LayerRuns(model, corrupted_tokens) if can_resume(model) else None
+        self.final = block_act_name("resid_post", model.cfg.n_layers - 1)
+
+    def run(
+        self,
+        clean_cache: ActivationCache,
+        sender_refs: Sequence[HeadRef],
+        patching_metric: Metric,
+        progress: bool,
+    ) -> Float[torch.Tensor, "n_receivers"]:  # noqa: F821
+        """Step 1 once for ``sender_refs``, then step 2 for each receiver alone (float64)."""
+        corrupted_tokens, corrupted_cache = self.corrupted_tokens, self.corrupted_cache
+        batch = corrupted_tokens.shape[0]
+        recorded = _record_receiver_inputs(
+            self.model, corrupted_tokens, clean_cache, corrupted_cache, [sender_refs], self.names
+        )
+        final, per_receiver, step = self.final, self.per_receiver, self.step
+        out = torch.zeros(len(per_receiver), dtype=torch.float64)
+        for start in tqdm(
+            range(0, len(per_receiver), step), desc="path patching", disable=not progress
+        ):
+            chunk = per_receiver[start : start + step]
+            by_name: dict[str, list[tuple[int, list[int]]]] = {}
+            for c, receiver_hooks in enumerate(chunk):
+                for name, heads in receiver_hooks.items():
+                    by_name.setdefault(name, []).append((c, heads))
+
+            def patch(name: str, edits: list[tuple[int, list[int]]]):
+                def hook(act, hook):
+                    act = act.clone()  # the neuron-heads' q, v and pre may share storage
+                    for c, heads in edits:
+                        rows = slice(c * batch, (c + 1) * batch)
+                        if name == final and not heads:  # the logits: the senders' direct effect
+                            act[rows] += recorded[name] - corrupted_cache[name]
+                        else:
+                            act[rows, :, heads] = recorded[name][:, :, heads].to(act.dtype)
+                    return act
+
+                return hook
+
+            hooks: FwdHooks = [(name, patch(name, edits)) for name, edits in by_name.items()]
+            logits = run_copies(self.model, self.runs, corrupted_tokens, len(chunk), hooks)
+            values = metric_of_copies(patching_metric, logits, batch)
+            out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
+        return out
 
 
 def path_patch_grid(
@@ -427,7 +464,8 @@ def path_patch_grid(
     """Path patching from each sender alone to each receiver alone: a sender x receiver grid.
 
     Entry ``[i, j]`` equals ``path_patch(model, clean, corrupted, [senders[i]], [receivers[j]],
-    metric)`` (tested); each row is one :func:`path_patch_receiver_sweep`.
+    metric)`` (tested); each row is one :func:`path_patch_receiver_sweep`, and the rows share
+    the corrupted run that their step-2 passes resume from.
 
     Args:
         senders: Head labels or :class:`HeadRef` s, one row each.
@@ -437,21 +475,19 @@ def path_patch_grid(
     Returns:
         ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
     """
-    if clean_cache is None or corrupted_cache is None:
-        clean_cache, corrupted_cache = path_patch_caches(model, clean_tokens, corrupted_tokens)
+    parsed, clean_cache, corrupted_cache = _prepare(
+        model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
+    )
     K = model.n_heads_per_neuron
     refs = [parse_head_label(s, K) for s in senders]
-    rows: list[torch.Tensor] = []
-    labels: list[str] = []
-    for ref in tqdm(refs, desc="senders", disable=not progress):
-        row, labels = path_patch_receiver_sweep(
-            model, clean_tokens, corrupted_tokens, [ref], patching_metric, receivers=receivers,
-            patches_per_pass=patches_per_pass, max_bytes=max_bytes, progress=False,
-            clean_cache=clean_cache, corrupted_cache=corrupted_cache,
-        )  # fmt: skip
-        rows.append(row)
-    grid = torch.stack(rows) if rows else torch.zeros(0, len(list(receivers)), dtype=torch.float64)
-    return grid, head_labels(refs, K), labels
+    sweep = _ReceiverSweep(model, corrupted_tokens, corrupted_cache, parsed, patches_per_pass,
+                           max_bytes)  # fmt: skip
+    rows = [
+        sweep.run(clean_cache, [ref], patching_metric, progress=False)
+        for ref in tqdm(refs, desc="senders", disable=not progress)
+    ]
+    grid = torch.stack(rows) if rows else torch.zeros(0, len(parsed), dtype=torch.float64)
+    return grid, head_labels(refs, K), [receiver_label(r, K) for r in parsed]
 
 
 __all__ = [
