@@ -10,7 +10,9 @@ converted / original for:
 
 Run: ``python benchmarks/bench_forward.py [--repeats 7] [--threads 2]``; blocks only (the
 unembedding diluting nothing): ``--layers 4 --vocab 1000 --shapes 1x128 2x256 8x128 1x1024``;
-gated MLPs (GeGLU at K = 4): ``--gated --act gelu_pytorch_tanh``.
+gated MLPs (GeGLU at K = 4): ``--gated --act gelu_pytorch_tanh``; the fused path's compiled kernel
+(``ConversionOptions(compiled=True)``, torch.compile; compiling happens in the warm-up calls):
+``--compiled``.
 Timings are medians over interleaved repeats; the ratios are what the README's performance
 table reports.
 """
@@ -27,7 +29,7 @@ from functools import partial
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from tl_attnonly import convert
+from tl_attnonly import ConversionOptions, convert
 
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
@@ -113,6 +115,7 @@ def bench(
     d_vocab: int,
     shapes: list[tuple[int, int]],
     gated: bool = False,
+    compiled: bool = False,
 ) -> list[tuple[str, float, float]]:
     torch.manual_seed(0)
     original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab, gated)).eval()
@@ -125,7 +128,7 @@ def bench(
         for how, share in (("copy", False), ("share_weights=True", True))
     ]
     t0 = time.perf_counter()
-    converted = convert(original)
+    converted = convert(original, conversion=ConversionOptions(compiled=compiled))
     conversion_s = time.perf_counter() - t0
     rows = []
     forward_1 = float("nan")
@@ -172,19 +175,22 @@ def main() -> None:
     parser.add_argument(
         "--gated", action="store_true", help="gated MLPs (TL's GatedMLP: SwiGLU, GeGLU, ...)"
     )
+    parser.add_argument(
+        "--compiled", action="store_true", help="the fused path's torch.compile kernel"
+    )
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {args.threads} threads, {args.repeats} repeats, fp32, CPU, "
         f"{args.layers} layers, d_model 768, d_mlp 3072{' gated' if args.gated else ''}, "
-        f"vocab {args.vocab}"
+        f"vocab {args.vocab}{', compiled kernel' if args.compiled else ''}"
     )
     print("| activation | measurement | original | converted | ratio |")
     print("|---|---|---|---|---|")
     for act_fn in args.act:
         for name, a, b in bench(
-            act_fn, args.repeats, args.layers, args.vocab, shapes, args.gated
+            act_fn, args.repeats, args.layers, args.vocab, shapes, args.gated, args.compiled
         ):  # one model pair alive at a time
             unit = "" if "MiB" in name or "(s)" in name or "size" in name else " s"
             print(f"| {act_fn} | {name} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.2f} |")

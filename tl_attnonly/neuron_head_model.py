@@ -120,6 +120,7 @@ class NeuronHeadModelMixin(_MixedInto):
             with torch.device("meta"):  # no memory: the MLP's own tensors are put in place
                 neuron_heads = neuron_heads_for(mlp, coefficients)
             neuron_heads.fused = conversion.fused
+            neuron_heads.compiled = conversion.compiled
             # TransformerLens's initialisation (or loaded weights) of the MLP, on its device: the
             # same tensors, not copies, so building the model holds each weight once. (Only a
             # tensor TL builds in another dtype than cfg.dtype, MoE's float32 layers, is cast.)

@@ -47,12 +47,19 @@ class ConversionOptions:
             give the original model's output bit for bit; otherwise the two paths agree to
             rounding: ``|fused - head path| <= 4 eps sum_k (|f_k x| + |e_k| + 2 |g_k|)`` per
             neuron (measured over many shapes, ``tests/components/test_fused_heads.py``).
+        compiled: Evaluate the fused path with a kernel built by ``torch.compile`` (one pass over
+            the pre-activations instead of several over K times them; the same bound). Where
+            ``torch.compile`` cannot build it (no C++ compiler on the CPU, no Triton on a GPU),
+            one warning, then the eager fused path. The first forward pass per shape family
+            pays for compiling (seconds). Not used under autograd, nor for exact SiLU heads
+            (already TransformerLens's own ``F.silu``).
     """
 
     n_heads_per_neuron: int | None = None
     relu_k: float = DEFAULT_RELU_K
     gelu_method: str = "fit"
     fused: bool = True
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         """Refuse invalid options at once, whatever the activation they will be used with."""
@@ -71,6 +78,8 @@ class ConversionOptions:
             raise ValueError(f"gelu_method must be 'fit' or 'paper', got {self.gelu_method!r}.")
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused must be True or False, got {self.fused!r}.")
+        if not isinstance(self.compiled, bool):
+            raise ValueError(f"compiled must be True or False, got {self.compiled!r}.")
 
     def coefficients(self, act_fn: str | None) -> NeuronHeadCoefficients:
         """The per-head coefficients for a model whose MLP activation is ``act_fn``.
@@ -94,6 +103,7 @@ class ConversionOptions:
         relu_k: float | None = None,
         gelu_method: str | None = None,
         fused: bool | None = None,
+        compiled: bool | None = None,
     ) -> ConversionOptions:
         """A copy with the options that are given (not ``None``) replaced.
 
@@ -101,14 +111,16 @@ class ConversionOptions:
         methods merge an options object with options given one by one (the latter win).
 
         Example:
-            >>> ConversionOptions(relu_k=50).with_overrides(n_heads_per_neuron=2)
-            ConversionOptions(n_heads_per_neuron=2, relu_k=50, gelu_method='fit', fused=True)
+            >>> options = ConversionOptions(relu_k=50).with_overrides(n_heads_per_neuron=2)
+            >>> options.n_heads_per_neuron, options.relu_k
+            (2, 50)
         """
         changes: dict[str, Any] = {
             "n_heads_per_neuron": n_heads_per_neuron,
             "relu_k": relu_k,
             "gelu_method": gelu_method,
             "fused": fused,
+            "compiled": compiled,
         }
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 

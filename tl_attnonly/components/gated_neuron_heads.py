@@ -218,10 +218,16 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         activation of the gate (:meth:`_fused_activation`, evaluated in cache-sized chunks, no
         ``[..., d_mlp, K]`` temporary) times the linear branch. SwiGLU heads thus compute
         ``F.silu(g) * u``, TransformerLens's own arithmetic (the original's output bit for bit).
+        Other heads with ``compiled`` set use one compiled kernel for ``act_K(g) * u``.
         Against the head path the sum agrees to rounding: ``|fused - head path| <=
         FUSED_ERROR_ULPS * eps(dtype) * |u| * sum_k (|f_k g| + |e_k| + 2 |g_k|)`` (tested in
         ``tests/components/test_fused_heads.py``).
         """
+        grad = torch.is_grad_enabled() and (gate.requires_grad or linear.requires_grad)
+        if self.compiled and not grad and not self._exact_silu:
+            out = self._run_compiled(gate, linear)  # act_K(g) * u in one pass
+            if out is not None:
+                return out
         activation = self._fused_activation(gate)
         if torch.is_grad_enabled() and (activation.requires_grad or linear.requires_grad):
             return activation * linear

@@ -18,7 +18,7 @@ tokens routed to it, so its "positions" are those tokens, in the order TL's ``Mo
 
 from __future__ import annotations
 
-from typing import Dict, cast
+from typing import Any, Dict, cast
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,23 @@ from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
+
+
+class _ExpertFlag:
+    """A flag of :class:`NeuronHeadMoE` that is every expert's flag of the same name: reading
+    gives the first expert's, setting sets all."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, moe: NeuronHeadMoE | None, owner: type) -> Any:
+        if moe is None:
+            return self
+        return getattr(moe._expert_list()[0], self.name)
+
+    def __set__(self, moe: NeuronHeadMoE, value: bool) -> None:
+        for expert in moe._expert_list():
+            setattr(expert, self.name, value)
 
 
 class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
@@ -146,25 +163,12 @@ class NeuronHeadMoE(MoE):
         """Neuron-heads per expert: ``d_mlp * K``."""
         return self._expert_list()[0].n_neuron_heads
 
-    @property
-    def use_neuron_result(self) -> bool:
-        """Whether the experts compute and hook per-neuron-head results."""
-        return self._expert_list()[0].use_neuron_result
-
-    @use_neuron_result.setter
-    def use_neuron_result(self, value: bool) -> None:
-        for expert in self._expert_list():
-            expert.use_neuron_result = value
-
-    @property
-    def fused(self) -> bool:
-        """Whether the experts may use the fused (hook-free) path."""
-        return self._expert_list()[0].fused
-
-    @fused.setter
-    def fused(self, value: bool) -> None:
-        for expert in self._expert_list():
-            expert.fused = value
+    #: Whether the experts compute and hook per-neuron-head results.
+    use_neuron_result = _ExpertFlag("use_neuron_result")
+    #: Whether the experts may use the fused (hook-free) path.
+    fused = _ExpertFlag("fused")
+    #: Whether the experts' fused path uses the compiled kernel (see ``NeuronHeadBase``).
+    compiled = _ExpertFlag("compiled")
 
 
 __all__ = [

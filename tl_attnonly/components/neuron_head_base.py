@@ -21,6 +21,7 @@ from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly._compat import CanBeUsedAsMLP, has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
+from tl_attnonly.components._fused_kernel import compiled_kernel, kernel_failed
 
 #: Neuron-head quantities that are functions of the layer's pre-activations alone (see
 #: :meth:`NeuronHeadBase.derive_activation`); ``result`` also needs ``W_out``.
@@ -76,6 +77,9 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         #: Whether the fused path (no q/k/scores/pattern materialised) may be used when no hook is
         #: attached to the neuron-head hook points.
         self.fused = True
+        #: Whether the fused path evaluates the K heads with a kernel built by ``torch.compile``
+        #: (where it can be built; otherwise the eager fused path, after one warning).
+        self.compiled = False
         self._coef_cache: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
         # While deriving (see derive_activation): the quantity wanted, and where it is put.
         self._deriving: str | None = None
@@ -118,6 +122,9 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         enough to stay in cache (``[K, rows, d_mlp]``, about :data:`FUSED_CHUNK_ELEMENTS`
         elements), never materialising ``[..., d_mlp, K]`` for the whole input.
 
+        With ``compiled`` set, a kernel built by ``torch.compile`` evaluates the K terms in one
+        pass over ``x`` (no autograd; where it cannot be built, a warning and the eager path).
+
         The same function as the head path's ``sum_k z``, but not the same arithmetic: the two
         agree to rounding, not bit for bit. Bound, tested over many shapes and scales
         (``tests/components/test_fused_heads.py``): ``|fused - head path| <= FUSED_ERROR_ULPS *
@@ -125,6 +132,10 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         """
         if self._exact_silu:
             return F.silu(x)
+        if self.compiled and not (torch.is_grad_enabled() and x.requires_grad):
+            out = self._run_compiled(x)
+            if out is not None:
+                return out
         shape = x.shape
         x = x.reshape(-1, self.d_mlp)
         b, d, f, ce = self._fused_coefs(x)
@@ -147,6 +158,19 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         if g_sum != 0:
             out.add_(g_sum)
         return out.reshape(shape)
+
+    def _run_compiled(self, *inputs: torch.Tensor) -> torch.Tensor | None:
+        """The compiled kernel on ``inputs`` (``x``, or gate and linear branch), ``None`` if it
+        cannot be built here (see :mod:`tl_attnonly.components._fused_kernel`)."""
+        device = inputs[0].device
+        kernel = compiled_kernel(self.coefficients, device, gated=len(inputs) == 2)
+        if kernel is None:
+            return None
+        try:
+            return kernel(*inputs)
+        except Exception as error:  # no compiler, no Triton, ...: the eager path instead
+            kernel_failed(device, error)
+            return None
 
     def _per_head(self, per_neuron: torch.Tensor, per_k: torch.Tensor) -> torch.Tensor:
         """``[..., d_mlp] x [K] -> [..., d_mlp * K]`` (head ``i*K + k``)."""
