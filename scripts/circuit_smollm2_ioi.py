@@ -21,9 +21,12 @@ when ``roles`` runs too):
   with ``n_nodes``): node attribution keeps the ``--n-nodes`` best attention heads and neurons,
   and each layer's other neurons become one node ``L{l}MLP`` (so what they carry together can be
   in the circuit), then edge attribution patching scores the edges among them (gate and value
-  edges into neurons apart); the faithfulness of circuits of ``--edges`` edges (exact runs),
-  their heads with their roles, their neurons, edge counts by kind, and the exact gate/value
-  split of the top neurons inside the graph of all kept edges.
+  edges into neurons apart): plain EAP by default, or EAP-IG with ``--method eap-ig``
+  (gradients averaged over ``--ig-steps`` runs between the corrupted and the clean embeddings;
+  the node stage's ranking is first-order node attribution either way); the faithfulness of
+  circuits of ``--edges`` edges (exact runs), their heads with their roles, their neurons, edge
+  counts by kind, and the exact gate/value split of the top neurons inside the graph of all kept
+  edges.
 * ``nodes``: node-level attribution of every node (embeddings, 270 attention heads, 46,080
   neurons, each neuron's gate and value) on the ``--prompts`` circuit prompts; the top heads with
   their roles, the top neurons, the faithfulness of node circuits of ``--sizes`` nodes (exact
@@ -32,6 +35,7 @@ when ``roles`` runs too):
 Usage::
 
     python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes] [--threads 2]
+        [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200]
 """
 
 from __future__ import annotations
@@ -171,8 +175,8 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     metric = data.additive_metric()
     circuit = discover_circuit(
         model, data.tokens, data.corrupted_tokens, metric, n_nodes=args.n_nodes,
-        top_n=args.edges[0], batch_size=args.batch_size, gate_value=False,
-        mlp_rest=not args.no_mlp_rest,
+        top_n=args.edges[0], method=args.method, ig_steps=args.ig_steps,
+        batch_size=args.batch_size, gate_value=False, mlp_rest=not args.no_mlp_rest,
     )  # fmt: skip
     nodes = list(circuit.extra["nodes"])
     n_kept_heads = sum("H" in n for n in nodes)
@@ -180,10 +184,11 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
         nodes += [mlp_rest_label(li) for li in range(model.cfg.n_layers)]
     graph = circuit.graph
     rest = "" if args.no_mlp_rest else ", plus each layer's other neurons as one node L{l}MLP"
+    ranking = "EAP" if args.method == "eap" else f"EAP-IG ({args.ig_steps} steps)"
     print(
         f"\n## Edge-level circuit (two stages: the {args.n_nodes} nodes with the largest node "
         f"attribution |score| ({n_kept_heads} attention heads, {args.n_nodes - n_kept_heads} "
-        f"neurons){rest}, then EAP over the {graph.n_edges():,} edges among them)\n"
+        f"neurons){rest}, then {ranking} over the {graph.n_edges():,} edges among them)\n"
         f"metric: clean {circuit.metric_clean:.3f}, corrupted {circuit.metric_corrupted:.3f}"
     )
     masks = [graph.full_mask()] + [prune(circuit.scores, top_n=n) for n in args.edges]
@@ -220,7 +225,7 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
         print("  " + ", ".join(heads))
     print("neurons:", ", ".join(neurons))
     print("MLP remainders:", ", ".join(rests))
-    print("edges by kind (count, sum of |EAP score|):")
+    print(f"edges by kind (count, sum of |{ranking} score|):")
     for (src, dst, inp), group in frame.groupby(["source_kind", "target_kind", "input"]):
         print(
             f"  {src} -> {dst}{'.' + inp if inp else ''}: {len(group)}, "
@@ -261,6 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument(
         "--no-mlp-rest", action="store_true", help="no L{l}MLP nodes for the left-out neurons"
+    )
+    parser.add_argument(
+        "--method",
+        default="eap",
+        choices=["eap", "eap-ig"],
+        help="edge ranking of the edges stage (the node stage is node attribution either way)",
+    )
+    parser.add_argument(
+        "--ig-steps", type=int, default=5, help="interpolation steps of --method eap-ig"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

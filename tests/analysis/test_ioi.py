@@ -17,6 +17,7 @@ from conftest import D_VOCAB, GATED_ZOO, ZOO, make_model
 from transformer_lens import HookedTransformer
 
 import tl_attnonly
+from tl_attnonly.analysis import discover_circuit
 from tl_attnonly.analysis.ioi import (
     ATTENTION_SCORES,
     ROLES,
@@ -279,7 +280,7 @@ def test_additive_metric_sums_over_batches_to_the_mean():
     assert data.metric(logits).abs() > 1e-3
 
 
-def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys):
+def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys, monkeypatch):
     # scripts/circuit_smollm2_ioi.py prints the README's IOI figures; its stages take any model.
     path = Path(__file__).parents[2] / "scripts" / "circuit_smollm2_ioi.py"
     spec = importlib.util.spec_from_file_location("circuit_smollm2_ioi", path)
@@ -297,7 +298,16 @@ def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys):
         sizes=[5, 10],
         no_mlp_rest=False,
         gate_value_neurons=2,
+        method="eap-ig",
+        ig_steps=2,
     )
+    calls = []
+
+    def discover(*a, **kw):
+        calls.append(kw)
+        return discover_circuit(*a, **kw)
+
+    monkeypatch.setattr(script, "discover_circuit", discover)
     script.print_roles(scores)
     script.stage_s_inhibition(converted, scores, data)
     script.stage_edges(converted, scores, data, args)
@@ -305,3 +315,5 @@ def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys):
     out = capsys.readouterr().out
     for text in ("name mover:", "Edge-level circuit", "| all |", "gate/value split", "Node-level"):
         assert text in out
+    assert "then EAP-IG (2 steps) over the" in out
+    assert [(kw["method"], kw["ig_steps"]) for kw in calls] == [("eap-ig", 2)]
