@@ -99,14 +99,20 @@ def test_compiled_path_is_the_head_path_to_the_fused_bound(
     assert excess.max() <= 0, f"{(compiled - head).abs().max()} exceeds the bound"
 
 
-def test_a_kernel_that_cannot_be_built_warns_once_and_the_eager_path_runs(monkeypatch):
-    def broken(coefficients, gated):
-        def kernel(*inputs):
-            raise RuntimeError("no C++ compiler here\nsecond line")
+def _fails_on_first_call(fn, *args, **kwargs):
+    def kernel(*inputs):
+        raise RuntimeError("no C++ compiler here\nsecond line")
 
-        return kernel
+    return kernel
 
-    monkeypatch.setattr(_fused_kernel, "_build", broken)
+
+def _refuses_at_once(fn, *args, **kwargs):
+    raise RuntimeError("no C++ compiler here: torch.compile is not supported on this platform")
+
+
+@pytest.mark.parametrize("compile_", [_fails_on_first_call, _refuses_at_once])
+def test_a_kernel_that_cannot_be_built_warns_once_and_the_eager_path_runs(monkeypatch, compile_):
+    monkeypatch.setattr(torch, "compile", compile_)
     monkeypatch.setattr(_fused_kernel, "_KERNELS", {})
     monkeypatch.setattr(_fused_kernel, "_FAILED", set())
     layer = NeuronHeadMLP(make_config("gelu_new", torch.float64, d_mlp=40))

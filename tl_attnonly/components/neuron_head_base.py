@@ -163,11 +163,9 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         """The compiled kernel on ``inputs`` (``x``, or gate and linear branch), ``None`` if it
         cannot be built here (see :mod:`tl_attnonly.components._fused_kernel`)."""
         device = inputs[0].device
-        kernel = compiled_kernel(self.coefficients, device, gated=len(inputs) == 2)
-        if kernel is None:
-            return None
-        try:
-            return kernel(*inputs)
+        try:  # torch.compile may refuse at once (unsupported platform) or on the first call
+            kernel = compiled_kernel(self.coefficients, device, gated=len(inputs) == 2)
+            return None if kernel is None else kernel(*inputs)
         except Exception as error:  # no compiler, no Triton, ...: the eager path instead
             kernel_failed(device, error)
             return None
