@@ -368,34 +368,44 @@ def path_patch_receiver_sweep(
         :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
     """
     specs: list = list(all_head_refs(model)) + [LOGITS] if receivers is None else list(receivers)
-    parsed, clean_cache, corrupted_cache = _prepare(
-        model, clean_tokens, corrupted_tokens, specs, clean_cache, corrupted_cache
+    sweep = _ReceiverSweep(
+        model,
+        clean_tokens,
+        corrupted_tokens,
+        specs,
+        clean_cache,
+        corrupted_cache,
+        patches_per_pass,
+        max_bytes,
     )
-    K = model.n_heads_per_neuron
-    sender_refs = [parse_head_label(s, K) for s in senders]
-    sweep = _ReceiverSweep(model, corrupted_tokens, corrupted_cache, parsed, patches_per_pass,
-                           max_bytes)  # fmt: skip
-    out = sweep.run(clean_cache, sender_refs, patching_metric, progress)
-    return out, [receiver_label(r, K) for r in parsed]
+    return sweep.run(list(senders), patching_metric, progress), sweep.labels
 
 
 class _ReceiverSweep:
-    """What every sender set's receiver sweep shares: the receivers' hooks, the step and the
-    corrupted run that step-2 passes resume from (made once, also for a sender x receiver grid).
+    """What every sender set's receiver sweep shares: the checked inputs and both caches, the
+    receivers' hooks and labels, the step and the corrupted run that step-2 passes resume from
+    (made once, also for a sender x receiver grid). Arguments as in
+    :func:`path_patch_receiver_sweep`.
     """
 
     def __init__(
         self,
         model: NeuronHeadModelMixin,
+        clean_tokens: torch.Tensor,
         corrupted_tokens: torch.Tensor,
-        corrupted_cache: ActivationCache,
-        parsed: Sequence[Receiver],
+        receivers: Sequence[str | HeadRef | tuple | Receiver],
+        clean_cache: ActivationCache | None,
+        corrupted_cache: ActivationCache | None,
         patches_per_pass: int | None,
         max_bytes: int,
     ):
+        parsed, self.clean_cache, self.corrupted_cache = _prepare(
+            model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
+        )
         self.model = model
+        self.K = model.n_heads_per_neuron
+        self.labels = [receiver_label(r, self.K) for r in parsed]
         self.corrupted_tokens = corrupted_tokens
-        self.corrupted_cache = corrupted_cache
         batch, n_pos = corrupted_tokens.shape
         self.step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
         self.per_receiver = [_receiver_hooks(model, [r]) for r in parsed]
@@ -405,16 +415,21 @@ class _ReceiverSweep:
 
     def run(
         self,
-        clean_cache: ActivationCache,
-        sender_refs: Sequence[HeadRef],
+        senders: Sequence[str | HeadRef],
         patching_metric: Metric,
         progress: bool,
     ) -> Float[torch.Tensor, "n_receivers"]:  # noqa: F821
-        """Step 1 once for ``sender_refs``, then step 2 for each receiver alone (float64)."""
+        """Step 1 once for ``senders``, then step 2 for each receiver alone (float64)."""
         corrupted_tokens, corrupted_cache = self.corrupted_tokens, self.corrupted_cache
         batch = corrupted_tokens.shape[0]
+        sender_refs = [parse_head_label(s, self.K) for s in senders]
         recorded = _record_receiver_inputs(
-            self.model, corrupted_tokens, clean_cache, corrupted_cache, [sender_refs], self.names
+            self.model,
+            corrupted_tokens,
+            self.clean_cache,
+            corrupted_cache,
+            [sender_refs],
+            self.names,
         )
         final, per_receiver, step = self.final, self.per_receiver, self.step
         out = torch.zeros(len(per_receiver), dtype=torch.float64)
@@ -475,19 +490,23 @@ def path_patch_grid(
     Returns:
         ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
     """
-    parsed, clean_cache, corrupted_cache = _prepare(
-        model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
+    sweep = _ReceiverSweep(
+        model,
+        clean_tokens,
+        corrupted_tokens,
+        receivers,
+        clean_cache,
+        corrupted_cache,
+        patches_per_pass,
+        max_bytes,
     )
-    K = model.n_heads_per_neuron
-    refs = [parse_head_label(s, K) for s in senders]
-    sweep = _ReceiverSweep(model, corrupted_tokens, corrupted_cache, parsed, patches_per_pass,
-                           max_bytes)  # fmt: skip
+    refs = [parse_head_label(s, sweep.K) for s in senders]
     rows = [
-        sweep.run(clean_cache, [ref], patching_metric, progress=False)
+        sweep.run([ref], patching_metric, progress=False)
         for ref in tqdm(refs, desc="senders", disable=not progress)
     ]
-    grid = torch.stack(rows) if rows else torch.zeros(0, len(parsed), dtype=torch.float64)
-    return grid, head_labels(refs, K), [receiver_label(r, K) for r in parsed]
+    grid = torch.stack(rows) if rows else torch.zeros(0, len(sweep.labels), dtype=torch.float64)
+    return grid, head_labels(refs, sweep.K), sweep.labels
 
 
 __all__ = [
