@@ -223,11 +223,9 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         FUSED_ERROR_ULPS * eps(dtype) * |u| * sum_k (|f_k g| + |e_k| + 2 |g_k|)`` (tested in
         ``tests/components/test_fused_heads.py``).
         """
-        grad = torch.is_grad_enabled() and (gate.requires_grad or linear.requires_grad)
-        if self.compiled and not grad and not self._exact_silu:
-            out = self._run_compiled(gate, linear)  # act_K(g) * u in one pass
-            if out is not None:
-                return out
+        out = self._run_compiled(gate, linear)  # act_K(g) * u in one pass
+        if out is not None:
+            return out
         activation = self._fused_activation(gate)
         if torch.is_grad_enabled() and (activation.requires_grad or linear.requires_grad):
             return activation * linear

@@ -132,10 +132,9 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         """
         if self._exact_silu:
             return F.silu(x)
-        if self.compiled and not (torch.is_grad_enabled() and x.requires_grad):
-            out = self._run_compiled(x)
-            if out is not None:
-                return out
+        out = self._run_compiled(x)
+        if out is not None:
+            return out
         shape = x.shape
         x = x.reshape(-1, self.d_mlp)
         b, d, f, ce = self._fused_coefs(x)
@@ -160,8 +159,12 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         return out.reshape(shape)
 
     def _run_compiled(self, *inputs: torch.Tensor) -> torch.Tensor | None:
-        """The compiled kernel on ``inputs`` (``x``, or gate and linear branch), ``None`` if it
-        cannot be built here (see :mod:`tl_attnonly.components._fused_kernel`)."""
+        """The compiled kernel on ``inputs`` (``x``, or gate and linear branch); ``None`` where it
+        is not to be used (``compiled`` unset, exact SiLU heads, autograd) or cannot be built here
+        (see :mod:`tl_attnonly.components._fused_kernel`)."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        if not self.compiled or self._exact_silu or grad:
+            return None
         device = inputs[0].device
         try:  # torch.compile may refuse at once (unsupported platform) or on the first call
             kernel = compiled_kernel(self.coefficients, device, gated=len(inputs) == 2)
