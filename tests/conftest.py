@@ -148,3 +148,9 @@ def zoo_name(request) -> str:
 @pytest.fixture
 def tokens() -> torch.Tensor:
     return make_tokens()
+
+
+def fused_magnitude(coefficients, x: torch.Tensor) -> torch.Tensor:
+    """``sum_k (|f_k x| + |e_k| + 2 |g_k|)``: the scale the fused path's rounding is bound by."""
+    c = coefficients
+    return sum(abs(f) * x.abs() + abs(e) + 2 * abs(g) for f, e, g in zip(c.f, c.e, c.g))

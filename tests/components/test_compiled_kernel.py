@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_config, make_model, make_tokens
+from conftest import fused_magnitude, make_config, make_model, make_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,11 +44,6 @@ needs_compiler = pytest.mark.skipif(
     _COMPILE_ERROR is not None,
     reason=f"torch.compile cannot build a CPU kernel here ({_COMPILE_ERROR})",
 )
-
-
-def _magnitude(c, x: torch.Tensor) -> torch.Tensor:
-    """``sum_k (|f_k x| + |e_k| + 2 |g_k|)``: the scale the fused path's rounding is bound by."""
-    return sum(abs(f) * x.abs() + abs(e) + 2 * abs(g) for f, e, g in zip(c.f, c.e, c.g))
 
 
 def _no_fallback(fn):
@@ -91,7 +86,7 @@ def test_compiled_path_is_the_head_path_to_the_fused_bound(
         else:
             compiled = _no_fallback(lambda: layer._fused_post(x))
         head = layer._sum_heads(layer.derive_activation("z", **inputs))
-    bound = FUSED_ERROR_ULPS * torch.finfo(dtype).eps * _magnitude(coefficients, x)
+    bound = FUSED_ERROR_ULPS * torch.finfo(dtype).eps * fused_magnitude(coefficients, x)
     if gated:
         bound = bound * u.abs()
     assert compiled.dtype == dtype and compiled.shape == x.shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_config, make_model, make_tokens
+from conftest import fused_magnitude, make_config, make_model, make_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,12 +28,6 @@ def _layer(name: str, dtype: torch.dtype, d_mlp: int) -> NeuronHeadMLP:
     return NeuronHeadMLP(make_config(coefficients.activation, dtype, d_mlp=d_mlp), coefficients)
 
 
-def _magnitude(layer: NeuronHeadMLP, x: torch.Tensor) -> torch.Tensor:
-    """``sum_k (|f_k x| + |e_k| + 2 |g_k|)``: the scale the fused path's rounding is bound by."""
-    c = layer.coefficients
-    return sum(abs(f) * x.abs() + abs(e) + 2 * abs(g) for f, e, g in zip(c.f, c.e, c.g))
-
-
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(
     name=st.sampled_from(sorted(COEFFICIENTS)),
@@ -53,7 +47,7 @@ def test_fused_path_is_the_head_path_to_a_measured_bound(
     with torch.no_grad():
         fused = layer._fused_post(x)
         head = layer._sum_heads(layer.derive_activation("z", hook_pre=x))
-    bound = FUSED_ERROR_ULPS * torch.finfo(dtype).eps * _magnitude(layer, x)
+    bound = FUSED_ERROR_ULPS * torch.finfo(dtype).eps * fused_magnitude(layer.coefficients, x)
     excess = (fused - head).abs() - bound
     assert excess.max() <= 0, f"{(fused - head).abs().max()} exceeds the bound"
 
@@ -87,7 +81,8 @@ def test_gated_fused_path_is_the_head_path_to_the_same_bound(
         fused = layer._fused_sum(gate, u)
         z = layer.derive_activation("z", hook_pre=gate, hook_pre_linear=u)
         head = layer._sum_heads(z)
-    bound = FUSED_ERROR_ULPS * torch.finfo(dtype).eps * u.abs() * _magnitude(layer, gate)
+    eps = torch.finfo(dtype).eps
+    bound = FUSED_ERROR_ULPS * eps * u.abs() * fused_magnitude(coefficients, gate)
     excess = (fused - head).abs() - bound
     assert excess.max() <= 0, f"{(fused - head).abs().max()} exceeds the bound"
     gate.requires_grad_(True)  # autograd: the out-of-place pass, the same values
