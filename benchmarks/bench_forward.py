@@ -114,6 +114,10 @@ def conversion_memory_ratio(original, share_weights: bool) -> float:
     return (model_bytes + peak - base) / model_bytes
 
 
+#: The conversion-memory rows: copying, and sharing the original's tensors.
+MEMORY_ROWS = ("copy", "share_weights=True")
+
+
 def conversion_memory_in_child(
     act_fn: str, n_layers: int, d_vocab: int, gated: bool
 ) -> dict[str, float]:
@@ -141,7 +145,7 @@ def _memory_only(act_fn: str, n_layers: int, d_vocab: int, gated: bool) -> None:
     """The child's side of :func:`conversion_memory_in_child`: one JSON line."""
     torch.manual_seed(0)
     original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab, gated)).eval()
-    ratios = {how: conversion_memory_ratio(original, how == "share") for how in ("copy", "share")}
+    ratios = {how: conversion_memory_ratio(original, how != "copy") for how in MEMORY_ROWS}
     print(json.dumps(ratios))
 
 
@@ -158,8 +162,7 @@ def bench(
     original = HookedTransformer(gpt2_small_config(act_fn, n_layers, d_vocab, gated)).eval()
     memory = conversion_memory_in_child(act_fn, n_layers, d_vocab, gated)
     memory_rows = [
-        (f"conversion peak memory / model size ({how})", 1.0, memory[key])
-        for how, key in (("copy", "copy"), ("share_weights=True", "share"))
+        (f"conversion peak memory / model size ({how})", 1.0, memory[how]) for how in MEMORY_ROWS
     ]
     t0 = time.perf_counter()
     converted = convert(original, conversion=ConversionOptions(compiled=compiled))
