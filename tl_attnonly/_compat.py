@@ -103,10 +103,12 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
 def tl_official_model_name(model_name: str) -> str | None:
     """The Hugging Face repository TL's ``from_pretrained`` loads ``model_name`` from, or ``None``
     for a name (or alias) TL does not know (no network: TL's own table)."""
-    from transformer_lens import loading_from_pretrained
-
+    try:  # TransformerLens 3.x; 4.x moved it to ``supported_models``
+        from transformer_lens.loading_from_pretrained import get_official_model_name
+    except ImportError:
+        from transformer_lens.supported_models import get_official_model_name
     try:
-        return loading_from_pretrained.get_official_model_name(model_name)
+        return get_official_model_name(model_name)
     except ValueError:
         return None
 
