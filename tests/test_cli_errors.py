@@ -139,7 +139,8 @@ def test_unknown_model_name_suggests_close_ones(no_hub, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_hub_unreachable", lambda timeout=0: None)  # the hub answers
     assert main(["verify", "gtp2"]) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert "'gtp2' is not a directory, nor a model name" in err and "'gpt2'" in err
+    assert "'gtp2' is not a directory, a local model (bundled, smollm2, minilm), nor a model" in err
+    assert "'gpt2'" in err
     assert len(err) < 600  # not TransformerLens's list of every model
     assert no_hub == []
 

@@ -18,8 +18,11 @@ from tl_attnonly._compat import (
     convert_bert_weights,
     convert_llama_weights,
     has_hooks,
+    hf_offline_mode,
     rotary_base,
     softcap_enabled,
+    tl_lists_repo_files,
+    tl_official_model_name,
 )
 
 
@@ -93,3 +96,21 @@ def test_the_rest_of_the_seam_resolves():
         convert_bert_weights({}, SimpleNamespace())  # imported and called: fails on no weights
     with pytest.raises((KeyError, AttributeError, TypeError)):
         convert_llama_weights({}, SimpleNamespace())
+
+
+def test_tl_official_model_name_is_transformer_lens_s_repository():
+    assert tl_official_model_name("gpt2") == "gpt2"
+    assert tl_official_model_name("pythia-70m") == "EleutherAI/pythia-70m"
+    assert tl_official_model_name("gtp2") is None
+    assert tl_lists_repo_files(tl_official_model_name("solu-1l"))
+    assert not tl_lists_repo_files("EleutherAI/pythia-70m")
+
+
+def test_hf_offline_mode_switches_huggingface_hub_and_transformers():
+    from huggingface_hub import constants
+    from transformers.utils.hub import is_offline_mode
+
+    before = constants.HF_HUB_OFFLINE
+    with hf_offline_mode():
+        assert constants.HF_HUB_OFFLINE and is_offline_mode()
+    assert constants.HF_HUB_OFFLINE == before

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import make_config, make_model
 from transformer_lens import HookedEncoder
 
+import tl_attnonly.hub as hub
 from tl_attnonly.components import GatedNeuronHeadMLP, NeuronHeadMLP
 from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
 from tl_attnonly.options import ConversionOptions
@@ -253,6 +254,7 @@ def test_dtype_move():
 def test_from_pretrained_goes_through_tl_loading(monkeypatch):
     """HookedEncoder.from_pretrained builds AttnOnlyEncoder itself and loads the weights into it."""
     enc_module = sys.modules["transformer_lens.HookedEncoder"]
+    monkeypatch.setattr(hub, "hub_unreachable", lambda timeout=0: None)  # TL's loading is faked
     source = make_encoder("gelu", torch.float32)
     state = {k: v.clone() for k, v in source.state_dict().items()}
     monkeypatch.setattr(enc_module.loading, "get_official_model_name", lambda name: name)

@@ -25,6 +25,7 @@ CHILD = r"""
 import gc, json, sys, warnings
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
+import tl_attnonly.hub
 from tl_attnonly import AttnOnlyTransformer, convert
 
 warnings.filterwarnings("ignore")
@@ -48,6 +49,7 @@ STATE = source.state_dict()
 del source
 MODEL_BYTES = sum(t.numel() * t.element_size() for t in STATE.values())
 ht_module.loading.get_official_model_name = lambda name: name
+tl_attnonly.hub.hub_unreachable = lambda timeout=0: None  # TL's loading is faked: no hub check
 ht_module.loading.get_pretrained_model_config = lambda name, **kw: config(**kw)
 # A new dict each call (TL deletes its keys while loading) of tensors made before the call.
 ht_module.loading.get_pretrained_state_dict = lambda *a, **k: dict(STATE)

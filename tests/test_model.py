@@ -11,6 +11,7 @@ from conftest import make_config, make_model
 from transformer_lens import HookedTransformer, SVDInterpreter
 from transformer_lens import HookedTransformer as HT
 
+import tl_attnonly.hub as hub
 from tl_attnonly import AttnOnlyTransformer, ConversionOptions, convert
 
 PROCESS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True)
@@ -65,6 +66,7 @@ def test_processing_after_conversion_equals_processing_before(norm, tokens):
 def test_from_pretrained_goes_through_tl_loading(monkeypatch, tokens):
     """TL's own from_pretrained builds AttnOnlyTransformer and processes its weights."""
     ht_module = sys.modules["transformer_lens.HookedTransformer"]
+    monkeypatch.setattr(hub, "hub_unreachable", lambda timeout=0: None)  # TL's loading is faked
 
     source = make_model("gelu_new", torch.float32, normalization_type="LN")
     state = {k: v.clone() for k, v in source.state_dict().items()}

@@ -10,8 +10,10 @@ import pytest
 import torch
 from conftest import make_model
 
+import tl_attnonly
 import tl_attnonly.activations as activations
 from tl_attnonly import AttnOnlyTransformer, convert
+from tl_attnonly.conversion_record import SavedModelError
 
 
 def _bundled_tokenizer():
@@ -78,17 +80,35 @@ def test_load_refuses_options_that_contradict_the_saved_coefficients(tmp_path):
         AttnOnlyTransformer.load(tmp_path / "m")
 
 
-def test_load_rebuilds_from_the_saved_coefficients_not_the_packages_fits(
+def _other_fits(model):
+    """The package's fit file with this model's fit changed (as a later package version's)."""
+    fits = json.loads(json.dumps(activations._load_fits()))
+    fit = fits["fits"][model.coefficients.activation][str(model.n_heads_per_neuron)]
+    fit["f"] = [v * 1.5 for v in fit["f"]]
+    return fits
+
+
+def test_load_refuses_coefficients_that_are_not_the_packages_own(tmp_path, monkeypatch):
+    model = convert(make_model("gelu_new", torch.float64))
+    model.save_pretrained(tmp_path / "m")
+    fits = _other_fits(model)
+    monkeypatch.setattr(activations, "_load_fits", lambda: fits)
+    assert convert(make_model("gelu_new")).coefficients != model.coefficients
+    with pytest.raises(SavedModelError, match="not this package's own for gelu_new"):
+        AttnOnlyTransformer.load(tmp_path / "m")
+
+
+def test_a_save_by_another_version_is_rebuilt_from_its_own_coefficients(
     tmp_path, monkeypatch, tokens
 ):
     model = convert(make_model("gelu_new", torch.float64))
+    monkeypatch.setattr(tl_attnonly, "__version__", "0.0.9")
     model.save_pretrained(tmp_path / "m")
-    fits = json.loads(json.dumps(activations._load_fits()))
-    fit = fits["fits"]["gelu_new"][str(model.n_heads_per_neuron)]
-    fit["f"] = [v * 1.5 for v in fit["f"]]  # a different package version's fit file
+    monkeypatch.undo()
+    fits = _other_fits(model)  # this version's fit differs from the saving version's
     monkeypatch.setattr(activations, "_load_fits", lambda: fits)
-    assert convert(make_model("gelu_new")).coefficients != model.coefficients
-    loaded = AttnOnlyTransformer.load(tmp_path / "m")
+    with pytest.warns(UserWarning, match="saved by tl_attnonly 0.0.9"):
+        loaded = AttnOnlyTransformer.load(tmp_path / "m")
     assert loaded.coefficients == model.coefficients
     assert torch.equal(loaded(tokens), model(tokens))
 

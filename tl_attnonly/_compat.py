@@ -16,12 +16,18 @@ against the installed versions.
 ``TypedModuleList``                 the typed ``nn.ModuleList`` TL's models declare ``blocks`` as
 ``convert_bert_weights``            TL's BERT / LLaMA state-dict conversions (``pretrained.``
 ``convert_llama_weights``           ``weight_conversions``, imported when called)
+:func:`tl_official_model_name`      TL's ``loading_from_pretrained.get_official_model_name``: the
+                                    repository ``from_pretrained`` reads a name from
+:func:`tl_lists_repo_files`         whether TL finds that model's weights by listing its hub
+                                    repository (Neel Nanda's models): never from the cache alone
+:func:`hf_offline_mode`             ``huggingface_hub.constants.HF_HUB_OFFLINE``, set for a block
 ==================================  ==============================================================
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch.nn as nn
 from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
@@ -94,7 +100,52 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
     return convert(*args, **kwargs)
 
 
+def tl_official_model_name(model_name: str) -> str | None:
+    """The Hugging Face repository TL's ``from_pretrained`` loads ``model_name`` from, or ``None``
+    for a name (or alias) TL does not know (no network: TL's own table)."""
+    try:  # TransformerLens 3.x; 4.x moved it to ``supported_models``
+        from transformer_lens.loading_from_pretrained import get_official_model_name
+    except ImportError:
+        from transformer_lens.supported_models import get_official_model_name
+    try:
+        return get_official_model_name(model_name)
+    except ValueError:
+        return None
+
+
+#: Repository prefixes whose weights TL finds by listing the repository on the hub
+#: (``loading_from_pretrained.get_pretrained_state_dict``), so they cannot load from the cache.
+TL_LISTED_REPO_PREFIXES = ("NeelNanda", "ArthurConmy", "Baidicoot")
+
+
+def tl_lists_repo_files(official_name: str) -> bool:
+    """Whether TL needs the hub itself (a repository listing) to load ``official_name``."""
+    return official_name.startswith(TL_LISTED_REPO_PREFIXES)
+
+
+@contextlib.contextmanager
+def hf_offline_mode() -> Iterator[None]:
+    """Hugging Face offline mode for the block: files come from the cache, no request is made.
+
+    ``huggingface_hub`` reads ``HF_HUB_OFFLINE`` once, at import, into
+    ``huggingface_hub.constants.HF_HUB_OFFLINE``; its ``is_offline_mode()`` (which
+    ``transformers`` asks) returns that constant, so setting it switches both to offline mode.
+    """
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
 __all__ = [
+    "TL_LISTED_REPO_PREFIXES",
+    "hf_offline_mode",
+    "tl_lists_repo_files",
+    "tl_official_model_name",
     "POST_NORM_ARCHITECTURES",
     "TL_ACTIVATIONS",
     "TypedModuleList",

@@ -25,7 +25,13 @@ DEFAULT_PROMPT = (
 #: Exit codes: 0 PASS / done, 1 FAIL (verification), 2 usage or input error (as argparse).
 EXIT_FAIL, EXIT_USAGE = 1, 2
 #: Seconds to wait for the Hugging Face hub before calling it unreachable.
-HUB_TIMEOUT = 3.0
+HUB_TIMEOUT = 1.0
+#: Models every subcommand loads by name, offline (package data or an installed extra).
+LOCAL_MODELS = {
+    "bundled": "the bundled tiny-stdlib-silu decoder (package data)",
+    "smollm2": "SmolLM2-135M-Instruct, a gated decoder (the [smollm2] extra)",
+    "minilm": "all-MiniLM-L6-v2, a BERT encoder (the [minilm] extra)",
+}
 #: The file that marks a directory written by ``save_pretrained`` (as in ``neuron_head_model``;
 #: repeated here so that a wrong directory is reported before torch is imported).
 CONVERSION_FILE = "conversion.json"
@@ -60,7 +66,7 @@ def _print_verdicts(verdicts: Sequence[Any]) -> bool:
 #: The demo's prompt for the real SmolLM2 (an IOI sentence: the model answers " Mary").
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 #: ``tl-attnonly demo --model ...`` choices.
-DEMO_MODELS = ("bundled", "smollm2")
+DEMO_MODELS = ("bundled", "smollm2", "minilm")
 
 
 def _load_demo_model(name: str) -> tuple[Any, str]:
@@ -79,6 +85,11 @@ def demo(args: argparse.Namespace) -> int:
     """Convert a model offline (the bundled one or SmolLM2), verify it, write the HTML report."""
     from tqdm.auto import tqdm
 
+    if args.model == "minilm":
+        raise CommandError(
+            "minilm is an encoder; the demo shows a decoder (bundled or smollm2). Convert "
+            "minilm with `tl-attnonly convert minilm OUT_DIR`."
+        )
     if args.prompt is None:
         args.prompt = SMOLLM2_PROMPT if args.model == "smollm2" else DEFAULT_PROMPT
     with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
@@ -133,35 +144,31 @@ def demo(args: argparse.Namespace) -> int:
 # convert
 # ------------------------------------------------------------------------------------------------
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    from tl_attnonly.hub import offline_mode
+
+    return offline_mode()
 
 
 def _hub_unreachable(timeout: float = HUB_TIMEOUT) -> str | None:
     """Why the Hugging Face hub cannot be reached (``None`` if it answers), within ``timeout``."""
-    import urllib.error
-    import urllib.request
+    from tl_attnonly.hub import hub_unreachable
 
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    try:
-        request = urllib.request.Request(endpoint, method="HEAD")
-        with urllib.request.urlopen(request, timeout=timeout):
-            return None
-    except urllib.error.HTTPError:
-        return None  # it answered
-    except (OSError, ValueError) as exc:  # URLError, timeouts, DNS failures
-        reason = getattr(exc, "reason", exc)
-        return f"{endpoint} did not answer within {timeout:g} s ({reason})"
+    return hub_unreachable(timeout)
+
+
+def _local_names() -> str:
+    return ", ".join(LOCAL_MODELS)
 
 
 def _offline_advice(model: str, why: str) -> str:
+    """Three lines: what was asked, why the hub cannot be used, what to do offline."""
+    why = why.rstrip(".")
     return (
-        f"Cannot load {model!r}: {why}. `convert` downloads the model from the Hugging Face hub.\n"
-        "What you can do:\n"
-        "  - if the model is already in your Hugging Face cache (an earlier download, or a copied "
-        "HF_HOME), set HF_HUB_OFFLINE=1 and run the command again;\n"
-        "  - use a local directory: a converted model saved by `tl-attnonly convert` (or "
-        "`save_pretrained`) loads and verifies offline: `tl-attnonly verify DIR`;\n"
-        "  - run `tl-attnonly demo`, which converts the bundled model fully offline."
+        f"Cannot load {model!r}: it comes from the Hugging Face hub and is not in the cache.\n"
+        f"{why[:1].upper() + why[1:]}.\n"
+        f"Work offline: a local model by name ({_local_names()}), `tl-attnonly verify DIR` "
+        "(a saved conversion), `tl-attnonly demo`; or, with the model in your Hugging Face "
+        "cache, set HF_HUB_OFFLINE=1."
     )
 
 
@@ -178,29 +185,39 @@ def _official_name(name: str) -> str:
     close = difflib.get_close_matches(name.lower(), list(aliases), n=3, cutoff=0.6)
     hint = f" Did you mean {', '.join(repr(aliases[c]) for c in close)}?" if close else ""
     raise CommandError(
-        f"{name!r} is not a directory, nor a model name TransformerLens knows.{hint} "
+        f"{name!r} is not a directory, a local model ({_local_names()}), nor a model name "
+        f"TransformerLens knows.{hint} "
         'Names: `python -c "from transformer_lens.supported_models import OFFICIAL_MODEL_NAMES; '
         'print(*OFFICIAL_MODEL_NAMES, sep=chr(10))"`.'
     )
 
 
 def _require_hub(name: str) -> None:
-    """Unless ``HF_HUB_OFFLINE`` is set, fail within seconds when the hub does not answer.
+    """Fail within about a second when ``name`` needs the hub and the hub does not answer.
 
-    Called before TransformerLens is imported, so that no access is reported at once.
+    Called before TransformerLens is imported, so that no access is reported at once. A model
+    in the local Hugging Face cache (under the name given), or offline mode, skips the probe:
+    ``from_pretrained`` then checks the cache under TransformerLens's official name itself.
     """
-    if not _offline():
-        why = _hub_unreachable()
-        if why is not None:
-            raise CommandError(_offline_advice(name, why))
+    from tl_attnonly.hub import in_local_cache
+
+    if _offline() or in_local_cache(name):
+        return
+    why = _hub_unreachable()
+    if why is not None:
+        raise CommandError(_offline_advice(name, f"the Hugging Face hub is unreachable: {why}"))
 
 
 def _load_by_name(name: str, loader: Any, **kwargs: Any) -> Any:
     """``loader(official_name, **kwargs)``, failing clearly on an unknown name or a model missing
     from the cache under ``HF_HUB_OFFLINE``. Call :func:`_require_hub` first."""
+    from tl_attnonly.hub import HubUnavailableError
+
     official = _official_name(name)
     try:
         return loader(official, **kwargs)
+    except HubUnavailableError as exc:
+        raise CommandError(_offline_advice(name, exc.why)) from exc
     except OSError as exc:
         if _offline():
             raise CommandError(
@@ -209,21 +226,61 @@ def _load_by_name(name: str, loader: Any, **kwargs: Any) -> Any:
         raise
 
 
+def _load_local(name: str) -> Any:
+    """The (unconverted) local model ``name`` (a key of :data:`LOCAL_MODELS`), with its
+    tokenizer; a CommandError naming the extra if it is not installed."""
+    try:
+        if name == "smollm2":
+            from tl_attnonly.smollm2 import load_smollm2, smollm2_path
+
+            smollm2_path()  # fails fast, naming the extra, before anything heavy
+            return load_smollm2()
+        if name == "minilm":
+            from tl_attnonly.minilm import load_minilm
+
+            model, tokenizer = load_minilm()
+            if model.tokenizer is None:
+                model.tokenizer = tokenizer
+            return model
+    except ImportError as err:
+        raise CommandError(f"{name}: {err}") from err
+    from tl_attnonly.bundled import load_bundled_model
+
+    return load_bundled_model()
+
+
+def _is_local_name(name: str) -> bool:
+    """``name`` is a local model's name, and no directory of that name is meant."""
+    return name in LOCAL_MODELS and not Path(name).exists()
+
+
 def convert_cmd(args: argparse.Namespace) -> int:
     """Load a model by TransformerLens name, convert it, save it."""
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"OUT_DIR {str(out)!r} exists and is not a directory.")
+    options = {
+        "n_heads_per_neuron": args.heads_per_neuron,
+        "relu_k": args.relu_k,
+        "gelu_method": args.gelu_method,
+    }
+    if _is_local_name(args.model):
+        original = _load_local(args.model)
+        if args.model == "minilm":
+            from tl_attnonly.encoder import convert_encoder
+
+            model = convert_encoder(original, **options)
+        else:
+            from tl_attnonly import convert
+
+            model = convert(original, **options)
+        path = model.save_pretrained(out)
+        print(f"Saved the converted {args.model} to {path}.")
+        return 0
     _require_hub(args.model)
     from tl_attnonly import AttnOnlyTransformer
 
-    model = _load_by_name(
-        args.model,
-        AttnOnlyTransformer.from_pretrained,
-        n_heads_per_neuron=args.heads_per_neuron,
-        relu_k=args.relu_k,
-        gelu_method=args.gelu_method,
-    )
+    model = _load_by_name(args.model, AttnOnlyTransformer.from_pretrained, **options)
     path = model.save_pretrained(out)
     print(f"Saved the converted {args.model} to {path}; check it with `tl-attnonly verify {path}`.")
     return 0
@@ -233,8 +290,6 @@ def convert_cmd(args: argparse.Namespace) -> int:
 # verify
 # ------------------------------------------------------------------------------------------------
 def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
-    import json
-
     conversion = directory / CONVERSION_FILE
     if not conversion.is_file():
         raise CommandError(
@@ -243,7 +298,17 @@ def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
             "AttnOnlyTransformer.save_pretrained), or a TransformerLens model name. To convert a "
             "model: `tl-attnonly convert NAME OUT_DIR`."
         )
-    saved_class = json.loads(conversion.read_text()).get("model_class", "AttnOnlyTransformer")
+    from tl_attnonly.conversion_record import SavedModelError, read_json
+
+    try:
+        record = read_json(conversion)
+    except SavedModelError as exc:
+        raise CommandError(str(exc)) from exc
+    saved_class = (
+        record.get("model_class", "AttnOnlyTransformer")
+        if isinstance(record, dict)
+        else "AttnOnlyTransformer"  # load() names what is wrong
+    )
     if saved_class != "AttnOnlyTransformer":
         raise CommandError(
             f"{str(directory)!r} holds a {saved_class}; `verify` checks decoder models "
@@ -251,7 +316,10 @@ def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
         )
     from tl_attnonly import AttnOnlyTransformer
 
-    converted = AttnOnlyTransformer.load(directory)
+    try:
+        converted = AttnOnlyTransformer.load(directory)
+    except SavedModelError as exc:
+        raise CommandError(str(exc)) from exc
     original = converted.to_hooked_transformer()
     return original, converted, "the MLP model rebuilt from the saved weights"
 
@@ -265,7 +333,19 @@ def verify_cmd(args: argparse.Namespace) -> int:
             f"No such directory: {args.model!r}. `verify` takes a directory written by "
             "`tl-attnonly convert NAME OUT_DIR`, or a TransformerLens model name."
         )
-    if target.is_dir():
+    if _is_local_name(args.model):
+        if args.model == "minilm":
+            raise CommandError(
+                "minilm is an encoder; `verify` compares decoder logits. Convert it with "
+                "`tl-attnonly convert minilm OUT_DIR`, and compare it in Python "
+                "(docs/saving.md). Decoders by name: bundled, smollm2."
+            )
+        from tl_attnonly import convert
+
+        original = _load_local(args.model)
+        converted = convert(original)
+        what = f"the original ({LOCAL_MODELS[args.model]})"
+    elif target.is_dir():
         original, converted, what = _load_converted_dir(target)
     elif target.exists():
         raise CommandError(
@@ -350,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DEMO_MODELS,
         default="bundled",
         help="'bundled': the tiny bundled model (default); 'smollm2': the real gated "
-        "SmolLM2-135M-Instruct (needs the [smollm2] extra; takes minutes)",
+        "SmolLM2-135M-Instruct (needs the [smollm2] extra; takes minutes); 'minilm' is an "
+        "encoder: use `convert minilm`",
     )
     p.add_argument(
         "--prompt",
@@ -374,10 +455,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert",
         help="convert a TransformerLens model (from the Hugging Face hub) and save it",
-        description="Load MODEL with TransformerLens's from_pretrained (needs the hub, or "
-        "HF_HUB_OFFLINE=1 with the model in the cache), convert it, save it to OUT_DIR.",
+        description="Load MODEL (bundled, smollm2 or minilm: offline; any other name: with "
+        "TransformerLens's from_pretrained, which needs the hub, or the model in the Hugging Face "
+        "cache), convert it, save it to OUT_DIR.",
     )
-    p.add_argument("model", metavar="MODEL", help="a HookedTransformer.from_pretrained name")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a local model (bundled, smollm2, minilm; offline) or a "
+        "HookedTransformer.from_pretrained name (needs the hub or the HF cache)",
+    )
     p.add_argument("out", metavar="OUT_DIR", help="output directory (created)")
     p.add_argument(
         "--heads-per-neuron",
@@ -409,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         metavar="MODEL_OR_DIR",
         help="a directory written by `convert` (checked offline against the MLP model rebuilt "
-        "from its weights), or a TransformerLens model name (needs the hub)",
+        "from its weights), a local decoder (bundled, smollm2; offline), or a TransformerLens "
+        "model name (needs the hub)",
     )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run both models on")
     p.add_argument(
@@ -448,6 +536,7 @@ __all__ = [
     "DEMO_MODELS",
     "EXIT_FAIL",
     "EXIT_USAGE",
+    "LOCAL_MODELS",
     "SMOLLM2_PROMPT",
     "build_parser",
     "convert_cmd",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformer_lens import HookedEncoder, HookedTransformerConfig
 
+from tl_attnonly.hub import hub_access
 from tl_attnonly.neuron_head_model import (
     _UNCONVERT_FIX,
     NeuronHeadModelMixin,
@@ -108,13 +109,20 @@ class AttnOnlyEncoder(NeuronHeadModelMixin, HookedEncoder):
             relu_k: See :class:`ConversionOptions`.
             gelu_method: See :class:`ConversionOptions`.
             **tl_kwargs: Passed to ``HookedEncoder.from_pretrained`` (``device``, ``dtype``, ...).
+
+        Raises:
+            tl_attnonly.hub.HubUnavailableError: (an ``OSError``) Within about a second, before
+                TransformerLens is called, when the model is not in the local Hugging Face cache
+                and offline mode is on or the hub does not answer (see ``docs/saving.md``). A
+                cached model loads from the cache, offline if the hub does not answer.
         """
         options = (conversion or ConversionOptions()).with_overrides(
             n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
         )
-        with pending_options(options), warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
+        with hub_access(model_name, cls.__name__, tl_kwargs), pending_options(options):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return super().from_pretrained(model_name, **tl_kwargs)  # type: ignore[return-value]
 
     def to_hooked_encoder(self) -> HookedEncoder:
         """The original MLP encoder back: a plain ``HookedEncoder`` with the same weights (each

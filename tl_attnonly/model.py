@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from tl_attnonly.hub import hub_access
 from tl_attnonly.neuron_head_model import (
     _UNCONVERT_FIX,
     NeuronHeadModelMixin,
@@ -98,12 +99,17 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
             gelu_method: See :class:`ConversionOptions`.
             **tl_kwargs: Passed to ``HookedTransformer.from_pretrained`` (``fold_ln``,
                 ``device``, ``dtype``, ...).
+
+        Raises:
+            tl_attnonly.hub.HubUnavailableError: (an ``OSError``) Within about a second, before
+                TransformerLens is called, when the model is not in the local Hugging Face cache
+                and offline mode is on or the hub does not answer (see ``docs/saving.md``). A
+                cached model loads from the cache, offline if the hub does not answer.
         """
-        with pending_options(
-            (conversion or ConversionOptions()).with_overrides(
-                n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
-            )
-        ):
+        options = (conversion or ConversionOptions()).with_overrides(
+            n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
+        )
+        with hub_access(model_name, cls.__name__, tl_kwargs), pending_options(options):
             return super().from_pretrained(model_name, **tl_kwargs)
 
     def to_hooked_transformer(self) -> HookedTransformer:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TypeVar, cast
 import torch
 from transformer_lens import HookedRootModule, HookedTransformerConfig
 
+from tl_attnonly import conversion_record as record
 from tl_attnonly._compat import TypedModuleList
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.factory import NeuronHeadLayer, neuron_heads_for
@@ -271,22 +272,33 @@ class NeuronHeadModelMixin(_MixedInto):
         directory = Path(directory)
         if directory.exists() and not directory.is_dir():
             raise NotADirectoryError(f"Cannot save to {directory}: it is not a directory.")
+        if len({mlp.coefficients for mlp in self.neuron_heads}) > 1:
+            raise ValueError(
+                "Cannot save a model whose layers use different neuron-head coefficients: "
+                f"{CONVERSION_FILE} records one set for all layers. Give every layer the same."
+            )
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.saving-", dir=directory.parent))
         tmp.chmod(_directory_mode(directory))  # mkdtemp's is 0o700
         try:
-            (tmp / CONFIG_FILE).write_text(json.dumps(_config_to_json(self.cfg), indent=2))
-            conversion = {
-                "model_class": type(self).__name__,
-                "options": self.conversion.to_dict(),
-                "coefficients": None if self.coefficients is None else self.coefficients.to_dict(),
-                "tl_attnonly_version": _version(),
-            }
-            (tmp / CONVERSION_FILE).write_text(json.dumps(conversion, indent=2))
+            config = _config_to_json(self.cfg)
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
             state = {
                 k: v.detach().to("cpu").contiguous().clone() for k, v in self.state_dict().items()
             }
             save_file(state, str(tmp / WEIGHTS_FILE))
+            package = None if self.coefficients is None else self.conversion.coefficients(
+                self.cfg.act_fn
+            )
+            conversion: dict[str, Any] = {
+                "format_version": record.FORMAT_VERSION,
+                "model_class": type(self).__name__,
+                "options": self.conversion.to_dict(),
+                "coefficients": record.coefficients_record(self.coefficients, package),
+                "tl_attnonly_version": _version(),
+            }
+            conversion["checksums"] = record.checksums(config, tmp / WEIGHTS_FILE, conversion)
+            (tmp / CONVERSION_FILE).write_text(json.dumps(conversion, indent=2))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
             _replace_directory(tmp, directory)
@@ -305,6 +317,14 @@ class NeuronHeadModelMixin(_MixedInto):
                 else CPU. A model saved with ``cfg.n_devices > 1`` is split again by
                 TransformerLens's ``move_model_modules_to_device`` when ``device`` is CUDA and
                 that many CUDA devices exist; otherwise it loads onto one device.
+
+        Raises:
+            FileNotFoundError: No ``config.json`` or ``conversion.json`` in ``directory``.
+            tl_attnonly.conversion_record.SavedModelError: (a ``ValueError``) A file that is not
+                JSON (naming the line), a ``conversion.json`` with an unknown, missing or
+                mistyped key (naming it), coefficients that are neither the package's own nor
+                declared custom and accurate as recorded, or a file changed after the save
+                (its checksum). See ``docs/saving.md``.
         """
         from safetensors.torch import load_file
 
@@ -314,19 +334,54 @@ class NeuronHeadModelMixin(_MixedInto):
                 f"No {CONFIG_FILE} in {directory}: expected a directory written by "
                 f"{cls.__name__}.save_pretrained()."
             )
-        cfg_dict = _config_from_json(json.loads((directory / CONFIG_FILE).read_text()))
-        conversion = json.loads((directory / CONVERSION_FILE).read_text())
-        saved_class = conversion.get("model_class", cls.__name__)
+        if not (directory / CONVERSION_FILE).is_file():
+            raise FileNotFoundError(
+                f"No {CONVERSION_FILE} in {directory}: expected a directory written by "
+                f"{cls.__name__}.save_pretrained() (a plain TransformerLens model has none)."
+            )
+        saved_config = record.read_json(directory / CONFIG_FILE)
+        if not isinstance(saved_config, dict):
+            raise record.SavedModelError(
+                f"{directory / CONFIG_FILE}: expected a JSON object. Save the model again."
+            )
+        conversion = record.read_json(directory / CONVERSION_FILE)
+        version = record.validate_record(conversion, directory / CONVERSION_FILE)
+        cfg_dict = _config_from_json(saved_config)
+        saved_class = conversion["model_class"]
         if saved_class != cls.__name__:
             raise TypeError(
                 f"{directory} holds a {saved_class}, not a {cls.__name__}: load it with "
                 f"{saved_class}.load()."
             )
-        options = ConversionOptions.from_dict(conversion["options"])
+        try:
+            options = ConversionOptions.from_dict(conversion["options"])
+        except ValueError as err:
+            raise record.SavedModelError(
+                f"{directory / CONVERSION_FILE}: options: {err}"
+            ) from None
         coefficients = None
-        if conversion.get("coefficients") is not None:
-            coefficients = NeuronHeadCoefficients.from_dict(conversion["coefficients"])
-            _check_saved_coefficients(cfg_dict.get("act_fn"), options, coefficients, directory)
+        if conversion["coefficients"] is not None:
+            try:
+                coefficients = record.saved_coefficients(conversion["coefficients"])
+            except ValueError as err:
+                raise record.SavedModelError(
+                    f"{directory / CONVERSION_FILE}: coefficients: {err}"
+                ) from None
+            custom = conversion["coefficients"].get("custom", False)
+            _check_saved_coefficients(
+                cfg_dict.get("act_fn"), options, coefficients, directory, custom=custom
+            )
+            record.check_coefficients(
+                conversion["coefficients"],
+                coefficients,
+                None if custom else options.coefficients(cfg_dict.get("act_fn")),
+                conversion,
+                directory / CONVERSION_FILE,
+            )
+        if version == 1:
+            record.warn_unversioned(directory / CONVERSION_FILE)
+        else:
+            record.verify_checksums(conversion, saved_config, directory / WEIGHTS_FILE, directory)
         tokenizer = None
         if (directory / TOKENIZER_DIR).exists():
             from transformers import AutoTokenizer
@@ -361,13 +416,14 @@ def _check_saved_coefficients(
     options: ConversionOptions,
     saved: NeuronHeadCoefficients,
     directory: Path,
+    custom: bool = False,
 ) -> None:
     """Refuse a saved model whose config, options and coefficients contradict each other.
 
     The model is rebuilt from ``saved``; the config and options must describe the same
     activation, method and number of heads (an edited ``config.json`` must not load silently as
-    another model). If only the values differ (the package's fits changed since the save), the
-    saved values are used.
+    another model). Whether the values are the package's own (or declared custom and accurate
+    as recorded) is :func:`tl_attnonly.conversion_record.check_coefficients`'s check.
     """
     if saved.activation != act_fn:
         raise ValueError(
@@ -375,6 +431,8 @@ def _check_saved_coefficients(
             f"in {CONVERSION_FILE} were made for {saved.activation!r}. The files contradict each "
             f"other; restore act_fn={saved.activation!r} or save the model again."
         )
+    if custom:  # the user's own: checked numerically against the activation instead
+        return
     expected = options.coefficients(act_fn)
     for name in ("method", "n_heads", "relu_k"):
         if getattr(expected, name) != getattr(saved, name):
