@@ -7,6 +7,10 @@
 #   scripts/build_docs.sh               run the notebooks (offline), then build site/
 #   scripts/build_docs.sh --serve       the same, then serve the site at http://127.0.0.1:8000
 #   scripts/build_docs.sh --no-execute  notebooks shown without outputs (each page says so); quick
+#   scripts/build_docs.sh --executed DIR  the notebooks as the test run executed them: CI sets
+#       TL_ATTNONLY_EXECUTED_NOTEBOOKS=DIR for `python -m pytest` (tests/test_notebooks.py writes
+#       each notebook that passes there), so they are not run twice; one missing from DIR is shown
+#       without outputs and says so
 #
 # PYTHON (default .venv/bin/python) runs the notebooks: it needs this package and the [notebooks]
 # extra (the [test] extra has it). MKDOCS (default "$PYTHON -m mkdocs") needs the [docs] extra.
@@ -19,17 +23,27 @@ MKDOCS="${MKDOCS:-$PYTHON -m mkdocs}"
 
 serve=0
 execute=1
-for arg in "$@"; do
-    case "$arg" in
+executed=""
+while [ $# -gt 0 ]; do
+    case "$1" in
         --serve) serve=1 ;;
         --no-execute) execute=0 ;;
-        *) echo "unknown option: $arg (use --serve, --no-execute)" >&2; exit 2 ;;
+        --executed) executed="${2:?--executed needs a directory}"; shift ;;
+        *) echo "unknown option: $1 (use --serve, --no-execute, --executed DIR)" >&2; exit 2 ;;
     esac
+    shift
 done
 
 # The executed notebooks go to docs/notebooks/ (not in git), where mkdocs-jupyter renders them.
 skip=()
-if [ "$execute" = 0 ]; then
+if [ -n "$executed" ]; then
+    for nb in notebooks/*.ipynb; do
+        name="$(basename "$nb" .ipynb)"
+        if [ ! -f "$executed/$name.ipynb" ]; then
+            skip+=(--skip "$name=the test run that built this site did not run it")
+        fi
+    done
+elif [ "$execute" = 0 ]; then
     for nb in notebooks/*.ipynb; do
         skip+=(--skip "$(basename "$nb" .ipynb)=the site was built with --no-execute")
     done
@@ -38,7 +52,15 @@ elif ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec(
 fi
 rm -f docs/notebooks/*.ipynb
 start=$(date +%s)
-"$PYTHON" scripts/build_notebook_pages.py --ipynb --out-dir docs/notebooks "${skip[@]}"
+if [ -n "$executed" ]; then
+    # the executed ones as they are; the others (none, normally) without outputs, saying so
+    "$PYTHON" scripts/build_notebook_pages.py --ipynb --out-dir docs/notebooks --only-skipped "${skip[@]}"
+    for nb in "$executed"/*.ipynb; do
+        [ -e "$nb" ] && cp "$nb" docs/notebooks/
+    done
+else
+    "$PYTHON" scripts/build_notebook_pages.py --ipynb --out-dir docs/notebooks "${skip[@]}"
+fi
 echo "notebooks: $(( $(date +%s) - start )) s"
 
 start=$(date +%s)

@@ -112,11 +112,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=REASON",
         help="with --ipynb: write notebook NAME (its stem) without running it; REASON is shown",
     )
+    parser.add_argument(
+        "--only-skipped",
+        action="store_true",
+        help="with --ipynb: write only the notebooks named by --skip (run nothing)",
+    )
     args = parser.parse_args(argv)
     skip = dict(item.partition("=")[::2] for item in args.skip)
     os.environ.update(offline_env())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for path in sorted(NOTEBOOKS_DIR.glob("*.ipynb")):
+        if args.only_skipped and path.stem not in skip:
+            continue
         start = time.perf_counter()
         if args.ipynb:
             if path.stem in skip:

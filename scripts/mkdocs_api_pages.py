@@ -10,10 +10,12 @@ own page). Packages in ``SKIP`` get no page (with everything under them).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "tl_attnonly"
@@ -24,6 +26,11 @@ SKIP = {
 }
 #: The nav entry whose children are the generated pages.
 SECTION = "API reference"
+#: A Sphinx cross-reference role in the docstrings (``:func:`name```), as Markdown renders it.
+ROLE_HTML = re.compile(
+    r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj|const):<code>(~?)([\w.]+)</code>"
+)
+ROLE_TEXT = re.compile(r":(?:py:)?\w+:`~?([^`]+)`")
 
 
 def _modules() -> list[tuple[str, Path, bool]]:
@@ -45,7 +52,7 @@ def _summary(path: Path) -> str:
     """First line of the module's docstring, for the index page."""
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
     line = doc.strip().splitlines()[0] if doc.strip() else ""
-    return line.replace("|", "\\|")
+    return ROLE_TEXT.sub(r"`\1`", line).replace("|", "\\|")
 
 
 def _uri(name: str) -> str:
@@ -112,3 +119,21 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
         content = text + "\n" + "\n".join(rows) + "\n"
         files.append(File.generated(config, "api/index.md", content=content))
     return files
+
+
+def on_page_content(html: str, page: Page, **kwargs: object) -> str:
+    """Turn the docstrings' Sphinx roles (``:func:`name```) into links where the target is known.
+
+    A bare name is looked up in the page's own module; the link is optional, so a name that is not
+    documented stays plain code (``~`` shows the last component only, as in Sphinx).
+    """
+    uri = page.file.src_uri
+    module = uri[len("api/") : -len(".md")] if uri.startswith("api/") else ""
+
+    def link(match: re.Match[str]) -> str:
+        tilde, target = match.groups()
+        shown = target.rsplit(".", 1)[-1] if tilde else target
+        ident = target if "." in target or not module else f"{module}.{target}"
+        return f'<autoref identifier="{ident}" optional><code>{shown}</code></autoref>'
+
+    return ROLE_HTML.sub(link, html)
