@@ -4,6 +4,11 @@ Usage (from the repository root)::
 
     python scripts/build_notebook_pages.py                  # writes docs/notebooks/*.html
     python scripts/build_notebook_pages.py --out-dir OUT
+    python scripts/build_notebook_pages.py --ipynb          # docs/notebooks/*.ipynb, executed
+
+``--ipynb`` writes the executed notebooks themselves (live widgets dropped), which the
+documentation site renders (``scripts/build_docs.sh``, mkdocs-jupyter). A notebook that cannot run
+here (``--skip NAME``) is written without outputs, with a first cell that says so.
 
 The notebooks are stored without outputs; these pages show them executed, figures included, to a
 reader who does not run them. Plotly figures are stored with an HTML representation (the notebooks
@@ -80,20 +85,61 @@ def to_html(nb: nbformat.NotebookNode) -> str:
     return body
 
 
+def not_executed(path: Path, reason: str) -> nbformat.NotebookNode:
+    """``path`` without outputs, opened by a cell that says it was not run and why."""
+    nb = nbformat.read(path, as_version=4)
+    note = (
+        f"**Shown without outputs:** this notebook was not run when this page was built "
+        f"({reason}). Run it yourself, or see the notebooks' list for what it needs."
+    )
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell(note))
+    return nb
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where to write")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    parser.add_argument(
+        "--ipynb",
+        action="store_true",
+        help="write the executed notebooks (.ipynb, live widgets dropped), not HTML pages",
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="NAME=REASON",
+        help="with --ipynb: write notebook NAME (its stem) without running it; REASON is shown",
+    )
+    parser.add_argument(
+        "--only-skipped",
+        action="store_true",
+        help="with --ipynb: write only the notebooks named by --skip (run nothing)",
+    )
     args = parser.parse_args(argv)
+    skip = dict(item.partition("=")[::2] for item in args.skip)
     os.environ.update(offline_env())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for path in sorted(NOTEBOOKS_DIR.glob("*.ipynb")):
+        if args.only_skipped and path.stem not in skip:
+            continue
         start = time.perf_counter()
-        page = to_html(execute(path, args.timeout))
-        out = args.out_dir / f"{path.stem}.html"
-        out.write_text(page, encoding="utf-8")
+        if args.ipynb:
+            if path.stem in skip:
+                nb = not_executed(path, skip[path.stem] or "skipped")
+            else:
+                nb = drop_live_only_outputs(execute(path, args.timeout))
+            out = args.out_dir / path.name
+            nbformat.write(nb, out)
+            size = out.stat().st_size
+        else:
+            page = to_html(execute(path, args.timeout))
+            out = args.out_dir / f"{path.stem}.html"
+            out.write_text(page, encoding="utf-8")
+            size = len(page)
         seconds = time.perf_counter() - start
-        print(f"{out} ({len(page) / 1e6:.1f} MB, {seconds:.0f} s)")
+        print(f"{out} ({size / 1e6:.1f} MB, {seconds:.0f} s)", flush=True)
     return 0
 
 

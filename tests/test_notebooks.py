@@ -6,11 +6,16 @@ marked slow (loading and dequantising the model takes most of its time) and skip
 
 Run with the rest of the tests (``python -m pytest``). ``pytest --nbmake notebooks`` runs them too,
 but without the offline environment and the checks here.
+
+With ``TL_ATTNONLY_EXECUTED_NOTEBOOKS=DIR`` set, each notebook that passes is also written to
+``DIR`` as executed (live widgets dropped), for ``scripts/build_docs.sh --executed DIR``: CI builds
+the documentation site from the run the tests made instead of running every notebook twice.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import time
 from pathlib import Path
@@ -110,3 +115,7 @@ def test_notebook_runs_offline_and_its_page_shows_every_figure(path, monkeypatch
     assert not re.search(r"<script[^>]*\ssrc=[\"']https?://[^\"']*plotly", page)
     # progress-bar widgets are not drawn in a static page, and nothing is loaded from a CDN
     assert f'type="{PAGES.LIVE_ONLY}"' not in page and "unpkg.com" not in page
+
+    if out_dir := os.environ.get("TL_ATTNONLY_EXECUTED_NOTEBOOKS"):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        nbformat.write(PAGES.drop_live_only_outputs(nb), Path(out_dir) / path.name)

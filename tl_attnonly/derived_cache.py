@@ -247,8 +247,10 @@ def run_with_derived_cache(
         model: The converted model.
         run: TransformerLens's ``run_with_cache`` of the model's base class, bound.
         model_args: Positional arguments of the forward pass.
-        names_filter, device, remove_batch_dim, incl_bwd, pos_slice, reset_hooks_end,
-            clear_contexts, return_cache_object: As for TransformerLens's ``run_with_cache``.
+        names_filter, device, remove_batch_dim, incl_bwd: As for TransformerLens's
+            ``run_with_cache``.
+        pos_slice, reset_hooks_end, clear_contexts, return_cache_object: As for
+            TransformerLens's ``run_with_cache``.
         derive: ``False`` stores every entry (the slower head path runs wherever a neuron-head
             hook is cached).
         **kwargs: Passed to the forward pass.

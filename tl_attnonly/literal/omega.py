@@ -194,9 +194,9 @@ def omega_error_table(
         * ``omega_in_dtype``: the value omega takes in the dtype (``inf`` once it overflows);
         * ``overflow``: omega is not finite in the dtype;
         * ``max_abs_err``, ``mean_abs_err``: literal logits in the dtype vs original in float64
-          (NaN when the output is not finite);
+            (NaN when the output is not finite);
         * ``baseline_max_abs_err``: the original model in the dtype vs float64, i.e. the error the
-          dtype alone causes;
+            dtype alone causes;
         * ``max_leak``: largest attention mass on masked keys (see :func:`max_masked_attention`);
         * ``nonfinite``: some literal logit is NaN or inf;
         * ``warning``: what :func:`~tl_attnonly.literal.to_literal` warns for this omega and dtype.

@@ -262,8 +262,10 @@ def decompose_resid_heads(
     splits GELU neurons into their ``K`` heads and keeps the bias in the model's dtype.
 
     Args:
-        cache, layer, mlp_input, apply_ln, pos_slice, return_labels, project_output_onto,
-        max_bytes, chunk_size, progress: As in :func:`stack_all_head_results`.
+        cache, layer, mlp_input, apply_ln, pos_slice, return_labels: As in
+            :func:`stack_all_head_results`.
+        project_output_onto, max_bytes, chunk_size, progress: As in
+            :func:`stack_all_head_results`.
 
     Returns:
         ``[n_components, batch, pos, d_model]`` (see :func:`stack_all_head_results` for the
