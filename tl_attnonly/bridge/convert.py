@@ -183,8 +183,11 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
         ours = layer(x)
         layer.fused = fused
         # The bound: |act_K - act| <= max_err per neuron (times |u| when gated), through W_out.
-        u = plan.mlp_bridge._modules["in"](x).abs() if plan.gated else torch.ones_like(x[..., :1])
-        scale = u.to(torch.float64) @ W_out.abs().to(torch.float64)
+        if plan.gated:
+            u = plan.mlp_bridge._modules["in"](x).abs().to(torch.float64)
+        else:
+            u = torch.ones(*x.shape[:-1], layer.d_mlp, dtype=torch.float64, device=device)
+        scale = u @ W_out.abs().to(torch.float64)
         eps = torch.finfo(dtype).eps
         max_err = layer.coefficients.max_abs_error()
         bound = max_err * scale + 64 * eps * (scale + reference.abs().to(torch.float64) + 1)
