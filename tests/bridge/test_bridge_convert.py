@@ -100,9 +100,9 @@ def test_bridge_mlp_hooks_keep_their_values(arch, tokens):
     tl_attnonly.convert(bridge)
     _, cache = bridge.run_with_cache(tokens, names_filter=names)
     assert set(cache.keys()) == set(ref.keys()) >= set(names)
+    layer0_inputs = ("hook_in", "hook_pre", "gate.hook_out", "hook_pre_linear", "in.hook_out")
     for name in ref.keys():
-        exact = name in ("blocks.0.mlp.hook_in", "blocks.0.mlp.hook_pre", "blocks.0.mlp.gate.hook_out")
-        exact |= name in ("blocks.0.mlp.hook_pre_linear", "blocks.0.mlp.in.hook_out")
+        exact = name in [f"blocks.0.mlp.{hook}" for hook in layer0_inputs]
         atol = 0 if exact else (1e-10 if arch in SILU else 1e-2)
         torch.testing.assert_close(cache[name], ref[name], rtol=0, atol=atol, msg=name)
 
@@ -111,7 +111,7 @@ def test_bridge_mlp_hooks_keep_their_values(arch, tokens):
 def test_neuron_head_hooks_registered_and_cached(arch, tokens):
     bridge = make_bridge(arch)
     tl_attnonly.convert(bridge)
-    names = [f"blocks.{l}.mlp.hook_{n}" for l in range(2) for n in BRIDGE_NEURON_HEAD_HOOKS]
+    names = [f"blocks.{i}.mlp.hook_{n}" for i in range(2) for n in BRIDGE_NEURON_HEAD_HOOKS]
     assert set(names) <= set(bridge.hook_dict)
     layer = neuron_head_layers(bridge)[0]
     layer.use_neuron_result = True  # hook_result fires only with per-head results on
@@ -301,8 +301,8 @@ def test_compatibility_mode_after_convert_refuses_then_reconvert_works(tokens):
 
 
 def test_refuses_mixture_of_experts_naming_the_layer():
-    from bridge_models import build_bridge_from_module
     import transformers
+    from bridge_models import build_bridge_from_module
 
     config = transformers.MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
