@@ -383,3 +383,54 @@ def test_two_gpu_split(tokens):
     assert first.device == torch.device("cuda:0") and second.device == torch.device("cuda:1")
     logits = bridge(tokens.to("cuda:0"))
     torch.testing.assert_close(logits.cpu(), reference, rtol=0, atol=1e-10)
+
+
+def test_hook_result_edit_reaches_the_output(tokens):
+    """With per-head results on, zeroing every head's result leaves the output bias only."""
+    from tl_attnonly.bridge import set_use_neuron_result
+
+    bridge = tl_attnonly.convert(make_bridge("gpt2"))
+    set_use_neuron_result(bridge, True)
+    reference = bridge(tokens)
+
+    def zero(result, hook):
+        return torch.zeros_like(result)
+
+    _, cache = bridge.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_out")
+    assert not torch.allclose(cache["blocks.0.mlp.hook_out"], neuron_head_layers(bridge)[0].b_O)
+    stored = {}
+    bridge.run_with_hooks(
+        tokens,
+        fwd_hooks=[
+            ("blocks.0.mlp.hook_result", zero),
+            ("blocks.0.mlp.hook_out", lambda out, hook: stored.setdefault("out", out.clone())),
+        ],
+    )
+    b_O = neuron_head_layers(bridge)[0].b_O
+    torch.testing.assert_close(stored["out"], b_O.expand_as(stored["out"]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(bridge(tokens), reference, rtol=0, atol=0)
+
+
+def test_gradients_match_unconverted(tokens):
+    bridge = make_bridge("llama")
+    bridge(tokens).logsumexp(-1).sum().backward()
+    params = bridge.named_parameters()
+    reference = {name: p.grad.clone() for name, p in params if p.grad is not None}
+    bridge.zero_grad()
+    tl_attnonly.convert(bridge)
+    bridge(tokens).logsumexp(-1).sum().backward()
+    grads = {name: p.grad for name, p in bridge.named_parameters() if p.grad is not None}
+    assert grads.keys() == reference.keys() and any("mlp" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_train_mode_keeps_gpt2_mlp_dropout(tokens):
+    bridge = make_bridge("gpt2", resid_pdrop=0.5)
+    tl_attnonly.convert(bridge)
+    layer = neuron_head_layers(bridge)[0]
+    assert isinstance(layer.dropout, torch.nn.Dropout) and layer.dropout.p == 0.5
+    bridge.train()
+    _, cache = bridge.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_out")
+    out = cache["blocks.0.mlp.hook_out"]
+    assert (out == 0).float().mean() > 0.3, "half the MLP output is dropped in train mode"
