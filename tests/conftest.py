@@ -214,8 +214,8 @@ if not HAS_HOOKED_TRANSFORMER:
         (or TL 3.x's component tree) is reported as skipped, with that reason."""
         outcome = yield
         report = outcome.get_result()
-        if call.excinfo is None or report.passed:
-            return
+        if call.excinfo is None or report.passed or "bridge" in item.path.parts:
+            return  # tests/bridge must pass on 4.x: never turned into skips
         if _needs_hooked_transformer(call.excinfo.value):
             report.outcome = "skipped"
             report.longrepr = (
