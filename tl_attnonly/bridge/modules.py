@@ -34,7 +34,6 @@ from transformer_lens.hook_points import HookPoint
 from tl_attnonly._compat import has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 
 #: The neuron-head hook points a bridge layer adds (``blocks.{l}.mlp.hook_{name}``).
@@ -303,19 +302,11 @@ class BridgeGatedNeuronHeadMLP(_BridgeLayer, GatedNeuronHeadMLP):
 BridgeNeuronHeadLayer = BridgeNeuronHeadMLP | BridgeGatedNeuronHeadMLP
 
 
-def is_bridge_neuron_head_layer(module: object) -> bool:
-    """Whether ``module`` is a neuron-head layer mounted in a bridge."""
-    return isinstance(module, (BridgeNeuronHeadMLP, BridgeGatedNeuronHeadMLP)) and isinstance(
-        module, NeuronHeadBase
-    )
-
-
 __all__ = [
     "BRIDGE_NEURON_HEAD_HOOKS",
     "BridgeGatedNeuronHeadMLP",
     "BridgeNeuronHeadLayer",
     "BridgeNeuronHeadMLP",
-    "is_bridge_neuron_head_layer",
     "tl_matrix",
     "tl_bias",
 ]
