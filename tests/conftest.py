@@ -173,7 +173,11 @@ if not HAS_HOOKED_TRANSFORMER:
                 return super()._getobj()
             except self.CollectError as error:
                 message = str(error)
-                markers = ("removed in TransformerLens 4.0", "transformer_lens.components")
+                markers = (
+                    "removed in TransformerLens 4.0",  # TL's own pointer (HookedTransformer, ...)
+                    "transformer_lens.components",  # TL 3.x's component tree
+                    "needs TransformerLens's HookedTransformer",  # tl_attnonly's refusals
+                )
                 if any(marker in message for marker in markers):
                     pytest.skip(
                         "needs HookedTransformer (TransformerLens 3.x); on 4.x only "
