@@ -247,7 +247,28 @@ def neuron_head_self_weights(
     return pattern[heads, :, 0].float().cpu(), heads
 
 
-def _heatmap(weights: torch.Tensor, heads: list[int], layer: int, k: int, str_tokens: list[str]):
+def self_weight_figure(
+    cache: Any,
+    layer: int,
+    str_tokens: Sequence[str],
+    top_k: int = REPORT_TOP_K,
+    n_heads_per_neuron: int = 1,
+) -> go.Figure:
+    """A plotly heatmap of one layer's most active neuron-heads (rows, most active first) over
+    the tokens (columns): each cell is the head's weight on its own token (its weight on the bias
+    token is 1 minus that). Read from a converted bridge's cache (``hook_pattern``, ``hook_z``;
+    batch 0).
+
+    Args:
+        cache: ``run_with_cache`` of a converted bridge (or any model with the neuron-head hooks).
+        layer: The layer.
+        str_tokens: The prompt's tokens (labels).
+        top_k: Heads drawn (see :func:`neuron_head_self_weights`).
+        n_heads_per_neuron: For the labels: ``L{layer}N{neuron}`` (1) or
+            ``L{layer}N{neuron}.{k}``.
+    """
+    weights, heads = neuron_head_self_weights(cache, layer, top_k)
+    k = n_heads_per_neuron
     labels = [f"L{layer}N{h}" if k == 1 else f"L{layer}N{h // k}.{h % k}" for h in heads]
     columns = [f"{i}: {t!r}" for i, t in enumerate(str_tokens)]
     fig = go.Figure(
@@ -320,10 +341,10 @@ def write_bridge_report(
     names = {f"blocks.{i}.mlp.hook_{kind}" for kind in ("pattern", "z") for i in range(len(layers))}
     with torch.inference_mode():
         _, cache = bridge.run_with_cache(tokens, names_filter=lambda n: n in names)
-    figures = []
-    for index, layer in enumerate(layers):
-        weights, heads = neuron_head_self_weights(cache, index, top_k)
-        figures.append(_heatmap(weights, heads, index, layer.n_heads_per_neuron, str_tokens))
+    figures = [
+        self_weight_figure(cache, index, str_tokens, top_k, layer.n_heads_per_neuron)
+        for index, layer in enumerate(layers)
+    ]
     coefs = layers[0].coefficients
     # "</script" can only occur inside JavaScript strings, comments or regexes, where "<\/" is
     # the same text: escaped so that the inline script cannot end early.
@@ -373,6 +394,7 @@ __all__ = [
     "RELATIVE_TOLERANCE",
     "bridge_equivalence_table",
     "neuron_head_self_weights",
+    "self_weight_figure",
     "verify_bridge_conversion",
     "write_bridge_report",
 ]
