@@ -95,7 +95,8 @@ def test_bridge_mlp_hooks_keep_their_values(arch, tokens):
     pre-activations; the rest within the logit tolerance for SiLU)."""
     bridge = make_bridge(arch)
     names = _mlp_hook_names(bridge, 0) + _mlp_hook_names(bridge, 1)
-    assert "blocks.0.mlp.hook_pre" in names and "blocks.0.mlp.hook_post" in names
+    for hook in ("mlp.hook_in", "mlp.hook_pre", "mlp.hook_post", "mlp.hook_out", "hook_mlp_out"):
+        assert f"blocks.0.{hook}" in names
     _, ref = bridge.run_with_cache(tokens, names_filter=names)
     tl_attnonly.convert(bridge)
     _, cache = bridge.run_with_cache(tokens, names_filter=names)
@@ -190,8 +191,10 @@ def test_weights_are_shared_not_copied(arch, tokens):
     bridge = make_bridge(arch)
     params_before = {name: p.data_ptr() for name, p in bridge.named_parameters()}
     numel = sum(p.numel() for p in bridge.parameters())
+    state_before = {name: t.data_ptr() for name, t in bridge.state_dict().items()}
     tl_attnonly.convert(bridge)
     assert {name: p.data_ptr() for name, p in bridge.named_parameters()} == params_before
+    assert {name: t.data_ptr() for name, t in bridge.state_dict().items()} == state_before
     assert sum(p.numel() for p in bridge.parameters()) == numel
     layer = neuron_head_layers(bridge)[0]
     assert not list(layer.parameters(recurse=False)), "the neuron-head layer owns no weights"
