@@ -12,6 +12,11 @@ d_model 128, SiLU-MLP TransformerLens ``HookedTransformer`` trained on Python st
 source code with its own 3072-token byte-level BPE tokenizer. It is small enough for tests and
 examples and has real, learned MLP neurons to rewrite as attention heads.
 
+:func:`load_bundled_model` returns a ``HookedTransformer`` (TransformerLens 3.x).
+:func:`load_bundled_hf_model` builds the same model as a Hugging Face ``GPT2LMHeadModel`` and
+:func:`load_bundled_bridge` boots that into a ``TransformerBridge``; both work on TransformerLens
+3.x and 4.x (``tl-attnonly demo`` uses the bridge on 4.x).
+
 Example:
     >>> from tl_attnonly.bundled import load_bundled_model
     >>> model = load_bundled_model()
