@@ -476,3 +476,77 @@ def tokens(batch: int = 2, pos: int = 9, seed: int = 1) -> torch.Tensor:
     """Random token ids ``[batch, pos]`` (no special tokens: ids 2 and up)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(2, VOCAB, (batch, pos), generator=gen)
+
+
+def bridge_convert_available() -> bool:
+    """Whether this ``tl_attnonly`` can convert a TransformerBridge (``tl_attnonly.bridge``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tl_attnonly.bridge") is not None
+
+
+def convert_zoo_bridge(bridge: Any, **options: Any) -> Any:
+    """``tl_attnonly.convert(bridge, ConversionOptions(**options))`` (no progress bar)."""
+    from tl_attnonly import ConversionOptions, convert
+
+    return convert(bridge, ConversionOptions(**options))
+
+
+#: Exceptions that count as a refusal (raised before anything is changed).
+REFUSALS = (NotImplementedError, ValueError)
+
+
+@dataclasses.dataclass
+class Measurement:
+    """Converted vs unconverted bridge on one zoo model, in one dtype.
+
+    Attributes:
+        verdict: ``"exact"`` (SiLU: one exact head per neuron), ``"approximate"`` (fitted or
+            ``x sigmoid(k x)`` heads), ``"refused"`` or ``"bridge fails"``.
+        max_dlogit: Max |converted - unconverted| logit (``None`` when not converted).
+        act_fn: The activation the conversion identified (``""`` when not converted).
+        act_error: The heads' max activation error on ``|x| <= 20`` (0 for exact SiLU).
+        reason: The refusal's message (or the bridge's own failure).
+    """
+
+    verdict: str
+    max_dlogit: float | None = None
+    act_fn: str = ""
+    act_error: float = 0.0
+    reason: str = ""
+
+
+def measure(name: str, dtype: torch.dtype, **options: Any) -> Measurement:
+    """Build zoo entry ``name``'s bridge, run it, convert it (in place) and run it again.
+
+    Args:
+        name: A key of :data:`ZOO`.
+        dtype: Dtype of the model and the comparison.
+        **options: :class:`tl_attnonly.ConversionOptions` fields.
+
+    Returns:
+        The :class:`Measurement`.
+    """
+    spec = ZOO[name]
+    if spec.broken:
+        return Measurement("bridge fails", reason=spec.broken)
+    bridge = build_bridge(name, dtype)
+    toks = tokens()
+    with torch.no_grad():
+        reference = bridge(toks)
+    try:
+        converted = convert_zoo_bridge(bridge, **options)
+    except REFUSALS as error:
+        return Measurement("refused", reason=f"{type(error).__name__}: {error}")
+    from tl_attnonly.bridge import neuron_head_layers
+
+    coefficients = neuron_head_layers(converted)[0].coefficients
+    with torch.no_grad():
+        logits = converted(toks)
+    exact = coefficients.method == "exact"
+    return Measurement(
+        "exact" if exact else "approximate",
+        max_dlogit=(logits - reference).abs().max().item(),
+        act_fn=coefficients.activation,
+        act_error=0.0 if exact else coefficients.max_abs_error(),
+    )
