@@ -502,7 +502,9 @@ class Measurement:
 
     Attributes:
         verdict: ``"exact"`` (SiLU: one exact head per neuron), ``"approximate"`` (fitted or
-            ``x sigmoid(k x)`` heads), ``"refused"`` or ``"bridge fails"``.
+            ``x sigmoid(k x)`` heads), ``"refused"`` (``NotImplementedError`` / ``ValueError``),
+            ``"error"`` (any other exception: a defect, not a clear refusal) or
+            ``"bridge fails"`` (the unconverted bridge itself does not run).
         max_dlogit: Max |converted - unconverted| logit (``None`` when not converted).
         act_fn: The activation the conversion identified (``""`` when not converted).
         act_error: The heads' max activation error on ``|x| <= 20`` (0 for exact SiLU).
@@ -538,6 +540,8 @@ def measure(name: str, dtype: torch.dtype, **options: Any) -> Measurement:
         converted = convert_zoo_bridge(bridge, **options)
     except REFUSALS as error:
         return Measurement("refused", reason=f"{type(error).__name__}: {error}")
+    except Exception as error:  # a crash is not a refusal: recorded as a defect
+        return Measurement("error", reason=f"{type(error).__name__}: {error}")
     from tl_attnonly.bridge import neuron_head_layers
 
     coefficients = neuron_head_layers(converted)[0].coefficients

