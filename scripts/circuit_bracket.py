@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # plain neuron tools: attribution patching of each neuron's output (hook_post)
-    from tl_attnonly.analysis.node_circuits import ModelInputs, node_attribution_scores
+    from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
 
     node = node_attribution_scores(
         model, ModelInputs(clean), ModelInputs(corrupted), lambda lg, _: _plain(metric)(lg)

@@ -1,7 +1,7 @@
 """Node circuits and neuron-head summaries on the real all-MiniLM-L6-v2 (needs the [minilm] extra).
 
 MiniLM is a BERT-style encoder (LayerNorm after each residual addition), so circuits are sets of
-nodes (:mod:`tl_attnonly.analysis.node_circuits`). Metric: the cosine similarity of the
+nodes (:mod:`tl_attnonly.analysis.discovery.node_circuits`). Metric: the cosine similarity of the
 mean-pooled embeddings of two paraphrases; the corrupted input swaps one word of the first
 sentence (same token count), which lowers the similarity.
 
@@ -22,7 +22,7 @@ from importlib.resources import files
 
 import torch
 
-from tl_attnonly.analysis.node_circuits import (
+from tl_attnonly.analysis.discovery.node_circuits import (
     ModelInputs,
     discover_node_circuit,
     node_attribution_scores,

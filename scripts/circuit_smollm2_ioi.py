@@ -58,14 +58,14 @@ from tl_attnonly.analysis import (
     path_patch_sweep,
     prune,
 )
-from tl_attnonly.analysis.graph import mlp_rest_label
-from tl_attnonly.analysis.ioi import ATTENTION_SCORES, ROLES
-from tl_attnonly.analysis.node_circuits import (
+from tl_attnonly.analysis.discovery.graph import mlp_rest_label
+from tl_attnonly.analysis.discovery.node_circuits import (
     ModelInputs,
     discover_node_circuit,
     node_attribution_scores,
     node_circuit_metrics,
 )
+from tl_attnonly.analysis.ioi import ATTENTION_SCORES, ROLES
 from tl_attnonly.smollm2 import load_smollm2
 
 

@@ -79,7 +79,15 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tl_attnonly' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as error:
+        from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, NO_HOOKED_TRANSFORMER
+
+        if HAS_HOOKED_TRANSFORMER:
+            raise
+        raise ImportError(f"tl_attnonly.{name} {NO_HOOKED_TRANSFORMER}") from error
+    value = getattr(imported, name)
     globals()[name] = value  # later lookups skip this function
     return value
 

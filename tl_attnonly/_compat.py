@@ -16,15 +16,24 @@ against the installed versions.
 ``TypedModuleList``                 the typed ``nn.ModuleList`` TL's models declare ``blocks`` as
 ``convert_bert_weights``            TL's BERT / LLaMA state-dict conversions (``pretrained.``
 ``convert_llama_weights``           ``weight_conversions``, imported when called)
+``HAS_HOOKED_TRANSFORMER``          whether this TransformerLens has ``HookedTransformer`` (3.x;
+                                    4.x removed it and its component tree: only
+                                    ``TransformerBridge``)
+:func:`is_transformer_bridge`       whether an object is a ``TransformerBridge`` (3.x and 4.x)
+:func:`bridge_bypasses_original`    whether a bridge MLP computes itself from processed weights
+:func:`route_through_original`      (TL's private ``_use_processed_weights``) and making it call
+                                    its wrapped module instead
 ==================================  ==============================================================
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+from typing import TYPE_CHECKING, Any, Dict
 
+import torch
 import torch.nn as nn
-from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
+from jaxtyping import Float
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import (
     SUPPORTED_ACTIVATIONS as TL_ACTIVATIONS,
@@ -33,6 +42,137 @@ from transformer_lens.utilities.activation_functions import apply_softcap, softc
 from transformer_lens.utilities.addmm import batch_addmm
 from transformer_lens.utilities.architectures import POST_NORM_ARCHITECTURES
 from transformer_lens.utilities.typed_module_list import TypedModuleList
+
+#: Whether this TransformerLens has ``HookedTransformer`` and its component tree (3.x). 4.x has
+#: only ``TransformerBridge``: there, :func:`tl_attnonly.convert` takes a bridge and the
+#: HookedTransformer-only entry points raise an ``ImportError`` that says what to use.
+HAS_HOOKED_TRANSFORMER = importlib.util.find_spec("transformer_lens.HookedTransformer") is not None
+
+#: The message of the HookedTransformer-only entry points on TransformerLens 4.x.
+NO_HOOKED_TRANSFORMER = (
+    "needs TransformerLens's HookedTransformer, which TransformerLens 4.x removed. On 4.x, "
+    "convert a TransformerBridge instead: bridge = TransformerBridge.boot_transformers(name); "
+    "tl_attnonly.convert(bridge) (see docs/bridge.md), or install transformer-lens>=3,<4."
+)
+
+
+class _MLPBase(nn.Module):
+    """What the neuron-head layers take from TL 3.x's ``CanBeUsedAsMLP`` (absent from 4.x).
+
+    Args:
+        cfg: Any object with ``d_model``, ``d_mlp``, ``act_fn`` and ``dtype`` attributes.
+    """
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.d_mlp is None:
+            raise ValueError("d_mlp must be set to use an MLP")
+        self.d_mlp = cfg.d_mlp
+
+    def forward(
+        self, x: Float[torch.Tensor, "batch pos d_model"]
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        return x
+
+    def select_activation_function(self) -> None:
+        """``self.act_fn``: TransformerLens's function of ``cfg.act_fn``."""
+        self.act_fn = TL_ACTIVATIONS[self.cfg.act_fn]
+
+
+if TYPE_CHECKING or HAS_HOOKED_TRANSFORMER:
+    from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
+else:  # TransformerLens 4.x
+    CanBeUsedAsMLP = _MLPBase
+
+
+class MLPConfig:
+    """The few config fields a neuron-head layer reads, for layers built outside a
+    ``HookedTransformer`` (a ``TransformerBridge``'s MLPs).
+
+    Args:
+        d_model: Residual width.
+        d_mlp: Neurons.
+        act_fn: TransformerLens ``act_fn`` name.
+        dtype: Parameter dtype.
+    """
+
+    def __init__(self, d_model: int, d_mlp: int, act_fn: str, dtype: torch.dtype):
+        self.d_model = d_model
+        self.d_mlp = d_mlp
+        self.act_fn = act_fn
+        self.dtype = dtype
+        self.gated_mlp = False
+
+    def is_layer_norm_activation(self) -> bool:
+        """Never (SoLU-LN is not convertible)."""
+        return False
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(vars(self))
+
+
+def mlp_config(d_model: int, d_mlp: int, act_fn: str, dtype: torch.dtype) -> Any:
+    """A config for one neuron-head layer built outside a HookedTransformer (a bridge's MLP):
+    TL 3.x's ``CanBeUsedAsMLP`` wants a ``HookedTransformerConfig``; on 4.x, an
+    :class:`MLPConfig`."""
+    if not HAS_HOOKED_TRANSFORMER:
+        return MLPConfig(d_model, d_mlp, act_fn, dtype)
+    from transformer_lens import HookedTransformerConfig
+
+    return HookedTransformerConfig(
+        d_model=d_model,
+        d_head=d_model,
+        n_layers=1,
+        n_ctx=1,
+        d_mlp=d_mlp,
+        act_fn=act_fn,
+        dtype=dtype,
+        device="cpu",
+    )
+
+
+def is_transformer_bridge(model: object) -> bool:
+    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (3.x or 4.x), without
+    importing the bridge package for other objects."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "TransformerBridge" and cls.__module__.startswith(
+            "transformer_lens.model_bridge"
+        ):
+            return True
+    return False
+
+
+def bridge_bypasses_original(mlp_bridge: nn.Module) -> bool:
+    """Whether a bridge MLP component computes its output itself from processed weights
+    (TransformerLens's private ``_use_processed_weights``, set by ``enable_compatibility_mode``
+    on gated MLPs) instead of calling its wrapped module."""
+    return bool(mlp_bridge.__dict__.get("_use_processed_weights", False))
+
+
+def register_bridge_hooks(bridge: nn.Module, names: list[str]) -> None:
+    """Add hook points mounted after the bridge was built to its hook registry (TL's private
+    ``_hook_registry``, which ``hook_dict``, ``run_with_cache`` and ``run_with_hooks`` read), under
+    their full names (``blocks.0.mlp.hook_pattern``)."""
+    registry = bridge.__dict__["_hook_registry"]
+    for name in names:
+        hook_point: Any = bridge.get_submodule(name)
+        hook_point.name = name
+        registry[name] = hook_point
+
+
+def unregister_bridge_hooks(bridge: nn.Module, names: list[str]) -> None:
+    """Remove hook points from a bridge's hook registry (see :func:`register_bridge_hooks`)."""
+    registry = bridge.__dict__["_hook_registry"]
+    for name in names:
+        registry.pop(name, None)
+
+
+def route_through_original(mlp_bridge: nn.Module) -> None:
+    """Make a bridge MLP component call its wrapped module again (clears the private
+    ``_use_processed_weights``). Only for components whose processed weights also live in their
+    projection submodules, which the wrapped module then calls (TL 3.9 and 4.x gated MLPs)."""
+    mlp_bridge.__dict__["_use_processed_weights"] = False
 
 #: torch's per-module hook dictionaries (private attributes of ``nn.Module``).
 _TORCH_HOOK_DICTS = (
@@ -95,7 +235,16 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
 
 
 __all__ = [
+    "HAS_HOOKED_TRANSFORMER",
+    "MLPConfig",
+    "mlp_config",
+    "NO_HOOKED_TRANSFORMER",
     "POST_NORM_ARCHITECTURES",
+    "bridge_bypasses_original",
+    "register_bridge_hooks",
+    "unregister_bridge_hooks",
+    "is_transformer_bridge",
+    "route_through_original",
     "TL_ACTIVATIONS",
     "TypedModuleList",
     "apply_softcap",

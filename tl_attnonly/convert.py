@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:
     from transformer_lens import HookedEncoder, HookedTransformer
+    from transformer_lens.model_bridge import TransformerBridge
 
     from tl_attnonly.encoder import AttnOnlyEncoder
     from tl_attnonly.literal import LiteralTransformer
@@ -22,49 +23,60 @@ if TYPE_CHECKING:
 @overload
 def convert(
     model: HookedTransformer,
+    conversion: ConversionOptions | None = None,
     *,
     form: Literal["structured"] = "structured",
-    conversion: ConversionOptions | None = None,
     n_heads_per_neuron: int | None = None,
     relu_k: float | None = None,
     gelu_method: str | None = None,
-    share_weights: bool = False,
+    share_weights: bool | None = None,
 ) -> AttnOnlyTransformer: ...
 @overload
 def convert(
     model: HookedEncoder,
+    conversion: ConversionOptions | None = None,
     *,
     form: Literal["structured"] = "structured",
-    conversion: ConversionOptions | None = None,
     n_heads_per_neuron: int | None = None,
     relu_k: float | None = None,
     gelu_method: str | None = None,
-    share_weights: bool = False,
+    share_weights: bool | None = None,
 ) -> AttnOnlyEncoder: ...
 @overload
 def convert(
     model: HookedTransformer,
+    conversion: ConversionOptions | None = None,
     *,
     form: Literal["literal"],
-    conversion: ConversionOptions | None = None,
     n_heads_per_neuron: int | None = None,
     relu_k: float | None = None,
     gelu_method: str | None = None,
     literal: LiteralOptions | None = None,
     **literal_kwargs: Any,
 ) -> LiteralTransformer: ...
+@overload
 def convert(
-    model: HookedTransformer | HookedEncoder,
+    model: TransformerBridge,
+    conversion: ConversionOptions | None = None,
+    *,
+    form: Literal["structured"] = "structured",
+    n_heads_per_neuron: int | None = None,
+    relu_k: float | None = None,
+    gelu_method: str | None = None,
+    share_weights: bool | None = None,
+) -> TransformerBridge: ...
+def convert(
+    model: HookedTransformer | HookedEncoder | TransformerBridge,
+    conversion: ConversionOptions | None = None,
     *,
     form: Literal["structured", "literal"] = "structured",
-    conversion: ConversionOptions | None = None,
     n_heads_per_neuron: int | None = None,
     relu_k: float | None = None,
     gelu_method: str | None = None,
     literal: LiteralOptions | None = None,
-    share_weights: bool = False,
+    share_weights: bool | None = None,
     **literal_kwargs: Any,
-) -> AttnOnlyTransformer | AttnOnlyEncoder | LiteralTransformer:
+) -> AttnOnlyTransformer | AttnOnlyEncoder | LiteralTransformer | TransformerBridge:
     """Rewrite every MLP neuron of ``model`` as attention heads (Huben & Morris 2023, Thm. 6).
 
     The original model is not modified: by default the result has its own copy of the weights
@@ -72,10 +84,16 @@ def convert(
     *are* the original's tensors (no copy, no ``__class__`` swap), so converting needs no second
     copy of the model's memory, and **an edit to either model's weights shows in both**.
 
+    A ``TransformerBridge`` (TransformerLens 3.x or 4.x) is converted **in place** and returned
+    (the same object; its weights are shared, never copied): every MLP runs as neuron-heads, the
+    bridge's hooks stay and the neuron-head hooks are added (see
+    :func:`tl_attnonly.bridge.convert_bridge` and ``docs/bridge.md``).
+
     Args:
-        model: A TransformerLens ``HookedTransformer`` (any weight processing already applied is
-            kept: a model after ``fold_ln`` converts to one after ``fold_ln``), or a
-            ``HookedEncoder`` (structured form only; see :func:`tl_attnonly.convert_encoder`).
+        model: A TransformerLens ``TransformerBridge`` (see above), a ``HookedTransformer``
+            (any weight processing already applied is kept: a model after ``fold_ln`` converts to
+            one after ``fold_ln``), or a ``HookedEncoder`` (structured form only; see
+            :func:`tl_attnonly.convert_encoder`).
         form: ``"structured"`` (default): an :class:`AttnOnlyTransformer`, same FLOPs as the MLP,
             compact patterns. ``"literal"``: every sublayer plain softmax attention over a real
             bias token, masks by Omega (see :func:`tl_attnonly.literal.to_literal`).
@@ -86,7 +104,8 @@ def convert(
         literal: Options of the literal form (:class:`~tl_attnonly.LiteralOptions`); or give them
             one by one:
         share_weights: Structured form only: share the original's parameter and buffer tensors
-            instead of copying them (see above).
+            instead of copying them (see above). Default: ``False`` (a copy) for a
+            ``HookedTransformer``; a bridge always shares (``False`` is refused).
         **literal_kwargs: Fields of :class:`~tl_attnonly.LiteralOptions` (``omega``,
             ``layout``, ...), replacing those of ``literal``.
 
@@ -101,13 +120,40 @@ def convert(
         >>> logits, cache = converted.run_with_cache(tokens)
         >>> cache["blocks.0.mlp.hook_pattern"].shape  # [batch, n_neuron_heads, pos, 2]
     """
-    from transformer_lens import HookedEncoder, HookedTransformer
-
-    from tl_attnonly.options import ConversionOptions, check_convertible
+    from tl_attnonly._compat import (
+        HAS_HOOKED_TRANSFORMER,
+        NO_HOOKED_TRANSFORMER,
+        is_transformer_bridge,
+    )
+    from tl_attnonly.options import ConversionOptions
 
     options = (conversion or ConversionOptions()).with_overrides(
         n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
     )
+    if is_transformer_bridge(model):
+        if form != "structured" or literal is not None or literal_kwargs:
+            raise NotImplementedError(
+                "A TransformerBridge converts to the structured form only (neuron-heads in place "
+                "of its MLPs); the literal form needs a HookedTransformer (TransformerLens 3.x)."
+            )
+        if share_weights is False:
+            raise ValueError(
+                "A TransformerBridge is converted in place and shares its weights (no copy); "
+                "share_weights=False is not supported for a bridge. Build a second bridge to keep "
+                "an unconverted one (or tl_attnonly.bridge.unconvert_bridge(bridge) to undo)."
+            )
+        from tl_attnonly.bridge import convert_bridge
+
+        return convert_bridge(model, options)
+    if not HAS_HOOKED_TRANSFORMER:
+        raise ImportError(
+            f"tl_attnonly.convert({type(model).__name__}) {NO_HOOKED_TRANSFORMER}"
+        )
+    from transformer_lens import HookedEncoder, HookedTransformer
+
+    from tl_attnonly.options import check_convertible
+
+    share_weights = bool(share_weights)
     literal_given = literal is not None or bool(literal_kwargs)
     if isinstance(model, HookedEncoder) and form == "structured" and not literal_given:
         from tl_attnonly.encoder import convert_encoder
@@ -116,7 +162,7 @@ def convert(
     if not isinstance(model, HookedTransformer):
         raise TypeError(
             f"convert() takes a transformer_lens.HookedTransformer (or, for the structured form, a "
-            f"HookedEncoder), got {type(model).__name__}."
+            f"HookedEncoder or a TransformerBridge), got {type(model).__name__}."
         )
     check_convertible(model.cfg, options, form=form)
     if share_weights and form != "structured":

@@ -210,7 +210,7 @@ class NeuronHeadModelMixin(_MixedInto):
 
     def run_with_cache(self, *model_args: Any, derive: bool = True, **kwargs: Any):
         """TransformerLens's ``run_with_cache``, returning a
-        :class:`~tl_attnonly.analysis.derived_cache.NeuronHeadActivationCache`.
+        :class:`~tl_attnonly.derived_cache.NeuronHeadActivationCache`.
 
         Neuron-head entries (``q, k, v, attn_scores, pattern, z``) that no hook touched in the
         run are derived from ``hook_pre`` when first read, bit for bit what a stored cache holds,
@@ -225,7 +225,7 @@ class NeuronHeadModelMixin(_MixedInto):
                 ``remove_batch_dim``, ``incl_bwd``, ``pos_slice``, ``return_cache_object``) and
                 the forward pass.
         """
-        from tl_attnonly.analysis.derived_cache import run_with_derived_cache
+        from tl_attnonly.derived_cache import run_with_derived_cache
 
         return run_with_derived_cache(
             self,

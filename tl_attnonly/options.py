@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from transformer_lens import HookedTransformerConfig
 
 from tl_attnonly.activations import (
     DEFAULT_RELU_K,
@@ -28,6 +27,8 @@ from tl_attnonly.activations import (
 )
 
 if TYPE_CHECKING:
+    from transformer_lens import HookedTransformerConfig
+
     from tl_attnonly._types import CoefficientsLike
 
 

@@ -223,7 +223,7 @@ def _activity_intro() -> str:
 def _patching(
     converted: AttnOnlyTransformer, tokens: torch.Tensor, corrupted_prompt: str | None
 ) -> str:
-    from tl_attnonly.analysis.attribution import attribution_patch
+    from tl_attnonly.analysis.patching.attribution import attribution_patch
 
     if corrupted_prompt is None:
         corrupted = tokens.clone()

@@ -1,21 +1,19 @@
 """TransformerLens's analysis workflow over neuron-heads and attention heads together.
 
-==========================  ======================================================================
-:mod:`.cache`               per-head results, residual decomposition, direct logit attribution
-:mod:`.patching`            activation patching of neuron-heads (one or many patches per pass)
-:mod:`.output_patching`     exact patching of head / neuron outputs, batched from the layer on
-:mod:`.path_patching`       path patching between heads (IOI style)
-:mod:`.attribution`         attribution patching (gradient estimate for every head)
-:mod:`.circuits`            OV / QK / full circuits of neuron-heads, composition scores, top-k
-:mod:`.graph`               the unified graph: embeddings, attention heads, neuron-heads, logits
-:mod:`.discovery`           edge attribution patching over that graph, pruning
-:mod:`.circuit_runs`        exact circuit runs (full or restricted graphs), faithfulness, gate/value
-:mod:`.circuit_search`      discover_circuit: score, prune, check; two stages for large models
-:mod:`.streaming`           top-n edges of graphs too large for dense scores, block by block
-:mod:`.node_circuits`       node-level circuits for encoders too (pair-cosine metric), gate/value
-:mod:`.summaries`           dataset-level neuron-head summaries (top contexts, firing, tokens)
-:mod:`.ioi`                 IOI prompts, head roles (name mover, S-inhibition, ...) from patterns
-==========================  ======================================================================
+Four rooms, each one idea:
+
+==============================  ==================================================================
+:mod:`.cache`                   per-head results, residual decomposition, direct logit attribution
+:mod:`.patching`                activation, output and path patching; attribution patching
+:mod:`.discovery`               the head graph, edge scores, exact circuit runs, discover_circuit
+:mod:`.circuits`                OV / QK / full circuits of neuron-heads, composition scores, top-k
+:mod:`.levels`                  neuron-level aggregation of rankings, streamed composition top-k
+:mod:`.ioi`                     IOI prompts, head roles (name mover, S-inhibition, ...)
+:mod:`.summaries`               dataset-level neuron-head summaries (top contexts, firing, tokens)
+==============================  ==================================================================
+
+The derived cache (what ``run_with_cache`` derives rather than stores) lives beside the model, in
+:mod:`tl_attnonly.derived_cache`.
 
 Heads are labelled ``L{l}H{h}`` (attention heads, TransformerLens's style), ``L{l}N{i}`` or
 ``L{l}N{i}.{k}`` (neuron-heads, see :func:`tl_attnonly.hooks.neuron_head_label`). Wherever heads
@@ -25,27 +23,15 @@ are listed, attention heads of every layer come first, then neuron-heads
 :mod:`tl_attnonly.hooks` (``decomposition_names_filter()``, ``head_names_filter("z")``, ...).
 """
 
-from tl_attnonly.analysis.attribution import (
-    AttributionCheck,
-    attribute_then_patch,
-    attribution_patch,
-    pooled_cosine_metric,
-    rank_agreement,
-)
 from tl_attnonly.analysis.cache import (
+    decompose_resid_heads,
     get_attn_head_results,
     get_neuron_head_results,
+    head_logit_attrs,
     neuron_head_z,
+    stack_all_head_results,
+    stack_neuron_head_results,
 )
-from tl_attnonly.analysis.circuit_runs import (
-    Circuit,
-    circuit_gate_value_split,
-    circuit_metric,
-    circuit_metrics,
-    faithfulness,
-    path_gate_value_split,
-)
-from tl_attnonly.analysis.circuit_search import discover_circuit, top_nodes
 from tl_attnonly.analysis.circuits import (
     CompositionScores,
     bias_token_homogeneous,
@@ -58,50 +44,66 @@ from tl_attnonly.analysis.circuits import (
     neuron_qk_circuit,
     top_k,
 )
-from tl_attnonly.analysis.decomposition import (
-    decompose_resid_heads,
-    head_logit_attrs,
-    stack_all_head_results,
-    stack_neuron_head_results,
-)
 from tl_attnonly.analysis.discovery import (
+    Circuit,
     EdgeScores,
+    HeadGraph,
+    ModelInputs,
+    NodeCircuit,
+    NodeScores,
+    TopEdges,
+    circuit_gate_value_split,
+    circuit_metric,
+    circuit_metrics,
+    discover_circuit,
+    discover_node_circuit,
     edge_attribution_scores,
+    faithfulness,
     logit_diff_metric,
     mask_size,
+    node_attribution_scores,
+    node_circuit_metrics,
+    node_labels,
+    pair_cosine_metric,
+    path_gate_value_split,
     prune,
+    top_edges,
+    top_nodes,
 )
-from tl_attnonly.analysis.graph import HeadGraph
 from tl_attnonly.analysis.ioi import (
     IOIDataset,
     IOIHeadScores,
     ioi_head_scores,
     make_ioi_dataset,
 )
-from tl_attnonly.analysis.output_patching import (
-    PatchUnit,
-    get_act_patch_outputs,
-    patch_units,
+from tl_attnonly.analysis.levels import (
+    composition_top_k,
+    neuron_level,
+    neuron_level_pairs,
 )
 from tl_attnonly.analysis.patching import (
+    LOGITS,
+    AttributionCheck,
+    PatchUnit,
+    Receiver,
+    attribute_then_patch,
+    attribution_patch,
     get_act_patch_all_heads,
     get_act_patch_neuron_heads,
+    get_act_patch_outputs,
     neuron_head_patch_index,
-    run_patches,
-)
-from tl_attnonly.analysis.path_patching import (
-    LOGITS,
-    Receiver,
     parse_receiver,
+    patch_units,
     path_patch,
     path_patch_caches,
     path_patch_grid,
     path_patch_receiver_sweep,
     path_patch_sweep,
+    pooled_cosine_metric,
+    rank_agreement,
     receiver_label,
+    run_patches,
 )
-from tl_attnonly.analysis.ranking import composition_top_k, neuron_level, neuron_level_pairs
-from tl_attnonly.analysis.streaming import TopEdges, top_edges
 from tl_attnonly.analysis.summaries import (
     NeuronHeadSummaries,
     stdlib_corpus,
@@ -109,68 +111,83 @@ from tl_attnonly.analysis.summaries import (
 )
 
 __all__ = [
+    # cache
+    "decompose_resid_heads",
+    "get_attn_head_results",
+    "get_neuron_head_results",
+    "head_logit_attrs",
+    "neuron_head_z",
+    "stack_all_head_results",
+    "stack_neuron_head_results",
+    # patching
+    "attribute_then_patch",
+    "attribution_patch",
+    "AttributionCheck",
+    "get_act_patch_all_heads",
+    "get_act_patch_neuron_heads",
+    "get_act_patch_outputs",
+    "LOGITS",
+    "neuron_head_patch_index",
+    "parse_receiver",
+    "patch_units",
+    "PatchUnit",
+    "path_patch",
+    "path_patch_caches",
     "path_patch_grid",
     "path_patch_receiver_sweep",
+    "path_patch_sweep",
+    "pooled_cosine_metric",
+    "rank_agreement",
+    "Receiver",
     "receiver_label",
-    "AttributionCheck",
-    "attribute_then_patch",
-    "PatchUnit",
-    "get_act_patch_outputs",
-    "patch_units",
-    "IOIDataset",
-    "IOIHeadScores",
-    "ioi_head_scores",
-    "make_ioi_dataset",
-    "composition_top_k",
-    "neuron_level",
-    "neuron_level_pairs",
+    "run_patches",
+    # discovery
     "Circuit",
-    "EdgeScores",
-    "HeadGraph",
-    "NeuronHeadSummaries",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
     "discover_circuit",
+    "discover_node_circuit",
     "edge_attribution_scores",
+    "EdgeScores",
     "faithfulness",
+    "HeadGraph",
     "logit_diff_metric",
     "mask_size",
+    "ModelInputs",
+    "node_attribution_scores",
+    "node_circuit_metrics",
+    "node_labels",
+    "NodeCircuit",
+    "NodeScores",
+    "pair_cosine_metric",
     "path_gate_value_split",
     "prune",
-    "TopEdges",
     "top_edges",
     "top_nodes",
-    "LOGITS",
-    "CompositionScores",
-    "Receiver",
-    "attribution_patch",
+    "TopEdges",
+    # circuits
     "bias_token_homogeneous",
     "composition_scores",
-    "decompose_resid_heads",
-    "get_act_patch_all_heads",
-    "get_act_patch_neuron_heads",
-    "get_attn_head_results",
-    "get_neuron_head_results",
-    "head_logit_attrs",
+    "CompositionScores",
     "homogeneous",
     "neuron_attn_scores_from_circuit",
     "neuron_full_ov_circuit",
     "neuron_full_qk_circuit",
-    "neuron_head_patch_index",
-    "neuron_head_z",
     "neuron_ov_circuit",
     "neuron_qk_circuit",
-    "parse_receiver",
-    "path_patch",
-    "path_patch_caches",
-    "path_patch_sweep",
-    "pooled_cosine_metric",
-    "rank_agreement",
-    "run_patches",
-    "stack_all_head_results",
-    "stack_neuron_head_results",
+    "top_k",
+    # levels
+    "composition_top_k",
+    "neuron_level",
+    "neuron_level_pairs",
+    # ioi
+    "ioi_head_scores",
+    "IOIDataset",
+    "IOIHeadScores",
+    "make_ioi_dataset",
+    # summaries
+    "NeuronHeadSummaries",
     "stdlib_corpus",
     "summarize_neuron_heads",
-    "top_k",
 ]

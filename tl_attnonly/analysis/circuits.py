@@ -408,11 +408,11 @@ def top_k(
 
     Ranked per neuron by default. A vector of additive per-head scores (attribution estimates, DLA,
     ``z``) sums the ``K`` heads ``L{l}N{i}.{k}`` of a neuron into ``L{l}N{i}``
-    (:func:`~tl_attnonly.analysis.ranking.neuron_level`); exact patching effects do not add up
+    (:func:`~tl_attnonly.analysis.levels.neuron_level`); exact patching effects do not add up
     (patch neurons with ``get_act_patch_outputs(level="neuron")``). A matrix of pair scores
     (composition scores, where a neuron's ``K`` heads all have the neuron's score) keeps the
     maximum over each pair of units' heads
-    (:func:`~tl_attnonly.analysis.ranking.neuron_level_pairs`).
+    (:func:`~tl_attnonly.analysis.levels.neuron_level_pairs`).
 
     Args:
         scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
@@ -437,11 +437,11 @@ def top_k(
     if level not in ("neuron", "head"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
     if scores.ndim == 1 and level == "neuron":
-        from tl_attnonly.analysis.ranking import neuron_level
+        from tl_attnonly.analysis.levels import neuron_level
 
         scores, row_labels = neuron_level(scores, row_labels)
     elif level == "neuron" and col_labels is not None:
-        from tl_attnonly.analysis.ranking import neuron_level_pairs
+        from tl_attnonly.analysis.levels import neuron_level_pairs
 
         scores, row_labels, col_labels = neuron_level_pairs(scores, row_labels, col_labels)
     flat = scores.detach().flatten()

@@ -39,18 +39,20 @@ An all-bias pattern (``(0, 1)``) gives ``z = 0``: the neuron's gated product is 
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jaxtyping import Float
-from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.components.neuron_heads import _own_storage
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformerConfig
 
 
 class GatedNeuronHeadMLP(NeuronHeadBase):

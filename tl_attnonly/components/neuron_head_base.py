@@ -11,17 +11,19 @@ here once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Dict
+from typing import TYPE_CHECKING, Any, ClassVar, Dict
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
-from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly._compat import CanBeUsedAsMLP, has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
 from tl_attnonly.components._fused_kernel import compiled_kernel, kernel_failed
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformerConfig
 
 #: Neuron-head quantities that are functions of the layer's pre-activations alone (see
 #: :meth:`NeuronHeadBase.derive_activation`); ``result`` also needs ``W_out``.

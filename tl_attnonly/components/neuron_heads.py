@@ -30,12 +30,11 @@ key and value) are derived properties.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 import torch
 import torch.nn as nn
 from jaxtyping import Float
-from transformer_lens import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly._compat import batch_addmm
@@ -46,6 +45,9 @@ from tl_attnonly.components.neuron_head_base import (
     FUSED_ERROR_ULPS,
     NeuronHeadBase,
 )
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformerConfig
 
 __all__ = [
     "DERIVABLE_HOOKS",
@@ -88,7 +90,11 @@ class NeuronHeadMLP(NeuronHeadBase):
         coefficients: NeuronHeadCoefficients | None = None,
     ):
         super().__init__(cfg, coefficients)
+        self._init_parameters_and_hooks()
 
+    def _init_parameters_and_hooks(self) -> None:
+        """TL's ``MLP`` parameters (in its order) and hook points, plus the neuron-head hook
+        points."""
         self.W_in = nn.Parameter(torch.empty(self.cfg.d_model, self.d_mlp, dtype=self.cfg.dtype))
         self.b_in = nn.Parameter(torch.zeros(self.d_mlp, dtype=self.cfg.dtype))
         self.W_out = nn.Parameter(torch.empty(self.d_mlp, self.cfg.d_model, dtype=self.cfg.dtype))

@@ -15,7 +15,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from tl_attnonly.analysis.graph import EMBED, LOGITS
+from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
 
 #: Colour and dash of each input kind.
 EDGE_STYLES = {
@@ -60,7 +60,7 @@ def _kind_layer(label: str) -> tuple[str, int]:
 
 
 def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None) -> go.Figure:
-    """Draw a :class:`~tl_attnonly.analysis.discovery.Circuit`.
+    """Draw a :class:`~tl_attnonly.analysis.discovery.edge_scores.Circuit`.
 
     Args:
         circuit: The circuit (its edges, scores and optional gate/value split).

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric, check_token_pair, require_neuron_heads
-from tl_attnonly.analysis._resume import (
+from tl_attnonly.analysis.patching.resume import (
     PATCH_BUDGET,
     LayerRuns,
     can_resume,

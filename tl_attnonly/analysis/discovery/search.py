@@ -1,15 +1,15 @@
 """Find a circuit in one call: score edges, prune, check exactly, split gate from value.
 
-:func:`discover_circuit` scores the edges of the head graph (:mod:`.discovery`), keeps the best
-(:func:`~tl_attnonly.analysis.prune`), runs the circuit exactly (:mod:`.circuit_runs`) and splits
-the incoming edges of its main neurons into gate and value (:mod:`.circuit_runs`).
+:func:`discover_circuit` scores the edges of the head graph (:mod:`.edge_scores`), keeps the best
+(:func:`~tl_attnonly.analysis.prune`), runs the circuit exactly (:mod:`.runs`) and splits
+the incoming edges of its main neurons into gate and value (:mod:`.runs`).
 
 **Large models: two stages.** At neuron level the full graph of a GPT-2-small-sized model has
 ~1.3e9 edges (SmolLM2-135M: ~2.1e9), more than any score tensor should hold. With ``n_nodes=N``,
 :func:`top_nodes` first ranks every attention head and neuron by node attribution patching
-(:func:`~tl_attnonly.analysis.node_circuits.node_attribution_scores`: one forward and backward
+(:func:`~.node_circuits.node_attribution_scores`: one forward and backward
 pass per batch) and keeps the ``N`` with the largest ``|score|``; edges are then scored, pruned and
-run only among them (a restricted :class:`~tl_attnonly.analysis.graph.HeadGraph`). The circuit run
+run only among them (a restricted :class:`~.graph.HeadGraph`). The circuit run
 stays exact: every node left out reads the corrupted run, as does every edge outside the circuit.
 The node ranking is first-order, so a node can be missed; compare ``n_nodes`` values, and the
 faithfulness, before trusting a circuit.
@@ -24,15 +24,20 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis._edges import DiscoveryMetric, _batches, _call_metric, check_discoverable
-from tl_attnonly.analysis.circuit_runs import (
+from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores, prune
+from tl_attnonly.analysis.discovery.graph import EMBED, mlp_rest_label
+from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
     circuit_metric,
     faithfulness,
 )
-from tl_attnonly.analysis.discovery import edge_attribution_scores, prune
-from tl_attnonly.analysis.graph import EMBED, mlp_rest_label
+from tl_attnonly.analysis.discovery.sites import (
+    DiscoveryMetric,
+    _batches,
+    _call_metric,
+    check_discoverable,
+)
 
 
 def top_nodes(
@@ -64,7 +69,7 @@ def top_nodes(
         (``pd.Series`` indexed by label; ``"embed"`` included, never kept: the graph always has
         it).
     """
-    from tl_attnonly.analysis.node_circuits import ModelInputs, node_attribution_scores
+    from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
 
     check_discoverable(model, neuron_level)
     if n_nodes < 1:
@@ -116,7 +121,7 @@ def discover_circuit(
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
         metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar, additive over batches
-            (:mod:`tl_attnonly.analysis.discovery`).
+            (:mod:`tl_attnonly.analysis.discovery.edge_scores`).
         top_n, threshold: How to prune (exactly one): :func:`~tl_attnonly.analysis.prune`.
         method, ig_steps, neuron_level, batch_size: As in
             :func:`~tl_attnonly.analysis.edge_attribution_scores`.
@@ -125,7 +130,7 @@ def discover_circuit(
         n_nodes: Two stages: keep the ``n_nodes`` nodes of :func:`top_nodes` (node attribution),
             then discover edges among them. Exclusive with ``nodes``.
         mlp_rest: With ``nodes`` or ``n_nodes``: keep each layer's other neurons as one node
-            ``L{l}MLP`` (:class:`~tl_attnonly.analysis.graph.HeadGraph`), so that what they carry
+            ``L{l}MLP`` (:class:`~.graph.HeadGraph`), so that what they carry
             together can be in the circuit instead of being frozen to the corrupted run.
         gate_value: Also split the incoming edges of the circuit's neurons into gate and value
             (:func:`~tl_attnonly.analysis.circuit_gate_value_split`; 3 circuit runs per neuron).

@@ -28,7 +28,7 @@ from tl_attnonly.analysis import (
     path_patch,
     prune,
 )
-from tl_attnonly.analysis.graph import HeadGraph
+from tl_attnonly.analysis.discovery.graph import HeadGraph
 
 CLEAN, CORRUPTED = make_tokens(3, 8, seed=0), make_tokens(3, 8, seed=1)
 CONFIGS = {
@@ -453,7 +453,7 @@ def test_unsupported_gated_models_are_refused_before_any_work(name, match):
 
 
 def _encoder_pair_inputs():
-    from tl_attnonly.analysis.node_circuits import ModelInputs
+    from tl_attnonly.analysis.discovery.node_circuits import ModelInputs
 
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, 53, (4, 9), generator=g)  # the encoder zoo has 53 tokens
@@ -468,7 +468,7 @@ def _encoder_pair_inputs():
 def test_node_circuits_on_an_encoder_are_exact_and_split_gate_and_value():
     from test_encoder import make_encoder
 
-    from tl_attnonly.analysis.node_circuits import (
+    from tl_attnonly.analysis.discovery.node_circuits import (
         discover_node_circuit,
         node_circuit_metrics,
         node_labels,

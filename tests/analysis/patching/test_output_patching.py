@@ -21,7 +21,7 @@ from tl_attnonly.analysis import (
     rank_agreement,
     run_patches,
 )
-from tl_attnonly.analysis._resume import LayerRuns
+from tl_attnonly.analysis.patching.resume import LayerRuns
 from tl_attnonly.hooks import head_act_name, head_names_filter, neuron_act_name
 
 

@@ -21,7 +21,7 @@ from tl_attnonly.analysis import (
     rank_agreement,
     run_patches,
 )
-from tl_attnonly.analysis.path_patching import Receiver
+from tl_attnonly.analysis.patching.paths import Receiver
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,

@@ -3,8 +3,8 @@ neuron-heads) of a cached run.
 
 The residual stream of an :class:`~tl_attnonly.AttnOnlyTransformer` decomposes into heads only
 (attention heads and neuron-heads), the embeddings and the output biases; see
-:mod:`tl_attnonly.analysis.cache` for the per-layer results these functions stack. Each function
-returns the stack, or ``(stack, labels)`` with ``return_labels=True``.
+:mod:`.views` for the per-layer results these functions stack. Each function returns
+the stack, or ``(stack, labels)`` with ``return_labels=True``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds, require_additive_residual
-from tl_attnonly.analysis.cache import (
+from tl_attnonly.analysis.cache.views import (
     DEFAULT_CHUNK,
     STACK_BUDGET,
     _component_chunks,

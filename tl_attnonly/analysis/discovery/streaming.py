@@ -24,7 +24,9 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis._edges import (
+from tl_attnonly.analysis.discovery.edge_scores import _attribution_terms, _block_scores
+from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
+from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
@@ -32,8 +34,6 @@ from tl_attnonly.analysis._edges import (
     _writers,
     check_scoring_args,
 )
-from tl_attnonly.analysis.discovery import _attribution_terms, _block_scores
-from tl_attnonly.analysis.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.model import AttnOnlyTransformer
 
 

@@ -10,7 +10,7 @@ change, run through the layers after ``l`` only (TransformerLens's ``start_at_la
 in the last layer only the final norm and the unembedding run. In a causal decoder the positions
 before the first one the patch changes are the corrupted run's in every later layer, so only the
 positions from there on run, against the corrupted keys and values of the prefix
-(:class:`~tl_attnonly.analysis._resume.LayerRuns`).
+(:class:`~tl_attnonly.analysis.patching.resume.LayerRuns`).
 
 Attention heads (and neuron-heads of models that normalise the MLP output before adding it:
 Gemma 2/3, OLMo 2/3) are patched through their ``hook_z`` in a pass that starts at their layer
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import Metric, check_tokens, require_neuron_heads
-from tl_attnonly.analysis._resume import (
+from tl_attnonly.analysis.patching.resume import (
     PATCH_BUDGET,
     LayerRuns,
     additive_mlp_out,

@@ -1,6 +1,6 @@
 """How the nodes of the head graph read and write the residual stream, and shared checks.
 
-Used by :mod:`.discovery` (edge attribution patching) and :mod:`.circuit_runs` (exact circuit
+Used by :mod:`.edge_scores` (edge attribution patching) and :mod:`.runs` (exact circuit
 runs): which hook holds what a source writes (and its writing matrix ``U``), which hook holds what
 an input reads (and its reading matrix ``R``), and through which normalisation.
 """
@@ -16,7 +16,7 @@ from jaxtyping import Int
 from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNormPre
 
 from tl_attnonly._types import check_token_pair, require_neuron_heads
-from tl_attnonly.analysis.graph import (
+from tl_attnonly.analysis.discovery.graph import (
     EMBED,
     LOGITS,
     MLP_REST,
@@ -58,7 +58,7 @@ def check_discoverable(model, neuron_level: bool = True) -> None:
         raise NotImplementedError(
             "Edge-level circuit discovery needs a pre-norm decoder; a BERT-style encoder "
             "normalises after each residual addition, so its residual stream is not a sum of node "
-            "outputs. Use node-level circuits: tl_attnonly.analysis.node_circuits."
+            "outputs. Use node-level circuits: tl_attnonly.analysis.discovery.node_circuits."
             "discover_node_circuit (same scores, exact runs and gate/value split, per node)."
         )
     cfg = model.cfg
@@ -306,3 +306,11 @@ def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor)
     if graph.neuron_level:
         return _kept(per_head.sum(-1, keepdim=True), dst, 2)
     return _kept(per_head.flatten(-2).unsqueeze(-1), dst, 2)
+
+
+__all__ = [
+    "BLOCK_BUDGET",
+    "check_discoverable",
+    "check_scoring_args",
+    "logit_diff_metric",
+]

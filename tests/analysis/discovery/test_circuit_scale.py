@@ -21,7 +21,7 @@ from tl_attnonly.analysis import (
     top_edges,
     top_nodes,
 )
-from tl_attnonly.analysis.node_circuits import ModelInputs, node_attribution_scores
+from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
 
 CLEAN, CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
 METRIC = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
@@ -255,7 +255,7 @@ def test_mlp_remainders_sum_their_neurons_and_run_exactly(name):
 def test_block_scores_by_pairs_and_by_rows_agree(norm):
     """The two ways of scoring one block (writer x reader products, or each row's residual
     vectors) give the same scores, chunked or not."""
-    from tl_attnonly.analysis.discovery import _block_scores
+    from tl_attnonly.analysis.discovery.edge_scores import _block_scores
 
     g = torch.Generator().manual_seed(3)
 

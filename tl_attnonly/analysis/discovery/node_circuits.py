@@ -1,6 +1,6 @@
 """Node-level circuits over attention heads and neuron-heads, for decoders and encoders alike.
 
-The edge graph of :mod:`.discovery` needs a residual stream that is a sum of node outputs (pre-norm
+The edge graph (:mod:`.edge_scores`) needs a residual stream that is a sum of node outputs (pre-norm
 decoders). BERT-style encoders (MiniLM) normalise *after* each residual addition, so there the
 circuit is a set of **nodes**: the embeddings, attention heads ``L{l}H{h}`` and neurons
 ``L{l}N{i}``. Nodes are scored by attribution patching (one forward and one backward pass per

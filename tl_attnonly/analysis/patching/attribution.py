@@ -34,9 +34,9 @@ from tl_attnonly._types import (
     check_token_pair,
     require_neuron_heads,
 )
-from tl_attnonly.analysis._resume import PATCH_BUDGET
-from tl_attnonly.analysis.output_patching import get_act_patch_outputs
-from tl_attnonly.analysis.ranking import neuron_level
+from tl_attnonly.analysis.levels import neuron_level
+from tl_attnonly.analysis.patching.outputs import get_act_patch_outputs
+from tl_attnonly.analysis.patching.resume import PATCH_BUDGET
 from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels, head_names_filter
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 

@@ -1,6 +1,6 @@
 """Exact circuit runs over the head graph, faithfulness, gate/value splits, :class:`Circuit`.
 
-A circuit is a set of edges of :class:`~tl_attnonly.analysis.graph.HeadGraph`. Its run is exact:
+A circuit is a set of edges of :class:`~tl_attnonly.analysis.discovery.HeadGraph`. Its run is exact:
 the model runs on the clean input, and every input of every node receives the corrupted residual
 stream plus the current run's change of the sources joined to it by circuit edges,
 
@@ -18,7 +18,7 @@ On a restricted graph (``nodes=``) a circuit is the circuit of the full graph wh
 a dropped node are absent: a dropped node's inputs are corrupted, so its output is too.
 
 ``discover_circuit`` (score, prune, check in one call, and the two-stage recipe for large models):
-:mod:`.circuit_search`.
+:mod:`.search`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly._types import check_token_pair
-from tl_attnonly.analysis._edges import (
+from tl_attnonly.analysis.discovery.edge_scores import EdgeScores, mask_size
+from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
+from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
@@ -48,8 +50,6 @@ from tl_attnonly.analysis._edges import (
     _writers,
     check_discoverable,
 )
-from tl_attnonly.analysis.discovery import EdgeScores, mask_size
-from tl_attnonly.analysis.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
 
 # ---------------------------------------------------------------------------------------------
 # exact circuit runs
@@ -475,7 +475,7 @@ def path_gate_value_split(
     Returns:
         ``{"gate", "value", "both", "interaction", "corrupted"}`` (metric units).
     """
-    from tl_attnonly.analysis.path_patching import path_patch, path_patch_caches
+    from tl_attnonly.analysis.patching.paths import path_patch, path_patch_caches
 
     K = model.n_heads_per_neuron
     heads = []

@@ -148,7 +148,7 @@ def _representatives(
     (``|b_k|`` for queries, ``|f_k|`` for values: never 0 for a head that reads), or head 0 as a
     sender (all ``K`` heads write ``W_out[i]``) and for keys (constant).
     """
-    from tl_attnonly.analysis.output_patching import patch_units
+    from tl_attnonly.analysis.patching.outputs import patch_units
 
     refs: list[HeadRef] = []
     labels: list[str] = []

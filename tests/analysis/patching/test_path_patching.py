@@ -1,4 +1,4 @@
-"""Receivers of path patching (tl_attnonly.analysis.path_patching.parse_receiver)."""
+"""Receivers of path patching (tl_attnonly.analysis.patching.paths.parse_receiver)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tl_attnonly.analysis import (
     path_patch_sweep,
     receiver_label,
 )
-from tl_attnonly.analysis.path_patching import Receiver, parse_receiver
+from tl_attnonly.analysis.patching.paths import Receiver, parse_receiver
 from tl_attnonly.hooks import HeadRef
 
 

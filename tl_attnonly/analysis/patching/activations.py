@@ -12,7 +12,7 @@ in a TransformerLens model, so this is exact (no linearity assumption; results e
 patching up to floating-point summation order) and costs ``c`` times the activation memory,
 bounded by ``max_bytes``. In a decoder a pass starts at the first patched layer from the
 corrupted run's residual stream, and ``z`` patches run as output deltas from the layer after
-(:mod:`~tl_attnonly.analysis.output_patching`); ``benchmarks/bench_patching.py`` times both
+(:mod:`~tl_attnonly.analysis.patching.outputs`); ``benchmarks/bench_patching.py`` times both
 against one patch per forward pass. For a *linear* approximation of every head at the cost of
 one backward pass, see :func:`tl_attnonly.analysis.attribution_patch`.
 """
@@ -36,7 +36,8 @@ from transformer_lens.patching import (
 )
 
 from tl_attnonly._types import FwdHooks, Metric, check_tokens, require_neuron_heads
-from tl_attnonly.analysis._resume import (
+from tl_attnonly.analysis.patching.outputs import PatchUnit, get_act_patch_outputs
+from tl_attnonly.analysis.patching.resume import (
     PATCH_BUDGET,
     LayerRuns,
     can_resume,
@@ -44,7 +45,6 @@ from tl_attnonly.analysis._resume import (
     patches_per_pass_for,
     run_copies,
 )
-from tl_attnonly.analysis.output_patching import PatchUnit, get_act_patch_outputs
 from tl_attnonly.hooks import (
     HeadRef,
     all_head_refs,
@@ -305,7 +305,7 @@ def run_patches(
 ) -> Float[torch.Tensor, "n_patches"]:  # noqa: F821
     """Run many patches, ``patches_per_pass`` per forward pass (batched mode).
 
-    The building block of the sweeps here and in :mod:`~tl_attnonly.analysis.path_patching`.
+    The building block of the sweeps here and in :mod:`~tl_attnonly.analysis.patching.paths`.
     Each patch is a list of ``(hook_name, fn)``; ``fn(corrupted, clean)`` edits, in place, the
     ``[batch, ...]`` slice of the activation that belongs to its copy of the batch, given the
     clean activation ``clean_cache[hook_name]`` (TransformerLens's patch setters, with the index
@@ -321,7 +321,7 @@ def run_patches(
         patches: One list of ``(hook_name, fn)`` per patch.
         patches_per_pass: Patches per pass; ``None`` chooses it from ``max_bytes``.
         max_bytes: Memory budget of one pass's batch copies (an estimate; see
-            :func:`~tl_attnonly.analysis._resume.bytes_per_copy`).
+            :func:`~tl_attnonly.analysis.patching.resume.bytes_per_copy`).
         progress: Show a progress bar.
 
     Returns:

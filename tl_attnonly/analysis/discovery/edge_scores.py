@@ -1,6 +1,6 @@
 """Circuit discovery over the unified graph of attention heads and neuron-heads.
 
-Edge attribution patching (EAP; Syed et al. 2023) on :class:`~tl_attnonly.analysis.graph.HeadGraph`:
+Edge attribution patching (EAP; Syed et al. 2023) on :class:`~.graph.HeadGraph`:
 the score of an edge ``u -> v:input`` estimates how the metric changes when the corrupted run's
 ``input`` of ``v`` receives the clean change of ``u``'s output (``clean - corrupted``) through the
 residual stream, to first order:
@@ -23,7 +23,7 @@ Scores are exact where the path is linear: an edge into the logits (no final nor
 metric linear in the logits), or into the value input of a last-layer neuron (plain: its pattern
 is unchanged; gated: its output is linear in ``u``), whose output only reaches the logits.
 Elsewhere they are estimates; check a circuit with
-:func:`~tl_attnonly.analysis.circuit_runs.circuit_metric`, which is exact: the model runs on the
+:func:`~tl_attnonly.analysis.discovery.runs.circuit_metric`, which is exact: the model runs on the
 clean input, and every input of every node receives the corrupted residual stream plus the
 current run's change of the sources joined to it by circuit edges:
 
@@ -50,7 +50,8 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis._edges import (
+from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, HeadGraph, InputGroup, edges_frame
+from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
@@ -68,7 +69,6 @@ from tl_attnonly.analysis._edges import (
     check_scoring_args,
     logit_diff_metric,
 )
-from tl_attnonly.analysis.graph import EMBED, LOGITS, HeadGraph, InputGroup, edges_frame
 from tl_attnonly.hooks import attn_head_label
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import cast
 
 import torch
 from jaxtyping import Float, Int
@@ -335,26 +335,6 @@ def _stack(
     if squeeze:
         stack = stack.squeeze(-1)
     return stack, labels
-
-
-#: Moved to :mod:`tl_attnonly.analysis.decomposition` (which imports this module); still importable
-#: from here.
-_MOVED = frozenset(
-    {
-        "decompose_resid_heads",
-        "head_logit_attrs",
-        "stack_all_head_results",
-        "stack_neuron_head_results",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from tl_attnonly.analysis import decomposition
-
-        return getattr(decomposition, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

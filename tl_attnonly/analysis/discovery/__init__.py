@@ -1,0 +1,100 @@
+"""Circuit discovery over the graph of attention heads and neuron-heads.
+
+=======================  ======================================================================
+:mod:`.graph`            the unified graph: embeddings, attention heads, neuron-heads, logits
+:mod:`.sites`            where each node of the graph reads and writes the residual stream
+:mod:`.edge_scores`      edge attribution patching (EAP, EAP-IG) over that graph, pruning
+:mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
+:mod:`.runs`             exact circuit runs (full or restricted graphs), faithfulness, gate/value
+:mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
+:mod:`.search`           discover_circuit: score, prune, check in one call; two stages
+=======================  ======================================================================
+"""
+
+from tl_attnonly.analysis.discovery.edge_scores import (
+    EdgeScores,
+    check_discoverable,
+    drop_dangling_edges,
+    edge_attribution_scores,
+    logit_diff_metric,
+    mask_size,
+    prune,
+)
+from tl_attnonly.analysis.discovery.graph import (
+    ATTN_INPUTS,
+    EMBED,
+    LOGITS,
+    MLP_REST,
+    NEURON_INPUTS,
+    HeadGraph,
+    InputGroup,
+    SourceGroup,
+    edge_label,
+    edges_frame,
+    mlp_rest_label,
+)
+from tl_attnonly.analysis.discovery.node_circuits import (
+    ModelInputs,
+    NodeCircuit,
+    NodeScores,
+    discover_node_circuit,
+    node_attribution_scores,
+    node_circuit_metrics,
+    node_labels,
+    pair_cosine_metric,
+)
+from tl_attnonly.analysis.discovery.runs import (
+    Circuit,
+    circuit_gate_value_split,
+    circuit_metric,
+    circuit_metrics,
+    faithfulness,
+    path_gate_value_split,
+)
+from tl_attnonly.analysis.discovery.search import (
+    discover_circuit,
+    top_nodes,
+)
+from tl_attnonly.analysis.discovery.streaming import (
+    TopEdges,
+    top_edges,
+)
+
+__all__ = [
+    "ATTN_INPUTS",
+    "check_discoverable",
+    "Circuit",
+    "circuit_gate_value_split",
+    "circuit_metric",
+    "circuit_metrics",
+    "discover_circuit",
+    "discover_node_circuit",
+    "drop_dangling_edges",
+    "edge_attribution_scores",
+    "edge_label",
+    "edges_frame",
+    "EdgeScores",
+    "EMBED",
+    "faithfulness",
+    "HeadGraph",
+    "InputGroup",
+    "logit_diff_metric",
+    "LOGITS",
+    "mask_size",
+    "MLP_REST",
+    "mlp_rest_label",
+    "ModelInputs",
+    "NEURON_INPUTS",
+    "node_attribution_scores",
+    "node_circuit_metrics",
+    "node_labels",
+    "NodeCircuit",
+    "NodeScores",
+    "pair_cosine_metric",
+    "path_gate_value_split",
+    "prune",
+    "SourceGroup",
+    "top_edges",
+    "top_nodes",
+    "TopEdges",
+]

@@ -1,0 +1,365 @@
+"""Convert a TransformerBridge in place: every MLP runs as neuron-heads (no weight copies).
+
+:func:`convert_bridge` (what :func:`tl_attnonly.convert` calls for a bridge) checks every layer
+first (component kind, projections, activation), builds one neuron-head layer per MLP
+(:mod:`tl_attnonly.bridge.modules`), checks each against the Hugging Face module on a small
+random input, and only then mounts them, with the bridge's own ``set_original_component``: the
+bridge component (``blocks.{l}.mlp``), its hooks and its projections stay; what it calls is the
+neuron-head layer instead of the Hugging Face MLP. The neuron-head hook points are registered on
+the component, so they are ``blocks.{l}.mlp.hook_pattern`` etc. in ``hook_dict``,
+``run_with_cache`` and ``run_with_hooks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from tl_attnonly._compat import (
+    TL_ACTIVATIONS,
+    bridge_bypasses_original,
+    mlp_config,
+    register_bridge_hooks,
+    route_through_original,
+    unregister_bridge_hooks,
+)
+from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.bridge.modules import (
+    BRIDGE_NEURON_HEAD_HOOKS,
+    BridgeGatedNeuronHeadMLP,
+    BridgeNeuronHeadLayer,
+    BridgeNeuronHeadMLP,
+    tl_matrix,
+)
+from tl_attnonly.options import ConversionOptions
+
+#: Bridge MLP components (class names) that are converted, and their projections.
+PLAIN_BRIDGES = ("MLPBridge",)
+GATED_BRIDGES = ("GatedMLPBridge",)
+
+#: Attribute names under which Hugging Face MLPs keep their activation function.
+_ACTIVATION_ATTRIBUTES = ("act_fn", "act", "activation_fn", "activation", "act_func")
+
+#: TransformerLens ``act_fn`` names tried, in this order, against an MLP's activation function.
+_CANDIDATE_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
+
+#: Attribute under which the component keeps the Hugging Face module it wrapped before
+#: conversion (restored by :func:`unconvert_bridge`).
+_ORIGINAL = "_tl_attnonly_original_mlp"
+#: Attribute under which the component keeps the torch hook handles of the bypass guard.
+_GUARD = "_tl_attnonly_guard_handles"
+
+
+@dataclass
+class _Plan:
+    """What one layer's conversion will do."""
+
+    layer: int
+    mlp_bridge: Any
+    hf_mlp: Any
+    gated: bool
+    projections: dict[str, str]
+    act_fn: str
+
+
+def _mlp_name(layer: int) -> str:
+    return f"blocks.{layer}.mlp"
+
+
+def _hf_activation(hf_mlp: Any, layer: int) -> tuple[Any, str]:
+    for name in _ACTIVATION_ATTRIBUTES:
+        fn = getattr(hf_mlp, name, None)
+        if callable(fn):
+            return fn, name
+    raise NotImplementedError(
+        f"{_mlp_name(layer)} ({type(hf_mlp).__name__}) has no activation attribute "
+        f"({', '.join(_ACTIVATION_ATTRIBUTES)}); cannot tell which activation to rewrite."
+    )
+
+
+def identify_activation(fn: Any, what: str) -> str:
+    """The TransformerLens ``act_fn`` name of a Hugging Face activation function, by value.
+
+    The function is evaluated in float64 on ``[-20, 20]`` and compared with TransformerLens's
+    functions (``silu``, ``gelu``, ``gelu_new``, ...); the first within ``1e-12`` is its name. So a
+    renamed class or a config that names one activation and runs another cannot mislead the
+    conversion.
+
+    Raises:
+        ValueError: For an activation that is none of the supported ones (named).
+    """
+    x = torch.linspace(-20, 20, 4001, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception as error:  # e.g. a module with float32 parameters
+        raise ValueError(f"{what}: could not evaluate its activation {fn!r}: {error}") from error
+    for name in _CANDIDATE_ACTIVATIONS:
+        reference = TL_ACTIVATIONS[name](x)
+        if torch.allclose(y, reference, rtol=0, atol=1e-12):
+            return name
+    raise ValueError(
+        f"{what}: its activation {type(fn).__name__} is not one neuron-heads can represent. "
+        f"Supported: SiLU (exact), ReLU, and the GELU family ({', '.join(_CANDIDATE_ACTIVATIONS)})."
+    )
+
+
+def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Plan:
+    """Check one layer and say how it will be converted (nothing is changed)."""
+    kind = type(mlp_bridge).__name__
+    name = _mlp_name(layer)
+    if kind == "MoEBridge":
+        raise NotImplementedError(
+            f"{name} is a mixture of experts (MoEBridge): converting a bridge's experts is not "
+            "supported yet. Supported bridge MLPs: plain (MLPBridge, e.g. GPT-2) and gated "
+            "(GatedMLPBridge, e.g. Llama, Qwen2, Gemma). For MoE models use TransformerLens 3.x's "
+            "HookedTransformer and tl_attnonly.convert(model) (experts as neuron-heads)."
+        )
+    if kind not in PLAIN_BRIDGES + GATED_BRIDGES:
+        raise NotImplementedError(
+            f"{name} is a {kind}, which has no neuron-head form on a bridge yet. Supported bridge "
+            "MLPs: MLPBridge (plain, e.g. GPT-2) and GatedMLPBridge (gated, e.g. Llama, Qwen2, "
+            "Gemma)."
+        )
+    hf_mlp = mlp_bridge.__dict__[_ORIGINAL] if _ORIGINAL in mlp_bridge.__dict__ else None
+    if hf_mlp is None:
+        hf_mlp = mlp_bridge.original_component
+    if hf_mlp is None:
+        raise NotImplementedError(f"{name} ({kind}) wraps no module (containerless MLP).")
+    gated = kind in GATED_BRIDGES
+    roles = ("gate", "in", "out") if gated else ("in", "out")
+    projections: dict[str, str] = {}
+    for role in roles:
+        projection = mlp_bridge._modules.get(role)
+        if projection is None or getattr(projection, "name", None) is None:
+            raise NotImplementedError(f"{name} ({kind}) has no '{role}' projection component.")
+        remote = projection.name
+        if getattr(hf_mlp, remote, None) is not projection:
+            raise NotImplementedError(
+                f"{name}: the '{role}' projection ({remote}) is not a direct submodule of "
+                f"{type(hf_mlp).__name__}; only MLPs whose projections are their own attributes "
+                "are supported."
+            )
+        tl_matrix(projection, role)  # refuses projections that are not nn.Linear / Conv1D
+        projections[role] = remote
+    fn, _ = _hf_activation(hf_mlp, layer)
+    act_fn = identify_activation(fn, f"{name} ({type(hf_mlp).__name__})")
+    options.coefficients(act_fn)  # refuses options that do not fit the activation
+    return _Plan(layer, mlp_bridge, hf_mlp, gated, projections, act_fn)
+
+
+def _build(plan: _Plan, options: ConversionOptions) -> BridgeNeuronHeadLayer:
+    out = plan.mlp_bridge._modules["out"]
+    W_out = tl_matrix(out, "out")
+    cfg = mlp_config(int(W_out.shape[1]), int(W_out.shape[0]), plan.act_fn, W_out.dtype)
+    coefficients: NeuronHeadCoefficients = options.coefficients(plan.act_fn)
+    cls = BridgeGatedNeuronHeadMLP if plan.gated else BridgeNeuronHeadMLP
+    layer = cls(plan.mlp_bridge, plan.projections, cfg, coefficients)
+    layer.fused = options.fused
+    layer.compiled = options.compiled
+    layer.train(plan.hf_mlp.training)
+    return layer
+
+
+def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
+    """Refuse a layer whose Hugging Face forward is not ``out(act(in x))`` / ``down(act(gate x)
+    * up x)``: both run on a small random input, and must agree within the neuron-heads' error
+    bound plus rounding (a structural difference is far outside it)."""
+    W_out = layer.W_out
+    if W_out.is_meta:
+        return  # no values to compare (the meta device stands in for another device in tests)
+    dtype, device = W_out.dtype, W_out.device
+    generator = torch.Generator().manual_seed(plan.layer)
+    x = torch.randn(1, 5, layer.cfg.d_model, generator=generator, dtype=torch.float64)
+    x = x.to(device=device, dtype=dtype)
+    fused = layer.fused
+    with torch.no_grad():
+        reference = plan.hf_mlp(x)
+        layer.fused = True
+        ours = layer(x)
+        layer.fused = fused
+        # The bound: |act_K - act| <= max_err per neuron (times |u| when gated), through W_out.
+        if plan.gated:
+            u = plan.mlp_bridge._modules["in"](x).abs().to(torch.float64)
+        else:
+            u = torch.ones(*x.shape[:-1], layer.d_mlp, dtype=torch.float64, device=device)
+        scale = u @ W_out.abs().to(torch.float64)
+        eps = torch.finfo(dtype).eps
+        max_err = layer.coefficients.max_abs_error()
+        bound = max_err * scale + 64 * eps * (scale + reference.abs().to(torch.float64) + 1)
+    error = (ours.to(torch.float64) - reference.to(torch.float64)).abs()
+    if not bool((error <= bound).all()):
+        raise NotImplementedError(
+            f"{_mlp_name(plan.layer)} ({type(plan.hf_mlp).__name__}): the neuron-head layer "
+            f"differs from the Hugging Face module by {float(error.max()):.3g} on a random input "
+            f"(bound {float(bound.max()):.3g}), so its forward is not the standard "
+            f"{'down(act(gate x) * up x)' if plan.gated else 'out(act(in x))'}. This MLP is not "
+            "supported; please report the architecture."
+        )
+
+
+def _guard(mlp_bridge: Any, layer: BridgeNeuronHeadLayer, index: int) -> list[Any]:
+    """Torch hooks on the bridge component that raise if a forward pass bypassed the
+    neuron-head layer (``enable_compatibility_mode()`` after conversion makes a gated bridge MLP
+    compute itself from processed weights)."""
+
+    def reset(module: nn.Module, args: Any) -> None:
+        layer._ran = False
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        if not layer._ran:
+            raise RuntimeError(
+                f"{_mlp_name(index)} ran without its neuron-heads: the bridge computed this MLP "
+                "itself (enable_compatibility_mode() after tl_attnonly.convert makes gated MLPs "
+                "use processed weights directly). Call tl_attnonly.convert(bridge) again after "
+                "enable_compatibility_mode()."
+            )
+
+    return [mlp_bridge.register_forward_pre_hook(reset), mlp_bridge.register_forward_hook(check)]
+
+
+def _mount(bridge: Any, plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
+    mlp_bridge = plan.mlp_bridge
+    _unmount(mlp_bridge)
+    mlp_bridge.__dict__[_ORIGINAL] = plan.hf_mlp
+    mlp_bridge.set_original_component(layer)
+    for name in BRIDGE_NEURON_HEAD_HOOKS:
+        setattr(mlp_bridge, f"hook_{name}", getattr(layer, f"hook_{name}"))
+    if bridge_bypasses_original(mlp_bridge):
+        route_through_original(mlp_bridge)
+    mlp_bridge.__dict__[_GUARD] = _guard(mlp_bridge, layer, plan.layer)
+
+
+def _unmount(mlp_bridge: Any) -> Any:
+    """Put the Hugging Face module back; returns it (``None`` if nothing was mounted)."""
+    hf_mlp = mlp_bridge.__dict__.pop(_ORIGINAL, None)
+    if hf_mlp is None:
+        return None
+    for handle in mlp_bridge.__dict__.pop(_GUARD, []):
+        handle.remove()
+    for name in BRIDGE_NEURON_HEAD_HOOKS:
+        hook_name = f"hook_{name}"
+        mlp_bridge._hook_registry.pop(hook_name, None)
+        mlp_bridge._modules.pop(hook_name, None)
+    mlp_bridge.set_original_component(hf_mlp)
+    return hf_mlp
+
+
+def _mlp_bridges(bridge: Any) -> list[Any]:
+    blocks = getattr(bridge, "blocks", None)
+    if blocks is None:
+        raise TypeError("This TransformerBridge has no blocks: nothing to convert.")
+    mlps = []
+    for index, block in enumerate(blocks):
+        mlp = block._modules.get("mlp")
+        if mlp is None:
+            raise NotImplementedError(
+                f"blocks.{index} has no mlp component; bridges whose blocks all have one are "
+                "supported."
+            )
+        mlps.append(mlp)
+    return mlps
+
+
+def convert_bridge(
+    bridge: Any,
+    options: ConversionOptions | None = None,
+    *,
+    progress: bool = True,
+) -> Any:
+    """Make every MLP of a ``TransformerBridge`` run as neuron-heads, **in place**.
+
+    The bridge is returned (the same object, the same class: no copy, no ``__class__`` swap).
+    Weights are shared, not copied: each neuron-head layer calls the bridge's own projection
+    components, whose parameters are the Hugging Face model's. The bridge's MLP hooks keep
+    firing with the same values (``blocks.{l}.mlp.hook_pre``, ``hook_pre_linear``, ``hook_post``,
+    ``hook_in``, ``hook_out``, ``blocks.{l}.hook_mlp_out``); the neuron-head hooks
+    (``blocks.{l}.mlp.hook_q, hook_k, hook_v, hook_attn_scores, hook_pattern, hook_z,
+    hook_result``) are added.
+
+    Calling it again (e.g. after ``enable_compatibility_mode()``, which makes gated bridge MLPs
+    compute themselves from processed weights) re-mounts every layer; a forward pass that would
+    bypass the neuron-heads raises instead of silently running the original MLP.
+
+    Args:
+        bridge: A ``transformer_lens.model_bridge.TransformerBridge`` (TransformerLens 3.x or
+            4.x).
+        options: Conversion options (default :class:`~tl_attnonly.ConversionOptions`).
+        progress: Show a progress bar over the layers.
+
+    Returns:
+        ``bridge``, converted.
+
+    Raises:
+        NotImplementedError, ValueError: Before anything is changed, for a layer that cannot be
+            converted (named: a mixture of experts, an unsupported component or projection, an
+            activation that is not SiLU, ReLU or GELU-family, a forward that is not the standard
+            one).
+    """
+    options = options or ConversionOptions()
+    mlps = _mlp_bridges(bridge)
+    plans = [_plan_layer(index, mlp, options) for index, mlp in enumerate(mlps)]
+    layers = [_build(plan, options) for plan in plans]
+    for plan, layer in zip(plans, layers):
+        _self_check(plan, layer)
+    for plan, layer in tqdm(
+        list(zip(plans, layers)), desc="neuron-heads", disable=not progress or len(plans) < 8
+    ):
+        _mount(bridge, plan, layer)
+    names = [f"{_mlp_name(p.layer)}.hook_{n}" for p in plans for n in BRIDGE_NEURON_HEAD_HOOKS]
+    register_bridge_hooks(bridge, names)
+    return bridge
+
+
+def unconvert_bridge(bridge: Any) -> Any:
+    """Undo :func:`convert_bridge` in place: every MLP runs its Hugging Face module again and the
+    neuron-head hooks are gone. Returns ``bridge``."""
+    names = []
+    for index, mlp in enumerate(_mlp_bridges(bridge)):
+        if _unmount(mlp) is not None:
+            names += [f"{_mlp_name(index)}.hook_{n}" for n in BRIDGE_NEURON_HEAD_HOOKS]
+    unregister_bridge_hooks(bridge, names)
+    return bridge
+
+
+def neuron_head_layers(bridge: Any) -> list[BridgeNeuronHeadLayer]:
+    """The neuron-head layer of every block of a converted bridge, in order.
+
+    Raises:
+        TypeError: If some MLP of ``bridge`` is not converted.
+    """
+    layers = []
+    for index, mlp in enumerate(_mlp_bridges(bridge)):
+        layer = mlp.original_component
+        if not isinstance(layer, (BridgeNeuronHeadMLP, BridgeGatedNeuronHeadMLP)):
+            raise TypeError(
+                f"{_mlp_name(index)} is not converted: call tl_attnonly.convert(bridge) first."
+            )
+        layers.append(layer)
+    return layers
+
+
+def is_converted_bridge(model: object) -> bool:
+    """Whether ``model`` is a TransformerBridge whose every MLP runs as neuron-heads."""
+    from tl_attnonly._compat import is_transformer_bridge
+
+    if not is_transformer_bridge(model):
+        return False
+    try:
+        neuron_head_layers(model)
+    except (TypeError, NotImplementedError):
+        return False
+    return True
+
+
+__all__ = [
+    "convert_bridge",
+    "identify_activation",
+    "is_converted_bridge",
+    "neuron_head_layers",
+    "unconvert_bridge",
+]
