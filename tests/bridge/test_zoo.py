@@ -75,6 +75,10 @@ _REFUSED_COMPONENTS = {
     "bloom": "BloomMLPBridge",
     "bert": "intermediate.dense",
     "mpt": "MptMLP",
+    # TL's bridge maps these MLPs onto the whole decoder layer (fc1/fc2 are the layer's own
+    # attributes): the conversion's self-check sees a layer, not out(act(in x)), and refuses.
+    "opt": "OPTDecoderLayer",
+    "xglm": "XGLMDecoderLayer",
 }
 
 
