@@ -32,9 +32,12 @@ needs_convert = pytest.mark.skipif(
 pytestmark = pytest.mark.slow
 
 
-def _bridge(hf_model, architecture: str, tokenizer=None):
+def _bridge(hf_model, architecture: str, tokenizer=None, dtype=torch.float32):
+    """A bridge around a copy of ``hf_model`` (bridging replaces the HF model's submodules with
+    bridge components, so the module-scoped model itself is never bridged)."""
     from transformer_lens.model_bridge.sources import build_bridge_from_module
 
+    hf_model = copy.deepcopy(hf_model).to(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return build_bridge_from_module(
@@ -79,6 +82,8 @@ def test_smollm2_bridge_is_the_hf_model(smollm2):
     ids = _ids(tokenizer, PROMPTS[1])
     with torch.no_grad():
         torch.testing.assert_close(bridge(ids), hf_model(ids).logits, rtol=0, atol=0)
+        # bridge.original_model is the bridged copy
+        torch.testing.assert_close(bridge(ids), bridge.original_model(ids).logits, rtol=0, atol=0)
 
 
 @needs_smollm2
@@ -116,8 +121,7 @@ def test_smollm2_converted_bridge_fp64(smollm2):
     """fp64 head path: converted vs unconverted bridge within 1e-10 (the float32 weights held
     exactly in float64)."""
     hf_model, tokenizer = smollm2
-    hf64 = copy.deepcopy(hf_model).double()
-    bridge = _bridge(hf64, "LlamaForCausalLM", tokenizer)
+    bridge = _bridge(hf_model, "LlamaForCausalLM", tokenizer, torch.float64)
     ids = torch.cat([_ids(tokenizer, p)[:, :12] for p in PROMPTS[1:]])
     with torch.no_grad():
         reference = bridge(ids)

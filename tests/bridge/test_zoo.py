@@ -10,6 +10,7 @@ from zoo import (
     ZOO,
     bridge_convert_available,
     build_bridge,
+    build_hf_model,
     convert_zoo_bridge,
     tokens,
 )
@@ -101,7 +102,7 @@ EXACT_TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 #: Rounding slack per neuron of the head path (fp32 / fp64).
 SLACK = {torch.float32: 1e-5, torch.float64: 1e-12}
 #: Approximate conversion: max |dlogit| <= LOGIT_FACTOR * the heads' max activation error (the
-#: convention of tests/test_convert.py; measured factors are 2-5 on this zoo, see
+#: convention of tests/test_convert.py; measured factors are 1.6-50 on this zoo, see
 #: docs/bridge_zoo.md).
 LOGIT_FACTOR = 100
 
@@ -177,3 +178,25 @@ def test_refusal_is_clear_and_changes_nothing(name):
     with torch.no_grad():
         assert torch.equal(bridge(toks), reference)
     assert not any("hook_pattern" in key for key in bridge.hook_dict if ".mlp." in key)
+
+
+@needs_convert
+def test_twice_bridged_model_is_refused_naming_the_layer():
+    """Bridging one HF model twice is legal (both bridges reproduce its logits) but nests
+    ``LinearBridge`` in ``LinearBridge``; converting either is refused, and the refusal must
+    name the layer like every other refusal (it did not: "The MLP's gate projection is a
+    LinearBridge; ..." with no ``blocks.{l}.mlp``)."""
+    from transformer_lens.model_bridge.sources import build_bridge_from_module
+
+    model, config = build_hf_model("llama", torch.float64)
+    with torch.no_grad():
+        reference = model(tokens()).logits
+    first = build_bridge_from_module(model, "LlamaForCausalLM", hf_config=config)
+    second = build_bridge_from_module(model, "LlamaForCausalLM", hf_config=config)
+    with torch.no_grad():
+        assert torch.equal(second(tokens()), reference)
+        assert torch.equal(first(tokens()), reference)
+    for bridge in (second, first):
+        with pytest.raises(REFUSALS) as info:
+            convert_zoo_bridge(bridge)
+        assert "blocks.0.mlp" in str(info.value), str(info.value)
