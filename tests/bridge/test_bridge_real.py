@@ -77,20 +77,27 @@ def _outputs(bridge, tokenizer, ioi) -> dict[str, torch.Tensor]:
 
 @needs_smollm2
 def test_smollm2_bridge_is_the_hf_model(smollm2):
+    """The unconverted bridge reproduces the HF model to fp32 rounding (measured 3.8e-5: the two
+    do not run attention through the same kernels)."""
     hf_model, tokenizer = smollm2
     bridge = _bridge(hf_model, "LlamaForCausalLM", tokenizer)
     ids = _ids(tokenizer, PROMPTS[1])
     with torch.no_grad():
-        torch.testing.assert_close(bridge(ids), hf_model(ids).logits, rtol=0, atol=0)
-        # bridge.original_model is the bridged copy
-        torch.testing.assert_close(bridge(ids), bridge.original_model(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(bridge(ids), hf_model(ids).logits, rtol=0, atol=1e-4)
 
 
 @needs_smollm2
 @needs_convert
 def test_smollm2_converted_bridge_keeps_logits_paris_and_ioi(smollm2):
-    """fp32, default and head path: logits within fp32 rounding, " Paris" still the argmax after
-    "The capital of France is", the IOI logit differences unchanged (16 prompts)."""
+    """Converted vs unconverted bridge on the 3 prompts and 16 IOI prompts (right-padded):
+
+    * default options (fused: SiLU is ``F.silu``), fp32: bit-identical logits;
+    * head path (``fused=False``), fp64: within 1e-10;
+    * head path, fp32: within 2x the fp32 rounding floor (max |unconverted fp32 - unconverted
+      fp64| on the same inputs);
+    * " Paris" stays the argmax after "The capital of France is", the IOI logit differences
+      (IO - S at the end) move by less than 1e-3.
+    """
     from tl_attnonly.bridge import unconvert_bridge
 
     hf_model, tokenizer = smollm2
@@ -100,33 +107,32 @@ def test_smollm2_converted_bridge_keeps_logits_paris_and_ioi(smollm2):
     paris = _ids(tokenizer, " Paris")[0, 0]
     assert reference["prompt0"][0, -1].argmax() == paris
     assert reference["ioi_diff"].mean() > 2  # the model does IOI
+
+    bridge64 = _bridge(hf_model, "LlamaForCausalLM", tokenizer, torch.float64)
+    reference64 = _outputs(bridge64, tokenizer, ioi)
+    convert_zoo_bridge(bridge64, fused=False)
+    heads64 = _outputs(bridge64, tokenizer, ioi)
+    del bridge64
+    floor = max((reference[k].double() - reference64[k]).abs().max().item() for k in reference)
+    measured = {"fp32 floor": floor}
     try:
-        for options in ({}, {"fused": False}):
+        for path, options in (("fused fp32", {}), ("heads fp32", {"fused": False})):
             convert_zoo_bridge(bridge, **options)
             got = _outputs(bridge, tokenizer, ioi)
             assert "blocks.29.mlp.hook_pattern" in bridge.hook_dict
-            for key, value in reference.items():
-                diff = (got[key] - value).abs().max().item()
-                # fused SiLU is F.silu: bit-identical; heads: fp32 rounding (measured <= 3e-5)
-                assert diff <= (0 if not options else 2e-4), (options, key, diff)
+            measured[path] = max((got[k] - reference[k]).abs().max().item() for k in reference)
+            measured[path + " ioi"] = (got["ioi_diff"] - reference["ioi_diff"]).abs().max().item()
             assert got["prompt0"][0, -1].argmax() == paris
             unconvert_bridge(bridge)
     finally:
         unconvert_bridge(bridge)
-
-
-@needs_smollm2
-@needs_convert
-def test_smollm2_converted_bridge_fp64(smollm2):
-    """fp64 head path: converted vs unconverted bridge within 1e-10 (the float32 weights held
-    exactly in float64)."""
-    hf_model, tokenizer = smollm2
-    bridge = _bridge(hf_model, "LlamaForCausalLM", tokenizer, torch.float64)
-    ids = torch.cat([_ids(tokenizer, p)[:, :12] for p in PROMPTS[1:]])
-    with torch.no_grad():
-        reference = bridge(ids)
-        logits = convert_zoo_bridge(bridge, fused=False)(ids)
-    assert (logits - reference).abs().max().item() <= 1e-10
+    measured["heads fp64"] = max((heads64[k] - reference64[k]).abs().max().item() for k in heads64)
+    measured["ioi diff mean"] = reference["ioi_diff"].mean().item()
+    print(f"SmolLM2 bridge, max |dlogit| converted vs unconverted: {measured}")
+    assert measured["fused fp32"] == 0, measured
+    assert measured["heads fp64"] <= 1e-10, measured
+    assert measured["heads fp32"] <= 2 * floor, measured
+    assert measured["heads fp32 ioi"] < 1e-3 and measured["fused fp32 ioi"] == 0, measured
 
 
 @pytest.fixture(scope="module")
