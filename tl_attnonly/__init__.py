@@ -76,6 +76,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "bridge":  # the subpackage, so tl_attnonly.bridge.* works after import tl_attnonly
+        return importlib.import_module("tl_attnonly.bridge")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tl_attnonly' has no attribute {name!r}")

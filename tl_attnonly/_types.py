@@ -10,12 +10,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from jaxtyping import Float
 
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 class CoefficientsLike(Protocol):
@@ -66,6 +67,10 @@ def check_kinds(kinds: Kinds) -> tuple[HeadKind, ...]:
 def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     """``model`` if it has structured neuron-heads, else a ``TypeError`` that says what to do.
 
+    A ``TransformerBridge`` (converted or not) is refused with directions: the analysis tools read
+    an :class:`~tl_attnonly.AttnOnlyTransformer`'s structure; a converted bridge exposes the same
+    hooks and per-layer head weights, used directly (see ``docs/bridge.md``).
+
     Args:
         model: Anything; accepted: an :class:`~tl_attnonly.AttnOnlyTransformer` or
             :class:`~tl_attnonly.AttnOnlyEncoder`.
@@ -73,6 +78,30 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     Returns:
         ``model``, typed as a converted model.
     """
+    from tl_attnonly._compat import is_transformer_bridge
+
+    if is_transformer_bridge(model):
+        from tl_attnonly.bridge import is_converted_bridge
+
+        first = (
+            "This TransformerBridge is converted, but the analysis tools (tl_attnonly.analysis, "
+            "tl_attnonly.vis, tl_attnonly.report) work on an AttnOnlyTransformer "
+            "(TransformerLens 3.x: tl_attnonly.convert(hooked_transformer)) and do not read a "
+            "bridge yet."
+            if is_converted_bridge(model)
+            else "This TransformerBridge is not converted (tl_attnonly.convert(bridge) converts "
+            "it in place), and the analysis tools (tl_attnonly.analysis, tl_attnonly.vis, "
+            "tl_attnonly.report) do not read a bridge yet."
+        )
+        raise TypeError(
+            f"{first} On a converted bridge use its hooks with run_with_cache / run_with_hooks: "
+            "blocks.{l}.mlp.hook_pattern [batch, head, pos, (self, bias)], hook_z, hook_q, "
+            "hook_v, hook_result (set use_neuron_result on the layers), and the head weights of "
+            "tl_attnonly.bridge.neuron_head_layers(bridge)[l] (W_Q, W_V, W_O, coefficients, "
+            "derive_activation)."
+        )
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
     if isinstance(model, NeuronHeadModelMixin):
         from tl_attnonly.components.moe_neuron_heads import NeuronHeadMoE
 

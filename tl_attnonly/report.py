@@ -1,6 +1,11 @@
 """One self-contained HTML report of a converted model on one prompt (``tl-attnonly demo``).
 
 The page embeds its JavaScript (plotly.js and circuitsvis's bundle, once each), so it opens offline
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, NO_HOOKED_TRANSFORMER
+
+if not HAS_HOOKED_TRANSFORMER:  # TransformerLens 4.x: refuse at import, before any work
+    raise ImportError(f"{__name__} {NO_HOOKED_TRANSFORMER}")
+
 from a file. Sections: the equivalence table, the neuron-head attention patterns of each layer
 (circuitsvis, the bias token drawn as the first token ``<bias>``), the neuron-head activity
 heatmaps, an attribution-patching heatmap over every head, and the GELU-fit error curves.

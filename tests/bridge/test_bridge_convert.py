@@ -95,7 +95,8 @@ def test_bridge_mlp_hooks_keep_their_values(arch, tokens):
     pre-activations; the rest within the logit tolerance for SiLU)."""
     bridge = make_bridge(arch)
     names = _mlp_hook_names(bridge, 0) + _mlp_hook_names(bridge, 1)
-    assert "blocks.0.mlp.hook_pre" in names and "blocks.0.mlp.hook_post" in names
+    for hook in ("mlp.hook_in", "mlp.hook_pre", "mlp.hook_post", "mlp.hook_out", "hook_mlp_out"):
+        assert f"blocks.0.{hook}" in names
     _, ref = bridge.run_with_cache(tokens, names_filter=names)
     tl_attnonly.convert(bridge)
     _, cache = bridge.run_with_cache(tokens, names_filter=names)
@@ -190,8 +191,10 @@ def test_weights_are_shared_not_copied(arch, tokens):
     bridge = make_bridge(arch)
     params_before = {name: p.data_ptr() for name, p in bridge.named_parameters()}
     numel = sum(p.numel() for p in bridge.parameters())
+    state_before = {name: t.data_ptr() for name, t in bridge.state_dict().items()}
     tl_attnonly.convert(bridge)
     assert {name: p.data_ptr() for name, p in bridge.named_parameters()} == params_before
+    assert {name: t.data_ptr() for name, t in bridge.state_dict().items()} == state_before
     assert sum(p.numel() for p in bridge.parameters()) == numel
     layer = neuron_head_layers(bridge)[0]
     assert not list(layer.parameters(recurse=False)), "the neuron-head layer owns no weights"
@@ -374,12 +377,89 @@ def test_each_layer_lives_on_its_mlps_device(tokens):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpu_split(tokens):
-    bridge = make_bridge("llama")
-    reference = bridge(tokens)
-    bridge.blocks[1].to("cuda:1")
-    bridge.blocks[0].to("cuda:0")
+    """Layers split over two GPUs with accelerate's device map: each neuron-head layer computes
+    on its MLP's GPU and the logits equal the unconverted split bridge's."""
+    from accelerate import dispatch_model
+    from bridge_models import ARCHITECTURES, build_bridge_from_module, make_hf
+
+    hf, config = make_hf("llama")
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.norm": 1,
+        "lm_head": 1,
+    }
+    hf = dispatch_model(hf, device_map=device_map)
+    bridge = build_bridge_from_module(hf, ARCHITECTURES["llama"][0], hf_config=config)
+    reference = bridge(tokens.to("cuda:0")).cpu()
     tl_attnonly.convert(bridge)
     first, second = neuron_head_layers(bridge)
     assert first.device == torch.device("cuda:0") and second.device == torch.device("cuda:1")
-    logits = bridge(tokens.to("cuda:0"))
-    torch.testing.assert_close(logits.cpu(), reference, rtol=0, atol=1e-10)
+    torch.testing.assert_close(bridge(tokens.to("cuda:0")).cpu(), reference, rtol=0, atol=1e-10)
+
+
+def test_relu_mlp_converts_within_the_sigmoid_bound(tokens):
+    bridge = make_bridge("llama", hidden_act="relu")
+    _, ref = bridge.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_post")
+    tl_attnonly.convert(bridge, ConversionOptions(relu_k=1000.0))
+    layer = neuron_head_layers(bridge)[0]
+    assert layer.coefficients.activation == "relu"
+    _, cache = bridge.run_with_cache(
+        tokens, names_filter=["blocks.0.mlp.hook_post", "blocks.0.mlp.hook_pre_linear"]
+    )
+    bound = layer.coefficients.max_abs_error() * cache["blocks.0.mlp.hook_pre_linear"].abs()
+    error = (cache["blocks.0.mlp.hook_post"] - ref["blocks.0.mlp.hook_post"]).abs()
+    assert (error <= bound + 1e-12).all() and error.max() > 0
+
+
+def test_hook_result_edit_reaches_the_output(tokens):
+    """With per-head results on, zeroing every head's result leaves the output bias only."""
+    from tl_attnonly.bridge import set_use_neuron_result
+
+    bridge = tl_attnonly.convert(make_bridge("gpt2"))
+    set_use_neuron_result(bridge, True)
+    reference = bridge(tokens)
+
+    def zero(result, hook):
+        return torch.zeros_like(result)
+
+    _, cache = bridge.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_out")
+    assert not torch.allclose(cache["blocks.0.mlp.hook_out"], neuron_head_layers(bridge)[0].b_O)
+    stored = {}
+    bridge.run_with_hooks(
+        tokens,
+        fwd_hooks=[
+            ("blocks.0.mlp.hook_result", zero),
+            ("blocks.0.mlp.hook_out", lambda out, hook: stored.setdefault("out", out.clone())),
+        ],
+    )
+    b_O = neuron_head_layers(bridge)[0].b_O
+    torch.testing.assert_close(stored["out"], b_O.expand_as(stored["out"]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(bridge(tokens), reference, rtol=0, atol=0)
+
+
+def test_gradients_match_unconverted(tokens):
+    bridge = make_bridge("llama")
+    bridge(tokens).logsumexp(-1).sum().backward()
+    params = bridge.named_parameters()
+    reference = {name: p.grad.clone() for name, p in params if p.grad is not None}
+    bridge.zero_grad()
+    tl_attnonly.convert(bridge)
+    bridge(tokens).logsumexp(-1).sum().backward()
+    grads = {name: p.grad for name, p in bridge.named_parameters() if p.grad is not None}
+    assert grads.keys() == reference.keys() and any("mlp" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_train_mode_keeps_gpt2_mlp_dropout(tokens):
+    bridge = make_bridge("gpt2", resid_pdrop=0.5)
+    tl_attnonly.convert(bridge)
+    layer = neuron_head_layers(bridge)[0]
+    assert isinstance(layer.dropout, torch.nn.Dropout) and layer.dropout.p == 0.5
+    bridge.train()
+    _, cache = bridge.run_with_cache(tokens, names_filter="blocks.0.mlp.hook_out")
+    out = cache["blocks.0.mlp.hook_out"]
+    assert (out == 0).float().mean() > 0.3, "half the MLP output is dropped in train mode"

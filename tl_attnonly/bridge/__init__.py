@@ -8,6 +8,7 @@ from tl_attnonly.bridge.convert import (
     identify_activation,
     is_converted_bridge,
     neuron_head_layers,
+    set_use_neuron_result,
     unconvert_bridge,
 )
 from tl_attnonly.bridge.modules import (
@@ -24,5 +25,6 @@ __all__ = [
     "identify_activation",
     "is_converted_bridge",
     "neuron_head_layers",
+    "set_use_neuron_result",
     "unconvert_bridge",
 ]

@@ -159,6 +159,9 @@ def _build(plan: _Plan, options: ConversionOptions) -> BridgeNeuronHeadLayer:
     coefficients: NeuronHeadCoefficients = options.coefficients(plan.act_fn)
     cls = BridgeGatedNeuronHeadMLP if plan.gated else BridgeNeuronHeadMLP
     layer = cls(plan.mlp_bridge, plan.projections, cfg, coefficients)
+    dropout = getattr(plan.hf_mlp, "dropout", None)
+    if isinstance(dropout, nn.Dropout):  # GPT-2: dropout(c_proj(...)), kept as it is
+        layer.add_module("dropout", dropout)
     layer.fused = options.fused
     layer.compiled = options.compiled
     layer.train(plan.hf_mlp.training)
@@ -343,6 +346,13 @@ def neuron_head_layers(bridge: Any) -> list[BridgeNeuronHeadLayer]:
     return layers
 
 
+def set_use_neuron_result(bridge: Any, use_neuron_result: bool) -> None:
+    """Turn per-head results (``blocks.{l}.mlp.hook_result``) on or off in every layer of a
+    converted bridge (like ``AttnOnlyTransformer.set_use_neuron_result``)."""
+    for layer in neuron_head_layers(bridge):
+        layer.use_neuron_result = use_neuron_result
+
+
 def is_converted_bridge(model: object) -> bool:
     """Whether ``model`` is a TransformerBridge whose every MLP runs as neuron-heads."""
     from tl_attnonly._compat import is_transformer_bridge
@@ -361,5 +371,6 @@ __all__ = [
     "identify_activation",
     "is_converted_bridge",
     "neuron_head_layers",
+    "set_use_neuron_result",
     "unconvert_bridge",
 ]

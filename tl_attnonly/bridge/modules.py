@@ -106,9 +106,13 @@ class _BridgeLayer:
         projection's hooks fire); with ``use_neuron_result``, ``hook_result`` fires on the
         per-head results and an edit of them reaches the output."""
         out = self._projection("out")(post)
+        dropout = self._modules.get("dropout")
+        if dropout is not None:  # GPT-2's MLP: dropout(c_proj(...)), identity in eval mode
+            out = dropout(out)
         if z is None or not self.use_neuron_result:
             return out
-        result = z * self.W_O.squeeze(1)  # [batch, pos, n_neuron_heads, d_model]
+        # [batch, pos, n_neuron_heads, d_model] (an edit reaches the output; not dropped out)
+        result = z * self.W_O.squeeze(1)
         if not has_hooks(self.hook_result):
             self.hook_result(result)
             return out
