@@ -244,11 +244,11 @@ def tl_official_model_name(model_name: str) -> str | None:
     """The Hugging Face repository TL's ``from_pretrained`` loads ``model_name`` from, or ``None``
     for a name (or alias) TL does not know (no network: TL's own table)."""
     try:  # TransformerLens 3.x; 4.x moved it to ``supported_models``
-        from transformer_lens.loading_from_pretrained import get_official_model_name
+        module = importlib.import_module("transformer_lens.loading_from_pretrained")
     except ImportError:
-        from transformer_lens.supported_models import get_official_model_name
+        module = importlib.import_module("transformer_lens.supported_models")
     try:
-        return get_official_model_name(model_name)
+        return module.get_official_model_name(model_name)
     except ValueError:
         return None
 
