@@ -3,19 +3,24 @@
 * :data:`Metric`: what patching and attribution differentiate or evaluate.
 * :data:`HeadsLike`: a selection of head indices.
 * :data:`Kinds` and :func:`check_kinds`: which kinds of head (``"attn"``, ``"neuron"``).
-* :func:`require_neuron_heads`: refuse, with directions, a model that is not converted.
+* :func:`require_neuron_heads`: refuse, with directions, a model that is not converted
+  (:func:`is_converted` says whether it is).
+
+This is the bottom layer: it imports nothing from the package at run time
+(``tests/test_import_graph.py`` checks it).
 * :func:`require_additive_residual`: refuse decompositions on post-norm models.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
 
 import torch
 from jaxtyping import Float
 
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+if TYPE_CHECKING:  # for annotations only: this module imports nothing of the package above it
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 class CoefficientsLike(Protocol):
@@ -63,6 +68,19 @@ def check_kinds(kinds: Kinds) -> tuple[HeadKind, ...]:
     return tuple(kind for kind in HEAD_KINDS if kind in kinds)
 
 
+def is_converted(model: object) -> TypeGuard[NeuronHeadModelMixin]:
+    """Whether ``model`` has structured neuron-heads (a converted decoder or encoder).
+
+    Duck-typed on what the converted models' mixin (:class:`~tl_attnonly.neuron_head_model.
+    NeuronHeadModelMixin`) defines, ``neuron_heads`` and ``set_use_neuron_result``, so this bottom
+    module needs no import of the model classes.
+    """
+    cls = type(model)
+    return isinstance(getattr(cls, "neuron_heads", None), property) and callable(
+        getattr(cls, "set_use_neuron_result", None)
+    )
+
+
 def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     """``model`` if it has structured neuron-heads, else a ``TypeError`` that says what to do.
 
@@ -73,10 +91,8 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     Returns:
         ``model``, typed as a converted model.
     """
-    if isinstance(model, NeuronHeadModelMixin):
-        from tl_attnonly.components.moe_neuron_heads import NeuronHeadMoE
-
-        if any(isinstance(mlp, NeuronHeadMoE) for mlp in model.neuron_heads):
+    if is_converted(model):
+        if any(getattr(mlp, "is_mixture_of_experts", False) for mlp in model.neuron_heads):
             raise NotImplementedError(
                 "The analysis tools work on dense neuron-head layers; this model's MLPs are "
                 "mixtures of experts (NeuronHeadMoE), whose experts see only the tokens routed to "
@@ -85,9 +101,7 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
                 "with run_with_cache / run_with_hooks."
             )
         return model
-    from tl_attnonly.literal.transformer import LiteralTransformer
-
-    if isinstance(model, LiteralTransformer):
+    if getattr(model, "is_literal_form", False):
         raise TypeError(
             "The analysis tools work on the structured form; a LiteralTransformer has no "
             "structured neuron-heads. Analyse tl_attnonly.convert(model) instead, or use the "
@@ -179,6 +193,7 @@ __all__ = [
     "check_kinds",
     "check_token_pair",
     "check_tokens",
+    "is_converted",
     "require_additive_residual",
     "require_neuron_heads",
 ]

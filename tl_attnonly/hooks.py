@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from jaxtyping import Float
@@ -17,7 +17,9 @@ from transformer_lens import HookedRootModule
 
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Neuron-head hook -> shape, for docs and checks.
 NEURON_HOOK_SHAPES = {

@@ -478,7 +478,7 @@ def _directory_mode(directory: Path) -> int:
 
 
 def _version() -> str:
-    from tl_attnonly import __version__
+    from tl_attnonly._version import __version__
 
     return __version__
 

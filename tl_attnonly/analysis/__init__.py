@@ -36,13 +36,13 @@ from tl_attnonly.analysis.circuits import (
     CompositionScores,
     bias_token_homogeneous,
     composition_scores,
+    composition_top_k,
     homogeneous,
     neuron_attn_scores_from_circuit,
     neuron_full_ov_circuit,
     neuron_full_qk_circuit,
     neuron_ov_circuit,
     neuron_qk_circuit,
-    top_k,
 )
 from tl_attnonly.analysis.discovery import (
     Circuit,
@@ -77,9 +77,9 @@ from tl_attnonly.analysis.ioi import (
     make_ioi_dataset,
 )
 from tl_attnonly.analysis.levels import (
-    composition_top_k,
     neuron_level,
     neuron_level_pairs,
+    top_k,
 )
 from tl_attnonly.analysis.patching import (
     LOGITS,

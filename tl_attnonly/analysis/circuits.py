@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
 from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.analysis.levels import top_k
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
@@ -71,7 +72,10 @@ def bias_token_homogeneous(model: NeuronHeadModelMixin) -> torch.Tensor:
     return model.W_E.new_zeros(model.cfg.d_model + 1)
 
 
-def _layers(model: NeuronHeadModelMixin, layer: int | None) -> list[int]:
+def layer_indices(model: NeuronHeadModelMixin, layer: int | None) -> list[int]:
+    """``[layer]``, or every layer for ``None``; a ``ValueError`` for a layer out of range.
+
+    """
     require_neuron_heads(model)
     if layer is None:
         return list(range(model.cfg.n_layers))
@@ -126,7 +130,7 @@ def neuron_ov_circuit(
     Raises:
         ValueError: For a gated layer without ``per_unit_u=True``.
     """
-    layers = _layers(model, layer)
+    layers = layer_indices(model, layer)
     # [n_neuron_heads, d_model, 1]
     A = [_value_weights(model.blocks[li].mlp, per_unit_u) for li in layers]
     B = [model.blocks[li].mlp.W_O for li in layers]  # [n_neuron_heads, 1, d_model]
@@ -152,7 +156,7 @@ def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> 
         ``FactoredMatrix`` ``[n_neuron_heads, d_model + 1, d_model + 1]`` (``[n_layers, ...]``
         for all layers), inner dimension 1: ``A = [W_Q; b_Q]``, ``B = [W_K; b_K]^T``.
     """
-    layers = _layers(model, layer)
+    layers = layer_indices(model, layer)
     A = [_query_homogeneous(model.blocks[li].mlp) for li in layers]
     B = [_key_homogeneous(model.blocks[li].mlp) for li in layers]
     return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
@@ -187,7 +191,7 @@ def neuron_full_ov_circuit(
     and everything between the embedding, the head and the unembedding. Gated layers: per unit of
     ``u`` with ``per_unit_u=True``, else refused (see :func:`neuron_ov_circuit`).
     """
-    mlp = model.blocks[_layers(model, layer)[0]].mlp
+    mlp = model.blocks[layer_indices(model, layer)[0]].mlp
     return FactoredMatrix(model.W_E @ _value_weights(mlp, per_unit_u), mlp.W_O @ model.W_U)
 
 
@@ -199,7 +203,7 @@ def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredM
     constant, and a neuron-head sees only its own token among them). Ignores LayerNorm and
     positional embeddings, as TransformerLens's full QK circuits do.
     """
-    mlp = model.blocks[_layers(model, layer)[0]].mlp
+    mlp = model.blocks[layer_indices(model, layer)[0]].mlp
     keys = torch.cat([bias_token_homogeneous(model)[None], homogeneous(model.W_E)])
     return FactoredMatrix(
         homogeneous(model.W_E) @ _query_homogeneous(mlp), _key_homogeneous(mlp) @ keys.T
@@ -314,7 +318,7 @@ def composition_scores(
     """
     if mode not in ("Q", "K", "V"):
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
-    _layers(model, None)
+    layer_indices(model, None)
     with torch.no_grad():
         return _composition_scores(model, mode, senders, receivers, max_bytes, progress, per_unit_u)
 
@@ -337,14 +341,16 @@ def _composition_scores(
             "all_head_refs(model, layers=[3])) or raise max_bytes."
         )
     scores = model.W_E.new_zeros(len(send), len(recv))
-    for rows, cols, block in _composition_blocks(model, mode, send, recv, progress, per_unit_u):
+    for rows, cols, block in composition_blocks(model, mode, send, recv, progress, per_unit_u):
         scores[rows[:, None], cols[None, :]] = block.to(scores.dtype)
     return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
 
 
-def _composition_blocks(model, mode, send, recv, progress, per_unit_u):
+def composition_blocks(model, mode, send, recv, progress, per_unit_u):
     """``(sender rows, receiver columns, scores)`` for every block of pairs in which the receiver
-    reads after the sender writes; a block holds at most :data:`_SENDERS_PER_BLOCK` senders."""
+    reads after the sender writes; a block holds at most :data:`_SENDERS_PER_BLOCK` senders.
+
+    Used by :func:`composition_scores` and :func:`composition_top_k`."""
     # Receiver side: collapsed [d_model, rank] per head and its norm, grouped by (kind, layer).
     recv_groups: dict[tuple[str, int], list[int]] = {}
     for j, ref in enumerate(recv):
@@ -379,6 +385,108 @@ def _composition_blocks(model, mode, send, recv, progress, per_unit_u):
                 yield torch.tensor(rows[part]), col_index, block
 
 
+def composition_top_k(
+    model,
+    mode: Literal["Q", "K", "V"],
+    k: int = 10,
+    senders: Sequence[str | HeadRef] | None = None,
+    receivers: Sequence[str | HeadRef] | None = None,
+    *,
+    largest: bool = True,
+    progress: bool = False,
+    per_unit_u: bool = False,
+    level: Literal["neuron", "head"] = "neuron",
+) -> pd.DataFrame:
+    """The ``k`` strongest (or weakest) composition pairs, streamed block by block: the full score
+    matrix is never built, so every head of a large model fits (memory: one block at a time).
+
+    The same pairs and scores as ``composition_scores(model, mode, senders, receivers).top_k(k,
+    level=level)`` (tested); pairs whose receiver reads before the sender writes are left out.
+
+    At ``level="neuron"`` (the default) a neuron is one entry, ``L{l}N{i}``, not ``K``: its heads
+    write the same ``W_out[i]`` and read multiples of one column of ``W_in`` (``b_k``, ``f_k``
+    times it), and composition scores are scale-free, so every head of a neuron has the neuron's
+    score; one head per neuron is scored (``K^2`` times fewer pairs).
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        mode: ``"Q"``, ``"K"`` or ``"V"``.
+        k: How many pairs.
+        senders: Heads that write (labels or :class:`HeadRef`); default every head.
+        receivers: Heads that read; default every head.
+        largest: Strongest (default) or weakest pairs.
+        progress: Show a progress bar over sender groups.
+        per_unit_u: As for :func:`~tl_attnonly.analysis.composition_scores` (gated models).
+        level: ``"neuron"`` (default; labels ``L{l}N{i}``) or ``"head"`` (``L{l}N{i}.{k}``).
+            At neuron level a head in ``senders``/``receivers`` stands for its neuron.
+
+    Returns:
+        A DataFrame with columns ``sender, receiver, score``.
+    """
+    if mode not in ("Q", "K", "V"):
+        raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    layer_indices(model, None)
+    K = model.n_heads_per_neuron
+    if level == "neuron" and K > 1:
+        send, send_labels = _representatives(model, senders, None)
+        recv, recv_labels = _representatives(model, receivers, mode)
+    else:
+        send = (
+            all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
+        )
+        recv = (
+            all_head_refs(model)
+            if receivers is None
+            else [parse_head_label(r, K) for r in receivers]
+        )
+        send_labels, recv_labels = head_labels(send, K), head_labels(recv, K)
+    dtype = model.W_E.dtype
+    best = torch.empty(0, dtype=dtype)
+    pairs = torch.empty(0, 2, dtype=torch.long)
+    with torch.no_grad():
+        for rows, cols, block in composition_blocks(model, mode, send, recv, progress, per_unit_u):
+            block = block.to(dtype).flatten()
+            top = block.topk(min(k, block.numel()), largest=largest)
+            found = torch.stack((rows[top.indices // len(cols)], cols[top.indices % len(cols)]), 1)
+            best, pairs = torch.cat((best, top.values)), torch.cat((pairs, found))
+            keep = best.topk(min(k, best.numel()), largest=largest).indices
+            best, pairs = best[keep], pairs[keep]
+    order = best.sort(descending=largest, stable=True).indices
+    return pd.DataFrame(
+        {
+            "sender": [send_labels[i] for i in pairs[order, 0].tolist()],
+            "receiver": [recv_labels[j] for j in pairs[order, 1].tolist()],
+            "score": best[order].cpu().numpy(),
+        }
+    )
+
+
+def _representatives(
+    model, specs: Sequence[str | HeadRef] | None, mode: str | None
+) -> tuple[list[HeadRef], list[str]]:
+    """One head per unit (attention head or neuron) and the units' labels.
+
+    A neuron's representative is the head whose coefficient scales the neuron's read the most
+    (``|b_k|`` for queries, ``|f_k|`` for values: never 0 for a head that reads), or head 0 as a
+    sender (all ``K`` heads write ``W_out[i]``) and for keys (constant).
+    """
+    from tl_attnonly.analysis.patching.outputs import patch_units
+
+    refs: list[HeadRef] = []
+    labels: list[str] = []
+    for unit in patch_units(model, specs, level="neuron"):
+        pick = 0
+        if unit.kind == "neuron" and mode in ("Q", "V"):
+            coefficients = model.neuron_heads[unit.layer].coefficients
+            values = coefficients.b if mode == "Q" else coefficients.f
+            pick = max(range(len(values)), key=lambda k: abs(values[k]))
+        refs.append(HeadRef(unit.kind, unit.layer, unit.heads[pick]))
+        labels.append(unit.label)
+    return refs, labels
+
+
 def _pair_norms(
     left: Float[torch.Tensor, "n_s r_s d_model"], right: Float[torch.Tensor, "n_r d_model r_r"]
 ) -> Float[torch.Tensor, "n_s n_r"]:
@@ -395,82 +503,16 @@ def _pair_norms(
     return torch.cat(out)
 
 
-def top_k(
-    scores: torch.Tensor,
-    row_labels: Sequence[str],
-    col_labels: Sequence[str] | None = None,
-    k: int = 10,
-    largest: bool = True,
-    absolute: bool = False,
-    level: Literal["neuron", "head"] = "neuron",
-) -> pd.DataFrame:
-    """The ``k`` largest (or smallest) entries of a labelled score vector or matrix.
-
-    Ranked per neuron by default. A vector of additive per-head scores (attribution estimates, DLA,
-    ``z``) sums the ``K`` heads ``L{l}N{i}.{k}`` of a neuron into ``L{l}N{i}``
-    (:func:`~tl_attnonly.analysis.levels.neuron_level`); exact patching effects do not add up
-    (patch neurons with ``get_act_patch_outputs(level="neuron")``). A matrix of pair scores
-    (composition scores, where a neuron's ``K`` heads all have the neuron's score) keeps the
-    maximum over each pair of units' heads
-    (:func:`~tl_attnonly.analysis.levels.neuron_level_pairs`).
-
-    Args:
-        scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
-            scores).
-        row_labels: Labels of the first axis.
-        col_labels: Labels of the second axis (2-d scores only).
-        k: How many entries.
-        largest: Largest (default) or smallest first.
-        absolute: Rank by ``|score|`` (the table still shows the signed score).
-        level: ``"neuron"`` (default) ranks units (neurons and attention heads): sums of heads
-            for vectors, the maximum over heads for matrices; ``"head"`` ranks the heads.
-
-    Returns:
-        A DataFrame with columns ``label, score`` (1-d) or ``sender, receiver, score`` (2-d).
-    """
-    if scores.ndim not in (1, 2):
-        raise ValueError(f"scores must be 1-d or 2-d, got shape {tuple(scores.shape)}.")
-    if scores.shape[0] != len(row_labels) or (
-        scores.ndim == 2 and (col_labels is None or scores.shape[1] != len(col_labels))
-    ):
-        raise ValueError("Labels must match the scores' shape (col_labels for 2-d scores).")
-    if level not in ("neuron", "head"):
-        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
-    if scores.ndim == 1 and level == "neuron":
-        from tl_attnonly.analysis.levels import neuron_level
-
-        scores, row_labels = neuron_level(scores, row_labels)
-    elif level == "neuron" and col_labels is not None:
-        from tl_attnonly.analysis.levels import neuron_level_pairs
-
-        scores, row_labels, col_labels = neuron_level_pairs(scores, row_labels, col_labels)
-    flat = scores.detach().flatten()
-    key = flat.abs() if absolute else flat
-    idx = key.topk(min(k, flat.numel()), largest=largest).indices
-    if scores.ndim == 1:
-        return pd.DataFrame(
-            {"label": [row_labels[i] for i in idx.tolist()], "score": flat[idx].cpu().numpy()}
-        )
-    n_cols = scores.shape[1]
-    return pd.DataFrame(
-        {
-            "sender": [row_labels[i // n_cols] for i in idx.tolist()],
-            "receiver": [col_labels[i % n_cols] for i in idx.tolist()],  # type: ignore[index]
-            "score": flat[idx].cpu().numpy(),
-        }
-    )
-
-
 __all__ = [
     "SCORES_BUDGET",
     "CompositionScores",
     "bias_token_homogeneous",
     "composition_scores",
+    "composition_top_k",
     "homogeneous",
     "neuron_attn_scores_from_circuit",
     "neuron_full_ov_circuit",
     "neuron_full_qk_circuit",
     "neuron_ov_circuit",
     "neuron_qk_circuit",
-    "top_k",
 ]
