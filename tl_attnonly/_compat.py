@@ -16,6 +16,10 @@ against the installed versions.
 ``TypedModuleList``                 the typed ``nn.ModuleList`` TL's models declare ``blocks`` as
 ``convert_bert_weights``            TL's BERT / LLaMA state-dict conversions (``pretrained.``
 ``convert_llama_weights``           ``weight_conversions``, imported when called)
+:func:`make_model_alias_map`        TL 3.x's ``loading_from_pretrained.make_model_alias_map``
+                                    (gone in TL 4), rebuilt from the public ``supported_models``
+:func:`put_tensor`                  torch's private ``_parameters`` / ``_buffers`` dictionaries:
+                                    put a given tensor itself at a dotted name
 ==================================  ==============================================================
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
 from transformer_lens.hook_points import HookPoint
@@ -94,6 +99,42 @@ def convert_llama_weights(*args: Any, **kwargs: Any) -> Any:
     return convert(*args, **kwargs)
 
 
+def make_model_alias_map() -> dict[str, str]:
+    """Every TransformerLens model name and alias, lowercased -> the official name.
+
+    TransformerLens 3.x builds this in ``loading_from_pretrained.make_model_alias_map``, which 4.x
+    removed; both keep ``OFFICIAL_MODEL_NAMES`` and ``MODEL_ALIASES`` in the public
+    ``transformer_lens.supported_models``, from which this builds the same map.
+    """
+    from transformer_lens.supported_models import MODEL_ALIASES, OFFICIAL_MODEL_NAMES
+
+    aliases: dict[str, str] = {}
+    for official in OFFICIAL_MODEL_NAMES:
+        for alias in MODEL_ALIASES.get(official, []):
+            aliases[alias.lower()] = official
+        aliases[official.lower()] = official
+    return aliases
+
+
+def put_tensor(root: nn.Module, name: str, tensor: torch.Tensor, *, buffer: bool = False) -> None:
+    """Make ``tensor`` itself (no copy, no checks) the parameter or buffer at dotted ``name``.
+
+    Writes torch's private ``_parameters`` / ``_buffers`` dictionaries of the owning submodule:
+    ``setattr`` refuses a plain tensor where a parameter is registered, and ``register_buffer``
+    would reset a non-persistent buffer to persistent.
+
+    Args:
+        root: The module ``name`` is relative to.
+        name: E.g. ``"W_in"`` or ``"experts.0.W_gate.weight"``.
+        tensor: The tensor to put there (an ``nn.Parameter`` for a parameter).
+        buffer: Put it among the buffers instead of the parameters.
+    """
+    module_name, _, leaf = name.rpartition(".")
+    module = root.get_submodule(module_name)
+    store = module._buffers if buffer else module._parameters
+    store[leaf] = tensor  # type: ignore[assignment]
+
+
 __all__ = [
     "POST_NORM_ARCHITECTURES",
     "TL_ACTIVATIONS",
@@ -104,6 +145,8 @@ __all__ = [
     "convert_bert_weights",
     "convert_llama_weights",
     "has_hooks",
+    "make_model_alias_map",
+    "put_tensor",
     "rotary_base",
     "softcap_enabled",
 ]

@@ -23,8 +23,8 @@ from typing import Any, ClassVar, Dict, cast
 import torch
 import torch.nn as nn
 from jaxtyping import Float
+from transformer_lens import HookedTransformerConfig
 from transformer_lens.components import MoE
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients

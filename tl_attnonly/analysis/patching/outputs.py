@@ -256,7 +256,7 @@ def _delta_pass(
     mask = _position_mask(chunk_pos, dz.shape[1], delta)
     if mask is not None:
         delta = delta * mask
-    w_out = model.blocks[layer].mlp._out_matrix  # [d_mlp, d_model]
+    w_out = model.blocks[layer].mlp.out_matrix  # [d_mlp, d_model]
     rows = w_out[torch.tensor([u.heads[0] // K for u in units], device=w_out.device)]
     resid = runs.resid(layer + 1)  # [batch, pos, d_model]
     patched = resid + delta.to(resid.device)[..., None] * rows[:, None, None, :]
