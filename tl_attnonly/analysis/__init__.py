@@ -84,6 +84,7 @@ from tl_attnonly.analysis.levels import (
 from tl_attnonly.analysis.patching import (
     LOGITS,
     AttributionCheck,
+    PatchingOptions,
     PatchUnit,
     Receiver,
     attribute_then_patch,
@@ -130,6 +131,7 @@ __all__ = [
     "neuron_head_patch_index",
     "parse_receiver",
     "patch_units",
+    "PatchingOptions",
     "PatchUnit",
     "path_patch",
     "path_patch_caches",

@@ -5,6 +5,7 @@
 :mod:`.outputs`        exact patching of head / neuron outputs, batched from the layer on
 :mod:`.paths`          path patching between heads (IOI style), sweeps and grids
 :mod:`.attribution`    attribution patching (gradient estimate for every head), then exact checks
+:mod:`.options`        :class:`PatchingOptions`: batching, memory budget, progress, positions
 :mod:`.resume`         internal: resume a forward pass from a layer, many patches per pass
 =====================  ======================================================================
 """
@@ -26,6 +27,7 @@ from tl_attnonly.analysis.patching.attribution import (
     pooled_cosine_metric,
     rank_agreement,
 )
+from tl_attnonly.analysis.patching.options import PatchingOptions
 from tl_attnonly.analysis.patching.outputs import (
     PatchUnit,
     get_act_patch_outputs,
@@ -56,6 +58,7 @@ __all__ = [
     "parse_receiver",
     "patch_units",
     "PatchFn",
+    "PatchingOptions",
     "PatchUnit",
     "path_patch",
     "path_patch_caches",

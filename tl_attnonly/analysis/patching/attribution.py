@@ -35,8 +35,8 @@ from tl_attnonly._types import (
     require_neuron_heads,
 )
 from tl_attnonly.analysis.levels import neuron_level
+from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import get_act_patch_outputs
-from tl_attnonly.analysis.patching.resume import PATCH_BUDGET
 from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels, head_names_filter
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
@@ -275,9 +275,8 @@ def attribute_then_patch(
     kinds: Sequence[str] = ("attn", "neuron"),
     absolute: bool = True,
     clean_cache: ActivationCache | None = None,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> AttributionCheck:
     """Rank every head by attribution patching, then patch the top ``k`` exactly, in one call.
 
@@ -301,10 +300,22 @@ def attribute_then_patch(
             (``names_filter=head_names_filter("z")``); made here if not given.
         patches_per_pass, max_bytes: Batching of the exact patches (memory budget in bytes).
         progress: Show progress bars.
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``patches_per_pass``,
+            ``max_bytes``, ``progress``); each is also accepted by keyword, replacing the one in
+            ``options``.
 
     Returns:
         An :class:`AttributionCheck`: the table of the ``k`` units and the rank agreement.
     """
+    opts = resolve_patching_options(
+        "attribute_then_patch",
+        options,
+        overrides,
+        supported=("patches_per_pass", "max_bytes", "progress"),
+    )
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     require_neuron_heads(model)
     check_token_pair(clean_tokens, corrupted_tokens)
     if level not in ("neuron", "head"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -32,8 +33,8 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric, check_token_pair, require_neuron_heads
+from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.resume import (
-    PATCH_BUDGET,
     LayerRuns,
     can_resume,
     metric_of_copies,
@@ -287,11 +288,10 @@ def path_patch_sweep(
     patching_metric: Metric,
     *,
     senders: Sequence[str | HeadRef] | None = None,
-    patches_per_pass: int | None = 16,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
     clean_cache: ActivationCache | None = None,
     corrupted_cache: ActivationCache | None = None,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> tuple[Float[torch.Tensor, "n_senders"], list[str]]:  # noqa: F821
     """Path patching from each sender alone to ``receivers`` (the IOI paper's per-head plots).
 
@@ -303,11 +303,24 @@ def path_patch_sweep(
         patches_per_pass: Senders per pair of passes; ``None``: as many as ``max_bytes`` allows.
         max_bytes: Memory budget of a pass's copies of the batch (``MemoryError`` beyond it).
         Others: As in :func:`path_patch`.
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``patches_per_pass``,
+            ``max_bytes``, ``progress``); each is also accepted by keyword, replacing the one in
+            ``options`` (default here: ``PatchingOptions(patches_per_pass=16)``).
 
     Returns:
         ``(metric for each sender [n_senders], sender labels)``, float64 on the CPU like
         :func:`path_patch_receiver_sweep`.
     """
+    opts = resolve_patching_options(
+        "path_patch_sweep",
+        options,
+        overrides,
+        supported=("patches_per_pass", "max_bytes", "progress"),
+        default=PatchingOptions(patches_per_pass=16),
+    )
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     parsed, clean_cache, corrupted_cache = _prepare(
         model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
     )
@@ -341,11 +354,10 @@ def path_patch_receiver_sweep(
     patching_metric: Metric,
     *,
     receivers: Iterable[str | HeadRef | tuple | Receiver] | None = None,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
     clean_cache: ActivationCache | None = None,
     corrupted_cache: ActivationCache | None = None,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> tuple[Float[torch.Tensor, "n_receivers"], list[str]]:  # noqa: F821
     """Path patching from a fixed set of ``senders`` to each receiver alone.
 
@@ -362,11 +374,23 @@ def path_patch_receiver_sweep(
         max_bytes: Memory budget of a pass's copies of the batch (``MemoryError`` beyond it).
         progress: Show a progress bar over passes.
         Others: As in :func:`path_patch`.
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``patches_per_pass``,
+            ``max_bytes``, ``progress``); each is also accepted by keyword, replacing the one in
+            ``options``.
 
     Returns:
         ``(metric for each receiver [n_receivers], receiver labels)``, float64; labels as
         :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
     """
+    opts = resolve_patching_options(
+        "path_patch_receiver_sweep",
+        options,
+        overrides,
+        supported=("patches_per_pass", "max_bytes", "progress"),
+    )
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     specs: list = list(all_head_refs(model)) + [LOGITS] if receivers is None else list(receivers)
     sweep = _ReceiverSweep(
         model,
@@ -470,11 +494,10 @@ def path_patch_grid(
     receivers: Sequence[str | HeadRef | tuple | Receiver],
     patching_metric: Metric,
     *,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
     clean_cache: ActivationCache | None = None,
     corrupted_cache: ActivationCache | None = None,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> tuple[Float[torch.Tensor, "n_senders n_receivers"], list[str], list[str]]:
     """Path patching from each sender alone to each receiver alone: a sender x receiver grid.
 
@@ -486,10 +509,22 @@ def path_patch_grid(
         senders: Head labels or :class:`HeadRef` s, one row each.
         receivers: Receiver specs, one column each.
         Others: As in :func:`path_patch_receiver_sweep`.
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``patches_per_pass``,
+            ``max_bytes``, ``progress``); each is also accepted by keyword, replacing the one in
+            ``options``.
 
     Returns:
         ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
     """
+    opts = resolve_patching_options(
+        "path_patch_grid",
+        options,
+        overrides,
+        supported=("patches_per_pass", "max_bytes", "progress"),
+    )
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     sweep = _ReceiverSweep(
         model,
         clean_tokens,
