@@ -39,7 +39,7 @@ that position's ``u`` (``hook_pre_linear``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -163,7 +163,7 @@ def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> 
 
 
 def neuron_attn_scores_from_circuit(
-    model, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
+    model: NeuronHeadModelMixin, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
 ) -> Float[torch.Tensor, "batch n_neuron_heads query_pos 2"]:
     """The neuron-heads' compact scores ``(self, bias)`` computed from :func:`neuron_qk_circuit`.
 
@@ -346,7 +346,14 @@ def _composition_scores(
     return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
 
 
-def composition_blocks(model, mode, send, recv, progress, per_unit_u):
+def composition_blocks(
+    model: NeuronHeadModelMixin,
+    mode: str,
+    send: list[HeadRef],
+    recv: list[HeadRef],
+    progress: bool,
+    per_unit_u: bool,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(sender rows, receiver columns, scores)`` for every block of pairs in which the receiver
     reads after the sender writes; a block holds at most :data:`_SENDERS_PER_BLOCK` senders.
 
@@ -386,7 +393,7 @@ def composition_blocks(model, mode, send, recv, progress, per_unit_u):
 
 
 def composition_top_k(
-    model,
+    model: NeuronHeadModelMixin,
     mode: Literal["Q", "K", "V"],
     k: int = 10,
     senders: Sequence[str | HeadRef] | None = None,
@@ -464,7 +471,7 @@ def composition_top_k(
 
 
 def _representatives(
-    model, specs: Sequence[str | HeadRef] | None, mode: str | None
+    model: NeuronHeadModelMixin, specs: Sequence[str | HeadRef] | None, mode: str | None
 ) -> tuple[list[HeadRef], list[str]]:
     """One head per unit (attention head or neuron) and the units' labels.
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import pandas as pd
 import torch
@@ -53,6 +54,9 @@ from transformer_lens.components import LayerNorm, LayerNormPre
 
 from tl_attnonly._types import require_additive_residual
 from tl_attnonly.hooks import attn_names_filter, exact_names_filter
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
 
 #: Templates with ``{A} {B}`` (the two names introduced), ``{C}`` (the one who gives: S2),
 #: ``{PLACE}`` and ``{OBJECT}``; after Wang et al. (2022), Appendix E.
@@ -268,7 +272,7 @@ class IOIDataset:
         return metric
 
 
-def _single_token(model, word: str) -> int:
+def _single_token(model: HookedTransformer, word: str) -> int:
     ids = model.to_tokens(" " + word, prepend_bos=False)[0]
     if ids.numel() != 1:
         raise ValueError(
@@ -278,7 +282,7 @@ def _single_token(model, word: str) -> int:
     return int(ids[0])
 
 
-def _tokenize(model, prompt: str, prepend_bos: bool | None) -> torch.Tensor:
+def _tokenize(model: HookedTransformer, prompt: str, prepend_bos: bool | None) -> torch.Tensor:
     return model.to_tokens(prompt, prepend_bos=prepend_bos, move_to_device=False)[0]
 
 
@@ -293,7 +297,7 @@ def _find(row: torch.Tensor, token: int, count: int, what: str, prompt: str) -> 
 
 
 def make_ioi_dataset(
-    model,
+    model: HookedTransformer,
     n_prompts: int,
     *,
     corruption: str = "abc",
@@ -384,6 +388,8 @@ def make_ioi_dataset(
         row_orders.append(order)
     length = max(r[0].shape[0] for r in rows)
     tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ValueError("make_ioi_dataset needs a model with a tokenizer (model.tokenizer).")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pad = 0 if pad is None else int(pad)
     tokens = torch.full((n_prompts, length), pad, dtype=torch.long)
@@ -528,7 +534,7 @@ class IOIHeadScores:
 
 
 def ioi_head_scores(
-    model,
+    model: HookedTransformer,
     dataset: IOIDataset,
     *,
     corrupted: bool = False,
@@ -585,12 +591,13 @@ def ioi_head_scores(
 
 
 def _batch_scores(
-    model, part: IOIDataset, tokens: torch.Tensor, names_filter
+    model: HookedTransformer, part: IOIDataset, tokens: torch.Tensor, names_filter
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """One batch: ``logit_diff [batch]``, ``{score: [batch, n_layers, n_heads]}``, ``dla_io``
     and ``dla_s`` (``[batch, n_layers, n_heads]``), on the CPU."""
     device = tokens.device
-    logits, cache = model.run_with_cache(tokens, names_filter=names_filter)
+    output, cache = model.run_with_cache(tokens, names_filter=names_filter)
+    logits = cast(torch.Tensor, output)  # return_type "logits" (the default)
     rows = torch.arange(len(part), device=device)
     end = part.end_pos.to(device)
     attention = {}

@@ -27,6 +27,7 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float, Int
@@ -34,6 +35,10 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.hooks import neuron_act_name, neuron_head_label
+
+if TYPE_CHECKING:
+    from tl_attnonly.encoder import AttnOnlyEncoder
+    from tl_attnonly.model import AttnOnlyTransformer
 
 #: Rankings kept per neuron-head: by weight on self, and by |z|.
 RANKINGS = ("self", "abs_z")
@@ -74,7 +79,9 @@ def stdlib_corpus(
         )
 
 
-def _token_rows(model, corpus: Iterable, max_len: int) -> Iterator[torch.Tensor]:
+def _token_rows(
+    model: AttnOnlyTransformer | AttnOnlyEncoder, corpus: Iterable, max_len: int
+) -> Iterator[torch.Tensor]:
     """1-d token tensors of at most ``max_len`` tokens (strings tokenised with BOS)."""
     for item in corpus:
         if isinstance(item, str) and hasattr(model, "encoder_output"):  # BERT-style: [CLS] .. [SEP]
@@ -392,7 +399,7 @@ def _merge_top(
 
 
 def summarize_neuron_heads(
-    model,
+    model: AttnOnlyTransformer | AttnOnlyEncoder,
     corpus: Iterable[str | torch.Tensor] | None = None,
     *,
     k: int = 10,
@@ -427,6 +434,7 @@ def summarize_neuron_heads(
     """
     require_neuron_heads(model)
     cfg = model.cfg
+    assert cfg.d_mlp is not None  # a converted model has MLPs
     L, N, K, V = cfg.n_layers, cfg.d_mlp, model.n_heads_per_neuron, cfg.d_vocab
     H = N * K
     window = before + after + 1
@@ -463,7 +471,7 @@ def summarize_neuron_heads(
         for i, row in enumerate(batch):
             tokens[i, : row.shape[0]] = row.cpu()
         valid = torch.arange(pad)[None, :] < lengths[:, None]  # [batch, pos]
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if hasattr(model, "encoder_output"):  # bidirectional: padding must be masked out
             kwargs["one_zero_attention_mask"] = valid.long().to(device)
         with torch.no_grad():

@@ -9,7 +9,7 @@ the stack, or ``(stack, labels)`` with ``return_labels=True``.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 from jaxtyping import Float, Int
@@ -25,9 +25,12 @@ from tl_attnonly.analysis.cache.views import (
     stack_components,
 )
 
+if TYPE_CHECKING:
+    from tl_attnonly.model import AttnOnlyTransformer
+
 
 def _logit_directions(
-    model, tokens, incorrect_tokens
+    model: AttnOnlyTransformer, tokens, incorrect_tokens
 ) -> Float[torch.Tensor, "*batch_and_pos d_model"]:
     """``W_U[:, tokens]`` (minus ``W_U[:, incorrect_tokens]``), times ``ln_final.w`` if any.
 

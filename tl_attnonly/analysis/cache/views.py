@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -38,6 +38,9 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds, require_additive_residual, require_neuron_heads
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
 STACK_BUDGET = 2 * 2**30
@@ -60,7 +63,7 @@ def cache_model(cache: ActivationCache):
     return model
 
 
-def _resolve_layer(model, layer: int | None) -> int:
+def _resolve_layer(model: NeuronHeadModelMixin, layer: int | None) -> int:
     n_layers = model.cfg.n_layers
     if layer is None or layer == -1:
         return n_layers
@@ -129,7 +132,7 @@ def _normalize_projection(
     return project_output_onto, False
 
 
-def _accumulated_bias(model, layer: int, mlp_input: bool) -> torch.Tensor:
+def _accumulated_bias(model: NeuronHeadModelMixin, layer: int, mlp_input: bool) -> torch.Tensor:
     """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32)."""
     bias = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
     for li in range(layer):
