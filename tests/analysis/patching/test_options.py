@@ -81,17 +81,17 @@ def test_an_option_a_function_does_not_use_is_refused(setup, call):
 
 
 def test_path_sweep_keeps_its_default_of_16_patches_per_pass(setup, monkeypatch):
-    import tl_attnonly.analysis.patching.paths as paths
+    import tl_attnonly.analysis.patching.sweeps as sweeps
 
     seen = []
-    original = paths.resolve_patching_options
+    original = sweeps.resolve_patching_options
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out.patches_per_pass)
         return out
 
-    monkeypatch.setattr(paths, "resolve_patching_options", spy)
+    monkeypatch.setattr(sweeps, "resolve_patching_options", spy)
     model, clean, corrupted, _ = setup
     path_patch_sweep(model, clean, corrupted, ["L1N0.0"], metric, senders=["L0H0"], progress=False)
     path_patch_sweep(
