@@ -107,6 +107,7 @@ from tl_attnonly.analysis.patching import (
 )
 from tl_attnonly.analysis.summaries import (
     NeuronHeadSummaries,
+    SummaryOptions,
     stdlib_corpus,
     summarize_neuron_heads,
 )
@@ -190,6 +191,7 @@ __all__ = [
     "make_ioi_dataset",
     # summaries
     "NeuronHeadSummaries",
+    "SummaryOptions",
     "stdlib_corpus",
     "summarize_neuron_heads",
 ]

@@ -68,10 +68,10 @@ def attribution_patch(
     *,
     activation_name: str = "z",
     kinds: Sequence[str] = ("attn", "neuron"),
-    per_position: bool = False,
-    progress: bool = False,
     metric_input: str | None = None,
     forward_kwargs: dict[str, Any] | None = None,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> tuple[torch.Tensor, list[str]]:
     """Attribution-patching estimate of patching each head's clean activation into the corrupted
     run.
@@ -104,6 +104,9 @@ def attribution_patch(
                 encoder, clean, corrupted, pooled_cosine_metric(mask), metric_input=last,
                 forward_kwargs=dict(one_zero_attention_mask=mask),
             )
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``per_position``, ``progress``);
+            each is also accepted by keyword, replacing the one in ``options`` (default here:
+            ``PatchingOptions(progress=False)``).
 
     Returns:
         ``(estimated change of the metric, labels)``: ``[n_heads]`` or ``[n_heads, pos]``, heads
@@ -111,6 +114,15 @@ def attribution_patch(
         as :func:`~tl_attnonly.analysis.get_act_patch_all_heads`. Estimates are of
         ``metric(patched) - metric(corrupted)``.
     """
+    opts = resolve_patching_options(
+        "attribution_patch",
+        options,
+        overrides,
+        supported=("per_position", "progress"),
+        default=PatchingOptions(progress=False),
+    )
+    per_position = opts.per_position
+    progress = opts.progress
     require_neuron_heads(model)
     if activation_name not in ATTRIBUTION_KINDS:
         raise ValueError(

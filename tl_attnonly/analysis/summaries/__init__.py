@@ -23,12 +23,17 @@ Modules: :mod:`~tl_attnonly.analysis.summaries.collect` (streaming the corpus) a
 :mod:`~tl_attnonly.analysis.summaries.results` (:class:`NeuronHeadSummaries`).
 """
 
-from tl_attnonly.analysis.summaries.collect import stdlib_corpus, summarize_neuron_heads
+from tl_attnonly.analysis.summaries.collect import (
+    SummaryOptions,
+    stdlib_corpus,
+    summarize_neuron_heads,
+)
 from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
 
 __all__ = [
     "RANKINGS",
     "NeuronHeadSummaries",
+    "SummaryOptions",
     "TopContexts",
     "stdlib_corpus",
     "summarize_neuron_heads",

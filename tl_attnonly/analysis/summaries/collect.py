@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,19 +143,53 @@ def _merge_top(
     )
 
 
+@dataclass(frozen=True)
+class SummaryOptions:
+    """Options of :func:`summarize_neuron_heads` (each also accepted by keyword there).
+
+    Attributes:
+        k: Top contexts kept per head and ranking.
+        before, after: Context tokens kept around each top position.
+        max_len: Longest token row (longer rows are split); default ``model.cfg.n_ctx``.
+        batch_size: Rows per forward pass (rows are right-padded; padding is never counted).
+        max_rows: Stop after this many rows.
+        token_stats: Record per-token statistics (``[layers, heads, d_vocab]`` counters).
+        max_bytes: Refuse, before any work, when the statistics would need more memory.
+        progress: Progress bar over batches.
+    """
+
+    k: int = 10
+    before: int = 12
+    after: int = 3
+    max_len: int | None = None
+    batch_size: int = 16
+    max_rows: int | None = None
+    token_stats: bool = True
+    max_bytes: int = 2**30
+    progress: bool = True
+
+    def with_overrides(self, **changes: Any) -> SummaryOptions:
+        """A copy with the given fields replaced.
+
+        Raises:
+            TypeError: For a name that is not an option, listing the options.
+        """
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(
+                f"Unknown summary option(s) {unknown}; the options are {names} "
+                "(tl_attnonly.analysis.SummaryOptions)."
+            )
+        return dataclasses.replace(self, **changes)
+
+
 def summarize_neuron_heads(
     model: AttnOnlyTransformer | AttnOnlyEncoder,
     corpus: Iterable[str | torch.Tensor] | None = None,
     *,
-    k: int = 10,
-    before: int = 12,
-    after: int = 3,
-    max_len: int | None = None,
-    batch_size: int = 16,
-    max_rows: int | None = None,
-    token_stats: bool = True,
-    max_bytes: int = 2**30,
-    progress: bool = True,
+    options: SummaryOptions | None = None,
+    **overrides: Any,
 ) -> NeuronHeadSummaries:
     """Stream ``corpus`` through ``model`` and summarise every neuron-head (module docstring).
 
@@ -171,10 +207,24 @@ def summarize_neuron_heads(
         token_stats: Record per-token statistics (``[layers, heads, d_vocab]`` counters).
         max_bytes: Refuse, before any work, when the statistics would need more memory.
         progress: Progress bar over batches.
+        options: A :class:`SummaryOptions` holding the options above (``k`` to ``progress``);
+            each is also accepted by keyword, replacing the one in ``options``.
 
     Returns:
         :class:`NeuronHeadSummaries`.
+
+    Raises:
+        TypeError: For a keyword that is not an option (naming :class:`SummaryOptions`).
     """
+    if options is not None and not isinstance(options, SummaryOptions):
+        raise TypeError(
+            "summarize_neuron_heads(..., options=...) takes a "
+            f"tl_attnonly.analysis.SummaryOptions, got {type(options).__name__}."
+        )
+    opts = (options or SummaryOptions()).with_overrides(**overrides)
+    k, before, after, max_len = opts.k, opts.before, opts.after, opts.max_len
+    batch_size, max_rows, token_stats = opts.batch_size, opts.max_rows, opts.token_stats
+    max_bytes, progress = opts.max_bytes, opts.progress
     require_neuron_heads(model)
     cfg = model.cfg
     assert cfg.d_mlp is not None  # a converted model has MLPs
@@ -260,6 +310,7 @@ def summarize_neuron_heads(
 
 __all__ = [
     "STDLIB_MODULES",
+    "SummaryOptions",
     "stdlib_corpus",
     "summarize_neuron_heads",
 ]
