@@ -6,8 +6,9 @@ Four rooms, each one idea:
 :mod:`.cache`                   per-head results, residual decomposition, direct logit attribution
 :mod:`.patching`                activation, output and path patching; attribution patching
 :mod:`.discovery`               the head graph, edge scores, exact circuit runs, discover_circuit
-:mod:`.circuits`                OV / QK / full circuits of neuron-heads, composition scores, top-k
-:mod:`.levels`                  neuron-level aggregation of rankings, streamed composition top-k
+:mod:`.circuits`                OV / QK / full circuits of neuron-heads
+:mod:`.composition`             composition scores, streamed composition top-k
+:mod:`.levels`                  top_k of labelled scores, neuron-level aggregation
 :mod:`.ioi`                     IOI prompts, head roles (name mover, S-inhibition, ...)
 :mod:`.summaries`               dataset-level neuron-head summaries (top contexts, firing, tokens)
 ==============================  ==================================================================
@@ -33,16 +34,18 @@ from tl_attnonly.analysis.cache import (
     stack_neuron_head_results,
 )
 from tl_attnonly.analysis.circuits import (
-    CompositionScores,
     bias_token_homogeneous,
-    composition_scores,
-    composition_top_k,
     homogeneous,
     neuron_attn_scores_from_circuit,
     neuron_full_ov_circuit,
     neuron_full_qk_circuit,
     neuron_ov_circuit,
     neuron_qk_circuit,
+)
+from tl_attnonly.analysis.composition import (
+    CompositionScores,
+    composition_scores,
+    composition_top_k,
 )
 from tl_attnonly.analysis.discovery import (
     Circuit,
