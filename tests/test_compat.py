@@ -114,3 +114,28 @@ def test_hf_offline_mode_switches_huggingface_hub_and_transformers():
     with hf_offline_mode():
         assert constants.HF_HUB_OFFLINE and is_offline_mode()
     assert constants.HF_HUB_OFFLINE == before
+
+
+def test_model_alias_map_is_transformer_lens_own():
+    from tl_attnonly._compat import make_model_alias_map
+
+    ours = make_model_alias_map()
+    assert ours["gpt2"] == "gpt2" and ours["gpt2-small"] == "gpt2"
+    try:  # TransformerLens 3.x still has its own; 4.x removed it
+        from transformer_lens.loading_from_pretrained import make_model_alias_map as theirs
+    except ImportError:
+        return
+    assert ours == theirs()
+
+
+def test_put_tensor_puts_the_tensor_itself_and_keeps_buffer_persistence():
+    from tl_attnonly._compat import put_tensor
+
+    root = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    root[0].register_buffer("scratch", torch.zeros(1), persistent=False)
+    weight = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float64))
+    scratch = torch.ones(1)
+    put_tensor(root, "0.weight", weight)
+    put_tensor(root, "0.scratch", scratch, buffer=True)
+    assert root[0].weight is weight and root[0].scratch is scratch
+    assert "0.scratch" not in root.state_dict()  # still non-persistent

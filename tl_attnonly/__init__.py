@@ -14,9 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from tl_attnonly._version import __version__
 from tl_attnonly.convert import convert
-
-__version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _LAZY = {

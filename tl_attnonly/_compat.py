@@ -28,6 +28,10 @@ against the installed versions.
 :func:`bridge_bypasses_original`    whether a bridge MLP computes itself from processed weights
 :func:`route_through_original`      (TL's private ``_use_processed_weights``) and making it call
                                     its wrapped module instead
+:func:`make_model_alias_map`        TL 3.x's ``loading_from_pretrained.make_model_alias_map``
+                                    (gone in TL 4), rebuilt from the public ``supported_models``
+:func:`put_tensor`                  torch's private ``_parameters`` / ``_buffers`` dictionaries:
+                                    put a given tensor itself at a dotted name
 ==================================  ==============================================================
 """
 
@@ -85,6 +89,9 @@ class _MLPBase(nn.Module):
         """``self.act_fn``: TransformerLens's function of ``cfg.act_fn``."""
         self.act_fn = TL_ACTIVATIONS[self.cfg.act_fn]
 
+
+if TYPE_CHECKING:
+    from transformer_lens.model_bridge import TransformerBridge as TransformerBridge
 
 if TYPE_CHECKING or HAS_HOOKED_TRANSFORMER:
     from transformer_lens.components.mlps.can_be_used_as_mlp import CanBeUsedAsMLP
@@ -179,6 +186,27 @@ def route_through_original(mlp_bridge: nn.Module) -> None:
     ``_use_processed_weights``). Only for components whose processed weights also live in their
     projection submodules, which the wrapped module then calls (TL 3.9 and 4.x gated MLPs)."""
     mlp_bridge.__dict__["_use_processed_weights"] = False
+
+def child_module(module: nn.Module, name: str) -> nn.Module | None:
+    """``module``'s direct submodule ``name``, or ``None`` (torch's private ``_modules``: unlike
+    ``getattr``, it finds no parameter, buffer or plain attribute of that name)."""
+    return module._modules.get(name)
+
+
+def unmount_component_hook(component: nn.Module, hook_name: str) -> None:
+    """Remove a hook point mounted on a bridge component: from the component's hook registry
+    (TL's private ``_hook_registry``) and its submodules (torch's private ``_modules``)."""
+    component.__dict__.get("_hook_registry", {}).pop(hook_name, None)
+    component._modules.pop(hook_name, None)
+
+
+def build_bridge_from_module(*args: Any, **kwargs: Any) -> Any:
+    """TransformerLens's ``build_bridge_from_module`` (``model_bridge.sources``, 3.9 and 4.x): a
+    ``TransformerBridge`` over a Hugging Face model already in memory, offline."""
+    from transformer_lens.model_bridge.sources import build_bridge_from_module as build
+
+    return build(*args, **kwargs)
+
 
 #: torch's per-module hook dictionaries (private attributes of ``nn.Module``).
 _TORCH_HOOK_DICTS = (
@@ -279,9 +307,46 @@ def hf_offline_mode() -> Iterator[None]:
         yield
     finally:
         constants.HF_HUB_OFFLINE = before
+def make_model_alias_map() -> dict[str, str]:
+    """Every TransformerLens model name and alias, lowercased -> the official name.
+
+    TransformerLens 3.x builds this in ``loading_from_pretrained.make_model_alias_map``, which 4.x
+    removed; both keep ``OFFICIAL_MODEL_NAMES`` and ``MODEL_ALIASES`` in the public
+    ``transformer_lens.supported_models``, from which this builds the same map.
+    """
+    from transformer_lens.supported_models import MODEL_ALIASES, OFFICIAL_MODEL_NAMES
+
+    aliases: dict[str, str] = {}
+    for official in OFFICIAL_MODEL_NAMES:
+        for alias in MODEL_ALIASES.get(official, []):
+            aliases[alias.lower()] = official
+        aliases[official.lower()] = official
+    return aliases
+
+
+def put_tensor(root: nn.Module, name: str, tensor: torch.Tensor, *, buffer: bool = False) -> None:
+    """Make ``tensor`` itself (no copy, no checks) the parameter or buffer at dotted ``name``.
+
+    Writes torch's private ``_parameters`` / ``_buffers`` dictionaries of the owning submodule:
+    ``setattr`` refuses a plain tensor where a parameter is registered, and ``register_buffer``
+    would reset a non-persistent buffer to persistent.
+
+    Args:
+        root: The module ``name`` is relative to.
+        name: E.g. ``"W_in"`` or ``"experts.0.W_gate.weight"``.
+        tensor: The tensor to put there (an ``nn.Parameter`` for a parameter).
+        buffer: Put it among the buffers instead of the parameters.
+    """
+    module_name, _, leaf = name.rpartition(".")
+    module = root.get_submodule(module_name)
+    store = module._buffers if buffer else module._parameters
+    store[leaf] = tensor  # type: ignore[assignment]
 
 
 __all__ = [
+    "build_bridge_from_module",
+    "child_module",
+    "unmount_component_hook",
     "TL_LISTED_REPO_PREFIXES",
     "hf_offline_mode",
     "tl_lists_repo_files",
@@ -304,6 +369,8 @@ __all__ = [
     "convert_bert_weights",
     "convert_llama_weights",
     "has_hooks",
+    "make_model_alias_map",
+    "put_tensor",
     "rotary_base",
     "softcap_enabled",
 ]

@@ -3,19 +3,23 @@
 * :data:`Metric`: what patching and attribution differentiate or evaluate.
 * :data:`HeadsLike`: a selection of head indices.
 * :data:`Kinds` and :func:`check_kinds`: which kinds of head (``"attn"``, ``"neuron"``).
-* :func:`require_neuron_heads`: refuse, with directions, a model that is not converted.
+* :func:`require_neuron_heads`: refuse, with directions, a model that is not converted
+  (:func:`is_converted` says whether it is).
+
+This is the bottom layer: it imports nothing from the package at run time
+(``tests/test_import_graph.py`` checks it).
 * :func:`require_additive_residual`: refuse decompositions on post-norm models.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
 
 import torch
 from jaxtyping import Float
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: this module imports nothing of the package above it
     from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
@@ -64,6 +68,28 @@ def check_kinds(kinds: Kinds) -> tuple[HeadKind, ...]:
     return tuple(kind for kind in HEAD_KINDS if kind in kinds)
 
 
+def is_converted(model: object) -> TypeGuard[NeuronHeadModelMixin]:
+    """Whether ``model`` has structured neuron-heads (a converted decoder or encoder).
+
+    Duck-typed on what the converted models' mixin (:class:`~tl_attnonly.neuron_head_model.
+    NeuronHeadModelMixin`) defines, ``neuron_heads`` and ``set_use_neuron_result``, so this bottom
+    module needs no import of the model classes.
+    """
+    cls = type(model)
+    return isinstance(getattr(cls, "neuron_heads", None), property) and callable(
+        getattr(cls, "set_use_neuron_result", None)
+    )
+
+
+def _is_transformer_bridge(model: object) -> bool:
+    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (by its classes: this module
+    imports nothing above it; the same test as ``_compat.is_transformer_bridge``)."""
+    return any(
+        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens.")
+        for cls in type(model).__mro__
+    )
+
+
 def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     """``model`` if it has structured neuron-heads, else a ``TypeError`` that says what to do.
 
@@ -78,20 +104,20 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
     Returns:
         ``model``, typed as a converted model.
     """
-    from tl_attnonly._compat import is_transformer_bridge
-
-    if is_transformer_bridge(model):
-        from tl_attnonly.bridge import is_converted_bridge
-
+    if _is_transformer_bridge(model):
+        tools = (
+            "the analysis tools (tl_attnonly.analysis, tl_attnonly.vis, tl_attnonly.report) "
+            "work on an AttnOnlyTransformer (TransformerLens 3.x: "
+            "tl_attnonly.convert(hooked_transformer)) and do not read a bridge yet."
+        )
+        converted = any(
+            getattr(m, "is_bridge_neuron_heads", False) for m in model.modules()  # type: ignore[attr-defined]
+        )
         first = (
-            "This TransformerBridge is converted, but the analysis tools (tl_attnonly.analysis, "
-            "tl_attnonly.vis, tl_attnonly.report) work on an AttnOnlyTransformer "
-            "(TransformerLens 3.x: tl_attnonly.convert(hooked_transformer)) and do not read a "
-            "bridge yet."
-            if is_converted_bridge(model)
+            f"This TransformerBridge is converted, but {tools}"
+            if converted
             else "This TransformerBridge is not converted (tl_attnonly.convert(bridge) converts "
-            "it in place), and the analysis tools (tl_attnonly.analysis, tl_attnonly.vis, "
-            "tl_attnonly.report) do not read a bridge yet."
+            f"it in place), and {tools}"
         )
         raise TypeError(
             f"{first} On a converted bridge use its hooks with run_with_cache / run_with_hooks: "
@@ -100,12 +126,8 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
             "tl_attnonly.bridge.neuron_head_layers(bridge)[l] (W_Q, W_V, W_O, coefficients, "
             "derive_activation)."
         )
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
-
-    if isinstance(model, NeuronHeadModelMixin):
-        from tl_attnonly.components.moe_neuron_heads import NeuronHeadMoE
-
-        if any(isinstance(mlp, NeuronHeadMoE) for mlp in model.neuron_heads):
+    if is_converted(model):
+        if any(getattr(mlp, "is_mixture_of_experts", False) for mlp in model.neuron_heads):
             raise NotImplementedError(
                 "The analysis tools work on dense neuron-head layers; this model's MLPs are "
                 "mixtures of experts (NeuronHeadMoE), whose experts see only the tokens routed to "
@@ -114,9 +136,7 @@ def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
                 "with run_with_cache / run_with_hooks."
             )
         return model
-    from tl_attnonly.literal.transformer import LiteralTransformer
-
-    if isinstance(model, LiteralTransformer):
+    if getattr(model, "is_literal_form", False):
         raise TypeError(
             "The analysis tools work on the structured form; a LiteralTransformer has no "
             "structured neuron-heads. Analyse tl_attnonly.convert(model) instead, or use the "
@@ -208,6 +228,7 @@ __all__ = [
     "check_kinds",
     "check_token_pair",
     "check_tokens",
+    "is_converted",
     "require_additive_residual",
     "require_neuron_heads",
 ]

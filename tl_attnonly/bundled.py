@@ -418,7 +418,7 @@ def load_bundled_bridge(
     Returns:
         The ``TransformerBridge`` (not in compatibility mode: it runs the Hugging Face modules).
     """
-    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+    from tl_attnonly._compat import build_bridge_from_module
 
     model = load_bundled_hf_model(name, device=device, dtype=dtype)
     return build_bridge_from_module(

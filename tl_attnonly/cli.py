@@ -262,7 +262,7 @@ def _official_name(name: str) -> str:
     """TransformerLens's official name for ``name`` (or an alias), or a CommandError."""
     import difflib
 
-    from transformer_lens.loading_from_pretrained import make_model_alias_map
+    from tl_attnonly._compat import make_model_alias_map
 
     aliases = make_model_alias_map()
     official = aliases.get(name.lower())

@@ -288,10 +288,10 @@ def check_coefficients(
     Raises:
         SavedModelError: Saying which check failed and what to do.
     """
-    from tl_attnonly.neuron_head_model import _version
+    from tl_attnonly._version import __version__
 
     version = record.get("tl_attnonly_version", "?")
-    other_version = "format_version" in record and version != _version()
+    other_version = "format_version" in record and version != __version__
     if data.get("custom", False) or (saved != package and other_version):
         recorded = data["max_abs_error"]
         measured = saved.max_abs_error(FIT_RANGE)
@@ -306,7 +306,7 @@ def check_coefficients(
         if not data.get("custom", False):
             warnings.warn(
                 f"{path} was saved by tl_attnonly {version}, whose {saved.activation} fit differs "
-                f"from this version's ({_version()}): the model is rebuilt with the saved "
+                f"from this version's ({__version__}): the model is rebuilt with the saved "
                 f"coefficients (max |error| {measured:.3g}, as recorded). Convert the original "
                 "model again to use this version's fit.",
                 UserWarning,

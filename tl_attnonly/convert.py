@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 if TYPE_CHECKING:
     from transformer_lens import HookedEncoder, HookedTransformer
-    from transformer_lens.model_bridge import TransformerBridge
 
+    from tl_attnonly._compat import TransformerBridge
     from tl_attnonly.encoder import AttnOnlyEncoder
     from tl_attnonly.literal import LiteralTransformer
     from tl_attnonly.model import AttnOnlyTransformer

@@ -23,7 +23,7 @@ import torch
 from transformer_lens import HookedRootModule, HookedTransformerConfig
 
 from tl_attnonly import conversion_record as record
-from tl_attnonly._compat import TypedModuleList
+from tl_attnonly._compat import TypedModuleList, put_tensor
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.factory import NeuronHeadLayer, neuron_heads_for
 from tl_attnonly.options import ConversionOptions, check_convertible, overflow_warning
@@ -129,10 +129,10 @@ class NeuronHeadModelMixin(_MixedInto):
             _share_tensors(neuron_heads, mlp, fix=_INSTALL_FIX)
             for name, param in list(neuron_heads.named_parameters()):
                 if param.dtype != dtypes[name]:
-                    module_name, _, leaf = name.rpartition(".")
-                    neuron_heads.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(
+                    cast_param = torch.nn.Parameter(
                         param.detach().to(dtypes[name]), requires_grad=param.requires_grad
                     )
+                    put_tensor(neuron_heads, name, cast_param)
             block.mlp = neuron_heads
 
     @classmethod
@@ -475,18 +475,14 @@ def _share_tensors(
             "Cannot put the original's tensors in place: the new model's tensors "
             f"{sorted(expected ^ given)[:5]} do not match the original's. {fix}"
         )
-    for kind, tensors in (
-        ("_parameters", model.named_parameters()),
-        ("_buffers", model.named_buffers()),
-    ):
+    for buffer, tensors in ((False, model.named_parameters()), (True, model.named_buffers())):
         for name, tensor in tensors:
-            module_name, _, leaf = name.rpartition(".")
             if clone:
                 copied = tensor.detach().clone()
                 if isinstance(tensor, torch.nn.Parameter):
                     copied = torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
                 tensor = copied
-            getattr(converted.get_submodule(module_name), kind)[leaf] = tensor
+            put_tensor(converted, name, tensor, buffer=buffer)
     # Meta tensors left that the original does not have as meta (a model built on the meta
     # device, as the share_weights path builds it, hands its meta tensors on).
     source = {**model.state_dict(keep_vars=True), **dict(model.named_buffers())}
@@ -536,7 +532,7 @@ def _directory_mode(directory: Path) -> int:
 
 
 def _version() -> str:
-    from tl_attnonly import __version__
+    from tl_attnonly._version import __version__
 
     return __version__
 

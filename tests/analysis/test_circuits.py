@@ -20,7 +20,7 @@ from tl_attnonly.analysis import (
     neuron_qk_circuit,
     top_k,
 )
-from tl_attnonly.analysis.circuits import _right_matrix
+from tl_attnonly.analysis.composition import _right_matrix
 from tl_attnonly.hooks import HeadRef, neuron_act_name
 
 

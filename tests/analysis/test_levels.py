@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_model, make_tokens
 
-import tl_attnonly.analysis.circuits as circuits
+import tl_attnonly.analysis.composition as composition
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
     composition_scores,
@@ -27,7 +27,7 @@ def gelu_k4():
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize("level", ["neuron", "head"])
 def test_streamed_top_k_equals_the_full_matrix(gelu_k4, mode, largest, level, monkeypatch):
-    monkeypatch.setattr(circuits, "_SENDERS_PER_BLOCK", 5)  # many blocks
+    monkeypatch.setattr(composition, "_SENDERS_PER_BLOCK", 5)  # many blocks
     full = composition_scores(gelu_k4, mode)
     scores, senders, receivers = full.scores, full.senders, full.receivers
     if level == "neuron":

@@ -11,9 +11,9 @@ from conftest import GATED_ZOO, make_model, make_tokens
 from tl_attnonly import convert
 from tl_attnonly.activations import head_coefficients
 from tl_attnonly.literal import to_literal
+from tl_attnonly.literal.error_tables import gated_literal_error_table
 from tl_attnonly.literal.gated import (
     default_product_eps,
-    gated_literal_error_table,
     product_error_bound,
     product_error_table,
     product_through_heads,

@@ -6,8 +6,9 @@ Four rooms, each one idea:
 :mod:`.cache`                   per-head results, residual decomposition, direct logit attribution
 :mod:`.patching`                activation, output and path patching; attribution patching
 :mod:`.discovery`               the head graph, edge scores, exact circuit runs, discover_circuit
-:mod:`.circuits`                OV / QK / full circuits of neuron-heads, composition scores, top-k
-:mod:`.levels`                  neuron-level aggregation of rankings, streamed composition top-k
+:mod:`.circuits`                OV / QK / full circuits of neuron-heads
+:mod:`.composition`             composition scores, streamed composition top-k
+:mod:`.levels`                  top_k of labelled scores, neuron-level aggregation
 :mod:`.ioi`                     IOI prompts, head roles (name mover, S-inhibition, ...)
 :mod:`.summaries`               dataset-level neuron-head summaries (top contexts, firing, tokens)
 ==============================  ==================================================================
@@ -38,16 +39,18 @@ from tl_attnonly.analysis.cache import (
     stack_neuron_head_results,
 )
 from tl_attnonly.analysis.circuits import (
-    CompositionScores,
     bias_token_homogeneous,
-    composition_scores,
     homogeneous,
     neuron_attn_scores_from_circuit,
     neuron_full_ov_circuit,
     neuron_full_qk_circuit,
     neuron_ov_circuit,
     neuron_qk_circuit,
-    top_k,
+)
+from tl_attnonly.analysis.composition import (
+    CompositionScores,
+    composition_scores,
+    composition_top_k,
 )
 from tl_attnonly.analysis.discovery import (
     Circuit,
@@ -82,13 +85,14 @@ from tl_attnonly.analysis.ioi import (
     make_ioi_dataset,
 )
 from tl_attnonly.analysis.levels import (
-    composition_top_k,
     neuron_level,
     neuron_level_pairs,
+    top_k,
 )
 from tl_attnonly.analysis.patching import (
     LOGITS,
     AttributionCheck,
+    PatchingOptions,
     PatchUnit,
     Receiver,
     attribute_then_patch,
@@ -111,6 +115,7 @@ from tl_attnonly.analysis.patching import (
 )
 from tl_attnonly.analysis.summaries import (
     NeuronHeadSummaries,
+    SummaryOptions,
     stdlib_corpus,
     summarize_neuron_heads,
 )
@@ -135,6 +140,7 @@ __all__ = [
     "neuron_head_patch_index",
     "parse_receiver",
     "patch_units",
+    "PatchingOptions",
     "PatchUnit",
     "path_patch",
     "path_patch_caches",
@@ -193,6 +199,7 @@ __all__ = [
     "make_ioi_dataset",
     # summaries
     "NeuronHeadSummaries",
+    "SummaryOptions",
     "stdlib_corpus",
     "summarize_neuron_heads",
 ]

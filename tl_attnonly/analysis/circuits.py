@@ -1,4 +1,5 @@
-"""Circuits of neuron-heads as :class:`~transformer_lens.FactoredMatrix`, and composition scores.
+"""Circuits of neuron-heads as :class:`~transformer_lens.FactoredMatrix` (composition scores:
+:mod:`tl_attnonly.analysis.composition`).
 
 Elhage et al. (2021), "A Mathematical Framework for Transformer Circuits": a head is its OV circuit
 ``W_V W_O`` (what it moves) and its QK circuit ``W_Q W_K^T`` (where it looks). For a neuron-head
@@ -39,26 +40,15 @@ that position's ``u`` (``hook_pre_linear``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import pandas as pd
 import torch
 from jaxtyping import Float
-from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
 from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
-
-#: Default memory budget (bytes) for a matrix of pairwise scores.
-SCORES_BUDGET = 2 * 2**30
-
-#: Elements of one ``[chunk * d_head_sender, n_receivers * d_head_receiver]`` product block.
-_BLOCK_ELEMENTS = 2**25
 
 
 def homogeneous(x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model_plus_1"]:
@@ -71,7 +61,10 @@ def bias_token_homogeneous(model: NeuronHeadModelMixin) -> torch.Tensor:
     return model.W_E.new_zeros(model.cfg.d_model + 1)
 
 
-def _layers(model: NeuronHeadModelMixin, layer: int | None) -> list[int]:
+def layer_indices(model: NeuronHeadModelMixin, layer: int | None) -> list[int]:
+    """``[layer]``, or every layer for ``None``; a ``ValueError`` for a layer out of range.
+
+    """
     require_neuron_heads(model)
     if layer is None:
         return list(range(model.cfg.n_layers))
@@ -87,7 +80,7 @@ def _stacked(tensors: list[torch.Tensor], layer: int | None) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # OV and QK circuits
 # ------------------------------------------------------------------------------------------------
-def _value_weights(mlp: Any, per_unit_u: bool) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+def value_weights(mlp: Any, per_unit_u: bool) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
     """``W_V`` of a layer's neuron-heads; for gated layers ``W_V_per_unit_u`` if asked, else a
     ``ValueError`` saying why there is no ``W_V``."""
     if not isinstance(mlp, GatedNeuronHeadMLP):
@@ -126,9 +119,9 @@ def neuron_ov_circuit(
     Raises:
         ValueError: For a gated layer without ``per_unit_u=True``.
     """
-    layers = _layers(model, layer)
+    layers = layer_indices(model, layer)
     # [n_neuron_heads, d_model, 1]
-    A = [_value_weights(model.blocks[li].mlp, per_unit_u) for li in layers]
+    A = [value_weights(model.blocks[li].mlp, per_unit_u) for li in layers]
     B = [model.blocks[li].mlp.W_O for li in layers]  # [n_neuron_heads, 1, d_model]
     return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
 
@@ -137,7 +130,7 @@ def _query_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads d_model_plus_
     return torch.cat([mlp.W_Q, mlp.b_Q[:, None, :]], dim=-2)
 
 
-def _key_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_1"]:
+def key_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_1"]:
     return torch.cat([mlp.W_K, mlp.b_K[:, None, :]], dim=-2).transpose(-2, -1)
 
 
@@ -152,14 +145,14 @@ def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> 
         ``FactoredMatrix`` ``[n_neuron_heads, d_model + 1, d_model + 1]`` (``[n_layers, ...]``
         for all layers), inner dimension 1: ``A = [W_Q; b_Q]``, ``B = [W_K; b_K]^T``.
     """
-    layers = _layers(model, layer)
+    layers = layer_indices(model, layer)
     A = [_query_homogeneous(model.blocks[li].mlp) for li in layers]
-    B = [_key_homogeneous(model.blocks[li].mlp) for li in layers]
+    B = [key_homogeneous(model.blocks[li].mlp) for li in layers]
     return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
 
 
 def neuron_attn_scores_from_circuit(
-    model, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
+    model: NeuronHeadModelMixin, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
 ) -> Float[torch.Tensor, "batch n_neuron_heads query_pos 2"]:
     """The neuron-heads' compact scores ``(self, bias)`` computed from :func:`neuron_qk_circuit`.
 
@@ -187,8 +180,8 @@ def neuron_full_ov_circuit(
     and everything between the embedding, the head and the unembedding. Gated layers: per unit of
     ``u`` with ``per_unit_u=True``, else refused (see :func:`neuron_ov_circuit`).
     """
-    mlp = model.blocks[_layers(model, layer)[0]].mlp
-    return FactoredMatrix(model.W_E @ _value_weights(mlp, per_unit_u), mlp.W_O @ model.W_U)
+    mlp = model.blocks[layer_indices(model, layer)[0]].mlp
+    return FactoredMatrix(model.W_E @ value_weights(mlp, per_unit_u), mlp.W_O @ model.W_U)
 
 
 def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredMatrix:
@@ -199,278 +192,22 @@ def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredM
     constant, and a neuron-head sees only its own token among them). Ignores LayerNorm and
     positional embeddings, as TransformerLens's full QK circuits do.
     """
-    mlp = model.blocks[_layers(model, layer)[0]].mlp
+    mlp = model.blocks[layer_indices(model, layer)[0]].mlp
     keys = torch.cat([bias_token_homogeneous(model)[None], homogeneous(model.W_E)])
     return FactoredMatrix(
-        homogeneous(model.W_E) @ _query_homogeneous(mlp), _key_homogeneous(mlp) @ keys.T
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# composition scores
-# ------------------------------------------------------------------------------------------------
-def _right_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str, per_unit_u: bool = False
-) -> FactoredMatrix | None:
-    """The receiver-side FactoredMatrix of one layer's heads (None: reads nothing)."""
-    if kind == "attn":
-        attn = model.blocks[layer].attn
-        if mode == "Q":
-            return FactoredMatrix(attn.W_Q, attn.W_K.transpose(-2, -1))
-        if mode == "K":
-            return FactoredMatrix(attn.W_Q, attn.W_K.transpose(-2, -1)).T
-        return FactoredMatrix(attn.W_V, attn.W_O)
-    mlp = model.blocks[layer].mlp
-    if mode == "Q":
-        # The rows of the homogeneous QK circuit that read the residual stream.
-        return FactoredMatrix(mlp.W_Q, _key_homogeneous(mlp))
-    if mode == "K":
-        return None  # keys are constant: a neuron-head's key reads nothing
-    return FactoredMatrix(_value_weights(mlp, per_unit_u), mlp.W_O)
-
-
-def _left_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, per_unit_u: bool = False
-) -> FactoredMatrix:
-    if kind == "attn":
-        attn = model.blocks[layer].attn
-        return FactoredMatrix(attn.W_V, attn.W_O)
-    return neuron_ov_circuit(model, layer, per_unit_u=per_unit_u)
-
-
-#: Senders per streamed block of composition scores (bounds one block's memory).
-_SENDERS_PER_BLOCK = 4096
-
-
-def _stage(model: NeuronHeadModelMixin, kind: str, layer: int) -> int:
-    """Order of sublayers in the residual stream: a head can compose with later stages only."""
-    if kind == "attn" or model.cfg.parallel_attn_mlp:
-        return 2 * layer
-    return 2 * layer + 1
-
-
-@dataclass
-class CompositionScores:
-    """Composition scores between sender heads (rows) and receiver heads (columns).
-
-    Attributes:
-        scores: ``[n_senders, n_receivers]``; 0 where the receiver cannot read the sender (same or
-            earlier sublayer), as in TransformerLens's ``all_composition_scores``.
-        senders: Row labels.
-        receivers: Column labels.
-        mode: ``"Q"``, ``"K"`` or ``"V"``.
-    """
-
-    scores: Float[torch.Tensor, "n_senders n_receivers"]
-    senders: list[str]
-    receivers: list[str]
-    mode: str
-
-    def top_k(
-        self, k: int = 10, largest: bool = True, level: Literal["neuron", "head"] = "neuron"
-    ) -> pd.DataFrame:
-        """The ``k`` strongest (``largest``) or weakest pairs: sender, receiver, score; per neuron
-        by default (``level="head"``: per head; see :func:`top_k`)."""
-        return top_k(self.scores, self.senders, self.receivers, k=k, largest=largest, level=level)
-
-    def to_frame(self) -> pd.DataFrame:
-        """The scores as a labelled DataFrame (rows: senders, columns: receivers)."""
-        return pd.DataFrame(
-            self.scores.detach().cpu().numpy(), index=self.senders, columns=self.receivers
-        )
-
-
-def composition_scores(
-    model: NeuronHeadModelMixin,
-    mode: Literal["Q", "K", "V"],
-    senders: Sequence[str | HeadRef] | None = None,
-    receivers: Sequence[str | HeadRef] | None = None,
-    *,
-    max_bytes: int = SCORES_BUDGET,
-    progress: bool = False,
-    per_unit_u: bool = False,
-) -> CompositionScores:
-    """Q-, K- or V-composition scores between any heads: attention heads and neuron-heads.
-
-    TransformerLens's ``utils.composition_scores`` evaluated for every (sender, receiver) pair,
-    from each head's collapsed factors (``FactoredMatrix.collapse_l`` / ``collapse_r``), so that a
-    pair costs a ``[rank_sender, d_model] x [d_model, rank_receiver]`` product; neuron-heads have
-    rank 1. For attention-head pairs this is ``model.all_composition_scores(mode)``.
-
-    Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer` (``fold_ln=True`` recommended).
-        mode: ``"Q"``, ``"K"`` or ``"V"`` composition.
-        senders: Heads that write (labels or :class:`HeadRef`); default every head.
-        receivers: Heads that read; default every head.
-        max_bytes: Refuse to build a larger score matrix; narrow senders/receivers instead.
-        progress: Show a progress bar over sender groups.
-        per_unit_u: Gated MLPs: use each gated neuron-head's OV circuit per unit of its linear
-            branch ``u`` (:func:`neuron_ov_circuit`) where a score needs one (any sender; V
-            receivers). Without it such scores raise. Q-composition into gated neuron-heads needs
-            nothing (their queries are linear in the residual).
-
-    Returns:
-        :class:`CompositionScores` (``.scores``, ``.senders``, ``.receivers``, ``.top_k()``).
-    """
-    if mode not in ("Q", "K", "V"):
-        raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
-    _layers(model, None)
-    with torch.no_grad():
-        return _composition_scores(model, mode, senders, receivers, max_bytes, progress, per_unit_u)
-
-
-def _composition_scores(
-    model: NeuronHeadModelMixin, mode, senders, receivers, max_bytes, progress, per_unit_u
-) -> CompositionScores:
-    K = model.n_heads_per_neuron
-    send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-    recv = (
-        all_head_refs(model) if receivers is None else [parse_head_label(r, K) for r in receivers]
-    )
-    dtype = model.W_E.dtype
-    size = len(send) * len(recv) * torch.empty((), dtype=dtype).element_size()
-    if size > max_bytes:
-        raise MemoryError(
-            f"{len(send)} x {len(recv)} scores need {size / 2**30:.2f} GiB (budget "
-            f"{max_bytes / 2**30:.2f} GiB). Use tl_attnonly.analysis.composition_top_k (streams "
-            "the top pairs, no matrix), pass senders=[...] / receivers=[...] (e.g. "
-            "all_head_refs(model, layers=[3])) or raise max_bytes."
-        )
-    scores = model.W_E.new_zeros(len(send), len(recv))
-    for rows, cols, block in _composition_blocks(model, mode, send, recv, progress, per_unit_u):
-        scores[rows[:, None], cols[None, :]] = block.to(scores.dtype)
-    return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
-
-
-def _composition_blocks(model, mode, send, recv, progress, per_unit_u):
-    """``(sender rows, receiver columns, scores)`` for every block of pairs in which the receiver
-    reads after the sender writes; a block holds at most :data:`_SENDERS_PER_BLOCK` senders."""
-    # Receiver side: collapsed [d_model, rank] per head and its norm, grouped by (kind, layer).
-    recv_groups: dict[tuple[str, int], list[int]] = {}
-    for j, ref in enumerate(recv):
-        recv_groups.setdefault((ref.kind, ref.layer), []).append(j)
-    right: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for (kind, layer), cols in recv_groups.items():
-        heads = torch.tensor([recv[j].head for j in cols])
-        fm = _right_matrix(model, kind, layer, mode, per_unit_u)
-        if fm is None:
-            continue
-        fm = fm[(heads,)]
-        collapsed = fm.collapse_r()  # [n, d_model, rank]
-        right[(kind, layer)] = (collapsed, collapsed.norm(dim=(-2, -1)), torch.tensor(cols))
-
-    send_groups: dict[tuple[str, int], list[int]] = {}
-    for i, ref in enumerate(send):
-        send_groups.setdefault((ref.kind, ref.layer), []).append(i)
-    for (kind, layer), rows in tqdm(
-        list(send_groups.items()), desc="composition", disable=not progress
-    ):
-        heads = torch.tensor([send[i].head for i in rows])
-        sender_ov = _left_matrix(model, kind, layer, per_unit_u)
-        left = sender_ov[(heads,)].collapse_l()  # [n, rank, d_model]
-        l_norms = left.norm(dim=(-2, -1))
-        stage = _stage(model, kind, layer)
-        for (r_kind, r_layer), (r_coll, r_norms, col_index) in right.items():
-            if _stage(model, r_kind, r_layer) <= stage:
-                continue  # the receiver reads before the sender writes: score 0, as in TL
-            for start in range(0, len(rows), _SENDERS_PER_BLOCK):
-                part = slice(start, start + _SENDERS_PER_BLOCK)
-                block = _pair_norms(left[part], r_coll) / l_norms[part, None] / r_norms[None, :]
-                yield torch.tensor(rows[part]), col_index, block
-
-
-def _pair_norms(
-    left: Float[torch.Tensor, "n_s r_s d_model"], right: Float[torch.Tensor, "n_r d_model r_r"]
-) -> Float[torch.Tensor, "n_s n_r"]:
-    """``||left[s] @ right[r]||_F`` for every pair, in chunks of senders."""
-    n_s, r_s, d = left.shape
-    n_r, _, r_r = right.shape
-    right_flat = right.permute(1, 0, 2).reshape(d, n_r * r_r)
-    chunk = max(1, _BLOCK_ELEMENTS // max(1, r_s * n_r * r_r))
-    out = []
-    for start in range(0, n_s, chunk):
-        prod = left[start : start + chunk].reshape(-1, d) @ right_flat
-        prod = prod.reshape(-1, r_s, n_r, r_r)
-        out.append(prod.pow(2).sum(dim=(1, 3)).sqrt())
-    return torch.cat(out)
-
-
-def top_k(
-    scores: torch.Tensor,
-    row_labels: Sequence[str],
-    col_labels: Sequence[str] | None = None,
-    k: int = 10,
-    largest: bool = True,
-    absolute: bool = False,
-    level: Literal["neuron", "head"] = "neuron",
-) -> pd.DataFrame:
-    """The ``k`` largest (or smallest) entries of a labelled score vector or matrix.
-
-    Ranked per neuron by default. A vector of additive per-head scores (attribution estimates, DLA,
-    ``z``) sums the ``K`` heads ``L{l}N{i}.{k}`` of a neuron into ``L{l}N{i}``
-    (:func:`~tl_attnonly.analysis.levels.neuron_level`); exact patching effects do not add up
-    (patch neurons with ``get_act_patch_outputs(level="neuron")``). A matrix of pair scores
-    (composition scores, where a neuron's ``K`` heads all have the neuron's score) keeps the
-    maximum over each pair of units' heads
-    (:func:`~tl_attnonly.analysis.levels.neuron_level_pairs`).
-
-    Args:
-        scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
-            scores).
-        row_labels: Labels of the first axis.
-        col_labels: Labels of the second axis (2-d scores only).
-        k: How many entries.
-        largest: Largest (default) or smallest first.
-        absolute: Rank by ``|score|`` (the table still shows the signed score).
-        level: ``"neuron"`` (default) ranks units (neurons and attention heads): sums of heads
-            for vectors, the maximum over heads for matrices; ``"head"`` ranks the heads.
-
-    Returns:
-        A DataFrame with columns ``label, score`` (1-d) or ``sender, receiver, score`` (2-d).
-    """
-    if scores.ndim not in (1, 2):
-        raise ValueError(f"scores must be 1-d or 2-d, got shape {tuple(scores.shape)}.")
-    if scores.shape[0] != len(row_labels) or (
-        scores.ndim == 2 and (col_labels is None or scores.shape[1] != len(col_labels))
-    ):
-        raise ValueError("Labels must match the scores' shape (col_labels for 2-d scores).")
-    if level not in ("neuron", "head"):
-        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
-    if scores.ndim == 1 and level == "neuron":
-        from tl_attnonly.analysis.levels import neuron_level
-
-        scores, row_labels = neuron_level(scores, row_labels)
-    elif level == "neuron" and col_labels is not None:
-        from tl_attnonly.analysis.levels import neuron_level_pairs
-
-        scores, row_labels, col_labels = neuron_level_pairs(scores, row_labels, col_labels)
-    flat = scores.detach().flatten()
-    key = flat.abs() if absolute else flat
-    idx = key.topk(min(k, flat.numel()), largest=largest).indices
-    if scores.ndim == 1:
-        return pd.DataFrame(
-            {"label": [row_labels[i] for i in idx.tolist()], "score": flat[idx].cpu().numpy()}
-        )
-    n_cols = scores.shape[1]
-    return pd.DataFrame(
-        {
-            "sender": [row_labels[i // n_cols] for i in idx.tolist()],
-            "receiver": [col_labels[i % n_cols] for i in idx.tolist()],  # type: ignore[index]
-            "score": flat[idx].cpu().numpy(),
-        }
+        homogeneous(model.W_E) @ _query_homogeneous(mlp), key_homogeneous(mlp) @ keys.T
     )
 
 
 __all__ = [
-    "SCORES_BUDGET",
-    "CompositionScores",
     "bias_token_homogeneous",
-    "composition_scores",
     "homogeneous",
+    "key_homogeneous",
+    "layer_indices",
     "neuron_attn_scores_from_circuit",
     "neuron_full_ov_circuit",
     "neuron_full_qk_circuit",
     "neuron_ov_circuit",
     "neuron_qk_circuit",
-    "top_k",
+    "value_weights",
 ]

@@ -1,9 +1,10 @@
-"""Rankings for many heads: neuron-level aggregation and streamed composition top-k.
+"""Rankings: :func:`top_k` of labelled scores, and neuron-level aggregation.
 
 GPT-2-small at K = 4 has 147,456 neuron-heads. Rankings list neurons, not their ``K`` sub-heads,
-by default (:func:`neuron_level`; ``top_k(..., level="head")`` for heads), and the strongest
-composition pairs are found without building the ``n_senders x n_receivers`` matrix
-(:func:`composition_top_k`).
+by default (:func:`neuron_level`; ``top_k(..., level="head")`` for heads). The strongest
+composition pairs, found without building the ``n_senders x n_receivers`` matrix, are
+:func:`tl_attnonly.analysis.circuits.composition_top_k`. This module imports nothing else of
+:mod:`tl_attnonly.analysis`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ from typing import Literal
 import pandas as pd
 import torch
 from jaxtyping import Float
-
-from tl_attnonly.analysis.circuits import _composition_blocks, _layers
-from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
 
 _HEAD_OF_NEURON = re.compile(r"^(L\d+N\d+)\.\d+$")
 
@@ -55,114 +53,6 @@ def neuron_level(
     return out, list(units)
 
 
-def composition_top_k(
-    model,
-    mode: Literal["Q", "K", "V"],
-    k: int = 10,
-    senders: Sequence[str | HeadRef] | None = None,
-    receivers: Sequence[str | HeadRef] | None = None,
-    *,
-    largest: bool = True,
-    progress: bool = False,
-    per_unit_u: bool = False,
-    level: Literal["neuron", "head"] = "neuron",
-) -> pd.DataFrame:
-    """The ``k`` strongest (or weakest) composition pairs, streamed block by block: the full score
-    matrix is never built, so every head of a large model fits (memory: one block at a time).
-
-    The same pairs and scores as ``composition_scores(model, mode, senders, receivers).top_k(k,
-    level=level)`` (tested); pairs whose receiver reads before the sender writes are left out.
-
-    At ``level="neuron"`` (the default) a neuron is one entry, ``L{l}N{i}``, not ``K``: its heads
-    write the same ``W_out[i]`` and read multiples of one column of ``W_in`` (``b_k``, ``f_k``
-    times it), and composition scores are scale-free, so every head of a neuron has the neuron's
-    score; one head per neuron is scored (``K^2`` times fewer pairs).
-
-    Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
-        mode: ``"Q"``, ``"K"`` or ``"V"``.
-        k: How many pairs.
-        senders: Heads that write (labels or :class:`HeadRef`); default every head.
-        receivers: Heads that read; default every head.
-        largest: Strongest (default) or weakest pairs.
-        progress: Show a progress bar over sender groups.
-        per_unit_u: As for :func:`~tl_attnonly.analysis.composition_scores` (gated models).
-        level: ``"neuron"`` (default; labels ``L{l}N{i}``) or ``"head"`` (``L{l}N{i}.{k}``).
-            At neuron level a head in ``senders``/``receivers`` stands for its neuron.
-
-    Returns:
-        A DataFrame with columns ``sender, receiver, score``.
-    """
-    if mode not in ("Q", "K", "V"):
-        raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
-    if level not in ("neuron", "head"):
-        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
-    _layers(model, None)
-    K = model.n_heads_per_neuron
-    if level == "neuron" and K > 1:
-        send, send_labels = _representatives(model, senders, None)
-        recv, recv_labels = _representatives(model, receivers, mode)
-    else:
-        send = (
-            all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-        )
-        recv = (
-            all_head_refs(model)
-            if receivers is None
-            else [parse_head_label(r, K) for r in receivers]
-        )
-        send_labels, recv_labels = head_labels(send, K), head_labels(recv, K)
-    dtype = model.W_E.dtype
-    best = torch.empty(0, dtype=dtype)
-    pairs = torch.empty(0, 2, dtype=torch.long)
-    with torch.no_grad():
-        for rows, cols, block in _composition_blocks(model, mode, send, recv, progress, per_unit_u):
-            block = block.to(dtype).flatten()
-            top = block.topk(min(k, block.numel()), largest=largest)
-            found = torch.stack((rows[top.indices // len(cols)], cols[top.indices % len(cols)]), 1)
-            best, pairs = torch.cat((best, top.values)), torch.cat((pairs, found))
-            keep = best.topk(min(k, best.numel()), largest=largest).indices
-            best, pairs = best[keep], pairs[keep]
-    order = best.sort(descending=largest, stable=True).indices
-    return pd.DataFrame(
-        {
-            "sender": [send_labels[i] for i in pairs[order, 0].tolist()],
-            "receiver": [recv_labels[j] for j in pairs[order, 1].tolist()],
-            "score": best[order].cpu().numpy(),
-        }
-    )
-
-
-def _head_refs(model, specs: Sequence[str | HeadRef] | None) -> list[HeadRef]:
-    if specs is None:
-        return all_head_refs(model)
-    return [parse_head_label(spec, model.n_heads_per_neuron) for spec in specs]
-
-
-def _representatives(
-    model, specs: Sequence[str | HeadRef] | None, mode: str | None
-) -> tuple[list[HeadRef], list[str]]:
-    """One head per unit (attention head or neuron) and the units' labels.
-
-    A neuron's representative is the head whose coefficient scales the neuron's read the most
-    (``|b_k|`` for queries, ``|f_k|`` for values: never 0 for a head that reads), or head 0 as a
-    sender (all ``K`` heads write ``W_out[i]``) and for keys (constant).
-    """
-    from tl_attnonly.analysis.patching.outputs import patch_units
-
-    refs: list[HeadRef] = []
-    labels: list[str] = []
-    for unit in patch_units(model, specs, level="neuron"):
-        pick = 0
-        if unit.kind == "neuron" and mode in ("Q", "V"):
-            coefficients = model.neuron_heads[unit.layer].coefficients
-            values = coefficients.b if mode == "Q" else coefficients.f
-            pick = max(range(len(values)), key=lambda k: abs(values[k]))
-        refs.append(HeadRef(unit.kind, unit.layer, unit.heads[pick]))
-        labels.append(unit.label)
-    return refs, labels
-
-
 def neuron_level_pairs(
     scores: Float[torch.Tensor, "n_rows n_cols"],
     row_labels: Sequence[str],
@@ -198,4 +88,66 @@ def _groups(labels: Sequence[str], device: torch.device) -> tuple[torch.Tensor, 
     return torch.tensor(group, device=device, dtype=torch.long), list(units)
 
 
-__all__ = ["composition_top_k", "neuron_level", "neuron_level_pairs"]
+def top_k(
+    scores: torch.Tensor,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str] | None = None,
+    k: int = 10,
+    largest: bool = True,
+    absolute: bool = False,
+    level: Literal["neuron", "head"] = "neuron",
+) -> pd.DataFrame:
+    """The ``k`` largest (or smallest) entries of a labelled score vector or matrix.
+
+    Ranked per neuron by default. A vector of additive per-head scores (attribution estimates, DLA,
+    ``z``) sums the ``K`` heads ``L{l}N{i}.{k}`` of a neuron into ``L{l}N{i}``
+    (:func:`neuron_level`); exact patching effects do not add up
+    (patch neurons with ``get_act_patch_outputs(level="neuron")``). A matrix of pair scores
+    (composition scores, where a neuron's ``K`` heads all have the neuron's score) keeps the
+    maximum over each pair of units' heads
+    (:func:`neuron_level_pairs`).
+
+    Args:
+        scores: ``[n]`` (e.g. per-head attributions) or ``[n_rows, n_cols]`` (e.g. composition
+            scores).
+        row_labels: Labels of the first axis.
+        col_labels: Labels of the second axis (2-d scores only).
+        k: How many entries.
+        largest: Largest (default) or smallest first.
+        absolute: Rank by ``|score|`` (the table still shows the signed score).
+        level: ``"neuron"`` (default) ranks units (neurons and attention heads): sums of heads
+            for vectors, the maximum over heads for matrices; ``"head"`` ranks the heads.
+
+    Returns:
+        A DataFrame with columns ``label, score`` (1-d) or ``sender, receiver, score`` (2-d).
+    """
+    if scores.ndim not in (1, 2):
+        raise ValueError(f"scores must be 1-d or 2-d, got shape {tuple(scores.shape)}.")
+    if scores.shape[0] != len(row_labels) or (
+        scores.ndim == 2 and (col_labels is None or scores.shape[1] != len(col_labels))
+    ):
+        raise ValueError("Labels must match the scores' shape (col_labels for 2-d scores).")
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    if scores.ndim == 1 and level == "neuron":
+        scores, row_labels = neuron_level(scores, row_labels)
+    elif level == "neuron" and col_labels is not None:
+        scores, row_labels, col_labels = neuron_level_pairs(scores, row_labels, col_labels)
+    flat = scores.detach().flatten()
+    key = flat.abs() if absolute else flat
+    idx = key.topk(min(k, flat.numel()), largest=largest).indices
+    if scores.ndim == 1:
+        return pd.DataFrame(
+            {"label": [row_labels[i] for i in idx.tolist()], "score": flat[idx].cpu().numpy()}
+        )
+    n_cols = scores.shape[1]
+    return pd.DataFrame(
+        {
+            "sender": [row_labels[i // n_cols] for i in idx.tolist()],
+            "receiver": [col_labels[i % n_cols] for i in idx.tolist()],  # type: ignore[index]
+            "score": flat[idx].cpu().numpy(),
+        }
+    )
+
+
+__all__ = ["neuron_level", "neuron_level_pairs", "top_k"]

@@ -22,9 +22,11 @@ from tqdm.auto import tqdm
 from tl_attnonly._compat import (
     TL_ACTIVATIONS,
     bridge_bypasses_original,
+    child_module,
     mlp_config,
     register_bridge_hooks,
     route_through_original,
+    unmount_component_hook,
     unregister_bridge_hooks,
 )
 from tl_attnonly.activations import NeuronHeadCoefficients
@@ -134,10 +136,10 @@ def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Pla
     roles = ("gate", "in", "out") if gated else ("in", "out")
     projections: dict[str, str] = {}
     for role in roles:
-        projection = mlp_bridge._modules.get(role)
+        projection = child_module(mlp_bridge, role)
         if projection is None or getattr(projection, "name", None) is None:
             raise NotImplementedError(f"{name} ({kind}) has no '{role}' projection component.")
-        remote = projection.name
+        remote = str(projection.name)
         if getattr(hf_mlp, remote, None) is not projection:
             raise NotImplementedError(
                 f"{name}: the '{role}' projection ({remote}) is not a direct submodule of "
@@ -153,7 +155,7 @@ def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Pla
 
 
 def _build(plan: _Plan, options: ConversionOptions) -> BridgeNeuronHeadLayer:
-    out = plan.mlp_bridge._modules["out"]
+    out = plan.mlp_bridge.get_submodule("out")
     W_out = tl_matrix(out, "out")
     cfg = mlp_config(int(W_out.shape[1]), int(W_out.shape[0]), plan.act_fn, W_out.dtype)
     coefficients: NeuronHeadCoefficients = options.coefficients(plan.act_fn)
@@ -187,7 +189,7 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
         layer.fused = fused
         # The bound: |act_K - act| <= max_err per neuron (times |u| when gated), through W_out.
         if plan.gated:
-            u = plan.mlp_bridge._modules["in"](x).abs().to(torch.float64)
+            u = plan.mlp_bridge.get_submodule("in")(x).abs().to(torch.float64)
         else:
             u = torch.ones(*x.shape[:-1], layer.d_mlp, dtype=torch.float64, device=device)
         scale = u @ W_out.abs().to(torch.float64)
@@ -246,8 +248,7 @@ def _unmount(mlp_bridge: Any) -> Any:
         handle.remove()
     for name in BRIDGE_NEURON_HEAD_HOOKS:
         hook_name = f"hook_{name}"
-        mlp_bridge._hook_registry.pop(hook_name, None)
-        mlp_bridge._modules.pop(hook_name, None)
+        unmount_component_hook(mlp_bridge, hook_name)
     mlp_bridge.set_original_component(hf_mlp)
     return hf_mlp
 
@@ -258,7 +259,7 @@ def _mlp_bridges(bridge: Any) -> list[Any]:
         raise TypeError("This TransformerBridge has no blocks: nothing to convert.")
     mlps = []
     for index, block in enumerate(blocks):
-        mlp = block._modules.get("mlp")
+        mlp = child_module(block, "mlp")
         if mlp is None:
             raise NotImplementedError(
                 f"blocks.{index} has no mlp component; bridges whose blocks all have one are "

@@ -31,7 +31,7 @@ import torch.nn as nn
 from jaxtyping import Float
 from transformer_lens.hook_points import HookPoint
 
-from tl_attnonly._compat import has_hooks
+from tl_attnonly._compat import child_module, has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
@@ -75,6 +75,10 @@ class _BridgeLayer:
     """What the plain and gated bridge layers share: the projections, the device and the
     per-head results path. A mixin of :class:`NeuronHeadBase` subclasses."""
 
+    #: Marks a bridge's neuron-head layer for code that may not import this package
+    #: (``tl_attnonly._types.require_neuron_heads``).
+    is_bridge_neuron_heads = True
+
     #: The projections, by the bridge's names (``gate``, ``in``, ``out``), as registered
     #: submodules under the Hugging Face names (so the module tree keeps its paths).
     _projection_names: dict[str, str]
@@ -105,7 +109,7 @@ class _BridgeLayer:
         projection's hooks fire); with ``use_neuron_result``, ``hook_result`` fires on the
         per-head results and an edit of them reaches the output."""
         out = self._projection("out")(post)
-        dropout = self._modules.get("dropout")
+        dropout = child_module(self, "dropout")
         if dropout is not None:  # GPT-2's MLP: dropout(c_proj(...)), identity in eval mode
             out = dropout(out)
         if z is None or not self.use_neuron_result:

@@ -49,7 +49,7 @@ from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
-from tl_attnonly.components.neuron_heads import _own_storage
+from tl_attnonly.components.neuron_heads import own_storage
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformerConfig
@@ -244,7 +244,7 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         shape = (batch, pos, self.n_neuron_heads, 1)
         expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
         # Each hook gets its own tensor (q may be a view of the gate).
-        q = self._hook("q", _own_storage(q.expand(expanded).reshape(shape), gate))
+        q = self._hook("q", own_storage(q.expand(expanded).reshape(shape), gate))
         k = self._keys(q)
         v = self._hook("v", v.expand(expanded).reshape(shape))
         p = self._attend(q, k)  # [batch, pos, n_neuron_heads, 2]

@@ -18,13 +18,13 @@ tokens routed to it, so its "positions" are those tokens, in the order TL's ``Mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, cast
+from typing import Any, ClassVar, Dict, cast
 
 import torch
 import torch.nn as nn
 from jaxtyping import Float
+from transformer_lens import HookedTransformerConfig
 from transformer_lens.components import MoE
-from transformer_lens.config.hooked_transformer_config import HookedTransformerConfig
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
@@ -131,6 +131,9 @@ class NeuronHeadMoE(MoE):
     """
 
     experts: nn.ModuleList
+    #: Marks a mixture of experts for checks that must not import this class
+    #: (:func:`tl_attnonly._types.require_neuron_heads`).
+    is_mixture_of_experts: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -99,6 +99,11 @@ class NeuronHeadBase(CanBeUsedAsMLP):
             )
         return self._coef_cache[key]
 
+    def coefficient_tensors(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The coefficients ``(b, d, f, e, g)``, each ``[K]``, as tensors in ``like``'s dtype and
+        device (cached; :attr:`coefficients` holds them as floats)."""
+        return self._coefs(like)
+
     @property
     def _exact_silu(self) -> bool:
         """One head with ``b = f = 1`` and ``d = e = g = 0``: the activation is exactly SiLU."""
@@ -184,6 +189,13 @@ class NeuronHeadBase(CanBeUsedAsMLP):
     def _out_matrix(self) -> Float[torch.Tensor, "d_mlp d_model"]:
         """``W_out`` as a ``[d_mlp, d_model]`` tensor (TL's MoE experts store an ``nn.Linear``)."""
         return self.W_out
+
+    @property
+    def out_matrix(self) -> Float[torch.Tensor, "d_mlp d_model"]:
+        """The output weights ``[d_mlp, d_model]``: row ``i`` is what neuron ``i`` writes per unit
+        of ``hook_post`` (``W_out`` for dense layers, the ``nn.Linear``'s weight transposed for
+        MoE experts)."""
+        return self._out_matrix
 
     @property
     def W_K(self) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:

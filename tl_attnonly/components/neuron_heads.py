@@ -65,7 +65,7 @@ def _shares_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
     return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
-def _own_storage(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+def own_storage(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``tensor``, copied if it shares memory with ``other``."""
     return tensor.clone() if _shares_storage(tensor, other) else tensor
 
@@ -178,9 +178,9 @@ class NeuronHeadMLP(NeuronHeadBase):
         expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
         # Each hook gets its own tensor: with trivial coefficients q and v would be views of pre,
         # and an in-place edit in one hook would leak into the others.
-        q = self._hook("q", _own_storage(q.expand(expanded).reshape(shape), pre))
+        q = self._hook("q", own_storage(q.expand(expanded).reshape(shape), pre))
         k = self._keys(q)
-        v = self._hook("v", _own_storage(v.expand(expanded).reshape(shape), pre))
+        v = self._hook("v", own_storage(v.expand(expanded).reshape(shape), pre))
         p = self._attend(q, k)  # [batch, pos, n_neuron_heads, 2]
         z = v * p[..., 0:1]
         if any(val != 0 for val in self.coefficients.g):

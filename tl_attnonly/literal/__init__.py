@@ -55,7 +55,8 @@ Modules: :mod:`~tl_attnonly.literal.layout` (the augmented residual stream),
 (partial norm, neuron layer, block), :mod:`~tl_attnonly.literal.transformer`
 (:class:`LiteralTransformer`), :mod:`~tl_attnonly.literal.build` (:func:`to_literal` and its
 checks), :mod:`~tl_attnonly.literal.support` (every config field: built or refused) and
-:mod:`~tl_attnonly.literal.omega` (how large omega must be; the error table).
+:mod:`~tl_attnonly.literal.omega` (how large omega must be) and
+:mod:`~tl_attnonly.literal.error_tables` (whole-model error tables: omega, gated eps).
 """
 
 from tl_attnonly.components.literal_attention import LiteralAttention
@@ -64,11 +65,11 @@ from tl_attnonly.literal.build import (
     sublayer_head_counts,
     to_literal,
 )
+from tl_attnonly.literal.error_tables import gated_literal_error_table, omega_error_table
 from tl_attnonly.literal.gated import (
     DEFAULT_PRODUCT_RANGE,
     default_product_eps,
     gated_activation_heads,
-    gated_literal_error_table,
     product_error_bound,
     product_error_table,
     product_heads,
@@ -132,6 +133,7 @@ __all__ = [
     "linear_map_sublayer",
     "neuron_pattern_compact",
     "neuron_sublayer",
+    "omega_error_table",
     "omega_requirement",
     "omega_warnings",
     "product_error_bound",

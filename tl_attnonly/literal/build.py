@@ -38,8 +38,8 @@ from tl_attnonly.literal.omega import DEFAULT_OMEGA, omega_warnings
 from tl_attnonly.literal.support import check_literal_supported
 from tl_attnonly.literal.theorems import (
     SublayerHeads,
-    _folded,
     allowed_pattern,
+    fold_norm,
     linear_map_sublayer,
     neuron_sublayer,
     theorem3_neuron_head,
@@ -307,7 +307,7 @@ def to_literal(
         blocks = [build.block(block, max_len, layout) for block in model.blocks]
         final = model.ln_final if cfg.normalization_type is not None else nn.Identity()
         wf, bf, _ = _norm_parts(final)
-        W_U, b_U = _folded(model.unembed.W_U, model.unembed.b_U, wf, bf)
+        W_U, b_U = fold_norm(model.unembed.W_U, model.unembed.b_U, wf, bf)
         unembed = copy.deepcopy(model.unembed)
         unembed.W_U = nn.Parameter(W_U)
         unembed.b_U = nn.Parameter(b_U)
@@ -368,7 +368,7 @@ class _Builder:
         if self.lay.gated:
             return LiteralBlock(ln1, attn, ln2, *self.gated_mlp(cast(GatedMLP, block.mlp), w2, b2))
         mlp = cast(MLP, block.mlp)  # a plain MLP: check_convertible refused the other classes
-        W_in, b_in = _folded(mlp.W_in, mlp.b_in, w2, b2)  # [D, M], [M]
+        W_in, b_in = fold_norm(mlp.W_in, mlp.b_in, w2, b2)  # [D, M], [M]
         W_out, b_out = mlp.W_out.double(), mlp.b_out.double()  # [M, D], [D]
         if layout == "neuron":
             return LiteralBlock(ln1, attn, ln2, self.neuron_heads(W_in, b_in, W_out, b_out))
@@ -455,8 +455,8 @@ class _Builder:
         """
         lay, M = self.lay, self.lay.d_mlp
         R, real, dh = lay.d_resid, lay.real_rows, self.linear_d_head
-        W_gate, c_gate = _folded(mlp.W_gate, None, norm_w, norm_b)  # [D, M], [M]
-        W_in, c_in = _folded(mlp.W_in, None, norm_w, norm_b)
+        W_gate, c_gate = fold_norm(mlp.W_gate, None, norm_w, norm_b)  # [D, M], [M]
+        W_in, c_in = fold_norm(mlp.W_in, None, norm_w, norm_b)
         b_in, W_out, b_out = mlp.b_in.double(), mlp.W_out.double(), mlp.b_out.double()
         # 1. g <- normalised x W_gate, u <- normalised x W_in
         maps = []

@@ -24,18 +24,16 @@ two errors for a dtype; :func:`product_error_table` measures them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.literal.layout import ResidualLayout
 from tl_attnonly.literal.theorems import SublayerHeads
 
 if TYPE_CHECKING:
     import pandas as pd
-    from transformer_lens import HookedTransformer
 
     from tl_attnonly._types import CoefficientsLike
 
@@ -215,80 +213,6 @@ def product_error_table(
     return pd.DataFrame.from_records(records)
 
 
-def gated_literal_error_table(
-    model: HookedTransformer,
-    tokens: Tensor,
-    eps_values: Sequence[float | None] = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, None),
-    dtypes: Sequence[str] = ("float64", "float32"),
-    **literal_kwargs: Any,
-) -> pd.DataFrame:
-    """Whole-model error of the gated literal form, per product eps and dtype.
-
-    The literal model (``layout="split"``) is built in float64 for each eps and cast to each
-    dtype; its logits are compared with the original model run in float64.
-
-    Args:
-        model: A TransformerLens ``HookedTransformer`` with a gated MLP (not modified).
-        tokens: Input ``[batch, pos]``.
-        eps_values: Product eps values; ``None`` = the automatic choice for each dtype.
-        dtypes: Dtype names to run in.
-        **literal_kwargs: Passed to :func:`~tl_attnonly.literal.to_literal`.
-
-    Returns:
-        One row per (dtype, eps): ``eps`` (the value used), ``auto``, ``max_abs_err``,
-        ``mean_abs_err``, ``baseline_max_abs_err`` (the original model in the dtype vs float64),
-        ``max_abs_product`` (largest ``|g u|`` over layers, neurons and tokens).
-    """
-    import copy
-    import warnings
-
-    import pandas as pd
-
-    from tl_attnonly.literal.build import to_literal  # the builder imports this module
-
-    reference_model = copy.deepcopy(model).to(torch.float64, print_details=False)
-    with torch.no_grad():
-        reference, cache = reference_model.run_with_cache(
-            tokens, names_filter=lambda n: n.endswith(("mlp.hook_pre", "mlp.hook_pre_linear"))
-        )
-    n_layers = reference_model.cfg.n_layers
-    max_product = max(
-        float((cache[neuron_act_name("pre", i)] * cache[neuron_act_name("pre_linear", i)])
-              .abs().max())
-        for i in range(n_layers)
-    )  # fmt: skip
-    records = []
-    for name in dtypes:
-        dtype = getattr(torch, name)
-        baseline_model = copy.deepcopy(model).to(dtype, print_details=False)
-        with torch.no_grad():
-            baseline = float((baseline_model(tokens).double() - reference).abs().max())
-        del baseline_model
-        for eps in eps_values:
-            used = default_product_eps(dtype) if eps is None else float(eps)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a poor eps is what the table is for
-                literal = to_literal(
-                    reference_model, layout="split", dtype=torch.float64, product_eps=used,
-                    **literal_kwargs,
-                ).to(dtype)  # fmt: skip
-            with torch.no_grad():
-                err = (literal(tokens).double() - reference).abs()
-            records.append(
-                {
-                    "dtype": name,
-                    "eps": used,
-                    "auto": eps is None,
-                    "max_abs_err": float(err.max()),
-                    "mean_abs_err": float(err.mean()),
-                    "baseline_max_abs_err": baseline,
-                    "max_abs_product": max_product,
-                }
-            )
-            del literal
-    return pd.DataFrame.from_records(records)
-
-
 def check_product_range(eps: float, product_range: float, dtype: torch.dtype) -> str | None:
     """A warning if ``eps`` is far from balancing the two errors for ``dtype``, else ``None``."""
     bound = product_error_bound(eps, product_range) + rounding_error_estimate(eps, dtype)
@@ -310,7 +234,6 @@ __all__ = [
     "check_product_range",
     "default_product_eps",
     "gated_activation_heads",
-    "gated_literal_error_table",
     "product_error_bound",
     "product_error_table",
     "product_heads",

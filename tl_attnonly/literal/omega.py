@@ -2,10 +2,10 @@
 
 Theorem 9 replaces every mask by ``-omega`` entries of ``W_QK``; the paper shows the error vanishes
 as omega grows. :func:`omega_requirement` and :func:`omega_warnings` say how large omega must be
-for a dtype (:func:`~tl_attnonly.literal.to_literal` warns with them). :func:`omega_error_table`
-measures the error on a given model and input: for each dtype and omega it builds
-:func:`tl_attnonly.literal.to_literal` and compares the logits with the original model run in
-float64. :func:`plot_omega_error` draws the table.
+for a dtype (:func:`~tl_attnonly.literal.to_literal` warns with them).
+:func:`~tl_attnonly.literal.error_tables.omega_error_table` (in
+:mod:`~tl_attnonly.literal.error_tables`, above the builder) measures the error on a given model
+and input; :func:`plot_omega_error` draws the table.
 
 Reading the table: ``max_abs_err`` falls as omega grows, until it reaches the rounding floor of
 the dtype (``baseline_max_abs_err``, the original model's own error in that dtype, is the same
@@ -16,10 +16,8 @@ score and the logits are NaN (``nonfinite``).
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +26,6 @@ from jaxtyping import Int
 if TYPE_CHECKING:  # pandas and plotly load only when a table or figure is made
     import pandas as pd
     import plotly.graph_objects as go
-    from transformer_lens import HookedTransformer
 
     from tl_attnonly.literal.transformer import LiteralTransformer
 
@@ -119,16 +116,7 @@ COLUMNS = (
 )
 
 
-def _dtype(d: str | torch.dtype) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    dt = getattr(torch, str(d).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"Unknown dtype {d!r}")
-    return dt
-
-
-def _logits_and_leak(
+def logits_and_leak(
     model: LiteralTransformer, tokens: Int[torch.Tensor, "batch pos"]
 ) -> tuple[torch.Tensor, float]:
     """Logits, and the largest attention mass any query gives to keys its head must not see."""
@@ -163,95 +151,7 @@ def max_masked_attention(
         ``max`` over sublayers, heads, batch and queries of the pattern's sum over disallowed
         keys (0 when every leak underflows; NaN if a pattern is not finite).
     """
-    return _logits_and_leak(model, tokens)[1]
-
-
-def omega_error_table(
-    model: HookedTransformer,
-    tokens: Int[torch.Tensor, "batch pos"],
-    omegas: Sequence[float] = DEFAULT_OMEGAS,
-    dtypes: Sequence[str | torch.dtype] = DEFAULT_DTYPES,
-    **literal_kwargs: Any,
-) -> pd.DataFrame:
-    """Error of the literal form against the original model, per omega and dtype.
-
-    For each omega the literal model is built once (in float64, as
-    :func:`~tl_attnonly.literal.to_literal` always does) and cast to each dtype.
-
-    Args:
-        model: The original TransformerLens model (not modified).
-        tokens: Input ``[batch, pos]``.
-        omegas: Omega values to try.
-        dtypes: Dtypes to run the literal model (and the baseline) in: names (``"float16"``)
-            or ``torch.dtype``.
-        **literal_kwargs: Passed to :func:`~tl_attnonly.literal.to_literal` (``layout``,
-            ``mask``, ``coefficients``, ``tol``, ...).
-
-    Returns:
-        One row per (dtype, omega) with columns
-
-        * ``dtype``, ``omega``;
-        * ``omega_in_dtype``: the value omega takes in the dtype (``inf`` once it overflows);
-        * ``overflow``: omega is not finite in the dtype;
-        * ``max_abs_err``, ``mean_abs_err``: literal logits in the dtype vs original in float64
-            (NaN when the output is not finite);
-        * ``baseline_max_abs_err``: the original model in the dtype vs float64, i.e. the error the
-            dtype alone causes;
-        * ``max_leak``: largest attention mass on masked keys (see :func:`max_masked_attention`);
-        * ``nonfinite``: some literal logit is NaN or inf;
-        * ``warning``: what :func:`~tl_attnonly.literal.to_literal` warns for this omega and dtype.
-    """
-    import pandas as pd
-
-    from tl_attnonly.literal.build import to_literal  # the builder imports this module
-
-    reference_model = copy.deepcopy(model).to(torch.float64, print_details=False)
-    with torch.no_grad():
-        reference = reference_model(tokens).double()
-    dts = [_dtype(name) for name in dtypes]
-    baselines = {}
-    for dt in dts:
-        baseline_model = copy.deepcopy(model).to(dt, print_details=False)
-        with torch.no_grad():
-            baselines[dt] = (baseline_model(tokens).double() - reference).abs().max().item()
-        del baseline_model
-    uses_omega = literal_kwargs.get("mask", "omega") != "ordinary"
-    rows = []
-    for omega in omegas:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # re-derived per dtype below
-            built = to_literal(reference_model, omega=omega, dtype=torch.float64, **literal_kwargs)
-        for dt in dts:
-            literal = built if dt == torch.float64 else copy.deepcopy(built).to(dt)
-            messages = (
-                omega_warnings(omega, dt, built.layout.n_pos, literal_kwargs.get("tol"))
-                if uses_omega
-                else []
-            )
-            logits, leak = _logits_and_leak(literal, tokens)
-            logits = logits.double()
-            finite = bool(torch.isfinite(logits).all())
-            err = (logits - reference).abs()
-            in_dtype = torch.tensor(float(omega), dtype=dt).item()
-            rows.append(
-                {
-                    "dtype": str(dt).replace("torch.", ""),
-                    "omega": float(omega),
-                    "omega_in_dtype": in_dtype,
-                    "overflow": not math.isfinite(in_dtype),
-                    "max_abs_err": err.max().item() if finite else math.nan,
-                    "mean_abs_err": err.mean().item() if finite else math.nan,
-                    "baseline_max_abs_err": baselines[dt],
-                    "max_leak": leak,
-                    "nonfinite": not finite,
-                    "warning": " | ".join(messages),
-                }
-            )
-            del literal
-    order = {str(dt).replace("torch.", ""): i for i, dt in enumerate(dts)}
-    df = pd.DataFrame(rows, columns=list(COLUMNS))
-    df = df.sort_values(["dtype", "omega"], key=lambda c: c.map(order) if c.name == "dtype" else c)
-    return df.reset_index(drop=True)
+    return logits_and_leak(model, tokens)[1]
 
 
 def plot_omega_error(df: pd.DataFrame, title: str | None = None) -> go.Figure:
@@ -355,7 +255,6 @@ __all__ = [
     "TYPICAL_SCORE_RANGE",
     "error_table_markdown",
     "max_masked_attention",
-    "omega_error_table",
     "omega_requirement",
     "omega_warnings",
     "plot_omega_error",

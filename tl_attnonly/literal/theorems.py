@@ -225,7 +225,7 @@ def allowed_pattern(kind: str, n_pos: int, causal: bool) -> Int[Tensor, "query_p
     raise ValueError(f"Unknown mask kind {kind!r}")
 
 
-def _folded(
+def fold_norm(
     W: Float[Tensor, "... d_model c"],
     bias: Float[Tensor, "... c"] | None,
     norm_w: Tensor | None,
@@ -283,9 +283,9 @@ def theorem6_tweaked_attention_heads(
     Returns:
         ``n_heads + 1`` heads (the last writes ``b_O``).
     """
-    Wq, bq = _folded(W_Q, b_Q, norm_w, norm_b)
-    Wk, bk = _folded(W_K, b_K, norm_w, norm_b)
-    Wv, bv = _folded(W_V, b_V, norm_w, norm_b)
+    Wq, bq = fold_norm(W_Q, b_Q, norm_w, norm_b)
+    Wk, bk = fold_norm(W_K, b_K, norm_w, norm_b)
+    Wv, bv = fold_norm(W_V, b_V, norm_w, norm_b)
     n_heads, _, d_head = Wq.shape
     H, R = n_heads + 1, layout.d_resid
     q = torch.zeros(H, R, d_head, dtype=torch.float64)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,10 @@ class LiteralTransformer(HookedRootModule):
         mask: ``"omega"``, ``"ordinary"`` or ``"causal_ordinary"``.
         budget_bytes: Refuse inputs whose patterns (all sublayers) would exceed this.
     """
+
+    #: Marks the literal form for checks that must not import this class
+    #: (:func:`tl_attnonly._types.require_neuron_heads`).
+    is_literal_form: ClassVar[bool] = True
 
     cfg: HookedTransformerConfig
     layout: ResidualLayout

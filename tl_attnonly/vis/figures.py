@@ -20,9 +20,9 @@ from tl_attnonly.activations import TL_ACTIVATIONS, NeuronHeadCoefficients
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.vis.patterns import (
     HeadsLike,
-    _model,
-    _weights_and_z,
+    converted_model_of,
     rank_neuron_heads,
+    weights_and_z,
 )
 
 #: Colours: weight on the bias token -> weight on self.
@@ -61,7 +61,7 @@ def neuron_activity_heatmap(
     Returns:
         A plotly Figure.
     """
-    model = _model(cache)
+    model = converted_model_of(cache)
     layers = _layers(layer, model.cfg.n_layers)
     str_tokens = list(str_tokens)
     selections = []
@@ -79,7 +79,7 @@ def neuron_activity_heatmap(
     )
     x = list(range(len(str_tokens)))
     for row, (lay, shown) in enumerate(zip(layers, selections), start=1):
-        pattern, z = _weights_and_z(cache, lay, shown, len(str_tokens), batch_index)
+        pattern, z = weights_and_z(cache, lay, shown, len(str_tokens), batch_index)
         ws = pattern[..., 0]
         labels = [neuron_head_label(lay, h, model.n_heads_per_neuron) for h in shown]
         fig.add_trace(
@@ -114,7 +114,7 @@ def neuron_activity_heatmap(
         fig.update_xaxes(
             tickmode="array",
             tickvals=x,
-            ticktext=[_tick(t) for t in str_tokens],
+            ticktext=[tick_label(t) for t in str_tokens],
             tickangle=-60,
             tickfont=dict(size=9),
             automargin=True,
@@ -380,7 +380,7 @@ def _layers(layer: int | Sequence[int] | None, n_layers: int) -> list[int]:
     return layers
 
 
-def _tick(token: str) -> str:
+def tick_label(token: str) -> str:
     shown = token.replace("\n", "\\n").replace("\t", "\\t")
     shown = shown if shown.strip() else repr(token)[1:-1].replace(" ", "\u2423") or "\u2205"
     return html.escape(shown[:12])

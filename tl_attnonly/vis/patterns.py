@@ -111,7 +111,7 @@ def neuron_head_scores(
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}.")
     if level not in ("head", "neuron"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
-    K = _model(cache).n_heads_per_neuron
+    K = converted_model_of(cache).n_heads_per_neuron
     if rank_by in ("self", "contrast"):
         weight_self = _cached(cache, "pattern", layer)[batch_index, :, :, 0].float()
         score = weight_self.amax(-1)
@@ -124,7 +124,7 @@ def neuron_head_scores(
     z = z_heads.float().abs().amax(0)
     if rank_by == "z":
         return z
-    mlp = _model(cache).neuron_heads[layer]
+    mlp = converted_model_of(cache).neuron_heads[layer]
     if not isinstance(mlp, NeuronHeadBase):
         raise NotImplementedError(
             f"rank_by='output' needs one output vector per neuron-head; layer {layer} is a "
@@ -153,7 +153,7 @@ def rank_neuron_heads(
     Returns:
         Neuron-head indices (``neuron * K + k``), in display order.
     """
-    model = _model(cache)
+    model = converted_model_of(cache)
     K = model.n_heads_per_neuron
     if level not in ("neuron", "head"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
@@ -332,11 +332,11 @@ def neuron_head_attention_view(
             f"page_size must be in [1, {MAX_HEADS_PER_VIEW}] (circuitsvis draws one chart per "
             f"head), got {page_size}. Use page=... to go through a larger selection."
         )
-    cache, str_tokens = _cache_and_tokens(source, tokens, layer, batch_index)
-    model = _model(cache)
+    cache, str_tokens = cache_and_tokens(source, tokens, layer, batch_index)
+    model = converted_model_of(cache)
     n_heads = model.n_neuron_heads
     k_per_neuron = model.n_heads_per_neuron
-    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
+    heads = heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
     selection = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
     n_pages = max(1, math.ceil(len(selection) / page_size))
     if not 0 <= page < n_pages:
@@ -378,7 +378,7 @@ def neuron_head_attention_view(
     )
 
 
-def _model(cache_or_model: Any) -> NeuronHeadModelMixin:
+def converted_model_of(cache_or_model: Any) -> NeuronHeadModelMixin:
     """The converted model itself, or the one whose run made a cache."""
     if isinstance(cache_or_model, ActivationCache):
         return require_neuron_heads(getattr(cache_or_model, "model", None))
@@ -402,7 +402,7 @@ def _optional(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor | N
     return cache[name] if name in cache.cache_dict else None
 
 
-def _weights_and_z(
+def weights_and_z(
     cache: ActivationCache, layer: int, shown: list[int], n_tokens: int, batch_index: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(pattern [head, pos, (self, bias)], z [head, pos])`` of the shown heads, as float arrays.
@@ -421,7 +421,7 @@ def _weights_and_z(
     return pattern, z[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
 
 
-def _heads_from_neurons(
+def heads_from_neurons(
     heads: HeadsLike, neurons: HeadsLike, k_per_neuron: int, d_mlp: int
 ) -> list[int] | None:
     if neurons is None:
@@ -438,11 +438,11 @@ def _heads_from_neurons(
     return out
 
 
-def _cache_and_tokens(
+def cache_and_tokens(
     source: Any, tokens: TokensLike | None, layer: int, batch_index: int
 ) -> tuple[ActivationCache, list[str]]:
     if isinstance(source, ActivationCache):
-        model = _model(source)
+        model = converted_model_of(source)
         _check_layer(model, layer)
         if tokens is None:
             raise ValueError(
@@ -451,7 +451,7 @@ def _cache_and_tokens(
         if isinstance(tokens, (list, tuple)):
             return source, [str(t) for t in tokens]
         return source, _str_tokens(model, cast("str | torch.Tensor", tokens), batch_index)
-    model = _model(source)
+    model = converted_model_of(source)
     if tokens is None:
         raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
     if isinstance(tokens, (list, tuple)):

@@ -15,16 +15,16 @@ import numpy as np
 import plotly.graph_objects as go
 
 from tl_attnonly.hooks import neuron_head_label
-from tl_attnonly.vis.figures import _tick
+from tl_attnonly.vis.figures import tick_label
 from tl_attnonly.vis.patterns import (
     BIAS_TOKEN,
     HeadsLike,
     TokensLike,
-    _cache_and_tokens,
-    _heads_from_neurons,
-    _model,
-    _weights_and_z,
+    cache_and_tokens,
+    converted_model_of,
+    heads_from_neurons,
     rank_neuron_heads,
+    weights_and_z,
 )
 
 #: Colours from 0 to 1: weight on self (red, as in the activity heatmap) and on the bias token.
@@ -68,12 +68,12 @@ def neuron_head_strips(
     Returns:
         A plotly Figure, ``2 * len(heads)`` thin rows.
     """
-    cache, str_tokens = _cache_and_tokens(source, tokens, layer, batch_index)
-    model = _model(cache)
+    cache, str_tokens = cache_and_tokens(source, tokens, layer, batch_index)
+    model = converted_model_of(cache)
     k_per_neuron = model.n_heads_per_neuron
-    heads = _heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
+    heads = heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
     shown = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
-    pattern, z_shown = _weights_and_z(cache, layer, shown, len(str_tokens), batch_index)
+    pattern, z_shown = weights_and_z(cache, layer, shown, len(str_tokens), batch_index)
     n_heads, n_pos, _ = pattern.shape  # [head, pos, (self, bias)]
     labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
     # rows: head i -> 3i (self), 3i + 1 (bias), 3i + 2 (a gap); unique names, so categorical
@@ -121,7 +121,7 @@ def neuron_head_strips(
     fig.update_xaxes(
         tickmode="array",
         tickvals=list(range(n_pos)),
-        ticktext=[_tick(t) for t in str_tokens],
+        ticktext=[tick_label(t) for t in str_tokens],
         tickangle=-60,
         tickfont=dict(size=9),
         showgrid=False,

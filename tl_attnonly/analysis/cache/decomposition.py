@@ -9,7 +9,7 @@ the stack, or ``(stack, labels)`` with ``return_labels=True``.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 from jaxtyping import Float, Int
@@ -20,14 +20,17 @@ from tl_attnonly._types import Kinds, check_kinds, require_additive_residual
 from tl_attnonly.analysis.cache.views import (
     DEFAULT_CHUNK,
     STACK_BUDGET,
-    _component_chunks,
-    _model,
-    _stack,
+    cache_model,
+    component_chunks,
+    stack_components,
 )
+
+if TYPE_CHECKING:
+    from tl_attnonly.model import AttnOnlyTransformer
 
 
 def _logit_directions(
-    model, tokens, incorrect_tokens
+    model: AttnOnlyTransformer, tokens, incorrect_tokens
 ) -> Float[torch.Tensor, "*batch_and_pos d_model"]:
     """``W_U[:, tokens]`` (minus ``W_U[:, incorrect_tokens]``), times ``ln_final.w`` if any.
 
@@ -100,7 +103,7 @@ def stack_neuron_head_results(
         ``[layer * n_neuron_heads (+1), batch, pos, d_model]``, and labels ``L{l}N{i}`` /
         ``L{l}N{i}.{k}`` if ``return_labels``.
     """
-    stack, labels = _stack(
+    stack, labels = stack_components(
         cache,
         layer,
         kinds=("neuron",),
@@ -190,7 +193,7 @@ def stack_all_head_results(
         ``[n_components, batch, pos, d_model]`` (pos dropped for an int ``pos_slice``; last axis
         ``n_outputs`` or squeezed when projecting), and the labels if ``return_labels``.
     """
-    stack, labels = _stack(
+    stack, labels = stack_components(
         cache,
         layer,
         mlp_input=mlp_input,
@@ -271,7 +274,7 @@ def decompose_resid_heads(
         ``[n_components, batch, pos, d_model]`` (see :func:`stack_all_head_results` for the
         shape options), and the labels if ``return_labels``.
     """
-    stack, labels = _stack(
+    stack, labels = stack_components(
         cache,
         layer,
         mlp_input=mlp_input,
@@ -369,13 +372,13 @@ def head_logit_attrs(
         ``[n_components, batch, pos]`` (pos dropped for an int ``pos_slice``), and the labels if
         ``return_labels``.
     """
-    model = _model(cache)
+    model = cache_model(cache)
     require_additive_residual(model, "head_logit_attrs (direct logit attribution)")
     check_kinds(kinds)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
     directions = _logit_directions(model, tokens, incorrect_tokens)
     parts, labels = [], []
-    chunks = _component_chunks(
+    chunks = component_chunks(
         cache,
         model.cfg.n_layers,
         False,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -38,6 +38,9 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds, require_additive_residual, require_neuron_heads
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
 STACK_BUDGET = 2 * 2**30
@@ -49,7 +52,7 @@ DEFAULT_CHUNK = 1024
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def _model(cache: ActivationCache):
+def cache_model(cache: ActivationCache):
     model = getattr(cache, "model", None)
     if model is None:
         raise TypeError(
@@ -60,7 +63,7 @@ def _model(cache: ActivationCache):
     return model
 
 
-def _resolve_layer(model, layer: int | None) -> int:
+def _resolve_layer(model: NeuronHeadModelMixin, layer: int | None) -> int:
     n_layers = model.cfg.n_layers
     if layer is None or layer == -1:
         return n_layers
@@ -94,7 +97,7 @@ def neuron_head_z(
     Raises:
         KeyError: If neither is cached; the message says which names_filter to use.
     """
-    model = _model(cache)
+    model = cache_model(cache)
     z_name = neuron_act_name("z", layer)
     if z_name in cache.cache_dict:
         return cache.cache_dict[z_name][..., 0]
@@ -129,7 +132,7 @@ def _normalize_projection(
     return project_output_onto, False
 
 
-def _accumulated_bias(model, layer: int, mlp_input: bool) -> torch.Tensor:
+def _accumulated_bias(model: NeuronHeadModelMixin, layer: int, mlp_input: bool) -> torch.Tensor:
     """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32)."""
     bias = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
     for li in range(layer):
@@ -170,7 +173,7 @@ def get_neuron_head_results(
         ``[batch, pos, n_selected, d_model]`` (pos dropped for an int ``pos_slice``; last axis
         ``n_outputs`` or squeezed when projecting).
     """
-    model = _model(cache)
+    model = cache_model(cache)
     pos_slice = Slice.unwrap(pos_slice) if isinstance(pos_slice, Slice) else Slice(pos_slice)
     z = pos_slice.apply(neuron_head_z(cache, layer), dim=-2)
     mlp = model.blocks[layer].mlp
@@ -204,7 +207,7 @@ def get_attn_head_results(
     return torch.einsum("...hd,hdm->...hm", z, W_O)
 
 
-def _component_chunks(
+def component_chunks(
     cache: ActivationCache,
     layer: int,
     mlp_input: bool,
@@ -215,7 +218,7 @@ def _component_chunks(
     progress: bool,
 ) -> Iterator[tuple[Float[torch.Tensor, "chunk *batch_and_pos d_model"], list[str]]]:
     """Residual-stream components in the module's order, in chunks of at most ``chunk_size``."""
-    model = _model(cache)
+    model = cache_model(cache)
     n_attn_layers = layer + (1 if mlp_input else 0)
     if "attn" in kinds:
         for li in range(n_attn_layers):
@@ -265,7 +268,7 @@ def _target_resid(cache: ActivationCache, layer: int, mlp_input: bool) -> torch.
     return cache[("resid_mid" if mlp_input else "resid_pre", layer)]
 
 
-def _stack(
+def stack_components(
     cache: ActivationCache,
     layer: int | None,
     *,
@@ -281,7 +284,7 @@ def _stack(
     progress: bool = False,
 ) -> tuple[torch.Tensor, list[str]]:
     """The stack behind :func:`stack_all_head_results` and :func:`decompose_resid_heads`."""
-    model = _model(cache)
+    model = cache_model(cache)
     if incl_embeds_and_bias or incl_remainder:
         require_additive_residual(
             model, "decompose_resid_heads" if incl_embeds_and_bias else "incl_remainder=True"
@@ -317,7 +320,7 @@ def _stack(
         return stack
 
     parts, labels = [], []
-    for chunk, chunk_labels in _component_chunks(
+    for chunk, chunk_labels in component_chunks(
         cache, layer, mlp_input, kinds, pos_slice, incl_embeds_and_bias, chunk_size, progress
     ):
         parts.append(finish(chunk))

@@ -3,8 +3,10 @@
 =====================  ======================================================================
 :mod:`.activations`    activation patching of neuron-heads (one or many patches per pass)
 :mod:`.outputs`        exact patching of head / neuron outputs, batched from the layer on
-:mod:`.paths`          path patching between heads (IOI style), sweeps and grids
+:mod:`.paths`          path patching between heads (IOI style)
+:mod:`.sweeps`         path patching sweeps over senders or receivers, and grids
 :mod:`.attribution`    attribution patching (gradient estimate for every head), then exact checks
+:mod:`.options`        :class:`PatchingOptions`: batching, memory budget, progress, positions
 :mod:`.resume`         internal: resume a forward pass from a layer, many patches per pass
 =====================  ======================================================================
 """
@@ -26,6 +28,7 @@ from tl_attnonly.analysis.patching.attribution import (
     pooled_cosine_metric,
     rank_agreement,
 )
+from tl_attnonly.analysis.patching.options import PatchingOptions
 from tl_attnonly.analysis.patching.outputs import (
     PatchUnit,
     get_act_patch_outputs,
@@ -37,10 +40,12 @@ from tl_attnonly.analysis.patching.paths import (
     parse_receiver,
     path_patch,
     path_patch_caches,
+    receiver_label,
+)
+from tl_attnonly.analysis.patching.sweeps import (
     path_patch_grid,
     path_patch_receiver_sweep,
     path_patch_sweep,
-    receiver_label,
 )
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "parse_receiver",
     "patch_units",
     "PatchFn",
+    "PatchingOptions",
     "PatchUnit",
     "path_patch",
     "path_patch_caches",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -36,6 +37,7 @@ from transformer_lens.patching import (
 )
 
 from tl_attnonly._types import FwdHooks, Metric, check_tokens, require_neuron_heads
+from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import PatchUnit, get_act_patch_outputs
 from tl_attnonly.analysis.patching.resume import (
     PATCH_BUDGET,
@@ -68,12 +70,12 @@ class _NeuronHeadNames:
     ``z``, ``pattern``, ... to ``blocks.{l}.attn``; neuron-heads live at ``blocks.{l}.mlp``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model: NeuronHeadModelMixin):
         self.model = model
         self.cfg = model.cfg
 
     def run_with_hooks(self, *args, fwd_hooks=(), **kwargs):
-        hooks = [(_to_mlp(name), hook) for name, hook in fwd_hooks]
+        hooks: FwdHooks = [(_to_mlp(name), hook) for name, hook in fwd_hooks]
         return self.model.run_with_hooks(*args, fwd_hooks=hooks, **kwargs)
 
 
@@ -161,14 +163,11 @@ def get_act_patch_neuron_heads(
     patching_metric: Metric,
     activation_name: str = "z",
     *,
-    per_position: bool = False,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
-    positions: Sequence[int] | None = None,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
     return_index_df: bool = False,
-    progress: bool = True,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ):
     """Activation patching of neuron-heads: each one's clean activation into the corrupted run.
 
@@ -192,6 +191,9 @@ def get_act_patch_neuron_heads(
         max_bytes: Memory budget of a batched pass's copies of the batch.
         return_index_df: Also return the index frame (one row per patch).
         progress: Show a progress bar in batched mode (``generic_activation_patch`` always does).
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``per_position``, ``positions``,
+            ``patches_per_pass``, ``max_bytes``, ``progress``); each is also accepted by keyword,
+            replacing the one in ``options``.
 
     Returns:
         The metric after each patch (float64), shaped ``[n_layers, n_heads]``,
@@ -199,6 +201,17 @@ def get_act_patch_neuron_heads(
         (patterns per position), with the sizes of the subsets given; and the index frame if
         ``return_index_df``.
     """
+    opts = resolve_patching_options(
+        "get_act_patch_neuron_heads",
+        options,
+        overrides,
+        supported=("per_position", "positions", "patches_per_pass", "max_bytes", "progress"),
+    )
+    per_position = opts.per_position
+    positions = opts.positions
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     require_neuron_heads(model)
     check_tokens(corrupted_tokens)
     index_df = neuron_head_patch_index(

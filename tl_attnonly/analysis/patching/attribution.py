@@ -35,8 +35,8 @@ from tl_attnonly._types import (
     require_neuron_heads,
 )
 from tl_attnonly.analysis.levels import neuron_level
+from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import get_act_patch_outputs
-from tl_attnonly.analysis.patching.resume import PATCH_BUDGET
 from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels, head_names_filter
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
@@ -68,10 +68,10 @@ def attribution_patch(
     *,
     activation_name: str = "z",
     kinds: Sequence[str] = ("attn", "neuron"),
-    per_position: bool = False,
-    progress: bool = False,
     metric_input: str | None = None,
     forward_kwargs: dict[str, Any] | None = None,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> tuple[torch.Tensor, list[str]]:
     """Attribution-patching estimate of patching each head's clean activation into the corrupted
     run.
@@ -104,6 +104,9 @@ def attribution_patch(
                 encoder, clean, corrupted, pooled_cosine_metric(mask), metric_input=last,
                 forward_kwargs=dict(one_zero_attention_mask=mask),
             )
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``per_position``, ``progress``);
+            each is also accepted by keyword, replacing the one in ``options`` (default here:
+            ``PatchingOptions(progress=False)``).
 
     Returns:
         ``(estimated change of the metric, labels)``: ``[n_heads]`` or ``[n_heads, pos]``, heads
@@ -111,6 +114,15 @@ def attribution_patch(
         as :func:`~tl_attnonly.analysis.get_act_patch_all_heads`. Estimates are of
         ``metric(patched) - metric(corrupted)``.
     """
+    opts = resolve_patching_options(
+        "attribution_patch",
+        options,
+        overrides,
+        supported=("per_position", "progress"),
+        default=PatchingOptions(progress=False),
+    )
+    per_position = opts.per_position
+    progress = opts.progress
     require_neuron_heads(model)
     if activation_name not in ATTRIBUTION_KINDS:
         raise ValueError(
@@ -275,9 +287,8 @@ def attribute_then_patch(
     kinds: Sequence[str] = ("attn", "neuron"),
     absolute: bool = True,
     clean_cache: ActivationCache | None = None,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> AttributionCheck:
     """Rank every head by attribution patching, then patch the top ``k`` exactly, in one call.
 
@@ -301,10 +312,22 @@ def attribute_then_patch(
             (``names_filter=head_names_filter("z")``); made here if not given.
         patches_per_pass, max_bytes: Batching of the exact patches (memory budget in bytes).
         progress: Show progress bars.
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``patches_per_pass``,
+            ``max_bytes``, ``progress``); each is also accepted by keyword, replacing the one in
+            ``options``.
 
     Returns:
         An :class:`AttributionCheck`: the table of the ``k`` units and the rank agreement.
     """
+    opts = resolve_patching_options(
+        "attribute_then_patch",
+        options,
+        overrides,
+        supported=("patches_per_pass", "max_bytes", "progress"),
+    )
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     require_neuron_heads(model)
     check_token_pair(clean_tokens, corrupted_tokens)
     if level not in ("neuron", "head"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import Metric, check_tokens, require_neuron_heads
+from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.resume import (
-    PATCH_BUDGET,
     LayerRuns,
     additive_mlp_out,
     can_resume,
@@ -123,11 +123,8 @@ def get_act_patch_outputs(
     heads: Sequence[str | HeadRef | PatchUnit] | None = None,
     *,
     level: Level = "neuron",
-    per_position: bool = False,
-    positions: Sequence[int] | None = None,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
+    options: PatchingOptions | None = None,
+    **overrides: Any,
 ) -> tuple[Float[torch.Tensor, "n_units ..."], list[str]]:
     """Exact activation patching of head outputs, many patches per pass (module docstring).
 
@@ -149,6 +146,9 @@ def get_act_patch_outputs(
         patches_per_pass: Patches per pass; default: as many as ``max_bytes`` allows (up to 256).
         max_bytes: Memory budget of a pass's batch copies (estimated from the shapes).
         progress: Show a progress bar over passes.
+        options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``per_position``, ``positions``,
+            ``patches_per_pass``, ``max_bytes``, ``progress``); each is also accepted by keyword,
+            replacing the one in ``options``.
 
     Returns:
         ``(metric after each patch, labels)``: ``[n_units]``, or ``[n_units, n_positions]`` with
@@ -159,6 +159,17 @@ def get_act_patch_outputs(
         IndexError: For positions outside the input.
         MemoryError: If the budget cannot hold one copy of the batch (or ``patches_per_pass``).
     """
+    opts = resolve_patching_options(
+        "get_act_patch_outputs",
+        options,
+        overrides,
+        supported=("per_position", "positions", "patches_per_pass", "max_bytes", "progress"),
+    )
+    per_position = opts.per_position
+    positions = opts.positions
+    patches_per_pass = opts.patches_per_pass
+    max_bytes = opts.max_bytes
+    progress = opts.progress
     require_neuron_heads(model)
     check_tokens(corrupted_tokens)
     if not can_resume(model):
@@ -256,7 +267,7 @@ def _delta_pass(
     mask = _position_mask(chunk_pos, dz.shape[1], delta)
     if mask is not None:
         delta = delta * mask
-    w_out = model.blocks[layer].mlp._out_matrix  # [d_mlp, d_model]
+    w_out = model.blocks[layer].mlp.out_matrix  # [d_mlp, d_model]
     rows = w_out[torch.tensor([u.heads[0] // K for u in units], device=w_out.device)]
     resid = runs.resid(layer + 1)  # [batch, pos, d_model]
     patched = resid + delta.to(resid.device)[..., None] * rows[:, None, None, :]

@@ -19,6 +19,9 @@ for the IOI paper's direction (corrupted senders in the clean run) swap the two 
 Receivers are written as labels with an optional input suffix: ``"L2H3"`` (q, k and v),
 ``"L2H3:q"``, ``"L2H3:kv"``, ``"L2N17"`` (q and v), ``"L2N17.1:v"``, or ``"logits"``. In models with
 grouped-query attention a ``k``/``v`` receiver is its key/value head, shared by its group.
+
+Sweeps over many senders or receivers, and the grid, are in
+:mod:`tl_attnonly.analysis.patching.sweeps`.
 """
 
 from __future__ import annotations
@@ -27,26 +30,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float, Int
-from tqdm.auto import tqdm
+from jaxtyping import Int
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric, check_token_pair, require_neuron_heads
-from tl_attnonly.analysis.patching.resume import (
-    PATCH_BUDGET,
-    LayerRuns,
-    can_resume,
-    metric_of_copies,
-    patches_per_pass_for,
-    run_copies,
-)
 from tl_attnonly.hooks import (
     HeadRef,
-    all_head_refs,
     block_act_name,
     exact_names_filter,
     head_act_name,
-    head_labels,
     head_names_filter,
     parse_head_label,
 )
@@ -101,7 +93,7 @@ def parse_receiver(
     return Receiver(ref, "".join(c for c in allowed if c in inputs))
 
 
-def _receiver_hooks(
+def receiver_hooks(
     model: NeuronHeadModelMixin, receivers: Sequence[Receiver]
 ) -> dict[str, list[int]]:
     """hook name -> head indices (in that hook's head axis) to patch."""
@@ -137,7 +129,7 @@ def path_patch_caches(
     return clean, corrupted
 
 
-def _record_receiver_inputs(
+def record_receiver_inputs(
     model: NeuronHeadModelMixin,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
@@ -184,7 +176,7 @@ def _record_receiver_inputs(
     return recorded
 
 
-def _path_patch_runs(
+def path_patch_runs(
     model: NeuronHeadModelMixin,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
@@ -198,8 +190,8 @@ def _path_patch_runs(
     n_layers = model.cfg.n_layers
     tokens = corrupted_tokens.repeat(copies, 1)
     # step 1: senders clean, everything else frozen; record the receivers' inputs
-    targets = _receiver_hooks(model, receivers)
-    recorded = _record_receiver_inputs(
+    targets = receiver_hooks(model, receivers)
+    recorded = record_receiver_inputs(
         model, corrupted_tokens, clean_cache, corrupted_cache, sender_sets, targets
     )
 
@@ -222,7 +214,7 @@ def _path_patch_runs(
     return [patching_metric(logits[c * batch : (c + 1) * batch]).item() for c in range(copies)]
 
 
-def _prepare(
+def prepare_path_patch(
     model: NeuronHeadModelMixin,
     clean_tokens,
     corrupted_tokens,
@@ -268,62 +260,15 @@ def path_patch(
     Returns:
         ``patching_metric`` of the path-patched run.
     """
-    parsed, clean_cache, corrupted_cache = _prepare(
+    parsed, clean_cache, corrupted_cache = prepare_path_patch(
         model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
     )
     K = model.n_heads_per_neuron
     sender_refs = [parse_head_label(s, K) for s in senders]
-    return _path_patch_runs(
+    return path_patch_runs(
         model, corrupted_tokens, clean_cache, corrupted_cache, [sender_refs], parsed,
         patching_metric,
     )[0]  # fmt: skip
-
-
-def path_patch_sweep(
-    model: NeuronHeadModelMixin,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    receivers: str | Iterable[str | HeadRef | tuple | Receiver],
-    patching_metric: Metric,
-    *,
-    senders: Sequence[str | HeadRef] | None = None,
-    patches_per_pass: int | None = 16,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
-    clean_cache: ActivationCache | None = None,
-    corrupted_cache: ActivationCache | None = None,
-) -> tuple[Float[torch.Tensor, "n_senders"], list[str]]:  # noqa: F821
-    """Path patching from each sender alone to ``receivers`` (the IOI paper's per-head plots).
-
-    ``patches_per_pass`` senders share each pair of forward passes (one batch copy each; exact).
-    For one sender set and many receivers, see :func:`path_patch_receiver_sweep`.
-
-    Args:
-        senders: Heads to sweep; default every head (attention heads first, then neuron-heads).
-        patches_per_pass: Senders per pair of passes; ``None``: as many as ``max_bytes`` allows.
-        max_bytes: Memory budget of a pass's copies of the batch (``MemoryError`` beyond it).
-        Others: As in :func:`path_patch`.
-
-    Returns:
-        ``(metric for each sender [n_senders], sender labels)``, float64 on the CPU like
-        :func:`path_patch_receiver_sweep`.
-    """
-    parsed, clean_cache, corrupted_cache = _prepare(
-        model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
-    )
-    K = model.n_heads_per_neuron
-    refs = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-    out = torch.zeros(len(refs), dtype=torch.float64)
-    batch, n_pos = corrupted_tokens.shape
-    step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
-    for start in tqdm(range(0, len(refs), step), desc="path patching", disable=not progress):
-        chunk = refs[start : start + step]
-        values = _path_patch_runs(
-            model, corrupted_tokens, clean_cache, corrupted_cache, [[r] for r in chunk], parsed,
-            patching_metric,
-        )  # fmt: skip
-        out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
-    return out, head_labels(refs, K)
 
 
 def receiver_label(receiver: Receiver, n_heads_per_neuron: int = 1) -> str:
@@ -333,190 +278,15 @@ def receiver_label(receiver: Receiver, n_heads_per_neuron: int = 1) -> str:
     return f"{receiver.head.label(n_heads_per_neuron)}:{receiver.inputs}"
 
 
-def path_patch_receiver_sweep(
-    model: NeuronHeadModelMixin,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    senders: Iterable[str | HeadRef],
-    patching_metric: Metric,
-    *,
-    receivers: Iterable[str | HeadRef | tuple | Receiver] | None = None,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
-    clean_cache: ActivationCache | None = None,
-    corrupted_cache: ActivationCache | None = None,
-) -> tuple[Float[torch.Tensor, "n_receivers"], list[str]]:  # noqa: F821
-    """Path patching from a fixed set of ``senders`` to each receiver alone.
-
-    Equal to ``[path_patch(model, clean, corrupted, senders, [r], metric) for r in receivers]``
-    (tested), but step 1 (senders clean, every other head frozen) runs once for all receivers,
-    and the step-2 runs of ``patches_per_pass`` receivers share a pass as batch copies, each
-    starting at its receivers' layer from the corrupted residual stream.
-
-    Args:
-        senders: The sender set (head labels or :class:`HeadRef` s), patched together.
-        receivers: Receiver specs, each its own entry (``"L1H0:q"``, ``"L1N3"``, ``"logits"``,
-            ...); default every head with all its inputs, then ``"logits"``.
-        patches_per_pass: Receivers per step-2 pass; default: from ``max_bytes``.
-        max_bytes: Memory budget of a pass's copies of the batch (``MemoryError`` beyond it).
-        progress: Show a progress bar over passes.
-        Others: As in :func:`path_patch`.
-
-    Returns:
-        ``(metric for each receiver [n_receivers], receiver labels)``, float64; labels as
-        :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
-    """
-    specs: list = list(all_head_refs(model)) + [LOGITS] if receivers is None else list(receivers)
-    sweep = _ReceiverSweep(
-        model,
-        clean_tokens,
-        corrupted_tokens,
-        specs,
-        clean_cache,
-        corrupted_cache,
-        patches_per_pass,
-        max_bytes,
-    )
-    return sweep.run(list(senders), patching_metric, progress), sweep.labels
-
-
-class _ReceiverSweep:
-    """What every sender set's receiver sweep shares: the checked inputs and both caches, the
-    receivers' hooks and labels, the step and the corrupted run that step-2 passes resume from
-    (made once, also for a sender x receiver grid). Arguments as in
-    :func:`path_patch_receiver_sweep`.
-    """
-
-    def __init__(
-        self,
-        model: NeuronHeadModelMixin,
-        clean_tokens: torch.Tensor,
-        corrupted_tokens: torch.Tensor,
-        receivers: Sequence[str | HeadRef | tuple | Receiver],
-        clean_cache: ActivationCache | None,
-        corrupted_cache: ActivationCache | None,
-        patches_per_pass: int | None,
-        max_bytes: int,
-    ):
-        parsed, self.clean_cache, self.corrupted_cache = _prepare(
-            model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
-        )
-        self.model = model
-        self.K = model.n_heads_per_neuron
-        self.labels = [receiver_label(r, self.K) for r in parsed]
-        self.corrupted_tokens = corrupted_tokens
-        batch, n_pos = corrupted_tokens.shape
-        self.step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
-        self.per_receiver = [_receiver_hooks(model, [r]) for r in parsed]
-        self.names = list(dict.fromkeys(name for hooks in self.per_receiver for name in hooks))
-        self.runs = LayerRuns(model, corrupted_tokens) if can_resume(model) else None
-        self.final = block_act_name("resid_post", model.cfg.n_layers - 1)
-
-    def run(
-        self,
-        senders: Sequence[str | HeadRef],
-        patching_metric: Metric,
-        progress: bool,
-    ) -> Float[torch.Tensor, "n_receivers"]:  # noqa: F821
-        """Step 1 once for ``senders``, then step 2 for each receiver alone (float64)."""
-        corrupted_tokens, corrupted_cache = self.corrupted_tokens, self.corrupted_cache
-        batch = corrupted_tokens.shape[0]
-        sender_refs = [parse_head_label(s, self.K) for s in senders]
-        recorded = _record_receiver_inputs(
-            self.model,
-            corrupted_tokens,
-            self.clean_cache,
-            corrupted_cache,
-            [sender_refs],
-            self.names,
-        )
-        final, per_receiver, step = self.final, self.per_receiver, self.step
-        out = torch.zeros(len(per_receiver), dtype=torch.float64)
-        for start in tqdm(
-            range(0, len(per_receiver), step), desc="path patching", disable=not progress
-        ):
-            chunk = per_receiver[start : start + step]
-            by_name: dict[str, list[tuple[int, list[int]]]] = {}
-            for c, receiver_hooks in enumerate(chunk):
-                for name, heads in receiver_hooks.items():
-                    by_name.setdefault(name, []).append((c, heads))
-
-            def patch(name: str, edits: list[tuple[int, list[int]]]):
-                def hook(act, hook):
-                    act = act.clone()  # the neuron-heads' q, v and pre may share storage
-                    for c, heads in edits:
-                        rows = slice(c * batch, (c + 1) * batch)
-                        if name == final and not heads:  # the logits: the senders' direct effect
-                            act[rows] += recorded[name] - corrupted_cache[name]
-                        else:
-                            act[rows, :, heads] = recorded[name][:, :, heads].to(act.dtype)
-                    return act
-
-                return hook
-
-            hooks: FwdHooks = [(name, patch(name, edits)) for name, edits in by_name.items()]
-            logits = run_copies(self.model, self.runs, corrupted_tokens, len(chunk), hooks)
-            values = metric_of_copies(patching_metric, logits, batch)
-            out[start : start + len(chunk)] = torch.tensor(values, dtype=torch.float64)
-        return out
-
-
-def path_patch_grid(
-    model: NeuronHeadModelMixin,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    senders: Sequence[str | HeadRef],
-    receivers: Sequence[str | HeadRef | tuple | Receiver],
-    patching_metric: Metric,
-    *,
-    patches_per_pass: int | None = None,
-    max_bytes: int = PATCH_BUDGET,
-    progress: bool = True,
-    clean_cache: ActivationCache | None = None,
-    corrupted_cache: ActivationCache | None = None,
-) -> tuple[Float[torch.Tensor, "n_senders n_receivers"], list[str], list[str]]:
-    """Path patching from each sender alone to each receiver alone: a sender x receiver grid.
-
-    Entry ``[i, j]`` equals ``path_patch(model, clean, corrupted, [senders[i]], [receivers[j]],
-    metric)`` (tested); each row is one :func:`path_patch_receiver_sweep`, and the rows share
-    the corrupted run that their step-2 passes resume from.
-
-    Args:
-        senders: Head labels or :class:`HeadRef` s, one row each.
-        receivers: Receiver specs, one column each.
-        Others: As in :func:`path_patch_receiver_sweep`.
-
-    Returns:
-        ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
-    """
-    sweep = _ReceiverSweep(
-        model,
-        clean_tokens,
-        corrupted_tokens,
-        receivers,
-        clean_cache,
-        corrupted_cache,
-        patches_per_pass,
-        max_bytes,
-    )
-    refs = [parse_head_label(s, sweep.K) for s in senders]
-    rows = [
-        sweep.run([ref], patching_metric, progress=False)
-        for ref in tqdm(refs, desc="senders", disable=not progress)
-    ]
-    grid = torch.stack(rows) if rows else torch.zeros(0, len(sweep.labels), dtype=torch.float64)
-    return grid, head_labels(refs, sweep.K), sweep.labels
-
-
 __all__ = [
     "LOGITS",
     "Receiver",
-    "path_patch_grid",
-    "path_patch_receiver_sweep",
-    "receiver_label",
     "parse_receiver",
     "path_patch",
     "path_patch_caches",
-    "path_patch_sweep",
+    "path_patch_runs",
+    "prepare_path_patch",
+    "receiver_hooks",
+    "receiver_label",
+    "record_receiver_inputs",
 ]

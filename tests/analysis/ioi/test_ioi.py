@@ -282,7 +282,7 @@ def test_additive_metric_sums_over_batches_to_the_mean():
 
 def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys, monkeypatch):
     # scripts/circuit_smollm2_ioi.py prints the README's IOI figures; its stages take any model.
-    path = Path(__file__).parents[2] / "scripts" / "circuit_smollm2_ioi.py"
+    path = Path(__file__).parents[3] / "scripts" / "circuit_smollm2_ioi.py"
     spec = importlib.util.spec_from_file_location("circuit_smollm2_ioi", path)
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)

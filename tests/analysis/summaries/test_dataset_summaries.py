@@ -147,3 +147,21 @@ def test_summaries_refuse_over_budget_and_bad_items():
         summarize_neuron_heads(model, _corpus(), max_bytes=1000, progress=False)
     with pytest.raises(TypeError, match="strings or int tensors"):
         summarize_neuron_heads(model, [3.5], progress=False)
+
+
+def test_summary_options_equal_keywords():
+    from tl_attnonly.analysis import SummaryOptions
+
+    model = convert(make_model("gelu", normalization_type="LN", n_ctx=12))
+    kw = dict(k=K_TOP, before=BEFORE, after=AFTER, batch_size=3, progress=False)
+    by_keyword = summarize_neuron_heads(model, _corpus(), **kw)
+    by_options = summarize_neuron_heads(model, _corpus(), options=SummaryOptions(**kw))
+    assert by_options.fire_count.equal(by_keyword.fire_count)
+    assert by_options.post_sum_by_token.equal(by_keyword.post_sum_by_token)
+    for r in by_keyword.top:
+        for a, b in zip(by_keyword.top[r], by_options.top[r]):
+            assert a.values.equal(b.values) and a.tokens.equal(b.tokens)
+    with pytest.raises(TypeError, match="SummaryOptions"):
+        summarize_neuron_heads(model, _corpus(), kk=3)
+    with pytest.raises(TypeError, match="takes a tl_attnonly.analysis.SummaryOptions"):
+        summarize_neuron_heads(model, _corpus(), options=kw)

@@ -1,0 +1,40 @@
+"""Dataset-level neuron-head summaries, in the spirit of Neuroscope and SAE dashboards.
+
+:func:`summarize_neuron_heads` streams a corpus (any iterable of strings or token tensors; by
+default Python standard-library source, offline) through a converted model and keeps, with memory
+bounded by the number of heads (never by the corpus):
+
+- for every neuron-head ``L{l}N{i}(.k)``: the top-``k`` contexts by its weight on itself
+  (``hook_pattern[..., 0]``: whether it fires) and by ``|z|`` (what it writes), each with the
+  tokens around the position and the head's self weight on every one of them (the bias token gets
+  ``1 - self``);
+- its firing fraction: the share of positions where its weight on itself exceeds 1/2;
+- per neuron and token: the mean of ``hook_post`` (what the neuron writes) over the positions of
+  that token, and per neuron-head and token the firing fraction, hence the AUC of "fires" as a
+  detector of the token (token selectivity);
+- the number of positions seen, per token.
+
+:class:`NeuronHeadSummaries` saves to and loads from a directory (safetensors + JSON), ranks heads
+by dataset statistics (:meth:`~NeuronHeadSummaries.rank`; pass the result as ``heads=`` to the
+views in :mod:`tl_attnonly.vis`), and renders an HTML page per head
+(:func:`tl_attnonly.vis.summaries.summary_html`).
+
+Modules: :mod:`~tl_attnonly.analysis.summaries.collect` (streaming the corpus) and
+:mod:`~tl_attnonly.analysis.summaries.results` (:class:`NeuronHeadSummaries`).
+"""
+
+from tl_attnonly.analysis.summaries.collect import (
+    SummaryOptions,
+    stdlib_corpus,
+    summarize_neuron_heads,
+)
+from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
+
+__all__ = [
+    "RANKINGS",
+    "NeuronHeadSummaries",
+    "SummaryOptions",
+    "TopContexts",
+    "stdlib_corpus",
+    "summarize_neuron_heads",
+]

@@ -1,0 +1,316 @@
+""":func:`summarize_neuron_heads`: stream a corpus through a converted model, bounded memory.
+
+:func:`stdlib_corpus` is the default corpus (Python standard-library source, offline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from jaxtyping import Float, Int
+from tqdm.auto import tqdm
+
+from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
+from tl_attnonly.hooks import neuron_act_name
+
+if TYPE_CHECKING:
+    from tl_attnonly.encoder import AttnOnlyEncoder
+    from tl_attnonly.model import AttnOnlyTransformer
+
+
+#: Modules read by :func:`stdlib_corpus` by default (small, stable, present in every CPython).
+STDLIB_MODULES = ("textwrap", "string", "shlex", "fnmatch", "glob", "bisect", "heapq", "colorsys")
+
+
+def stdlib_corpus(
+    modules: Iterable[str] = STDLIB_MODULES, lines_per_doc: int = 12
+) -> Iterator[str]:
+    """Python standard-library source (offline), in documents of ``lines_per_doc`` lines.
+
+    Args:
+        modules: Module names (``name.py`` or ``name/__init__.py`` in the stdlib directory).
+        lines_per_doc: Lines per yielded document.
+
+    Raises:
+        FileNotFoundError: If none of the modules' sources exists (e.g. a stripped install).
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    found = False
+    for name in modules:
+        for path in (stdlib / f"{name}.py", stdlib / name / "__init__.py"):
+            if path.is_file():
+                found = True
+                lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+                for start in range(0, len(lines), lines_per_doc):
+                    text = "".join(lines[start : start + lines_per_doc])
+                    if text.strip():
+                        yield text
+                break
+    if not found:
+        raise FileNotFoundError(
+            f"No source of {list(modules)} in {stdlib}; pass your own corpus (an iterable of "
+            "strings or token tensors)."
+        )
+
+
+def _token_rows(
+    model: AttnOnlyTransformer | AttnOnlyEncoder, corpus: Iterable, max_len: int
+) -> Iterator[torch.Tensor]:
+    """1-d token tensors of at most ``max_len`` tokens (strings tokenised with BOS)."""
+    for item in corpus:
+        if isinstance(item, str) and hasattr(model, "encoder_output"):  # BERT-style: [CLS] .. [SEP]
+            tokens = model.tokenizer(item, return_tensors="pt")["input_ids"][0]
+        elif isinstance(item, str):
+            tokens = model.to_tokens(item, truncate=False)[0]
+        elif isinstance(item, torch.Tensor) and item.ndim in (1, 2):
+            rows = item if item.ndim == 2 else item[None]
+            for row in rows:
+                yield from (row[s : s + max_len] for s in range(0, row.shape[0], max_len))
+            continue
+        else:
+            raise TypeError(
+                f"Corpus items must be strings or int tensors [pos] / [batch, pos], got "
+                f"{type(item).__name__}."
+            )
+        for start in range(0, tokens.shape[0], max_len):
+            yield tokens[start : start + max_len]
+
+
+def _batched(rows: Iterator[torch.Tensor], batch_size: int) -> Iterator[list[torch.Tensor]]:
+    batch: list[torch.Tensor] = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _merge_top(
+    top: TopContexts,
+    values: Float[torch.Tensor, "batch pos n"],
+    tokens: Int[torch.Tensor, "batch pos"],
+    self_weight: Float[torch.Tensor, "batch pos n"],
+    z: Float[torch.Tensor, "batch pos n"],
+    lengths: torch.Tensor,
+    row_offset: int,
+    before: int,
+    after: int,
+) -> TopContexts:
+    """Merge one batch's candidates into ``top`` (positions past a row's length are excluded)."""
+    batch, pos, n = values.shape
+    k = top.values.shape[1]
+    valid = torch.arange(pos)[None, :] < lengths[:, None]  # [batch, pos]
+    flat = values.masked_fill(~valid[..., None], -torch.inf).reshape(batch * pos, n)
+    kk = min(k, batch * pos)
+    cand_vals, cand_idx = flat.topk(kk, dim=0)  # [kk, n]
+    cand_vals, cand_idx = cand_vals.T, cand_idx.T  # [n, kk]
+    b_idx, p_idx = cand_idx // pos, cand_idx % pos
+    offsets = torch.arange(-before, after + 1)
+    ctx_pos = p_idx[..., None] + offsets  # [n, kk, window]
+    inside = (ctx_pos >= 0) & (ctx_pos < lengths[b_idx][..., None])
+    ctx_clamped = ctx_pos.clamp(0, pos - 1)
+    b_exp = b_idx[..., None].expand_as(ctx_pos)
+    head = torch.arange(n)[:, None, None].expand_as(ctx_pos)
+    ctx_tokens = tokens[b_exp, ctx_clamped].masked_fill(~inside, -1)
+    ctx_self = self_weight[b_exp, ctx_clamped, head].masked_fill(~inside, 0.0)
+    ctx_z = z[b_exp, ctx_clamped, head].masked_fill(~inside, 0.0)
+    all_vals = torch.cat([top.values, cand_vals.float()], dim=1)
+    order = all_vals.topk(k, dim=1).indices  # [n, k]; ties keep the earlier (existing) entry
+
+    def pick(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([old, new.to(old.dtype)], dim=1)
+        index = order.reshape(order.shape + (1,) * (both.ndim - 2)).expand(
+            order.shape + both.shape[2:]
+        )
+        return both.gather(1, index)
+
+    return TopContexts(
+        pick(top.values, cand_vals),
+        pick(top.tokens, ctx_tokens),
+        pick(top.self_weight, ctx_self),
+        pick(top.z, ctx_z),
+        pick(top.document, b_idx + row_offset),
+        pick(top.position, p_idx),
+    )
+
+
+@dataclass(frozen=True)
+class SummaryOptions:
+    """Options of :func:`summarize_neuron_heads` (each also accepted by keyword there).
+
+    Attributes:
+        k: Top contexts kept per head and ranking.
+        before, after: Context tokens kept around each top position.
+        max_len: Longest token row (longer rows are split); default ``model.cfg.n_ctx``.
+        batch_size: Rows per forward pass (rows are right-padded; padding is never counted).
+        max_rows: Stop after this many rows.
+        token_stats: Record per-token statistics (``[layers, heads, d_vocab]`` counters).
+        max_bytes: Refuse, before any work, when the statistics would need more memory.
+        progress: Progress bar over batches.
+    """
+
+    k: int = 10
+    before: int = 12
+    after: int = 3
+    max_len: int | None = None
+    batch_size: int = 16
+    max_rows: int | None = None
+    token_stats: bool = True
+    max_bytes: int = 2**30
+    progress: bool = True
+
+    def with_overrides(self, **changes: Any) -> SummaryOptions:
+        """A copy with the given fields replaced.
+
+        Raises:
+            TypeError: For a name that is not an option, listing the options.
+        """
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(
+                f"Unknown summary option(s) {unknown}; the options are {names} "
+                "(tl_attnonly.analysis.SummaryOptions)."
+            )
+        return dataclasses.replace(self, **changes)
+
+
+def summarize_neuron_heads(
+    model: AttnOnlyTransformer | AttnOnlyEncoder,
+    corpus: Iterable[str | torch.Tensor] | None = None,
+    *,
+    options: SummaryOptions | None = None,
+    **overrides: Any,
+) -> NeuronHeadSummaries:
+    """Stream ``corpus`` through ``model`` and summarise every neuron-head (module docstring).
+
+    Args:
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or
+            :class:`~tl_attnonly.AttnOnlyEncoder` (padding is masked out of its attention), with a
+            tokenizer if the corpus holds strings.
+        corpus: Strings and/or int token tensors (``[pos]`` or ``[batch, pos]``); default
+            :func:`stdlib_corpus`.
+        k: Top contexts kept per head and ranking.
+        before, after: Context tokens kept around each top position.
+        max_len: Longest token row (longer rows are split); default ``model.cfg.n_ctx``.
+        batch_size: Rows per forward pass (rows are right-padded; padding is never counted).
+        max_rows: Stop after this many rows.
+        token_stats: Record per-token statistics (``[layers, heads, d_vocab]`` counters).
+        max_bytes: Refuse, before any work, when the statistics would need more memory.
+        progress: Progress bar over batches.
+        options: A :class:`SummaryOptions` holding the options above (``k`` to ``progress``);
+            each is also accepted by keyword, replacing the one in ``options``.
+
+    Returns:
+        :class:`NeuronHeadSummaries`.
+
+    Raises:
+        TypeError: For a keyword that is not an option (naming :class:`SummaryOptions`).
+    """
+    if options is not None and not isinstance(options, SummaryOptions):
+        raise TypeError(
+            "summarize_neuron_heads(..., options=...) takes a "
+            f"tl_attnonly.analysis.SummaryOptions, got {type(options).__name__}."
+        )
+    opts = (options or SummaryOptions()).with_overrides(**overrides)
+    k, before, after, max_len = opts.k, opts.before, opts.after, opts.max_len
+    batch_size, max_rows, token_stats = opts.batch_size, opts.max_rows, opts.token_stats
+    max_bytes, progress = opts.max_bytes, opts.progress
+    require_neuron_heads(model)
+    cfg = model.cfg
+    assert cfg.d_mlp is not None  # a converted model has MLPs
+    L, N, K, V = cfg.n_layers, cfg.d_mlp, model.n_heads_per_neuron, cfg.d_vocab
+    H = N * K
+    window = before + after + 1
+    need = (L * H * k * (2 + 3 * window)) * 8 * len(RANKINGS)
+    if token_stats:
+        need += L * (N + H) * V * 8
+    if need > max_bytes:
+        raise MemoryError(
+            f"The summaries need {need / 2**30:.2f} GiB (budget {max_bytes / 2**30:.2f} GiB): "
+            f"{L} layers x {H} neuron-heads{' x ' + str(V) + ' tokens' if token_stats else ''}. "
+            "Pass token_stats=False, a smaller k, or max_bytes=... to raise the budget."
+        )
+    if corpus is None:
+        corpus = stdlib_corpus()
+    max_len = max_len or cfg.n_ctx
+    top = {r: [TopContexts.empty(H, k, window) for _ in range(L)] for r in RANKINGS}
+    fire = torch.zeros(L, H, dtype=torch.long)
+    token_count = torch.zeros(V, dtype=torch.long)
+    post_sum = torch.zeros(L, N, V, dtype=torch.float64) if token_stats else None
+    fire_tok = torch.zeros(L, H, V, dtype=torch.long) if token_stats else None
+    names = {neuron_act_name(kind, li) for li in range(L) for kind in ("pattern", "z", "post")}
+    n_positions = n_rows = 0
+    device = cfg.device
+    rows = _token_rows(model, corpus, max_len)
+    bar = tqdm(desc="summaries (rows)", disable=not progress, unit="row")
+    for batch in _batched(rows, batch_size):
+        if max_rows is not None and n_rows >= max_rows:
+            break
+        if max_rows is not None:
+            batch = batch[: max_rows - n_rows]
+        lengths = torch.tensor([row.shape[0] for row in batch])
+        pad = int(lengths.max())
+        tokens = torch.zeros(len(batch), pad, dtype=torch.long)
+        for i, row in enumerate(batch):
+            tokens[i, : row.shape[0]] = row.cpu()
+        valid = torch.arange(pad)[None, :] < lengths[:, None]  # [batch, pos]
+        kwargs: dict[str, Any] = {}
+        if hasattr(model, "encoder_output"):  # bidirectional: padding must be masked out
+            kwargs["one_zero_attention_mask"] = valid.long().to(device)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(
+                tokens.to(device), names_filter=lambda n: n in names, **kwargs
+            )
+        flat_tokens = tokens[valid]  # [n_valid]
+        token_count += torch.bincount(flat_tokens, minlength=V)
+        for li in range(L):
+            self_w = cache[neuron_act_name("pattern", li)][..., 0].transpose(1, 2).float().cpu()
+            z = cache[neuron_act_name("z", li)][..., 0].float().cpu()  # [batch, pos, H]
+            post = cache[neuron_act_name("post", li)].double().cpu()  # [batch, pos, N]
+            fires = self_w > 0.5
+            fire[li] += (fires & valid[..., None]).sum((0, 1))
+            if post_sum is not None and fire_tok is not None:
+                post_sum[li].index_add_(1, flat_tokens, post[valid].T)
+                fire_tok[li].index_add_(1, flat_tokens, fires[valid].T.long())
+            for ranking, values in (("self", self_w), ("abs_z", z.abs())):
+                top[ranking][li] = _merge_top(
+                    top[ranking][li], values, tokens, self_w, z, lengths, n_rows, before, after
+                )
+        n_positions += int(valid.sum())
+        n_rows += len(batch)
+        bar.update(len(batch))
+    bar.close()
+    return NeuronHeadSummaries(
+        n_layers=L,
+        d_mlp=N,
+        n_heads_per_neuron=K,
+        d_vocab=V,
+        before=before,
+        after=after,
+        top=top,
+        fire_count=fire,
+        token_count=token_count,
+        post_sum_by_token=post_sum,
+        fire_count_by_token=fire_tok,
+        n_positions=n_positions,
+        n_rows=n_rows,
+        meta={"k": k, "max_len": max_len},
+    )
+
+
+__all__ = [
+    "STDLIB_MODULES",
+    "SummaryOptions",
+    "stdlib_corpus",
+    "summarize_neuron_heads",
+]
