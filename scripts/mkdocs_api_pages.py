@@ -19,11 +19,8 @@ from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "tl_attnonly"
-#: Packages left out of the reference (and the nav). The TransformerBridge support is reviewed
-#: on its own branch first: delete its line here to publish its pages.
-SKIP = {
-    "tl_attnonly.bridge",
-}
+#: Packages left out of the reference (and the nav).
+SKIP: set[str] = set()
 #: The nav entry whose children are the generated pages.
 SECTION = "API reference"
 #: A Sphinx cross-reference role in the docstrings (``:func:`name```), as Markdown renders it.
