@@ -340,8 +340,21 @@ def _is_local_name(name: str) -> bool:
     return name in LOCAL_MODELS and not Path(name).exists()
 
 
+def _require_hooked_transformer(command: str) -> None:
+    """A CommandError for ``convert`` / ``verify`` on TransformerLens 4.x (no HookedTransformer),
+    before anything is loaded."""
+    if not _has_hooked_transformer():
+        raise CommandError(
+            f"tl-attnonly {command} converts and saves HookedTransformer models, which "
+            "TransformerLens 4.x removed. On 4.x: `tl-attnonly demo` (the bundled model as a "
+            "TransformerBridge) or tl_attnonly.convert(bridge) in Python (docs/bridge.md); or "
+            "install transformer-lens>=3,<4."
+        )
+
+
 def convert_cmd(args: argparse.Namespace) -> int:
     """Load a model by TransformerLens name, convert it, save it."""
+    _require_hooked_transformer("convert")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"OUT_DIR {str(out)!r} exists and is not a directory.")
@@ -412,6 +425,7 @@ def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
 
 def verify_cmd(args: argparse.Namespace) -> int:
     """Compare a converted model against its original (a TL model name or a saved directory)."""
+    _require_hooked_transformer("verify")
     target = Path(args.model).expanduser()
     looks_like_path = args.model.startswith((".", "/", "~", os.sep)) or args.model.endswith("/")
     if looks_like_path and not target.exists():

@@ -142,3 +142,18 @@ def test_report_module_docstring_has_no_code():
     import tl_attnonly.report as report_module
 
     assert "HAS_HOOKED_TRANSFORMER" not in (report_module.__doc__ or "")
+
+
+@pytest.mark.parametrize("argv", [["convert", "bundled", "out"], ["verify", "bundled"]])
+def test_convert_and_verify_refuse_without_hooked_transformer(monkeypatch, capsys, tmp_path, argv):
+    """On TransformerLens 4.x (simulated on 3.x; the 4.x CI venv runs the real thing) the commands
+    that save or verify HookedTransformer models end in a usage error that names the bridge
+    route, before loading anything and without a traceback."""
+    from tl_attnonly import cli
+
+    monkeypatch.setattr(cli, "_has_hooked_transformer", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "TransformerLens 4.x removed" in err and "tl_attnonly.convert(bridge)" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
