@@ -7,6 +7,7 @@ while the command line's ``--help`` must not pay for torch.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -125,8 +126,15 @@ def convert(
         NO_HOOKED_TRANSFORMER,
         is_transformer_bridge,
     )
-    from tl_attnonly.options import ConversionOptions
+    from tl_attnonly.options import ConversionOptions, LiteralOptions
 
+    unknown = sorted(set(literal_kwargs) - {f.name for f in dataclasses.fields(LiteralOptions)})
+    if unknown:
+        raise TypeError(
+            f"convert() got unexpected keyword argument(s) {unknown}. It takes conversion, "
+            "n_heads_per_neuron, relu_k, gelu_method, share_weights and form; with "
+            "form='literal', also literal= and the fields of tl_attnonly.LiteralOptions."
+        )
     options = (conversion or ConversionOptions()).with_overrides(
         n_heads_per_neuron=n_heads_per_neuron, relu_k=relu_k, gelu_method=gelu_method
     )

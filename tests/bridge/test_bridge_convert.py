@@ -342,7 +342,20 @@ def test_refuses_share_weights_false_and_literal_form():
         tl_attnonly.convert(bridge, share_weights=False)
     with pytest.raises(NotImplementedError, match="structured form only"):
         tl_attnonly.convert(bridge, form="literal")
+    with pytest.raises(NotImplementedError, match="structured form only"):
+        tl_attnonly.convert(bridge, omega=1e4)  # a literal-form option
     assert not is_converted_bridge(bridge)
+
+
+def test_unknown_keyword_is_named_not_taken_for_a_literal_option():
+    """A misspelt or foreign keyword (``progress``) is a TypeError naming it, for a bridge and a
+    HookedTransformer alike, not a refusal of the literal form (failed before: "structured form
+    only" / "belong to form='literal'")."""
+    from conftest import make_model
+
+    for model in (make_bridge("llama"), make_model()):
+        with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['progress'\]"):
+            tl_attnonly.convert(model, progress=False)
 
 
 def test_refuses_a_nonstandard_mlp_forward():
