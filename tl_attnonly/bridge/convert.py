@@ -146,7 +146,10 @@ def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Pla
                 f"{type(hf_mlp).__name__}; only MLPs whose projections are their own attributes "
                 "are supported."
             )
-        tl_matrix(projection, role)  # refuses projections that are not nn.Linear / Conv1D
+        try:  # refuses projections that are not nn.Linear / Conv1D
+            tl_matrix(projection, role)
+        except NotImplementedError as err:
+            raise NotImplementedError(f"{name} ({kind}): {err}") from err
         projections[role] = remote
     fn, _ = _hf_activation(hf_mlp, layer)
     act_fn = identify_activation(fn, f"{name} ({type(hf_mlp).__name__})")
@@ -183,7 +186,15 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
     x = x.to(device=device, dtype=dtype)
     fused = layer.fused
     with torch.no_grad():
-        reference = plan.hf_mlp(x)
+        try:
+            reference = plan.hf_mlp(x)
+        except TypeError as err:  # e.g. MPT's MLP also takes the residual stream
+            raise NotImplementedError(
+                f"{_mlp_name(plan.layer)} ({type(plan.hf_mlp).__name__}): its forward does not "
+                f"take the hidden states alone ({err}), so it is not the standard "
+                f"{'down(act(gate x) * up x)' if plan.gated else 'out(act(in x))'}. This MLP is "
+                "not supported; please report the architecture."
+            ) from err
         layer.fused = True
         ours = layer(x)
         layer.fused = fused
