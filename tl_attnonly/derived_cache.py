@@ -7,12 +7,18 @@ computing them forces the slower head path. So ``AttnOnlyTransformer.run_with_ca
 fused forward pass, keeps the pre-activations, and returns a :class:`NeuronHeadActivationCache`
 whose neuron-head entries are computed on first access, by the same code and arithmetic as the
 head path, so they equal what a stored cache would hold bit for bit
-(``tests/analysis/test_derived_cache.py``).
+(``tests/test_derived_cache.py``).
 
 What is stored rather than derived: every entry of a layer whose neuron-head hooks had a hook
 attached during the run (an edit must be kept as made), per-head results
-(``set_use_neuron_result``), and everything when gradients are cached (``incl_bwd=True``).
-``names_filter`` limits the derived entries like the stored ones.
+(``set_use_neuron_result``), and everything when gradients are cached (``incl_bwd=True``) or the
+caching hooks stay attached (``reset_hooks_end=False``: later runs keep filling the cache, as in
+TransformerLens). ``names_filter`` limits the derived entries like the stored ones, and only
+layers that ran have entries (``start_at_layer`` / ``stop_at_layer`` skip layers).
+
+Every ``run_with_cache`` argument TransformerLens accepts works as on the original model, with
+the same keys (plus the neuron-head hooks) and values: ``tests/test_cache_contract.py`` checks
+every argument value, pairwise, on decoders (plain, gated, MoE) and encoders.
 
 Every :class:`~transformer_lens.ActivationCache` method works as on a stored cache (``keys``,
 ``items``, ``values``, ``stack_activation``, ``to``, ``remove_batch_dim``,
