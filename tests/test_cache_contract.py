@@ -165,15 +165,15 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(_tokenizer_dir())
 
 
-def make_encoder(dtype: torch.dtype) -> HookedEncoder:
-    cfg = make_config(
-        "silu",
-        dtype,
+def make_encoder_from(overrides: dict[str, Any]) -> HookedEncoder:
+    """A random BERT-like SiLU encoder (``make_config`` overrides) with the word tokenizer."""
+    kwargs = dict(
         n_layers=N_LAYERS,
         attention_dir="bidirectional",
         normalization_type="LN",
         original_architecture="BertForMaskedLM",
     )
+    cfg = make_config("silu", **{**kwargs, **overrides})
     model = HookedEncoder(cfg, word_tokenizer(), move_to_device=False)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # HookedEncoder leaves its weights uninitialised: set them all
@@ -193,7 +193,7 @@ def model_pair(kind: str, dtype_name: str, fused: bool):
     """(original, converted), with the word tokenizer."""
     dtype = torch.float64 if dtype_name == "fp64" else torch.float32
     if kind == "encoder":
-        original = make_encoder(dtype)
+        original = make_encoder_from(dict(dtype=dtype))
     else:
         original = make_model("silu", dtype, n_layers=N_LAYERS, **MODEL_KINDS[kind])
         original.set_tokenizer(word_tokenizer())
@@ -203,8 +203,8 @@ def model_pair(kind: str, dtype_name: str, fused: bool):
     return original, converted
 
 
-def layer_arg(value: Any) -> Any:
-    return N_LAYERS if value == "final" else value
+def layer_arg(value: Any, model) -> Any:
+    return model.cfg.n_layers if value == "final" else value
 
 
 def make_input(case: dict[str, Any], original, seed: int = 0) -> tuple[tuple, dict[str, Any]]:
@@ -222,7 +222,7 @@ def make_input(case: dict[str, Any], original, seed: int = 0) -> tuple[tuple, di
     if case["input"] == "tokens":
         return (tokens,), kwargs
     with torch.no_grad():  # the residual stream entering layer `start`
-        residual = original(tokens, stop_at_layer=layer_arg(case["start_at_layer"]))
+        residual = original(tokens, stop_at_layer=layer_arg(case["start_at_layer"], original))
     if case["return_type"] == "loss":
         kwargs["tokens"] = tokens
     return (residual,), kwargs
@@ -246,7 +246,7 @@ def run_kwargs(case: dict[str, Any], converted) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for name in ("start_at_layer", "stop_at_layer"):
         if case[name] is not None:
-            kwargs[name] = layer_arg(case[name])
+            kwargs[name] = layer_arg(case[name], converted)
     if case["names_filter"] is not None:
         kwargs["names_filter"] = names_filter_for(case, converted)
     pos_slice = {
@@ -320,6 +320,11 @@ def assert_cache_contract(case, original, original_cache, converted_cache, store
 )
 def test_run_with_cache_matches_the_original(case):
     original, converted = model_pair(case["model"], case["dtype"], case["fused"])
+    check_case(case, original, converted)
+
+
+def check_case(case: dict[str, Any], original, converted) -> None:
+    """Run the case on both models and check the contract (the module docstring)."""
     dtype = original.cfg.dtype
     model_args, model_kwargs = make_input(case, original)
     # made now: making a residual input runs the original's blocks, which must not fire hooks
