@@ -1,0 +1,113 @@
+"""Fuzz: random configs x random run_with_cache arguments, converted vs original.
+
+Each example draws a TransformerLens config (decoder or encoder; normalisation, positions,
+parallel attention, GQA, attention direction, gated MLP, mixture of experts, attention results,
+split inputs, depth, widths, dtype; SiLU, whose neuron-heads are exact) and one value of every
+``run_with_cache`` argument of :mod:`test_cache_contract`, and checks that module's contract
+(:func:`test_cache_contract.check_case`): the original's keys and values, derived entries equal to
+stored ones, TransformerLens's refusals raised alike.
+
+Default run: a few dozen examples (slow-marked). The long run::
+
+    pytest -m slow tests/test_cache_fuzz.py --hypothesis-profile=tl-attnonly-cache-fuzz
+
+What it found became the regression tests at the end of this file, each named for its finding.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import make_model
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from test_cache_contract import DIMENSIONS, allowed, check_case, make_encoder_from, word_tokenizer
+
+from tl_attnonly import ConversionOptions, convert
+
+settings.register_profile(
+    "tl-attnonly-cache-fuzz",
+    max_examples=1500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
+
+
+@st.composite
+def configs(draw) -> dict:
+    """``make_config`` overrides of a decoder or an encoder (``"encoder": True``)."""
+    encoder = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else False
+    n_heads = draw(st.sampled_from([1, 2, 4]))
+    cfg: dict = dict(
+        n_layers=draw(st.integers(1, 3)),
+        d_model=draw(st.sampled_from([8, 16])),
+        n_heads=n_heads,
+        d_head=draw(st.sampled_from([4, 8])),
+        d_mlp=draw(st.sampled_from([4, 12, 24])),
+        dtype=draw(st.sampled_from([torch.float64, torch.float32])),
+    )
+    if encoder:
+        return dict(cfg, encoder=True)
+    cfg["normalization_type"] = draw(st.sampled_from(["LN", "LNPre", "RMS", "RMSPre", None]))
+    if draw(st.booleans()):
+        cfg.update(positional_embedding_type="rotary", rotary_dim=4)
+    kind = draw(st.sampled_from(["plain", "gated", "moe"]))
+    if kind == "gated":
+        cfg["gated_mlp"] = True
+    elif kind == "moe":
+        cfg.update(num_experts=draw(st.sampled_from([2, 3])), experts_per_token=1)
+        cfg["dtype"] = torch.float32  # TL's router stays float32 (see test_cache_contract)
+    else:
+        cfg["parallel_attn_mlp"] = draw(st.booleans())
+    if n_heads > 1 and draw(st.booleans()):
+        cfg["n_key_value_heads"] = n_heads // 2
+    cfg["attention_dir"] = draw(st.sampled_from(["causal", "bidirectional"]))
+    cfg["use_attn_result"] = draw(st.booleans())
+    cfg["use_hook_mlp_in"] = draw(st.booleans())
+    cfg["use_split_qkv_input"] = draw(st.booleans())
+    cfg["kind"] = kind
+    return cfg
+
+
+@st.composite
+def cases(draw, kind: str, dtype: torch.dtype) -> dict:
+    """One value of every run_with_cache argument, TransformerLens allowing the combination."""
+    case = dict(model=kind, dtype="fp64" if dtype == torch.float64 else "fp32")
+    for name, values in DIMENSIONS.items():
+        if name not in case:  # a value allowed with those drawn so far
+            choices = [v for v in values if allowed({**case, name: v})]
+            assume(choices)
+            case[name] = draw(st.sampled_from(choices))
+    assert allowed(case)
+    return case
+
+
+def build(cfg: dict):
+    cfg = dict(cfg)
+    fused = cfg.pop("fused", True)
+    if cfg.pop("encoder", False):
+        original = make_encoder_from(cfg)
+    else:
+        cfg.pop("kind")
+        original = make_model("silu", **cfg)
+        original.set_tokenizer(word_tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = convert(original, conversion=ConversionOptions(fused=fused))
+    return original, converted
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_configs_and_run_with_cache_arguments(data):
+    cfg = data.draw(configs(), label="config")
+    kind = "encoder" if cfg.get("encoder") else cfg["kind"]
+    case = data.draw(cases(kind, cfg["dtype"]), label="case")
+    cfg["fused"] = case["fused"]
+    original, converted = build(cfg)
+    check_case(case, original, converted)
