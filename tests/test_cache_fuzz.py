@@ -9,13 +9,14 @@ stored ones, TransformerLens's refusals raised alike.
 
 Default run: a few dozen examples (slow-marked). The long run::
 
-    pytest -m slow tests/test_cache_fuzz.py --hypothesis-profile=tl-attnonly-cache-fuzz
+    TL_ATTNONLY_CACHE_FUZZ_EXAMPLES=1500 pytest -m slow tests/test_cache_fuzz.py
 
 What it found became the regression tests at the end of this file, each named for its finding.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -27,12 +28,8 @@ from test_cache_contract import DIMENSIONS, allowed, check_case, make_encoder_fr
 
 from tl_attnonly import ConversionOptions, convert
 
-settings.register_profile(
-    "tl-attnonly-cache-fuzz",
-    max_examples=1500,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+#: Examples per run: a few dozen by default; the long run sets the variable (module docstring).
+MAX_EXAMPLES = int(os.environ.get("TL_ATTNONLY_CACHE_FUZZ_EXAMPLES", "40"))
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
 
@@ -102,7 +99,7 @@ def build(cfg: dict):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_configs_and_run_with_cache_arguments(data):
     cfg = data.draw(configs(), label="config")
