@@ -108,3 +108,98 @@ def test_random_configs_and_run_with_cache_arguments(data):
     cfg["fused"] = case["fused"]
     original, converted = build(cfg)
     check_case(case, original, converted)
+
+
+# ---------------------------------------------------------------------------- regression tests
+# What the sweeps found (test_cache_contract's pairwise cases and this fuzz), one test each, on
+# the smallest model that shows it. Each failed before the fix in tl_attnonly/derived_cache.py.
+def _pair(n_layers: int = 3):
+    original = make_model("silu", torch.float64, n_layers=n_layers, normalization_type="LN")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return original, convert(original)
+
+
+def _tokens(batch: int = 2):
+    return torch.randint(0, 50, (batch, 6), generator=torch.Generator().manual_seed(0))
+
+
+def _assert_matches(original_cache, converted_cache):
+    neuron_only = [k for k in converted_cache.keys() if k not in original_cache.keys()]
+    assert all(".mlp.hook_" in k and k.split(".")[-1] in NEURON_HOOKS for k in neuron_only)
+    for name in original_cache.keys():
+        torch.testing.assert_close(
+            converted_cache[name], original_cache[name], rtol=1e-9, atol=1e-9
+        )
+
+
+NEURON_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+
+
+def test_start_at_layer_residual_input_raised_stop_iteration():
+    original, converted = _pair()
+    residual = original(_tokens(), stop_at_layer=1)
+    _, expected = original.run_with_cache(residual, start_at_layer=1)
+    _, cache = converted.run_with_cache(residual, start_at_layer=1)
+    _assert_matches(expected, cache)
+    assert "blocks.0.mlp.hook_pattern" not in cache.keys()  # layer 0 did not run
+    assert "blocks.1.mlp.hook_pattern" in cache.keys()
+
+
+def test_start_at_final_layer_raised_stop_iteration():
+    original, converted = _pair()
+    residual = original(_tokens(), stop_at_layer=3)
+    _, expected = original.run_with_cache(residual, start_at_layer=3)
+    _, cache = converted.run_with_cache(residual, start_at_layer=3)
+    assert list(cache.keys()) == list(expected.keys())  # no layer ran: no neuron-head entries
+
+
+def test_stop_at_layer_0_raised_stop_iteration():
+    original, converted = _pair()
+    _, expected = original.run_with_cache(_tokens(), stop_at_layer=0)
+    _, cache = converted.run_with_cache(_tokens(), stop_at_layer=0)
+    assert list(cache.keys()) == list(expected.keys())
+
+
+def test_stop_at_layer_listed_neuron_heads_of_layers_that_never_ran():
+    original, converted = _pair()
+    _, expected = original.run_with_cache(_tokens(), stop_at_layer=1)
+    _, cache = converted.run_with_cache(_tokens(), stop_at_layer=1)
+    _assert_matches(expected, cache)
+    assert not [k for k in cache.keys() if not k.startswith(("blocks.0.", "hook_"))]
+    for name in cache.keys():  # every listed entry can be read
+        cache[name]
+
+
+def test_reset_hooks_end_false_returned_a_copy_that_later_runs_did_not_fill():
+    original, converted = _pair()
+    first, second = _tokens(), _tokens() + 1
+    caches = []
+    try:
+        for model in (original, converted):
+            _, cache = model.run_with_cache(first, reset_hooks_end=False)
+            model(second)  # TL: the caching hooks are still attached and overwrite the cache
+            caches.append(cache)
+    finally:
+        original.reset_hooks()
+        converted.reset_hooks()
+    _assert_matches(*caches)
+    _, fresh = original.run_with_cache(second)
+    name = "blocks.1.hook_resid_post"
+    torch.testing.assert_close(caches[1][name], fresh[name])
+
+
+def test_names_filter_tuple_was_accepted_where_transformer_lens_refuses_it():
+    original, converted = _pair(1)
+    for model in (original, converted):
+        with pytest.raises(ValueError, match="names_filter must be"):
+            model.run_with_cache(_tokens(), names_filter=("hook_embed",))
+        model.reset_hooks()
+
+
+def test_remove_batch_dim_refusal_raised_value_error_not_assertion_error():
+    """TL's test_remove_batch_dim_fails_if_batch_gt_1 expects AssertionError."""
+    for model in _pair(1):
+        _, cache = model.run_with_cache(_tokens(batch=2))
+        with pytest.raises(AssertionError):
+            cache.remove_batch_dim()
