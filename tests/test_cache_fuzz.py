@@ -203,3 +203,28 @@ def test_remove_batch_dim_refusal_raised_value_error_not_assertion_error():
         _, cache = model.run_with_cache(_tokens(batch=2))
         with pytest.raises(AssertionError):
             cache.remove_batch_dim()
+
+
+def test_moe_pos_slice_on_an_expert_with_no_tokens_fails_in_transformer_lens_and_alike():
+    """Found by the fuzz: pos_slice on a mixture-of-experts expert that no token was routed to
+    raises IndexError in TransformerLens's caching hook. The original does so on its expert
+    hooks (``experts.e.hook_pre``: [routed tokens, d_mlp]), the converted model on the experts'
+    neuron-head hooks too (routed tokens where positions are): the same rule, the same error, so
+    the contract test leaves MoE x pos_slice out."""
+    original = make_model(
+        "silu", torch.float32, normalization_type="LN", num_experts=2, experts_per_token=1
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = convert(original)
+    one_token = _tokens(batch=1)[:, :1]  # one token: one of the two experts gets none
+    for model, kind in ((original, "hook_pre"), (converted, "hook_pre"), (converted, "hook_z")):
+        with pytest.raises(IndexError):
+            model.run_with_cache(
+                one_token, names_filter=lambda n, k=kind: ".experts." in n and n.endswith(k),
+                pos_slice=-1,
+            )
+        model.reset_hooks()
+    # without pos_slice, both models cache the empty expert's entries
+    _, cache = converted.run_with_cache(one_token, names_filter=lambda n: ".experts." in n)
+    assert any(cache[name].numel() == 0 for name in cache.keys())
