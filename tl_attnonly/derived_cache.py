@@ -7,12 +7,18 @@ computing them forces the slower head path. So ``AttnOnlyTransformer.run_with_ca
 fused forward pass, keeps the pre-activations, and returns a :class:`NeuronHeadActivationCache`
 whose neuron-head entries are computed on first access, by the same code and arithmetic as the
 head path, so they equal what a stored cache would hold bit for bit
-(``tests/analysis/test_derived_cache.py``).
+(``tests/test_derived_cache.py``).
 
 What is stored rather than derived: every entry of a layer whose neuron-head hooks had a hook
 attached during the run (an edit must be kept as made), per-head results
-(``set_use_neuron_result``), and everything when gradients are cached (``incl_bwd=True``).
-``names_filter`` limits the derived entries like the stored ones.
+(``set_use_neuron_result``), and everything when gradients are cached (``incl_bwd=True``) or the
+caching hooks stay attached (``reset_hooks_end=False``: later runs keep filling the cache, as in
+TransformerLens). ``names_filter`` limits the derived entries like the stored ones, and only
+layers that ran have entries (``start_at_layer`` / ``stop_at_layer`` skip layers).
+
+Every ``run_with_cache`` argument TransformerLens accepts works as on the original model, with
+the same keys (plus the neuron-head hooks) and values: ``tests/test_cache_contract.py`` checks
+every argument value, pairwise, on decoders (plain, gated, MoE) and encoders.
 
 Every :class:`~transformer_lens.ActivationCache` method works as on a stored cache (``keys``,
 ``items``, ``values``, ``stack_activation``, ``to``, ``remove_batch_dim``,
@@ -37,6 +43,15 @@ from tl_attnonly.hooks import hook_kind, neuron_act_name
 NEURON_TUPLE_KINDS = ("q", "k", "v", "attn_scores", "scores", "pattern", "z", "result")
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CacheBatchDimError(AssertionError, ValueError):
+    """A batch-dimension operation the cache cannot do (``remove_batch_dim`` with batch size
+    above 1, batch indexing after the batch dimension is gone).
+
+    TransformerLens's :class:`~transformer_lens.ActivationCache` raises ``AssertionError`` here,
+    so this is one (code written for TransformerLens catches it); it is a ``ValueError`` too.
+    """
 
 
 class _Pending:
@@ -131,7 +146,11 @@ class NeuronHeadActivationCache(ActivationCache):
         batch_size: int | None = None,
     ):
         if not isinstance(cache_dict, DerivingDict):
-            cache_dict = DerivingDict(dict(cache_dict))
+            # The dict itself, not a copy: with ``reset_hooks_end=False`` TransformerLens's caching
+            # hooks stay attached and keep writing into it, and the cache shows what they write.
+            if not isinstance(cache_dict, dict):
+                cache_dict = dict(cache_dict)
+            cache_dict = DerivingDict(cache_dict)
         super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)
         #: The tensors derived entries are computed from (held, though not entries).
         self._derive_sources = derive_sources
@@ -180,8 +199,10 @@ class NeuronHeadActivationCache(ActivationCache):
             return self
         batch_size = self._batch_size()
         if batch_size != 1:
-            raise ValueError(
-                f"Cannot remove batch dimension from cache with batch size {batch_size}"
+            raise CacheBatchDimError(
+                f"Cannot remove batch dimension from cache with batch size {batch_size}: only a "
+                "batch of one can lose it. Slice one item first: "
+                "cache.apply_slice_to_batch_dim(i) (or run_with_cache on one input)."
             )
         self.cache_dict = self.cache_dict.mapped(
             lambda t: t[0], keep=lambda t: t.ndim == 0 or t.size(0) != 1
@@ -195,7 +216,10 @@ class NeuronHeadActivationCache(ActivationCache):
         if not isinstance(batch_slice, Slice):
             batch_slice = Slice(batch_slice)
         if not (self.has_batch_dim or batch_slice.mode == "empty"):
-            raise ValueError("Cannot index into a cache without a batch dim")
+            raise CacheBatchDimError(
+                "Cannot index into a cache without a batch dim (remove_batch_dim was applied): "
+                "index the tensors directly."
+            )
         still_has_batch_dim = (batch_slice.mode != "int") and self.has_batch_dim
         batch_size = self._batch_size()
         new = self.cache_dict.mapped(
@@ -267,14 +291,17 @@ def run_with_derived_cache(
     )
     if pos_slice is not None:
         options["pos_slice"] = pos_slice
-    if not return_cache_object or not derive or incl_bwd:
+    if not return_cache_object or not derive or incl_bwd or not reset_hooks_end:
+        # Everything stored, by TransformerLens's own run_with_cache. (With reset_hooks_end=False
+        # its caching hooks stay attached and later runs overwrite the cache: a derived entry
+        # would come from a later run than the stored entry beside it.)
         out, cache = run(
             *model_args, names_filter=names_filter, return_cache_object=False, **options, **kwargs
         )
         if not return_cache_object:
             return out, cache
         return out, NeuronHeadActivationCache(cache, model, has_batch_dim=not remove_batch_dim)
-    wanted = _as_filter(names_filter)
+    wanted = as_names_filter(names_filter)
     derived: dict[int, list[str]] = {}
     for layer, mlp in enumerate(model.neuron_heads):
         if not isinstance(mlp, NeuronHeadBase):
@@ -320,6 +347,14 @@ def run_with_derived_cache(
     ):
         out = model(*model_args, **kwargs)
     slicer = Slice.unwrap(pos_slice)
+    # Only layers that ran have entries, as in TransformerLens's cache: start_at_layer and
+    # stop_at_layer skip layers, whose hooks (and so the capture hooks) never fire.
+    derived = {
+        layer: names
+        for layer, names in derived.items()
+        if set(sources[layer]) == set(model.neuron_heads[layer].derive_inputs)
+    }
+    sources = {layer: sources[layer] for layer in derived}
 
     def pending(layer: int, name: str) -> _Pending:
         kind = hook_kind(name)
@@ -351,7 +386,8 @@ def run_with_derived_cache(
             entries[name] = tensor
     batch_size = None
     if derived and not remove_batch_dim:
-        batch_size = next(iter(next(iter(sources.values())).values())).size(0)
+        first = next(iter(derived))
+        batch_size = sources[first][model.neuron_heads[first].derive_inputs[0]].size(0)
     cache = NeuronHeadActivationCache(
         DerivingDict(entries),
         model,
@@ -362,24 +398,35 @@ def run_with_derived_cache(
     return out, cache
 
 
-def _as_filter(names_filter: Any) -> Callable[[str], bool]:
-    """TransformerLens's ``names_filter`` forms as a function."""
+def as_names_filter(names_filter: Any) -> Callable[[str], bool]:
+    """``names_filter`` as a function, accepting what TransformerLens's ``get_caching_hooks``
+    accepts (``None``, a hook name, a list of hook names, a function) and refusing the rest with
+    its error, so a converted model takes exactly the original's arguments.
+
+    Raises:
+        ValueError: For any other type (a tuple or set of names: pass a list).
+    """
     if names_filter is None:
         return lambda name: True
     if isinstance(names_filter, str):
         return lambda name: name == names_filter
-    if isinstance(names_filter, (list, tuple, set, frozenset)):
-        allowed = set(names_filter)
+    if isinstance(names_filter, list):
+        allowed = list(names_filter)
         return lambda name: name in allowed
     if callable(names_filter):
         return names_filter
-    raise ValueError("names_filter must be a string, list of strings, or function")
+    raise ValueError(
+        "names_filter must be a string, list of strings, or function (as TransformerLens "
+        f"requires); got a {type(names_filter).__name__}. Pass list(...) for a tuple or set."
+    )
 
 
 __all__ = [
     "NEURON_TUPLE_KINDS",
+    "CacheBatchDimError",
     "DerivingDict",
     "NeuronHeadActivationCache",
     "Transform",
+    "as_names_filter",
     "run_with_derived_cache",
 ]

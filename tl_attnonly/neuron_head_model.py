@@ -223,8 +223,10 @@ class NeuronHeadModelMixin(_MixedInto):
             *model_args: Forward-pass arguments.
             derive: ``False``: store every entry (TransformerLens's behaviour).
             **kwargs: As for TransformerLens's ``run_with_cache`` (``names_filter``, ``device``,
-                ``remove_batch_dim``, ``incl_bwd``, ``pos_slice``, ``return_cache_object``) and
-                the forward pass.
+                ``remove_batch_dim``, ``incl_bwd``, ``pos_slice``, ``return_cache_object``,
+                ``reset_hooks_end``, ``clear_contexts``) and the forward pass
+                (``start_at_layer``, ``stop_at_layer``, ``tokens``, ``return_type``, ...), with
+                TransformerLens's keys and values (``tests/test_cache_contract.py``).
         """
         from tl_attnonly.derived_cache import run_with_derived_cache
 
