@@ -254,7 +254,15 @@ def _max_abs_error(coeffs: NeuronHeadCoefficients, x_range: float, n: int) -> fl
         peak = (1.0 + RELU_SIGMOID_ERROR_CONSTANT) / coeffs.relu_k
         if peak <= x_range:
             x = torch.cat([x, torch.tensor([-peak, peak], dtype=torch.float64)])
-    return float((coeffs.evaluate(x) - coeffs.reference(x)).abs().max())
+    # a block of points at a time: the K-head evaluation of all n points at once is ~8 MB
+    return max(
+        float((coeffs.evaluate(block) - coeffs.reference(block)).abs().max())
+        for block in x.split(_ERROR_GRID_BLOCK)
+    )
+
+
+#: Points per block of :func:`_max_abs_error` (bounds its float64 scratch memory).
+_ERROR_GRID_BLOCK = 16384
 
 
 def check_relu_k(relu_k: Any) -> None:
