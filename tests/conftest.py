@@ -192,6 +192,7 @@ if not HAS_HOOKED_TRANSFORMER:
     _TL3_ONLY = (
         "removed in TransformerLens 4.0",
         "needs TransformerLens's HookedTransformer",
+        "which TransformerLens 4.x removed",  # tl_attnonly's refusals (bundled model, CLI)
         "name 'HookedTransformer' is not defined",
         "name 'HookedTransformerConfig' is not defined",
         "No module named 'transformer_lens.components'",

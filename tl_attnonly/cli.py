@@ -82,10 +82,17 @@ def _load_demo_model(name: str) -> tuple[Any, str]:
 
 
 def _has_hooked_transformer() -> bool:
-    """Whether the installed TransformerLens has HookedTransformer (3.x; 4.x removed it)."""
-    from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+    """Whether the installed TransformerLens has HookedTransformer (3.x; 4.x removed it), read
+    from the package's metadata: no import of torch or TransformerLens, so the commands that
+    fail fast (no hub, bad arguments) stay fast."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return HAS_HOOKED_TRANSFORMER
+    try:
+        return int(version("transformer-lens").split(".")[0]) < 4
+    except (PackageNotFoundError, ValueError):  # not installed, or an unreadable version
+        from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
+        return HAS_HOOKED_TRANSFORMER
 
 
 def demo(args: argparse.Namespace) -> int:
