@@ -46,6 +46,7 @@ from tl_attnonly.analysis.circuits import (
 )
 from tl_attnonly.analysis.discovery import (
     Circuit,
+    DiscoveryOptions,
     EdgeScores,
     HeadGraph,
     ModelInputs,
@@ -147,6 +148,7 @@ __all__ = [
     "circuit_metric",
     "circuit_metrics",
     "discover_circuit",
+    "DiscoveryOptions",
     "discover_node_circuit",
     "edge_attribution_scores",
     "EdgeScores",

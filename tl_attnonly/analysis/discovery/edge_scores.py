@@ -65,6 +65,7 @@ from tl_attnonly.analysis.discovery.sites import (
     _source_hooks,
     _source_values,
     _writers,
+    check_additive,
     check_discoverable,
     check_scoring_args,
     logit_diff_metric,
@@ -203,6 +204,7 @@ def edge_attribution_scores(
         :class:`EdgeScores`.
     """
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
+    check_additive(model, clean_tokens, metric, _batches(clean_tokens.shape[0], batch_size))
     graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
