@@ -225,13 +225,17 @@ def edge_attribution_scores(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
         progress, metrics,
     )  # fmt: skip
+    # writing and reading matrices: weights, the same for every batch and step
+    writers: dict[str, torch.Tensor] = {}
+    readers: dict[str, torch.Tensor] = {}
     for deltas, reads, weight in terms:
-        readers: dict[str, torch.Tensor] = {}
         for src, dst in graph.blocks():
             g, lin = reads[dst.key]
             if dst.key not in readers:
                 readers[dst.key] = _readers(model, dst, graph, g)
-            U = _writers(model, src, graph, g)
+            if src.key not in writers:
+                writers[src.key] = _writers(model, src, graph, g)
+            U = writers[src.key]
             with torch.no_grad():
                 block = _block_scores(deltas[src.key], U, g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
