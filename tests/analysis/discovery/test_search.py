@@ -77,8 +77,9 @@ def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name):
     assert circuit.ceiling == pytest.approx(1.0, abs=1e-9)
     # every point of the curve is an exact run of the top-n circuit
     curve = circuit.curve
+    n_all = circuit.graph.n_edges()
     masks = [
-        circuit.graph.full_mask() if n >= circuit.graph.n_edges() else prune(circuit.scores, top_n=n)
+        circuit.graph.full_mask() if n >= n_all else prune(circuit.scores, top_n=n)
         for n in curve.top_n
     ]
     values = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes)
