@@ -13,7 +13,9 @@ Prints (figures quoted in docs/open_questions.md):
 4. the gate/value split of the top neurons' incoming circuit edges (exact);
 5. the path-patching gate/value split of ``L0H0 -> every layer-0 neuron``;
 6. what plain neuron tools give: attribution patching of ``hook_post`` (one number per neuron)
-   and how many of its top neurons the circuit contains.
+   and how many of its top neurons the circuit contains;
+7. :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph, EAP-IG, sweep
+   to faithfulness 0.8, named neurons) and its evidence (``Circuit.report()``).
 
 Usage::
 
@@ -31,6 +33,7 @@ import tl_attnonly
 from tl_attnonly.analysis import (
     circuit_gate_value_split,
     circuit_metrics,
+    discover_circuit,
     edge_attribution_scores,
     faithfulness,
     logit_diff_metric,
@@ -145,6 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         f"\nplain neuron attribution (hook_post): {inside} of its top 20 neurons are in the "
         f"circuit; its top 5: {', '.join(top_plain[:5])}"
     )
+    t = time.perf_counter()
+    circuit = discover_circuit(model, clean, corrupted, metric, batch_size=64, progress=False)
+    print(f"\n## discover_circuit with its defaults ({time.perf_counter() - t:.0f} s)")
+    print(circuit.report())
     print(f"\ntotal time {time.perf_counter() - start:.0f} s ({args.threads} threads)")
 
 

@@ -267,32 +267,11 @@ def stage_discover(model, data, args) -> Circuit:
     seconds = time.perf_counter() - start
     print(
         f"\n## discover_circuit, defaults ({args.templates} templates, {args.corruption} "
-        f"corruption, {len(data)} prompts, target {args.target})\n"
-        f"metric: clean {circuit.metric_clean:.3f}, corrupted {circuit.metric_corrupted:.3f}\n"
-        f"{circuit!r}\n"
-        f"ceiling (every edge of the coarse graph, {circuit.extra['coarse'].graph.n_edges():,} "
-        f"edges): {circuit.ceiling:.3f}\n"
-        f"coarse circuit: {len(circuit.extra['coarse'].edges()):,} edges, faithfulness "
-        f"{circuit.extra['coarse'].faithfulness:.3f}; with named neurons: "
-        f"{len(circuit.edges()):,} edges, faithfulness {circuit.faithfulness:.3f}\n"
-        f"node patching of the coarse circuit's sources: {circuit.node_patching:.3f}\n"
-        f"named neurons only (remainders' outgoing edges removed): "
-        f"{circuit.extra.get('faithfulness_named_only', float('nan')):.3f}"
+        f"corruption, {len(data)} prompts, target {args.target})"
     )
-    print("sweep (exact runs):")
-    print(circuit.curve.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    if circuit.mlp_split is not None:
-        print("MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)")
-        print(circuit.mlp_split.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    if circuit.gate_value is not None:
-        print("gate/value split of the named neurons (metric units; NaN: no edge of that kind)")
-        print(circuit.gate_value.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    heads = sorted({n for n in circuit.nodes() if "H" in n})
-    print(f"attention heads ({len(heads)}):", ", ".join(heads))
-    print("warnings:", *(circuit.warnings or ["none"]), sep="\n  ")
-    stages = ", ".join(f"{k} {v:.0f} s" for k, v in circuit.extra["seconds"].items())
+    print(circuit.report())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"time {seconds:.0f} s ({stages}); peak resident memory of the process {peak:.2f} GiB")
+    print(f"time {seconds:.0f} s; peak resident memory of the process {peak:.2f} GiB")
     return circuit
 
 

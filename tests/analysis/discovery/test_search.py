@@ -136,6 +136,10 @@ def test_named_neurons_compute_the_coarse_circuit_and_split_each_mlp_node():
     assert set(table.node) <= {n for v in named.values() for n in v}
     assert ((table.n_gate_edges > 0) | table.gate.isna()).all()
     assert circuit.node_patching is not None and math.isfinite(circuit.node_patching)
+    text = circuit.report()
+    for part in ("ceiling", "coarse circuit", "node patching", "faithfulness vs size", "L"):
+        assert part in text
+    assert f"{circuit.faithfulness:.3f}" in text
 
 
 def test_expand_mask_of_the_full_and_empty_coarse_graph():

@@ -364,6 +364,61 @@ class Circuit:
 
         return circuit_figure(self, **kwargs)
 
+    def report(self) -> str:
+        """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
+        named neurons), node-patching baseline, the sweep's curve, the MLP split, the gate/value
+        table, the attention heads, the warnings."""
+
+        def table(frame: pd.DataFrame, digits: int = 3) -> str:
+            return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
+
+        coarse = self.extra.get("coarse")
+        lines = [
+            repr(self),
+            f"metric: clean {self.metric_clean:.4g}, corrupted {self.metric_corrupted:.4g}",
+        ]
+        if self.ceiling is not None:
+            n_all = (coarse if coarse is not None else self).graph.n_edges()
+            lines.append(f"ceiling (all {n_all:,} edges of its graph): {self.ceiling:.3f}")
+        if coarse is not None and coarse is not self:
+            lines.append(
+                f"coarse circuit: {mask_size(coarse.mask):,} edges, faithfulness "
+                f"{coarse.faithfulness:.3f}; with named neurons: {mask_size(self.mask):,} edges, "
+                f"faithfulness {self.faithfulness:.3f}"
+            )
+        if "faithfulness_named_only" in self.extra:
+            lines.append(
+                "named neurons only (every remainder's outgoing edges removed): faithfulness "
+                f"{self.extra['faithfulness_named_only']:.3f}"
+            )
+        if self.node_patching is not None:
+            lines.append(
+                f"node patching of the circuit's sources (baseline): {self.node_patching:.3f}"
+            )
+        if self.curve is not None:
+            lines += ["faithfulness vs size (exact runs):", table(self.curve)]
+        if self.mlp_split is not None:
+            lines += [
+                "MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)",
+                table(self.mlp_split),
+            ]
+        if self.gate_value is not None:
+            lines += [
+                "gate/value split (metric units; NaN: no edge of that kind kept)",
+                table(self.gate_value, 4),
+            ]
+        heads = sorted(
+            {n for n in self.nodes() if "H" in n},
+            key=lambda h: tuple(int(x) for x in h[1:].split("H")),
+        )
+        lines.append(f"attention heads ({len(heads)}): " + ", ".join(heads))
+        if "seconds" in self.extra:
+            lines.append(
+                "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.extra["seconds"].items())
+            )
+        lines.append("warnings: " + ("; ".join(self.warnings) if self.warnings else "none"))
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return (
             f"Circuit({mask_size(self.mask)} edges, {len(self.nodes())} nodes, faithfulness="
