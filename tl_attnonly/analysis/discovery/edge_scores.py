@@ -139,6 +139,39 @@ def _block_scores(
     return out
 
 
+def _written(a: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """``[B, u, d]``: what each of ``u`` sources writes at each row (``a [B, u, r] @ U[u]``)."""
+    dtype = torch.promote_types(a.dtype, torch.float32)
+    return torch.einsum("bur,urd->bud", a.to(dtype), U.to(dtype))
+
+
+def _read(g: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """``[B, v, d]``: the residual direction each of ``v`` inputs' gradient reads
+    (``R [v, d, s] g [B, v, s]``)."""
+    dtype = torch.promote_types(g.dtype, torch.float32)
+    return torch.einsum("vds,bvs->bvd", R.to(dtype), g.to(dtype))
+
+
+def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
+    """:func:`_block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`) and read
+    ``G [B, v, d]`` (:func:`_read`) residual vectors: the same sum, computed once per source group
+    and per input group instead of once per block (wide nodes such as MLP layers, r or s ~ d_mlp).
+    """
+    if lin is None:
+        return torch.einsum("bud,bvd->uv", W, G)
+    x_hat, inv, w, centred = lin
+    x_hat, inv = x_hat.to(W.dtype), inv.to(W.dtype)
+    d = W.shape[-1]
+    Wc = W - W.mean(-1, keepdim=True) if centred else W
+    if w is not None:
+        Wc = Wc * w.to(W.dtype)
+    out = torch.einsum("bud,bvd->uv", Wc * inv[:, None, None], G)
+    alpha = torch.einsum("bud,bd->bu", W, x_hat)
+    wx = x_hat * w.to(W.dtype) if w is not None else x_hat
+    beta = torch.einsum("bvd,bd->bv", G, wx)
+    return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
+
+
 # ---------------------------------------------------------------------------------------------
 # edge attribution patching
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +262,10 @@ def edge_attribution_scores(
     writers: dict[str, torch.Tensor] = {}
     readers: dict[str, torch.Tensor] = {}
     for deltas, reads, weight in terms:
+        # narrow groups (embeddings, a layer's attention heads, an MLP remainder, the logits):
+        # each row's written / read residual vectors once per group, not once per block
+        written: dict[str, torch.Tensor] = {}
+        read: dict[str, torch.Tensor] = {}
         for src, dst in graph.blocks():
             g, lin = reads[dst.key]
             if dst.key not in readers:
@@ -237,7 +274,14 @@ def edge_attribution_scores(
                 writers[src.key] = _writers(model, src, graph, g)
             U = writers[src.key]
             with torch.no_grad():
-                block = _block_scores(deltas[src.key], U, g, readers[dst.key], lin, block_bytes)
+                if src.kind != "neuron" and dst.kind != "neuron":
+                    if src.key not in written:
+                        written[src.key] = _written(deltas[src.key], U)
+                    if dst.key not in read:
+                        read[dst.key] = _read(g, readers[dst.key])
+                    block = _block_scores_from_rows(written[src.key], read[dst.key], lin)
+                else:
+                    block = _block_scores(deltas[src.key], U, g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 

@@ -191,6 +191,7 @@ def circuit_metrics(
 def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int):
     current: dict[str, torch.Tensor] = {}
     writers = {}
+    written: dict[str, torch.Tensor] = {}  # a source's change times its writers, once per run
 
     def record(act, hook):
         current[hook.name] = act
@@ -261,9 +262,17 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
                 continue
             if src.key not in writers:
                 writers[src.key] = _writers(model, src, graph, corr["hook_embed"])
-            delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
-            rows_dev = rows.to(delta.device)
-            DU = torch.einsum("bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev])
+            if src.kind != "neuron":  # narrow group: its written change once per run
+                if src.key not in written:
+                    delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+                    written[src.key] = torch.einsum("bpur,urd->bpud", delta, writers[src.key])
+                DU = written[src.key][:, :, rows.to(written[src.key].device)]
+            else:
+                delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+                rows_dev = rows.to(delta.device)
+                DU = torch.einsum(
+                    "bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev]
+                )
             part = torch.einsum("bpud,um->bpmd", DU, sub[rows].to(DU.dtype))
             out = part if out is None else out + part
         if out is None:
