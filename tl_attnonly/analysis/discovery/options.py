@@ -38,6 +38,9 @@ class DiscoveryOptions:
         neurons_per_mlp: ``graph="coarse"``: neurons named in each MLP node of the circuit (the
             largest node attribution ``|score|``; the rest of the layer stays one node
             ``L{l}MLP``); 0 names none.
+        neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
+            gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
+            expanded, with its exact faithfulness).
         batch_size: Examples per pass; default all at once.
         metric_reduction: ``"sum"`` (default): the metric is additive over examples (a sum, or a
             dataset mean written as a sum divided by the dataset size), checked before any work
@@ -62,10 +65,11 @@ class DiscoveryOptions:
     n_nodes: int | None = None
     mlp_rest: bool = False
     neurons_per_mlp: int = 8
+    neuron_method: str = "eap"
     batch_size: int | None = None
     metric_reduction: str = "sum"
     gate_value: bool = True
-    max_gate_value_neurons: int = 8
+    max_gate_value_neurons: int = 4
     max_runs: int = 24
     resolution: float = 1.1
     progress: bool = True
@@ -73,8 +77,9 @@ class DiscoveryOptions:
     def __post_init__(self) -> None:
         if self.graph not in GRAPHS:
             raise ValueError(f"graph must be one of {GRAPHS}, got {self.graph!r}.")
-        if self.method not in ("eap", "eap-ig"):
-            raise ValueError(f"method must be 'eap' or 'eap-ig', got {self.method!r}.")
+        for name in ("method", "neuron_method"):
+            if getattr(self, name) not in ("eap", "eap-ig"):
+                raise ValueError(f"{name} must be 'eap' or 'eap-ig', got {getattr(self, name)!r}.")
         if self.metric_reduction not in REDUCTIONS:
             raise ValueError(
                 f"metric_reduction must be one of {REDUCTIONS}, got {self.metric_reduction!r}."

@@ -15,8 +15,9 @@ fine:
    rest of the layer stays one node ``L{l}MLP``), and every coarse edge into or out of
    ``L{l}MLP`` becomes the same edge into or out of each named neuron and the remainder. That
    circuit computes exactly what the coarse one does (the layer's output is the sum of its
-   neurons'), so its faithfulness is the coarse circuit's; the edges are scored again (the named
-   neurons' gate and value edges apart) and the gate/value split
+   neurons'), so its faithfulness is the coarse circuit's; the edges are scored again
+   (``neuron_method``, plain EAP by default: one gradient pass; the named neurons' gate and value
+   edges apart) and the gate/value split
    (:func:`~.runs.circuit_gate_value_split`) is run for the named neurons.
 4. **What the names carry.** For each MLP node, ``Circuit.mlp_split``: the exact effect
    (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both.
@@ -458,6 +459,13 @@ def discover_circuit(
                 "corrupted run."
             )
     seconds["sweep"] = time.perf_counter() - t
+    if opts.progress:
+        tqdm.write(
+            f"discover_circuit: {mask_size(mask):,} of {scores.graph.n_edges():,} edges, "
+            f"faithfulness {faithfulness(m_circ, m_clean, m_corr):.3f} (ceiling {ceiling:.3f}; "
+            f"clean {m_clean:.4g}, corrupted {m_corr:.4g}; "
+            f"{sum(seconds.values()):.0f} s so far)"
+        )
     circuit = Circuit(
         scores, mask, m_clean, m_corr, m_circ, faithfulness(m_circ, m_clean, m_corr),
         extra=extra, ceiling=ceiling, curve=curve, warnings=notes,
@@ -527,7 +535,7 @@ def _name_neurons(model, coarse: Circuit, clean, corrupted, metric, opts: Discov
         named[li] = list(ranked.index[: opts.neurons_per_mlp])
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
-        model, clean, corrupted, metric, method=opts.method, ig_steps=opts.ig_steps,
+        model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
         nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress,
     )  # fmt: skip
     mask = expand_mask(coarse.graph, coarse.mask, scores.graph)
