@@ -259,6 +259,7 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
         _block_scores,
         _block_scores_from_rows,
         _read,
+        _scores_from_read,
         _written,
     )
 
@@ -280,3 +281,6 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
     # from each group's written and read residual vectors, computed once per group
     from_rows = _block_scores_from_rows(_written(a, U), _read(grad, R), lin)
     torch.testing.assert_close(from_rows, pairs, rtol=1e-12, atol=1e-12)
+    # with the reader's normalisation moved onto what it reads (every source in one product)
+    moved = _scores_from_read(_written(a, U), _read(grad, R), lin)
+    torch.testing.assert_close(moved, pairs, rtol=1e-12, atol=1e-12)

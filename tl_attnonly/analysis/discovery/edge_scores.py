@@ -172,6 +172,27 @@ def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tens
     return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
 
 
+def _scores_from_read(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
+    """:func:`_block_scores_from_rows` with the reader's normalisation moved onto ``G``.
+
+    ``sum_d centre(W)_d w_d G_d = sum_d W_d centre(w G)_d`` (centring is symmetric), so every
+    source ``W [B, u, d]`` (many groups concatenated) is read by one product, without a copy.
+    """
+    if lin is None:
+        return torch.einsum("bud,bvd->uv", W, G)
+    x_hat, inv, w, centred = lin
+    x_hat, inv = x_hat.to(W.dtype), inv.to(W.dtype)
+    d = W.shape[-1]
+    Gw = G * w.to(W.dtype) if w is not None else G
+    if centred:
+        Gw = Gw - Gw.mean(-1, keepdim=True)
+    out = torch.einsum("bud,bvd->uv", W, Gw * inv[:, None, None])
+    alpha = torch.einsum("bud,bd->bu", W, x_hat)
+    wx = x_hat * w.to(W.dtype) if w is not None else x_hat
+    beta = torch.einsum("bvd,bd->bv", G, wx)
+    return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
+
+
 # ---------------------------------------------------------------------------------------------
 # edge attribution patching
 # ---------------------------------------------------------------------------------------------
@@ -261,27 +282,52 @@ def edge_attribution_scores(
     # writing and reading matrices: weights, the same for every batch and step
     writers: dict[str, torch.Tensor] = {}
     readers: dict[str, torch.Tensor] = {}
+    # narrow groups (embeddings, a layer's attention heads, an MLP remainder; sources in residual
+    # order, so those a reader reads are a prefix): each row's written residual vectors once,
+    # concatenated, read by each narrow input group in one product (not once per block)
+    narrow = [s for s in graph.sources if s.labels and s.kind != "neuron"]
+    ends = {s.key: sum(len(t.labels) for t in narrow[: i + 1]) for i, s in enumerate(narrow)}
     for deltas, reads, weight in terms:
-        # narrow groups (embeddings, a layer's attention heads, an MLP remainder, the logits):
-        # each row's written / read residual vectors once per group, not once per block
-        written: dict[str, torch.Tensor] = {}
-        read: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for src in narrow:
+                if src.key not in writers:
+                    writers[src.key] = _writers(model, src, graph, deltas[src.key])
+            W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
+            for dst in graph.inputs:
+                if not dst.labels or dst.kind == "neuron":
+                    continue
+                g, lin = reads[dst.key]
+                if dst.key not in readers:
+                    readers[dst.key] = _readers(model, dst, graph, g)
+                before = [s for s in narrow if s.order < dst.order]
+                if not before:
+                    continue
+                n = ends[before[-1].key]
+                rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
+                G = _read(g, readers[dst.key])
+                block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
+                for b in range(0, W.shape[0], rows):
+                    part = slice(b, b + rows)
+                    lin_part = None if lin is None else (lin[0][part], lin[1][part], *lin[2:])
+                    block += _scores_from_read(W[part, :n], G[part], lin_part)
+                start = 0
+                for src in before:
+                    stop = start + len(src.labels)
+                    scores[(src.key, dst.key)] += block[start:stop].to(dtype) * weight
+                    start = stop
+            del W
         for src, dst in graph.blocks():
+            if src.kind != "neuron" and dst.kind != "neuron":
+                continue  # scored above
             g, lin = reads[dst.key]
             if dst.key not in readers:
                 readers[dst.key] = _readers(model, dst, graph, g)
             if src.key not in writers:
                 writers[src.key] = _writers(model, src, graph, g)
-            U = writers[src.key]
             with torch.no_grad():
-                if src.kind != "neuron" and dst.kind != "neuron":
-                    if src.key not in written:
-                        written[src.key] = _written(deltas[src.key], U)
-                    if dst.key not in read:
-                        read[dst.key] = _read(g, readers[dst.key])
-                    block = _block_scores_from_rows(written[src.key], read[dst.key], lin)
-                else:
-                    block = _block_scores(deltas[src.key], U, g, readers[dst.key], lin, block_bytes)
+                block = _block_scores(
+                    deltas[src.key], writers[src.key], g, readers[dst.key], lin, block_bytes
+                )
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
