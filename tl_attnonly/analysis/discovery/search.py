@@ -7,7 +7,7 @@ fine:
    layer as one node ``L{l}MLP`` (a restricted :class:`~.graph.HeadGraph` holding no neuron and
    every layer's remainder), the embeddings and the logits. Edges are ranked by EAP-IG.
 2. **Sweep.** Exact circuit runs (:func:`~.runs.circuit_metrics`) of the top ``n`` edges for
-   geometric ``n`` (64, 128, ...) until one reaches the faithfulness ``target`` (default 0.8), then
+   geometric ``n`` (64, 128, ...; small graphs from 1/64 of their edges) until one reaches the faithfulness ``target`` (default 0.8), then
    bisection between the largest size below the target and the smallest above it. The circuit
    returned is the smallest size run that reaches the target; its faithfulness is that exact run's.
 3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
@@ -78,7 +78,7 @@ from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
 
 #: A faithfulness this much below one at fewer edges counts as a fall (warning).
 MONOTONE_TOLERANCE = 0.05
-#: First size of the geometric sweep.
+#: First size of the geometric sweep (graphs of fewer than 64 x 64 edges: 1/64 of their edges).
 FIRST_SIZE = 64
 
 
@@ -284,7 +284,7 @@ def _sweep(model, scores: EdgeScores, clean, corrupted, metric, nodes, opts: Dis
         )
         found = n_all
     else:
-        sizes, n = [], min(FIRST_SIZE, n_all)
+        sizes, n = [], max(1, min(FIRST_SIZE, n_all // FIRST_SIZE))
         while n < n_all:
             sizes.append(n)
             n *= 2
