@@ -7,8 +7,8 @@ fine:
    layer as one node ``L{l}MLP`` (a restricted :class:`~.graph.HeadGraph` holding no neuron and
    every layer's remainder), the embeddings and the logits. Edges are ranked by EAP-IG.
 2. **Sweep.** Exact circuit runs (:func:`~.runs.circuit_metrics`) of the top ``n`` edges for
-   geometric ``n`` (64, 128, ...; small graphs from 1/64 of their edges) until one reaches the faithfulness ``target`` (default 0.8), then
-   bisection between the largest size below the target and the smallest above it. The circuit
+   geometric ``n`` (64, 128, ...; small graphs from 1/64 of their edges) until one reaches the
+   faithfulness ``target`` (default 0.8), then bisection between the largest size below the target and the smallest above it. The circuit
    returned is the smallest size run that reaches the target; its faithfulness is that exact run's.
 3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
    largest node attribution ``|score|`` are named: the graph is rebuilt with them as nodes (the
