@@ -8,8 +8,9 @@ fine:
    every layer's remainder), the embeddings and the logits. Edges are ranked by EAP-IG.
 2. **Sweep.** Exact circuit runs (:func:`~.runs.circuit_metrics`) of the top ``n`` edges for
    geometric ``n`` (64, 128, ...; small graphs from 1/64 of their edges) until one reaches the
-   faithfulness ``target`` (default 0.8), then bisection between the largest size below the target and the smallest above it. The circuit
-   returned is the smallest size run that reaches the target; its faithfulness is that exact run's.
+   faithfulness ``target`` (default 0.8), then bisection between the largest size below the
+   target and the smallest above it. The circuit returned is the smallest size run that reaches
+   the target; its faithfulness is that exact run's.
 3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
    largest node attribution ``|score|`` are named: the graph is rebuilt with them as nodes (the
    rest of the layer stays one node ``L{l}MLP``), and every coarse edge into or out of
