@@ -57,7 +57,9 @@ def _quiet(**kw):
         return discover_circuit(**kw)
 
 
-@pytest.mark.parametrize("name", ["llama", "ln_gelu", "gqa"])
+@pytest.mark.parametrize(
+    "name", ["llama", pytest.param("ln_gelu", marks=pytest.mark.slow), "gqa"]
+)
 def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name):
     model = _model(name)
     circuit = _quiet(
