@@ -13,11 +13,13 @@ Prints (figures quoted in docs/open_questions.md):
 4. the gate/value split of the top neurons' incoming circuit edges (exact);
 5. the path-patching gate/value split of ``L0H0 -> every layer-0 neuron``;
 6. what plain neuron tools give: attribution patching of ``hook_post`` (one number per neuron)
-   and how many of its top neurons the circuit contains.
+   and how many of its top neurons the circuit contains;
+7. :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph, EAP-IG, sweep
+   to faithfulness 0.8, named neurons) and its evidence (``Circuit.report()``).
 
 Usage::
 
-    python scripts/circuit_bracket.py [--examples 112] [--threads 2]
+    python scripts/circuit_bracket.py [--examples 112] [--threads 2] [--discover-only]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import tl_attnonly
 from tl_attnonly.analysis import (
     circuit_gate_value_split,
     circuit_metrics,
+    discover_circuit,
     edge_attribution_scores,
     faithfulness,
     logit_diff_metric,
@@ -66,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--examples", type=int, default=112)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="*", default=[25, 50, 100, 200, 400, 800])
+    parser.add_argument(
+        "--discover-only", action="store_true", help="only step 7 (discover_circuit defaults)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     clean, corrupted, metric = bracket_task(model, args.examples)
     n, pos = clean.shape
     print(f"bundled model (tiny-stdlib-silu, fp32), {n} prompts of {pos} tokens")
+    if args.discover_only:
+        _discover(model, clean, corrupted, metric)
+        print(f"\ntotal time {time.perf_counter() - start:.0f} s ({args.threads} threads)")
+        return
 
     scores = {}
     for method in ("eap", "eap-ig"):
@@ -145,7 +155,16 @@ def main(argv: list[str] | None = None) -> None:
         f"\nplain neuron attribution (hook_post): {inside} of its top 20 neurons are in the "
         f"circuit; its top 5: {', '.join(top_plain[:5])}"
     )
+    _discover(model, clean, corrupted, metric)
     print(f"\ntotal time {time.perf_counter() - start:.0f} s ({args.threads} threads)")
+
+
+def _discover(model, clean, corrupted, metric) -> None:
+    """Step 7: ``discover_circuit`` with its defaults, and its evidence."""
+    t = time.perf_counter()
+    circuit = discover_circuit(model, clean, corrupted, metric, batch_size=64, progress=False)
+    print(f"\n## discover_circuit with its defaults ({time.perf_counter() - t:.0f} s)")
+    print(circuit.report())
 
 
 def _plain(metric):

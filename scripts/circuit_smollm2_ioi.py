@@ -32,15 +32,23 @@ when ``roles`` runs too):
   their roles, the top neurons, the faithfulness of node circuits of ``--sizes`` nodes (exact
   runs), and the gate/value split of the top neurons.
 
+* ``discover``: :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph of
+  heads and whole MLP layers ranked by EAP-IG, the smallest circuit reaching ``--target`` by exact
+  runs, then neurons named in its MLP nodes), on ``--templates package`` (IOI_TEMPLATES) or
+  ``heldout`` (IOI_TEMPLATES_HELDOUT, a second set); prints the circuit's evidence, the time and
+  the process's peak resident memory.
+
 Usage::
 
-    python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes] [--threads 2]
-        [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200]
+    python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes discover] [--threads 2]
+        [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
+        [--corruption abc|swap] [--target 0.8]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -65,7 +73,8 @@ from tl_attnonly.analysis.discovery.node_circuits import (
     node_attribution_scores,
     node_circuit_metrics,
 )
-from tl_attnonly.analysis.ioi import ATTENTION_SCORES, ROLES
+from tl_attnonly.analysis.discovery.runs import Circuit
+from tl_attnonly.analysis.ioi import ATTENTION_SCORES, IOI_TEMPLATES, IOI_TEMPLATES_HELDOUT, ROLES
 from tl_attnonly.smollm2 import load_smollm2
 
 
@@ -246,19 +255,44 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     print(split.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
 
 
+def stage_discover(model, data, args) -> Circuit:
+    """``discover_circuit`` with its defaults (coarse graph, EAP-IG, sweep to ``--target``), and
+    every piece of evidence the circuit carries."""
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    circuit = discover_circuit(
+        model, data.tokens, data.corrupted_tokens, data.additive_metric(), target=args.target,
+        batch_size=args.batch_size,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(
+        f"\n## discover_circuit, defaults ({args.templates} templates, {args.corruption} "
+        f"corruption, {len(data)} prompts, target {args.target})"
+    )
+    print(circuit.report())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"time {seconds:.0f} s; peak resident memory of the process {peak:.2f} GiB")
+    return circuit
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--stages",
         nargs="+",
         default=["roles", "nodes", "edges"],
-        choices=["roles", "nodes", "edges"],
+        choices=["roles", "nodes", "edges", "discover"],
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16, help="circuit prompts")
     parser.add_argument("--role-prompts", type=int, default=64)
     parser.add_argument("--corruption", default="abc", choices=["abc", "swap", "s2"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--templates", default="package", choices=["package", "heldout"],
+        help="IOI_TEMPLATES (package) or IOI_TEMPLATES_HELDOUT (a second set, not tuned on)",
+    )  # fmt: skip
+    parser.add_argument("--target", type=float, default=0.8, help="faithfulness (discover)")
     parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
     parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400, 1000, 3000])
@@ -281,7 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     model = load_smollm2()
     converted = tl_attnonly.convert(model)
-    data = make_ioi_dataset(model, args.prompts, corruption=args.corruption, seed=args.seed + 1)
+    templates = IOI_TEMPLATES if args.templates == "package" else IOI_TEMPLATES_HELDOUT
+    data = make_ioi_dataset(
+        model, args.prompts, corruption=args.corruption, seed=args.seed + 1, templates=templates
+    )
     print(
         f"SmolLM2-135M-Instruct ({model.cfg.n_layers} layers, {model.cfg.n_heads} heads, "
         f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons), fp32, {args.threads} threads; "
@@ -297,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         stage_nodes(converted, scores, data, args)
     if "edges" in args.stages:
         stage_edges(converted, scores, data, args)
+    if "discover" in args.stages:
+        stage_discover(converted, data, args)
     print(f"total time {time.perf_counter() - start:.0f} s")
 
 

@@ -54,6 +54,7 @@ from tl_attnonly.analysis.composition import (
 )
 from tl_attnonly.analysis.discovery import (
     Circuit,
+    DiscoveryOptions,
     EdgeScores,
     HeadGraph,
     ModelInputs,
@@ -158,6 +159,7 @@ __all__ = [
     "circuit_metric",
     "circuit_metrics",
     "discover_circuit",
+    "DiscoveryOptions",
     "discover_node_circuit",
     "edge_attribution_scores",
     "EdgeScores",

@@ -255,7 +255,13 @@ def test_mlp_remainders_sum_their_neurons_and_run_exactly(name):
 def test_block_scores_by_pairs_and_by_rows_agree(norm):
     """The two ways of scoring one block (writer x reader products, or each row's residual
     vectors) give the same scores, chunked or not."""
-    from tl_attnonly.analysis.discovery.edge_scores import _block_scores
+    from tl_attnonly.analysis.discovery.edge_scores import (
+        _block_scores,
+        _block_scores_from_rows,
+        _read,
+        _scores_from_read,
+        _written,
+    )
 
     g = torch.Generator().manual_seed(3)
 
@@ -272,3 +278,9 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
         rows = _block_scores(a, U, grad, R, lin, budget, path="rows")
         torch.testing.assert_close(rows, pairs, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(_block_scores(a, U, grad, R, lin, 1), pairs, rtol=1e-12, atol=1e-12)
+    # from each group's written and read residual vectors, computed once per group
+    from_rows = _block_scores_from_rows(_written(a, U), _read(grad, R), lin)
+    torch.testing.assert_close(from_rows, pairs, rtol=1e-12, atol=1e-12)
+    # with the reader's normalisation moved onto what it reads (every source in one product)
+    moved = _scores_from_read(_written(a, U), _read(grad, R), lin)
+    torch.testing.assert_close(moved, pairs, rtol=1e-12, atol=1e-12)

@@ -7,7 +7,8 @@
 :mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
 :mod:`.runs`             exact circuit runs (full or restricted graphs), faithfulness, gate/value
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
-:mod:`.search`           discover_circuit: score, prune, check in one call; two stages
+:mod:`.options`          DiscoveryOptions: how discover_circuit searches
+:mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
 =======================  ======================================================================
 """
 
@@ -43,6 +44,7 @@ from tl_attnonly.analysis.discovery.node_circuits import (
     node_labels,
     pair_cosine_metric,
 )
+from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
@@ -52,7 +54,10 @@ from tl_attnonly.analysis.discovery.runs import (
     path_gate_value_split,
 )
 from tl_attnonly.analysis.discovery.search import (
+    coarse_nodes,
     discover_circuit,
+    expand_mask,
+    node_patching_metric,
     top_nodes,
 )
 from tl_attnonly.analysis.discovery.streaming import (
@@ -67,7 +72,10 @@ __all__ = [
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
+    "coarse_nodes",
     "discover_circuit",
+    "DiscoveryOptions",
+    "expand_mask",
     "discover_node_circuit",
     "drop_dangling_edges",
     "edge_attribution_scores",
@@ -87,6 +95,7 @@ __all__ = [
     "NEURON_INPUTS",
     "node_attribution_scores",
     "node_circuit_metrics",
+    "node_patching_metric",
     "node_labels",
     "NodeCircuit",
     "NodeScores",

@@ -65,6 +65,7 @@ from tl_attnonly.analysis.discovery.sites import (
     _source_hooks,
     _source_values,
     _writers,
+    check_additive,
     check_discoverable,
     check_scoring_args,
     logit_diff_metric,
@@ -138,6 +139,60 @@ def _block_scores(
     return out
 
 
+def _written(a: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """``[B, u, d]``: what each of ``u`` sources writes at each row (``a [B, u, r] @ U[u]``)."""
+    dtype = torch.promote_types(a.dtype, torch.float32)
+    return torch.einsum("bur,urd->bud", a.to(dtype), U.to(dtype))
+
+
+def _read(g: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """``[B, v, d]``: the residual direction each of ``v`` inputs' gradient reads
+    (``R [v, d, s] g [B, v, s]``)."""
+    dtype = torch.promote_types(g.dtype, torch.float32)
+    return torch.einsum("vds,bvs->bvd", R.to(dtype), g.to(dtype))
+
+
+def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
+    """:func:`_block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`) and read
+    ``G [B, v, d]`` (:func:`_read`) residual vectors: the same sum, computed once per source group
+    and per input group instead of once per block (wide nodes such as MLP layers, r or s ~ d_mlp).
+    """
+    if lin is None:
+        return torch.einsum("bud,bvd->uv", W, G)
+    x_hat, inv, w, centred = lin
+    x_hat, inv = x_hat.to(W.dtype), inv.to(W.dtype)
+    d = W.shape[-1]
+    Wc = W - W.mean(-1, keepdim=True) if centred else W
+    if w is not None:
+        Wc = Wc * w.to(W.dtype)
+    out = torch.einsum("bud,bvd->uv", Wc * inv[:, None, None], G)
+    alpha = torch.einsum("bud,bd->bu", W, x_hat)
+    wx = x_hat * w.to(W.dtype) if w is not None else x_hat
+    beta = torch.einsum("bvd,bd->bv", G, wx)
+    return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
+
+
+def _scores_from_read(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
+    """:func:`_block_scores_from_rows` with the reader's normalisation moved onto ``G``.
+
+    ``sum_d centre(W)_d w_d G_d = sum_d W_d centre(w G)_d`` (centring is symmetric), so every
+    source ``W [B, u, d]`` (many groups concatenated) is read by one product, without a copy.
+    """
+    if lin is None:
+        return torch.einsum("bud,bvd->uv", W, G)
+    x_hat, inv, w, centred = lin
+    x_hat, inv = x_hat.to(W.dtype), inv.to(W.dtype)
+    d = W.shape[-1]
+    Gw = G * w.to(W.dtype) if w is not None else G
+    if centred:
+        Gw = Gw - Gw.mean(-1, keepdim=True)
+    out = torch.einsum("bud,bvd->uv", W, Gw * inv[:, None, None])
+    alpha = torch.einsum("bud,bd->bu", W, x_hat)
+    wx = x_hat * w.to(W.dtype) if w is not None else x_hat
+    beta = torch.einsum("bvd,bd->bv", G, wx)
+    return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
+
+
 # ---------------------------------------------------------------------------------------------
 # edge attribution patching
 # ---------------------------------------------------------------------------------------------
@@ -203,6 +258,7 @@ def edge_attribution_scores(
         :class:`EdgeScores`.
     """
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
+    check_additive(model, clean_tokens, metric, _batches(clean_tokens.shape[0], batch_size))
     graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
@@ -223,15 +279,55 @@ def edge_attribution_scores(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
         progress, metrics,
     )  # fmt: skip
+    # writing and reading matrices: weights, the same for every batch and step
+    writers: dict[str, torch.Tensor] = {}
+    readers: dict[str, torch.Tensor] = {}
+    # narrow groups (embeddings, a layer's attention heads, an MLP remainder; sources in residual
+    # order, so those a reader reads are a prefix): each row's written residual vectors once,
+    # concatenated, read by each narrow input group in one product (not once per block)
+    narrow = [s for s in graph.sources if s.labels and s.kind != "neuron"]
+    ends = {s.key: sum(len(t.labels) for t in narrow[: i + 1]) for i, s in enumerate(narrow)}
     for deltas, reads, weight in terms:
-        readers: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for src in narrow:
+                if src.key not in writers:
+                    writers[src.key] = _writers(model, src, graph, deltas[src.key])
+            W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
+            for dst in graph.inputs:
+                if not dst.labels or dst.kind == "neuron":
+                    continue
+                g, lin = reads[dst.key]
+                if dst.key not in readers:
+                    readers[dst.key] = _readers(model, dst, graph, g)
+                before = [s for s in narrow if s.order < dst.order]
+                if not before:
+                    continue
+                n = ends[before[-1].key]
+                rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
+                G = _read(g, readers[dst.key])
+                block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
+                for b in range(0, W.shape[0], rows):
+                    part = slice(b, b + rows)
+                    lin_part = None if lin is None else (lin[0][part], lin[1][part], *lin[2:])
+                    block += _scores_from_read(W[part, :n], G[part], lin_part)
+                start = 0
+                for src in before:
+                    stop = start + len(src.labels)
+                    scores[(src.key, dst.key)] += block[start:stop].to(dtype) * weight
+                    start = stop
+            del W
         for src, dst in graph.blocks():
+            if src.kind != "neuron" and dst.kind != "neuron":
+                continue  # scored above
             g, lin = reads[dst.key]
             if dst.key not in readers:
                 readers[dst.key] = _readers(model, dst, graph, g)
-            U = _writers(model, src, graph, g)
+            if src.key not in writers:
+                writers[src.key] = _writers(model, src, graph, g)
             with torch.no_grad():
-                block = _block_scores(deltas[src.key], U, g, readers[dst.key], lin, block_bytes)
+                block = _block_scores(
+                    deltas[src.key], writers[src.key], g, readers[dst.key], lin, block_bytes
+                )
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 

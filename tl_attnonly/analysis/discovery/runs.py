@@ -23,6 +23,8 @@ a dropped node are absent: a dropped node's inputs are corrupted, so its output 
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +50,7 @@ from tl_attnonly.analysis.discovery.sites import (
     _source_hooks,
     _source_values,
     _writers,
+    check_additive,
     check_discoverable,
 )
 
@@ -169,6 +172,7 @@ def circuit_metrics(
     totals = [0.0] * len(masks)
     names = _corrupted_names(model, graph)
     batches = _batches(clean_tokens.shape[0], batch_size)
+    check_additive(model, clean_tokens, metric, batches)
     bar = tqdm(total=len(batches) * len(masks), desc="circuit runs", disable=not progress)
     for idx in batches:
         with torch.no_grad():
@@ -187,6 +191,7 @@ def circuit_metrics(
 def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int):
     current: dict[str, torch.Tensor] = {}
     writers = {}
+    written: dict[str, torch.Tensor] = {}  # a source's change times its writers, once per run
 
     def record(act, hook):
         current[hook.name] = act
@@ -257,9 +262,17 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
                 continue
             if src.key not in writers:
                 writers[src.key] = _writers(model, src, graph, corr["hook_embed"])
-            delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
-            rows_dev = rows.to(delta.device)
-            DU = torch.einsum("bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev])
+            if src.kind != "neuron":  # narrow group: its written change once per run
+                if src.key not in written:
+                    delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+                    written[src.key] = torch.einsum("bpur,urd->bpud", delta, writers[src.key])
+                DU = written[src.key][:, :, rows.to(written[src.key].device)]
+            else:
+                delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+                rows_dev = rows.to(delta.device)
+                DU = torch.einsum(
+                    "bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev]
+                )
             part = torch.einsum("bpud,um->bpmd", DU, sub[rows].to(DU.dtype))
             out = part if out is None else out + part
         if out is None:
@@ -316,6 +329,15 @@ class Circuit:
         faithfulness: ``(circuit - corrupted) / (clean - corrupted)``.
         gate_value: Per neuron of the circuit, the exact gate/value split of its incoming circuit
             edges (:func:`circuit_gate_value_split`), or None.
+        extra: What the search adds (see :func:`~tl_attnonly.analysis.discover_circuit`).
+        ceiling: Faithfulness of the graph's every edge (the most any circuit of it can reach).
+        curve: The sweep's exact runs: ``top_n, edges, metric, faithfulness`` per size.
+        node_patching: Faithfulness of plain node patching of the circuit's nodes (their clean
+            outputs in the corrupted run, every other node recomputed), a baseline.
+        warnings: What makes the reading doubtful (low ceiling, a curve that falls as edges are
+            added, a gate/value row with no edge of that kind); also issued as warnings.
+        mlp_split: Per MLP node with named neurons, the exact effect (faithfulness units) of
+            removing the named neurons' outgoing edges, the remainder's, and the layer's.
     """
 
     scores: EdgeScores
@@ -326,6 +348,11 @@ class Circuit:
     faithfulness: float
     gate_value: pd.DataFrame | None = None
     extra: dict = field(default_factory=dict)
+    ceiling: float | None = None
+    curve: pd.DataFrame | None = None
+    node_patching: float | None = None
+    warnings: list[str] = field(default_factory=list)
+    mlp_split: pd.DataFrame | None = None
 
     @property
     def graph(self) -> HeadGraph:
@@ -346,11 +373,70 @@ class Circuit:
 
         return circuit_figure(self, **kwargs)
 
+    def report(self) -> str:
+        """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
+        named neurons), node-patching baseline, the sweep's curve, the MLP split, the gate/value
+        table, the attention heads, the warnings."""
+
+        def table(frame: pd.DataFrame, digits: int = 3) -> str:
+            return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
+
+        coarse = self.extra.get("coarse")
+        lines = [
+            repr(self),
+            f"metric: clean {self.metric_clean:.4g}, corrupted {self.metric_corrupted:.4g}",
+        ]
+        if self.ceiling is not None:
+            n_all = (coarse if coarse is not None else self).graph.n_edges()
+            lines.append(f"ceiling (all {n_all:,} edges of its graph): {self.ceiling:.3f}")
+        if coarse is not None and coarse is not self:
+            lines.append(
+                f"coarse circuit: {mask_size(coarse.mask):,} edges, faithfulness "
+                f"{coarse.faithfulness:.3f}; with named neurons: {mask_size(self.mask):,} edges, "
+                f"faithfulness {self.faithfulness:.3f}"
+            )
+        if "faithfulness_named_only" in self.extra:
+            lines.append(
+                "named neurons only (every remainder's outgoing edges removed): faithfulness "
+                f"{self.extra['faithfulness_named_only']:.3f}"
+            )
+        if self.node_patching is not None:
+            lines.append(
+                f"node patching of the circuit's sources (baseline): {self.node_patching:.3f}"
+            )
+        if self.curve is not None:
+            lines += ["faithfulness vs size (exact runs):", table(self.curve)]
+        if self.mlp_split is not None:
+            lines += [
+                "MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)",
+                table(self.mlp_split),
+            ]
+        if self.gate_value is not None:
+            lines += [
+                "gate/value split (metric units; NaN: no edge of that kind kept)",
+                table(self.gate_value, 4),
+            ]
+        heads = sorted(
+            {n for n in self.nodes() if "H" in n},
+            key=lambda h: tuple(int(x) for x in h[1:].split("H")),
+        )
+        lines.append(f"attention heads ({len(heads)}): " + ", ".join(heads))
+        if "seconds" in self.extra:
+            lines.append(
+                "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.extra["seconds"].items())
+            )
+        lines.append("warnings: " + ("; ".join(self.warnings) if self.warnings else "none"))
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         return (
             f"Circuit({mask_size(self.mask)} edges, {len(self.nodes())} nodes, faithfulness="
             f"{self.faithfulness:.4g}, metric clean={self.metric_clean:.4g} corrupted="
-            f"{self.metric_corrupted:.4g} circuit={self.metric_circuit:.4g})"
+            f"{self.metric_corrupted:.4g} circuit={self.metric_circuit:.4g}"
+            + (f", ceiling={self.ceiling:.4g}" if self.ceiling is not None else "")
+            + ("" if self.node_patching is None else f", node patching={self.node_patching:.4g}")
+            + (f", {len(self.warnings)} warning(s)" if self.warnings else "")
+            + ")"
         )
 
 
@@ -379,6 +465,10 @@ def circuit_gate_value_split(
     - ``interaction = both - gate - value`` (so ``both = gate + value + interaction`` exactly; the
       interaction is zero when the metric is linear in the neuron's pattern and value jointly,
       which a product ``pattern * value`` is not).
+
+    A neuron with no circuit edge into its gate (value) has no gate (value) effect to measure:
+    that column and ``interaction`` are NaN, with a warning (not 0, which would read as a
+    measured zero); ``n_gate_edges`` / ``n_value_edges`` say how many edges each side has.
 
     For a gated neuron (``act_K(g) * u``) the gate is ``g`` (the pattern and the ``g`` factor of
     the value: *whether and how strongly it fires*) and the value is ``u`` (*what it scales*): for
@@ -428,6 +518,16 @@ def circuit_gate_value_split(
     for i, (label, entry) in enumerate(zip(labels, entries, strict=True)):
         no_gate, no_value, none = values[1 + 3 * i : 4 + 3 * i]
         gate, value, both = no_value - none, no_gate - none, m_full - none
+        # no edge of a kind: removing "its" edges changes nothing, which measures nothing
+        for kind in ("gate", "value"):
+            if not entry[kind]:
+                warnings.warn(
+                    f"{label}: {kind} not measured: no {kind} edge kept in the circuit (NaN in "
+                    f"the {kind} and interaction columns; 0 would read as a measured zero).",
+                    stacklevel=2,
+                )
+        gate = gate if entry["gate"] else math.nan
+        value = value if entry["value"] else math.nan
         rows.append(
             dict(
                 node=label,

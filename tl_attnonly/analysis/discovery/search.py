@@ -1,43 +1,86 @@
-"""Find a circuit in one call: score edges, prune, check exactly, split gate from value.
+"""Find a circuit in one call: score edges, sweep sizes by exact runs, name neurons, show evidence.
 
-:func:`discover_circuit` scores the edges of the head graph (:mod:`.edge_scores`), keeps the best
-(:func:`~tl_attnonly.analysis.prune`), runs the circuit exactly (:mod:`.runs`) and splits
-the incoming edges of its main neurons into gate and value (:mod:`.runs`).
+:func:`discover_circuit` with its defaults (:class:`~.options.DiscoveryOptions`) works coarse to
+fine:
 
-**Large models: two stages.** At neuron level the full graph of a GPT-2-small-sized model has
-~1.3e9 edges (SmolLM2-135M: ~2.1e9), more than any score tensor should hold. With ``n_nodes=N``,
-:func:`top_nodes` first ranks every attention head and neuron by node attribution patching
-(:func:`~.node_circuits.node_attribution_scores`: one forward and backward
-pass per batch) and keeps the ``N`` with the largest ``|score|``; edges are then scored, pruned and
-run only among them (a restricted :class:`~.graph.HeadGraph`). The circuit run
-stays exact: every node left out reads the corrupted run, as does every edge outside the circuit.
-The node ranking is first-order, so a node can be missed; compare ``n_nodes`` values, and the
-faithfulness, before trusting a circuit.
+1. **Coarse graph.** Every attention head (its ``q``, ``k`` and ``v`` inputs apart), every MLP
+   layer as one node ``L{l}MLP`` (a restricted :class:`~.graph.HeadGraph` holding no neuron and
+   every layer's remainder), the embeddings and the logits. Edges are ranked by EAP-IG.
+2. **Sweep.** Exact circuit runs (:func:`~.runs.circuit_metrics`) of the top ``n`` edges for
+   geometric ``n`` (64, 128, ...; small graphs from 1/64 of their edges) until one reaches the
+   faithfulness ``target`` (default 0.8), then bisection between the largest size below the
+   target and the smallest above it. The circuit returned is the smallest size run that reaches
+   the target; its faithfulness is that exact run's.
+3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
+   largest node attribution ``|score|`` are named: the graph is rebuilt with them as nodes (the
+   rest of the layer stays one node ``L{l}MLP``), and every coarse edge into or out of
+   ``L{l}MLP`` becomes the same edge into or out of each named neuron and the remainder. That
+   circuit computes exactly what the coarse one does (the layer's output is the sum of its
+   neurons'), so its faithfulness is the coarse circuit's; the edges are scored again
+   (``neuron_method``, plain EAP by default: one gradient pass; the named neurons' gate and value
+   edges apart) and the gate/value split
+   (:func:`~.runs.circuit_gate_value_split`) is run for the named neurons.
+4. **What the names carry.** For each MLP node, ``Circuit.mlp_split``: the exact effect
+   (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both.
+
+Why coarse first: under a corruption that changes the tokens (IOI's ABC names), the token's change
+enters through the embeddings and the first MLP layers and reaches every later node; a graph of a
+few hundred selected neurons freezes every other neuron to the corrupted run, and its full graph
+(the ceiling) may recover little. A whole MLP layer as one node loses nothing of that.
+
+**Evidence.** Every :class:`~.runs.Circuit` carries its ceiling (faithfulness of the graph's every
+edge), the faithfulness-vs-size curve, a node-patching baseline (the clean outputs of the
+circuit's nodes patched into the corrupted run, every other node recomputed:
+:func:`node_patching_metric`), the clean and corrupted metrics, and warnings: a ceiling below the
+target, a curve that falls as edges are added, a gate/value row with no edge of that kind.
+
+**Neuron graphs** (``graph="neurons"``; the earlier single stage, kept): at neuron level the full
+graph of a GPT-2-small-sized model has ~1.3e9 edges (SmolLM2-135M: ~2.1e9). With ``n_nodes=N``,
+:func:`top_nodes` first keeps the ``N`` attention heads and neurons with the largest node
+attribution ``|score|``; edges are then scored among them. Every left-out node reads the corrupted
+run, so check ``Circuit.ceiling``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+import time
+import warnings
+from typing import Any
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores, prune
-from tl_attnonly.analysis.discovery.graph import EMBED, mlp_rest_label
+from tl_attnonly.analysis.discovery.edge_scores import (
+    EdgeScores,
+    edge_attribution_scores,
+    mask_size,
+    prune,
+)
+from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
+from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
-    circuit_metric,
+    circuit_metrics,
     faithfulness,
 )
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
+    Mask,
     _batches,
     _call_metric,
+    check_additive,
     check_discoverable,
 )
+from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
+
+#: A faithfulness this much below one at fewer edges counts as a fall (warning).
+MONOTONE_TOLERANCE = 0.05
+#: First size of the geometric sweep (graphs of fewer than 64 x 64 edges: 1/64 of their edges).
+FIRST_SIZE = 64
 
 
 def top_nodes(
@@ -74,8 +117,9 @@ def top_nodes(
     check_discoverable(model, neuron_level)
     if n_nodes < 1:
         raise ValueError(f"n_nodes must be >= 1, got {n_nodes}.")
-    total: pd.Series | None = None
     batches = _batches(clean_tokens.shape[0], batch_size)
+    check_additive(model, clean_tokens, metric, batches)
+    total: pd.Series | None = None
     for idx in tqdm(batches, desc="node attribution", disable=not progress):
 
         def node_metric(out, inputs, idx=idx):
@@ -96,100 +140,449 @@ def top_nodes(
     return labels, total
 
 
+def coarse_nodes(model) -> list[str]:
+    """The coarse graph's nodes: every attention head and every MLP layer as one node."""
+    cfg = model.cfg
+    heads = [attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    return heads + [mlp_rest_label(li) for li in range(cfg.n_layers)]
+
+
+def node_patching_metric(
+    model,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    nodes: list[str],
+    *,
+    batch_size: int | None = None,
+) -> float:
+    """The metric of the corrupted run with the clean outputs of ``nodes`` patched in.
+
+    Plain node patching, the baseline a circuit is compared with: every other node is recomputed
+    (not frozen to the corrupted run as in a circuit run).
+
+    Args:
+        nodes: Attention heads ``L{l}H{h}``, neurons ``L{l}N{i}``, MLP layers ``L{l}MLP`` (every
+            neuron of the layer); ``"embed"`` patches the token and position embeddings.
+            :func:`discover_circuit` gives the circuit's sources (a neuron-head's whole neuron at
+            neuron-head level).
+        Others: As in :func:`~tl_attnonly.analysis.circuit_metric`.
+
+    Returns:
+        The metric summed over batches.
+    """
+    heads: dict[int, list[int]] = {}
+    neurons: dict[int, list[int] | None] = {}
+    embed = False
+    for label in nodes:
+        if label == EMBED:
+            embed = True
+        elif label.endswith("MLP"):
+            neurons[int(label[1:-3])] = None
+        elif "H" in label:
+            li, h = map(int, label[1:].split("H"))
+            heads.setdefault(li, []).append(h)
+        elif "N" in label and "." not in label:
+            li, i = map(int, label[1:].split("N"))
+            if neurons.get(li, []) is not None:
+                neurons.setdefault(li, []).append(i)  # type: ignore[union-attr]
+        else:
+            raise ValueError(
+                f"node_patching_metric patches heads 'L0H1', neurons 'L0N5', MLP layers 'L0MLP' "
+                f"and 'embed'; got {label!r}."
+            )
+    names: dict[str, list[int] | None] = {}
+    if embed:
+        names["hook_embed"] = None
+        if model.cfg.positional_embedding_type == "standard":
+            names["hook_pos_embed"] = None
+    for li, hs in heads.items():
+        names[head_act_name("z", li, "attn")] = hs
+    for li, idx in neurons.items():
+        names[neuron_act_name("post", li)] = idx
+    total = 0.0
+    for rows in _batches(clean_tokens.shape[0], batch_size):
+        with torch.no_grad():
+            _, cache = model.run_with_cache(clean_tokens[rows], names_filter=lambda n: n in names)
+
+            def patch(act, hook, cache=cache):
+                which = names[hook.name]
+                act = act.clone()
+                if which is None:
+                    return cache[hook.name].to(act.dtype)
+                act[:, :, which] = cache[hook.name][:, :, which].to(act.dtype)
+                return act
+
+            logits = model.run_with_hooks(
+                corrupted_tokens[rows], fwd_hooks=[(n, patch) for n in names]
+            )
+            total += _call_metric(metric, logits, rows).item()
+    return total
+
+
+def _weighted_by_batch(metric: DiscoveryMetric, n_examples: int) -> DiscoveryMetric:
+    """A per-batch mean turned additive: each batch's value times its share of the examples."""
+
+    def additive(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return _call_metric(metric, logits, indices) * (len(indices) / n_examples)
+
+    return additive
+
+
+def _curve_warnings(curve: pd.DataFrame) -> list[str]:
+    out = []
+    best_faith, best_edges = -math.inf, 0
+    for row in curve.sort_values("edges", kind="stable").itertuples():
+        if row.faithfulness < best_faith - MONOTONE_TOLERANCE:
+            out.append(
+                f"faithfulness falls as edges are added: {best_faith:.3f} at {best_edges} edges, "
+                f"{row.faithfulness:.3f} at {row.edges} edges; the edge ranking is not a good "
+                "order here (try method='eap-ig', more ig_steps, or another graph)."
+            )
+            break
+        if row.faithfulness > best_faith:
+            best_faith, best_edges = row.faithfulness, row.edges
+    return out
+
+
+def _sweep(model, scores: EdgeScores, clean, corrupted, metric, nodes, opts: DiscoveryOptions):
+    """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring).
+
+    Returns ``(mask, metric_circuit, curve, ceiling_metric, warnings)``.
+    """
+    graph = scores.graph
+    n_all = graph.n_edges()
+    m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
+    points: dict[int, tuple[Mask, float]] = {}
+    runs = 0
+
+    def run(sizes: list[int]) -> None:
+        nonlocal runs
+        sizes = [n for n in sizes if n not in points]
+        if not sizes:
+            return
+        masks = [graph.full_mask() if n >= n_all else prune(scores, top_n=n) for n in sizes]
+        values = circuit_metrics(
+            model, masks, clean, corrupted, metric, nodes=nodes, batch_size=opts.batch_size,
+            progress=opts.progress,
+        )  # fmt: skip
+        runs += len(sizes)
+        for n, mask, value in zip(sizes, masks, values, strict=True):
+            points[n] = (mask, value)
+
+    def faith(n: int) -> float:
+        return faithfulness(points[n][1], m_clean, m_corr)
+
+    notes: list[str] = []
+    run([n_all])  # the ceiling
+    ceiling = faith(n_all)
+    if ceiling < opts.target:
+        notes.append(
+            f"the ceiling is low: the graph's every edge ({n_all:,}) reaches faithfulness "
+            f"{ceiling:.3f} < target {opts.target}; no circuit of this graph can reach the target "
+            "(the nodes left out of the graph are frozen to the corrupted run): returning the full "
+            "graph. Use graph='coarse' or more nodes."
+        )
+        found = n_all
+    else:
+        sizes, n = [], max(1, min(FIRST_SIZE, n_all // FIRST_SIZE))
+        while n < n_all:
+            sizes.append(n)
+            n *= 2
+        found = n_all
+        lo = 0
+        for n in sizes:
+            if runs >= opts.max_runs:
+                notes.append(
+                    f"the sweep stopped after max_runs={opts.max_runs} runs before reaching the "
+                    f"target; returning the full graph ({n_all:,} edges)."
+                )
+                break
+            run([n])
+            if faith(n) >= opts.target:
+                found = n
+                break
+            lo = n
+        while lo and found > lo * opts.resolution and runs < opts.max_runs:
+            mid = int(round(math.sqrt(lo * found)))
+            if mid in (lo, found):
+                break
+            run([mid])
+            if faith(mid) >= opts.target:
+                found = mid
+            else:
+                lo = mid
+    curve = pd.DataFrame(
+        [
+            dict(top_n=n, edges=mask_size(mask), metric=value, faithfulness=faith(n))
+            for n, (mask, value) in sorted(points.items())
+        ],
+        columns=["top_n", "edges", "metric", "faithfulness"],
+    )
+    notes += _curve_warnings(curve)
+    return points[found][0], points[found][1], curve, ceiling, notes
+
+
+def _coarse_key(key: str) -> str:
+    """The coarse group key of a fine group key (a layer's neurons belong to its MLP node)."""
+    return "mlp." + key.split(".", 1)[1] if key.startswith("neuron.") else key
+
+
+def expand_mask(coarse: HeadGraph, mask: Mask, fine: HeadGraph) -> Mask:
+    """A coarse circuit on a finer graph: each edge into or out of ``L{l}MLP`` goes into or out of
+    each of the layer's named neurons and its remainder (the same circuit, computed exactly)."""
+
+    def rows_of(fine_group, coarse_group) -> list[int]:
+        if coarse_group.kind == MLP_REST:
+            return [0] * len(fine_group.labels)
+        where = {label: i for i, label in enumerate(coarse_group.labels)}
+        return [where[label] for label in fine_group.labels]
+
+    out = {}
+    for src, dst in fine.blocks():
+        c_src = coarse.source_by_key[_coarse_key(src.key)]
+        c_dst = coarse.input_by_key[_coarse_key(dst.key)]
+        block = mask[(c_src.key, c_dst.key)]
+        rows = torch.tensor(rows_of(src, c_src), dtype=torch.long, device=block.device)
+        cols = torch.tensor(rows_of(dst, c_dst), dtype=torch.long, device=block.device)
+        out[(src.key, dst.key)] = block[rows][:, cols].clone()
+    return out
+
+
+def _without_sources(mask: Mask, keys: set[str]) -> Mask:
+    return {k: (torch.zeros_like(m) if k[0] in keys else m) for k, m in mask.items()}
+
+
 def discover_circuit(
     model,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
-    *,
-    top_n: int | None = None,
-    threshold: float | None = None,
-    method: str = "eap",
-    ig_steps: int = 5,
-    neuron_level: bool = True,
-    nodes: Collection[str] | None = None,
-    n_nodes: int | None = None,
-    mlp_rest: bool = False,
-    batch_size: int | None = None,
-    gate_value: bool = True,
-    max_gate_value_neurons: int = 8,
-    progress: bool = True,
+    options: DiscoveryOptions | None = None,
+    **overrides: Any,
 ) -> Circuit:
-    """Score the edges, prune to a circuit, and check it exactly (two stages with ``n_nodes``).
+    """Find the smallest circuit reaching a faithfulness target, with its evidence.
+
+    Coarse to fine by default (module docstring): attention heads and whole MLP layers ranked by
+    EAP-IG, the smallest top-``n`` circuit reaching ``target`` found by exact runs, then the
+    circuit's MLP layers split into named neurons (gate and value apart) and their remainder.
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
-        metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar, additive over batches
-            (:mod:`tl_attnonly.analysis.discovery.edge_scores`).
-        top_n, threshold: How to prune (exactly one): :func:`~tl_attnonly.analysis.prune`.
-        method, ig_steps, neuron_level, batch_size: As in
-            :func:`~tl_attnonly.analysis.edge_attribution_scores`.
-        nodes: Restrict the graph to these attention heads and neurons (the embeddings and logits
-            are always in it).
-        n_nodes: Two stages: keep the ``n_nodes`` nodes of :func:`top_nodes` (node attribution),
-            then discover edges among them. Exclusive with ``nodes``.
-        mlp_rest: With ``nodes`` or ``n_nodes``: keep each layer's other neurons as one node
-            ``L{l}MLP`` (:class:`~.graph.HeadGraph`), so that what they carry
-            together can be in the circuit instead of being frozen to the corrupted run.
-        gate_value: Also split the incoming edges of the circuit's neurons into gate and value
-            (:func:`~tl_attnonly.analysis.circuit_gate_value_split`; 3 circuit runs per neuron).
-        max_gate_value_neurons: Split at most this many neurons (the ones with the largest summed
-            |score| of incoming edges).
-        progress: Progress bars.
+        metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar, additive over
+            examples (``metric_reduction="sum"``, checked when there are several batches) or a
+            per-batch mean (``metric_reduction="mean"``).
+        options: A :class:`~.options.DiscoveryOptions` (default: its defaults).
+        **overrides: Fields of :class:`~.options.DiscoveryOptions` given one by one (they win),
+            e.g. ``target=0.9``, ``batch_size=8``. The earlier keywords ``top_n``,
+            ``threshold``, ``nodes``, ``n_nodes``, ``mlp_rest`` (without ``options`` or
+            ``graph``) keep their earlier meaning: a neuron-level graph ranked by plain EAP.
 
     Returns:
-        A :class:`~tl_attnonly.analysis.Circuit`; with ``n_nodes``, ``circuit.extra["nodes"]`` and
-        ``circuit.extra["node_scores"]`` hold the kept nodes and every node's score.
+        A :class:`~tl_attnonly.analysis.Circuit` with ``ceiling``, ``curve``, ``node_patching``,
+        ``warnings``, ``gate_value`` and (coarse graph, named neurons) ``mlp_split``;
+        ``circuit.extra`` holds ``"coarse"`` (the coarse circuit before neurons were named),
+        ``"named"`` (layer -> named neurons), ``"seconds"`` (time per stage) and, with
+        ``n_nodes``, ``"nodes"`` and ``"node_scores"``.
+
+    Raises:
+        ValueError: For options that contradict each other, or a metric that is not additive
+            over examples with ``metric_reduction="sum"`` and several batches.
     """
-    if top_n is None and threshold is None:
-        raise ValueError("Give top_n=... (edges to keep) or threshold=... (minimum |score|).")
-    if mlp_rest and nodes is None and n_nodes is None:
-        raise ValueError(
-            "mlp_rest=True keeps the neurons left out of a restricted graph; give nodes=[...] or "
-            "n_nodes=N too (the full graph leaves none out)."
-        )
-    if nodes is not None and n_nodes is not None:
-        raise ValueError(
-            "Give nodes=[...] (your own) or n_nodes=N (picked by attribution), not both."
-        )
+    opts = resolve_options(options, overrides)
+    check_discoverable(model, opts.neuron_level)
+    batches = _batches(clean_tokens.shape[0], opts.batch_size)
+    if opts.metric_reduction == "mean":
+        metric = _weighted_by_batch(metric, clean_tokens.shape[0])
+    else:
+        check_additive(model, clean_tokens, metric, batches)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
     extra: dict = {}
-    if n_nodes is not None:
-        nodes, node_scores = top_nodes(
-            model, clean_tokens, corrupted_tokens, metric, n_nodes, neuron_level=neuron_level,
-            batch_size=batch_size, progress=progress,
-        )  # fmt: skip
-        extra = {"nodes": nodes, "node_scores": node_scores}
-    if mlp_rest and nodes is not None:
-        nodes = [*nodes, *(mlp_rest_label(li) for li in range(model.cfg.n_layers))]
+    nodes: list[str] | None
+    if opts.graph == "coarse":
+        nodes = coarse_nodes(model)
+    else:
+        if opts.mlp_rest and opts.nodes is None and opts.n_nodes is None:
+            raise ValueError(
+                "mlp_rest=True keeps the neurons left out of a restricted graph; give nodes=[...] "
+                "or n_nodes=N too (the full graph leaves none out)."
+            )
+        if opts.nodes is not None and opts.n_nodes is not None:
+            raise ValueError(
+                "Give nodes=[...] (your own) or n_nodes=N (picked by attribution), not both."
+            )
+        nodes = None if opts.nodes is None else list(opts.nodes)
+        if opts.n_nodes is not None:
+            nodes, node_scores = top_nodes(
+                model, clean_tokens, corrupted_tokens, metric, opts.n_nodes,
+                neuron_level=opts.neuron_level, batch_size=opts.batch_size,
+                progress=opts.progress,
+            )  # fmt: skip
+            extra = {"nodes": nodes, "node_scores": node_scores}
+            seconds["node attribution"] = time.perf_counter() - start
+        if opts.mlp_rest and nodes is not None:
+            nodes = [*nodes, *(mlp_rest_label(li) for li in range(model.cfg.n_layers))]
+    t = time.perf_counter()
     scores = edge_attribution_scores(
-        model, clean_tokens, corrupted_tokens, metric, method=method, ig_steps=ig_steps,
-        neuron_level=neuron_level, nodes=nodes, batch_size=batch_size, progress=progress,
+        model, clean_tokens, corrupted_tokens, metric, method=opts.method,
+        ig_steps=opts.ig_steps, neuron_level=opts.neuron_level, nodes=nodes,
+        batch_size=opts.batch_size, progress=opts.progress,
     )  # fmt: skip
-    mask = prune(scores, top_n=top_n, threshold=threshold)
-    m_circ = circuit_metric(
-        model, mask, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
-        nodes=nodes, batch_size=batch_size,
-    )  # fmt: skip
+    seconds["edge scores"] = time.perf_counter() - t
+    m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
+    t = time.perf_counter()
+    notes: list[str] = []
+    if opts.top_n is None and opts.threshold is None:
+        mask, m_circ, curve, ceiling, notes = _sweep(
+            model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts
+        )
+    else:
+        mask = prune(scores, top_n=opts.top_n, threshold=opts.threshold)
+        m_full, m_circ = circuit_metrics(
+            model, [scores.graph.full_mask(), mask], clean_tokens, corrupted_tokens, metric,
+            neuron_level=opts.neuron_level, nodes=nodes, batch_size=opts.batch_size,
+        )  # fmt: skip
+        ceiling = faithfulness(m_full, m_clean, m_corr)
+        curve = pd.DataFrame(
+            [
+                dict(top_n=opts.top_n, edges=mask_size(mask), metric=m_circ,
+                     faithfulness=faithfulness(m_circ, m_clean, m_corr)),
+                dict(top_n=None, edges=scores.graph.n_edges(), metric=m_full,
+                     faithfulness=ceiling),
+            ]
+        )  # fmt: skip
+        if ceiling < opts.target:
+            notes.append(
+                f"the ceiling is low: the graph's every edge reaches faithfulness {ceiling:.3f} < "
+                f"target {opts.target}; the nodes left out of the graph are frozen to the "
+                "corrupted run."
+            )
+    seconds["sweep"] = time.perf_counter() - t
+    if opts.progress:
+        tqdm.write(
+            f"discover_circuit: {mask_size(mask):,} of {scores.graph.n_edges():,} edges, "
+            f"faithfulness {faithfulness(m_circ, m_clean, m_corr):.3f} (ceiling {ceiling:.3f}; "
+            f"clean {m_clean:.4g}, corrupted {m_corr:.4g}; "
+            f"{sum(seconds.values()):.0f} s so far)"
+        )
     circuit = Circuit(
-        scores, mask, scores.metric_clean, scores.metric_corrupted, m_circ,
-        faithfulness(m_circ, scores.metric_clean, scores.metric_corrupted), extra=extra,
+        scores, mask, m_clean, m_corr, m_circ, faithfulness(m_circ, m_clean, m_corr),
+        extra=extra, ceiling=ceiling, curve=curve, warnings=notes,
     )  # fmt: skip
-    if gate_value:
+    fine_nodes = nodes
+    if opts.graph == "coarse" and opts.neurons_per_mlp > 0:
+        t = time.perf_counter()
+        circuit, fine_nodes = _name_neurons(
+            model, circuit, clean_tokens, corrupted_tokens, metric, opts
+        )
+        seconds["neurons"] = time.perf_counter() - t
+    t = time.perf_counter()
+    # the circuit's sources (nodes with an outgoing edge); coarse: heads and whole MLP layers
+    base = circuit.extra["coarse"] if "coarse" in circuit.extra else circuit
+    patched = list(dict.fromkeys(n.split(".")[0] for n in base.edges().source))
+    circuit.node_patching = faithfulness(
+        node_patching_metric(
+            model, clean_tokens, corrupted_tokens, metric, [n for n in patched if n != EMBED],
+            batch_size=opts.batch_size,
+        ),
+        m_clean,
+        m_corr,
+    )
+    seconds["node patching"] = time.perf_counter() - t
+    if opts.gate_value:
+        t = time.perf_counter()
         frame = circuit.edges()
         into = frame[frame.target_kind == "neuron"]
         ranked = (
             into.groupby("target").score.apply(lambda s: s.abs().sum()).sort_values(ascending=False)
         )
         circuit.gate_value = circuit_gate_value_split(
-            model, mask, clean_tokens, corrupted_tokens, metric,
-            neurons=list(ranked.index[:max_gate_value_neurons]), neuron_level=neuron_level,
-            nodes=nodes, batch_size=batch_size, progress=progress,
+            model, circuit.mask, clean_tokens, corrupted_tokens, metric,
+            neurons=list(ranked.index[: opts.max_gate_value_neurons]),
+            neuron_level=opts.neuron_level, nodes=fine_nodes, batch_size=opts.batch_size,
+            progress=opts.progress,
         )  # fmt: skip
+        seconds["gate/value"] = time.perf_counter() - t
+    for note in circuit.warnings:
+        warnings.warn(note, stacklevel=2)
+    if circuit.gate_value is not None:  # circuit_gate_value_split warned of these itself
+        for row in circuit.gate_value.itertuples():
+            for kind in ("gate", "value"):
+                if getattr(row, f"n_{kind}_edges") == 0:
+                    circuit.warnings.append(
+                        f"{row.node}: {kind} not measured: no {kind} edge kept (NaN in gate_value)"
+                    )
+    circuit.extra["seconds"] = seconds
     return circuit
 
 
+def _name_neurons(model, coarse: Circuit, clean, corrupted, metric, opts: DiscoveryOptions):
+    """Step 3 and 4 of the module docstring: the circuit on the graph with named neurons."""
+    layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
+    coarse.extra["coarse"] = coarse
+    if not layers:
+        coarse.extra["named"] = {}
+        return coarse, coarse_nodes(model)
+    _, node_scores = top_nodes(
+        model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
+    )
+    named: dict[int, list[str]] = {}
+    for li in layers:
+        prefix = f"L{li}N"
+        layer = node_scores[[i for i in node_scores.index if i.startswith(prefix)]]
+        ranked = layer.abs().sort_values(ascending=False, kind="stable")
+        named[li] = list(ranked.index[: opts.neurons_per_mlp])
+    fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
+    scores = edge_attribution_scores(
+        model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
+        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress,
+    )  # fmt: skip
+    mask = expand_mask(coarse.graph, coarse.mask, scores.graph)
+    masks = [mask]
+    for li in layers:
+        masks += [
+            _without_sources(mask, {f"neuron.{li}"}),
+            _without_sources(mask, {f"mlp.{li}"}),
+            _without_sources(mask, {f"neuron.{li}", f"mlp.{li}"}),
+        ]
+    masks.append(_without_sources(mask, {f"mlp.{li}" for li in layers}))
+    values = circuit_metrics(
+        model, masks, clean, corrupted, metric, nodes=fine_nodes, batch_size=opts.batch_size,
+        progress=opts.progress,
+    )  # fmt: skip
+    m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
+    denom = m_clean - m_corr
+    m_fine = values[0]
+    rows = []
+    for i, li in enumerate(layers):
+        no_named, no_rest, no_layer = values[1 + 3 * i : 4 + 3 * i]
+        rows.append(
+            dict(
+                node=mlp_rest_label(li),
+                named=", ".join(named[li]),
+                named_effect=(m_fine - no_named) / denom,
+                rest_effect=(m_fine - no_rest) / denom,
+                layer_effect=(m_fine - no_layer) / denom,
+            )
+        )
+    columns = ["node", "named", "named_effect", "rest_effect", "layer_effect"]
+    split = pd.DataFrame(rows, columns=columns)
+    fine = Circuit(
+        scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
+        extra={**coarse.extra, "named": named,
+               "faithfulness_named_only": faithfulness(values[-1], m_clean, m_corr)},
+        ceiling=coarse.ceiling, curve=coarse.curve, warnings=list(coarse.warnings),
+        mlp_split=split,
+    )  # fmt: skip
+    return fine, fine_nodes
+
+
 __all__ = [
+    "coarse_nodes",
     "discover_circuit",
+    "expand_mask",
+    "node_patching_metric",
     "top_nodes",
 ]

@@ -8,6 +8,7 @@ an input reads (and its reading matrix ``R``), and through which normalisation.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -126,6 +127,47 @@ def _call_metric(
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         raise ValueError("The metric must return a scalar tensor (sum or mean over the batch).")
     return out.reshape(())
+
+
+def check_additive(
+    model, tokens: Int[torch.Tensor, "batch pos"], metric: DiscoveryMetric, batches: list
+) -> None:
+    """Refuse, before any work, a metric that is not additive over examples when it is summed
+    over several batches (a per-batch mean would scale the reported metrics by the batch count).
+
+    Runs the first (up to) four clean examples once and compares the metric of all of them with
+    the sum of the metric of their two halves.
+
+    Raises:
+        ValueError: If they differ (say ``metric_reduction="mean"``, or make the metric a sum).
+    """
+    if len(batches) < 2:
+        return
+    rows = torch.arange(min(tokens.shape[0], 4))
+    half = len(rows) // 2
+    try:
+        with torch.no_grad():
+            logits = model(tokens[rows])
+            whole = _call_metric(metric, logits, rows).item()
+            parts = (
+                _call_metric(metric, logits[:half], rows[:half]).item()
+                + _call_metric(metric, logits[half:], rows[half:]).item()
+            )
+    except (IndexError, RuntimeError) as error:
+        raise ValueError(
+            "The metric fails on a batch of the examples; with batch_size it is called with the "
+            "batch's logits and indices: write it as metric(logits, indices) "
+            "(e.g. IOIDataset.additive_metric(), logit_diff_metric)."
+        ) from error
+    if not math.isclose(whole, parts, rel_tol=1e-3, abs_tol=1e-6):
+        raise ValueError(
+            f"The metric is not additive over examples: {whole:.6g} on the first {len(rows)} "
+            f"examples, {parts:.6g} summed over their two halves (a per-batch mean gives half). "
+            "Summed over batches it would scale the reported metrics by the number of batches. "
+            "Make it a sum (a dataset mean as a sum divided by the dataset size: "
+            "IOIDataset.additive_metric(), logit_diff_metric), or declare "
+            "metric_reduction='mean' to discover_circuit."
+        )
 
 
 def logit_diff_metric(

@@ -48,6 +48,7 @@ from tl_attnonly.analysis.ioi.prompts import (
     IOI_OBJECTS,
     IOI_PLACES,
     IOI_TEMPLATES,
+    IOI_TEMPLATES_HELDOUT,
     IOIDataset,
     make_ioi_dataset,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "IOI_OBJECTS",
     "IOI_PLACES",
     "IOI_TEMPLATES",
+    "IOI_TEMPLATES_HELDOUT",
     "ROLES",
     "IOIDataset",
     "IOIHeadScores",

@@ -30,6 +30,16 @@ IOI_TEMPLATES: tuple[str, ...] = (
     "Afterwards, {A} and {B} went to the {PLACE}. {C} gave a {OBJECT} to",
 )
 
+#: A second template set, written apart from :data:`IOI_TEMPLATES` (other verbs, clause orders
+#: and sentence breaks), to check that a circuit found or tuned on one set holds on the other.
+IOI_TEMPLATES_HELDOUT: tuple[str, ...] = (
+    "Yesterday {A} and {B} had lunch at the {PLACE}, and {C} handed the {OBJECT} to",
+    "At the {PLACE}, {A} and {B} were talking. Later {C} passed the {OBJECT} to",
+    "Later that day, {A} and {B} walked to the {PLACE}. {C} offered the {OBJECT} to",
+    "The {PLACE} was quiet when {A} and {B} arrived, so {C} showed the {OBJECT} to",
+    "After lunch, {A} and {B} met at the {PLACE}, where {C} sold a {OBJECT} to",
+    "On Sunday {A} and {B} cleaned the {PLACE}, and afterwards {C} lent the {OBJECT} to",
+)
 
 #: First names; each must be one token after a space in the model's tokenizer (checked).
 IOI_NAMES: tuple[str, ...] = (
@@ -362,6 +372,7 @@ __all__ = [
     "IOI_OBJECTS",
     "IOI_PLACES",
     "IOI_TEMPLATES",
+    "IOI_TEMPLATES_HELDOUT",
     "IOIDataset",
     "make_ioi_dataset",
 ]

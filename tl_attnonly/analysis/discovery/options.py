@@ -1,0 +1,151 @@
+"""Options of :func:`~tl_attnonly.analysis.discover_circuit`, in one object.
+
+``discover_circuit(model, clean, corrupted, metric, options=DiscoveryOptions(...), **overrides)``:
+the keywords given one by one replace the options' fields (:meth:`DiscoveryOptions.with_overrides`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+#: Graphs :func:`~tl_attnonly.analysis.discover_circuit` searches.
+GRAPHS = ("coarse", "neurons")
+#: How the metric combines over batches.
+REDUCTIONS = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class DiscoveryOptions:
+    """How :func:`~tl_attnonly.analysis.discover_circuit` searches.
+
+    Attributes:
+        graph: ``"coarse"`` (default): every attention head (its ``q``, ``k``, ``v`` apart), every
+            MLP layer as one node ``L{l}MLP``, the embeddings and the logits; then the neurons of
+            the circuit's MLP nodes are named (``neurons_per_mlp``). ``"neurons"``: the
+            neuron-level graph (every neuron, or ``nodes`` / ``n_nodes`` of them).
+        target: The faithfulness the smallest circuit must reach (sweep of exact circuit runs);
+            used when neither ``top_n`` nor ``threshold`` is given.
+        top_n, threshold: A fixed-size circuit instead of the sweep
+            (:func:`~tl_attnonly.analysis.prune`); at most one.
+        method: Edge ranking, ``"eap-ig"`` (default) or ``"eap"``.
+        ig_steps: Interpolation steps of ``"eap-ig"``.
+        neuron_level: One node per neuron (default) or per neuron-head (``graph="neurons"``).
+        nodes, n_nodes, mlp_rest: ``graph="neurons"`` only: restrict the graph
+            (:func:`~tl_attnonly.analysis.top_nodes`, :class:`~.graph.HeadGraph`).
+        neurons_per_mlp: ``graph="coarse"``: neurons named in each MLP node of the circuit (the
+            largest node attribution ``|score|``; the rest of the layer stays one node
+            ``L{l}MLP``); 0 names none.
+        neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
+            gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
+            expanded, with its exact faithfulness).
+        batch_size: Examples per pass; default all at once.
+        metric_reduction: ``"sum"`` (default): the metric is additive over examples (a sum, or a
+            dataset mean written as a sum divided by the dataset size), checked before any work
+            when there are several batches. ``"mean"``: the metric is a mean over the batch it
+            is given; each batch's value is weighted by its share of the examples.
+        gate_value: Split the incoming edges of the circuit's neurons into gate and value.
+        max_gate_value_neurons: Split at most this many neurons.
+        max_runs: Most exact circuit runs of the sweep (geometric sizes, then bisection).
+        resolution: The bisection stops when the largest failing size is within this factor of
+            the smallest size reaching the target.
+        progress: Progress bars.
+    """
+
+    graph: str = "coarse"
+    target: float = 0.8
+    top_n: int | None = None
+    threshold: float | None = None
+    method: str = "eap-ig"
+    ig_steps: int = 5
+    neuron_level: bool = True
+    nodes: Collection[str] | None = None
+    n_nodes: int | None = None
+    mlp_rest: bool = False
+    neurons_per_mlp: int = 8
+    neuron_method: str = "eap"
+    batch_size: int | None = None
+    metric_reduction: str = "sum"
+    gate_value: bool = True
+    max_gate_value_neurons: int = 4
+    max_runs: int = 24
+    resolution: float = 1.1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.graph not in GRAPHS:
+            raise ValueError(f"graph must be one of {GRAPHS}, got {self.graph!r}.")
+        for name in ("method", "neuron_method"):
+            if getattr(self, name) not in ("eap", "eap-ig"):
+                raise ValueError(f"{name} must be 'eap' or 'eap-ig', got {getattr(self, name)!r}.")
+        if self.metric_reduction not in REDUCTIONS:
+            raise ValueError(
+                f"metric_reduction must be one of {REDUCTIONS}, got {self.metric_reduction!r}."
+            )
+        if self.top_n is not None and self.threshold is not None:
+            raise ValueError("Give top_n=... or threshold=..., not both (or neither: the sweep).")
+        if not 0 < self.target <= 1:
+            raise ValueError(f"target must be in (0, 1], got {self.target}.")
+        if self.resolution <= 1:
+            raise ValueError(f"resolution must be > 1, got {self.resolution}.")
+        if self.max_runs < 1:
+            raise ValueError(f"max_runs must be >= 1, got {self.max_runs}.")
+        if self.neurons_per_mlp < 0:
+            raise ValueError(f"neurons_per_mlp must be >= 0, got {self.neurons_per_mlp}.")
+        if self.graph == "coarse" and (
+            self.nodes is not None or self.n_nodes is not None or self.mlp_rest
+        ):
+            raise ValueError(
+                "nodes=, n_nodes= and mlp_rest= restrict the neuron-level graph; give "
+                "graph='neurons' with them (graph='coarse' already holds every head and every MLP "
+                "layer as one node)."
+            )
+        if self.graph == "coarse" and not self.neuron_level:
+            raise ValueError(
+                "graph='coarse' names neurons, not neuron-heads: use neuron_level=True, or "
+                "graph='neurons' with neuron_level=False."
+            )
+
+    def with_overrides(self, **changes: Any) -> DiscoveryOptions:
+        """A copy with the given fields replaced (``discover_circuit(..., target=0.9)``).
+
+        Raises:
+            TypeError: For a name that is not an option, listing the options.
+        """
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(
+                f"Unknown discovery option(s) {unknown}; the options are {names} "
+                "(tl_attnonly.analysis.DiscoveryOptions)."
+            )
+        return dataclasses.replace(self, **changes)
+
+
+#: Keywords of the earlier ``discover_circuit`` that select its single-stage neuron-level search.
+LEGACY_KEYWORDS = ("top_n", "threshold", "nodes", "n_nodes", "mlp_rest")
+
+
+def resolve_options(
+    options: DiscoveryOptions | None, overrides: dict[str, Any]
+) -> DiscoveryOptions:
+    """``options`` (default :class:`DiscoveryOptions`) with ``overrides`` applied.
+
+    Without ``options`` and ``graph``, a call with the earlier keywords (``top_n``, ``threshold``,
+    ``nodes``, ``n_nodes``, ``mlp_rest``) keeps their earlier meaning: the neuron-level graph,
+    ranked by plain EAP unless ``method`` is given.
+    """
+    if options is None:
+        options = DiscoveryOptions()
+        legacy = any(overrides.get(k) not in (None, False) for k in LEGACY_KEYWORDS)
+        if legacy and "graph" not in overrides:
+            base: dict[str, Any] = {"graph": "neurons"}
+            if "method" not in overrides:
+                base["method"] = "eap"
+            overrides = {**base, **overrides}
+    return options.with_overrides(**overrides)
+
+
+__all__ = ["DiscoveryOptions", "GRAPHS", "REDUCTIONS"]
