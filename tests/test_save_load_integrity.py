@@ -11,6 +11,7 @@ import torch
 from conftest import make_model
 
 import tl_attnonly
+import tl_attnonly._version
 import tl_attnonly.activations as activations
 from tl_attnonly import AttnOnlyTransformer, convert
 from tl_attnonly.conversion_record import SavedModelError
@@ -102,7 +103,7 @@ def test_a_save_by_another_version_is_rebuilt_from_its_own_coefficients(
     tmp_path, monkeypatch, tokens
 ):
     model = convert(make_model("gelu_new", torch.float64))
-    monkeypatch.setattr(tl_attnonly, "__version__", "0.0.9")
+    monkeypatch.setattr(tl_attnonly._version, "__version__", "0.0.9")  # read when saving
     model.save_pretrained(tmp_path / "m")
     monkeypatch.undo()
     fits = _other_fits(model)  # this version's fit differs from the saving version's
