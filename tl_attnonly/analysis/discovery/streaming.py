@@ -24,15 +24,15 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis.discovery.edge_scores import _attribution_terms, _block_scores
+from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, block_scores
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
-    _readers,
-    _writers,
     check_scoring_args,
+    reader_matrix,
+    writer_matrix,
 )
 from tl_attnonly.model import AttnOnlyTransformer
 
@@ -146,7 +146,7 @@ def top_edges(
     metrics = [0.0, 0.0]
     deltas: dict[str, list[torch.Tensor]] = {}
     reads: dict[str, list] = {}
-    terms = _attribution_terms(
+    terms = attribution_terms(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
         progress, metrics,
     )  # fmt: skip
@@ -165,9 +165,9 @@ def top_edges(
     for b, (src, dst) in enumerate(tqdm(blocks, desc="edge blocks", disable=not progress)):
         g, lin = read_rows[dst.key]
         with torch.no_grad():
-            R = _readers(model, dst, graph, g)
-            U = _writers(model, src, graph, g)
-            block = _block_scores(rows[src.key], U, g, R, lin, block_bytes).to(dtype).flatten()
+            R = reader_matrix(model, dst, graph, g)
+            U = writer_matrix(model, src, graph, g)
+            block = block_scores(rows[src.key], U, g, R, lin, block_bytes).to(dtype).flatten()
         rank = (block.abs() if absolute else block).to(torch.float64)
         top = rank.topk(min(n, rank.numel()))
         best = torch.cat([best, top.values])
