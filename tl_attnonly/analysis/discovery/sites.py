@@ -202,7 +202,7 @@ def batch_indices(n: int, batch_size: int | None) -> list[torch.Tensor]:
 
 def neuron_head_coef(mlp: NeuronHeadMLP, like: torch.Tensor, which: int) -> torch.Tensor:
     """One coefficient ``[K]`` of the neuron-heads (0: b, 1: d, 2: f, 3: e, 4: g)."""
-    return mlp._coefs(like)[which]
+    return mlp.coefficient_tensors(like)[which]
 
 
 def qkv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
