@@ -41,9 +41,9 @@ see :func:`logit_diff_metric`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -73,6 +73,9 @@ from tl_attnonly.analysis.discovery.sites import (
     source_values,
     writer_matrix,
 )
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 def block_scores(
@@ -224,7 +227,7 @@ class EdgeScores:
 
 
 def edge_attribution_scores(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -341,7 +344,7 @@ Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, Any]], floa
 
 
 def attribution_terms(
-    model,
+    model: NeuronHeadModelMixin,
     graph: HeadGraph,
     clean_tokens: torch.Tensor,
     corrupted_tokens: torch.Tensor,
@@ -400,7 +403,15 @@ def attribution_terms(
 
 
 def _gradient_pass(
-    model, tokens, idx, metric, input_names, site_names, clean_cache, corr_cache, alpha
+    model: NeuronHeadModelMixin,
+    tokens,
+    idx,
+    metric,
+    input_names,
+    site_names,
+    clean_cache,
+    corr_cache,
+    alpha,
 ):
     """One forward and backward pass: gradients at every input hook, residual at every site."""
     acts: dict[str, torch.Tensor] = {}
@@ -419,7 +430,7 @@ def _gradient_pass(
         sites[hook.name] = act.detach()
         return act
 
-    hooks = [("hook_embed", embed)]
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [("hook_embed", embed)]
     if model.cfg.positional_embedding_type == "standard":
         hooks.append(("hook_pos_embed", embed))
     hooks += [(name, site) for name in site_names if name not in input_names]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -55,12 +56,15 @@ from tl_attnonly.analysis.discovery.sites import (
     writer_matrix,
 )
 
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
 # ---------------------------------------------------------------------------------------------
 # exact circuit runs
 # ---------------------------------------------------------------------------------------------
 
 
-def _corrupted_names(model, graph: HeadGraph) -> list[str]:
+def _corrupted_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]:
     names = set(source_hook_names(model, graph))
     for dst in graph.inputs:
         names.add(input_hook_name(dst, graph))
@@ -68,7 +72,13 @@ def _corrupted_names(model, graph: HeadGraph) -> list[str]:
     return sorted(names)
 
 
-def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes: torch.Tensor):
+def _recompute(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+    x: torch.Tensor,
+    nodes: torch.Tensor,
+):
     """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``.
 
     Returns ``[b, p, m, d_head]`` (attention), the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
@@ -110,7 +120,7 @@ def _project(normalised: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
 
 
 def circuit_metric(
-    model,
+    model: NeuronHeadModelMixin,
     mask: Mask,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -146,7 +156,7 @@ def circuit_metric(
 
 
 def circuit_metrics(
-    model,
+    model: NeuronHeadModelMixin,
     masks: Sequence[Mask],
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -189,7 +199,9 @@ def circuit_metrics(
     return totals
 
 
-def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int):
+def _circuit_run(
+    model: NeuronHeadModelMixin, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int
+):
     current: dict[str, torch.Tensor] = {}
     writers = {}
     written: dict[str, torch.Tensor] = {}  # a source's change times its writers, once per run
@@ -280,7 +292,9 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
             return corr["hook_embed"].new_zeros(*batch_pos, len(nodes), model.cfg.d_model)
         return out
 
-    hooks = [(name, record) for name in source_hook_names(model, graph)]
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
+        (name, record) for name in source_hook_names(model, graph)
+    ]
     for dst in graph.inputs:
         patch = patch_for(dst)
         if patch is not None:
@@ -308,7 +322,7 @@ def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.T
 
 
 def circuit_gate_value_split(
-    model,
+    model: NeuronHeadModelMixin,
     mask: Mask,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -413,7 +427,7 @@ def circuit_gate_value_split(
 
 
 def path_gate_value_split(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Sequence[str],

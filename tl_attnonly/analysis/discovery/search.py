@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -78,9 +78,12 @@ from tl_attnonly.analysis.discovery.sweep import MONOTONE_TOLERANCE as MONOTONE_
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
 from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
 
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
 
 def top_nodes(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -136,7 +139,7 @@ def top_nodes(
     return labels, total
 
 
-def coarse_nodes(model) -> list[str]:
+def coarse_nodes(model: NeuronHeadModelMixin) -> list[str]:
     """The coarse graph's nodes: every attention head and every MLP layer as one node."""
     cfg = model.cfg
     heads = [attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)]
@@ -144,7 +147,7 @@ def coarse_nodes(model) -> list[str]:
 
 
 def node_patching_metric(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -256,7 +259,7 @@ def _without_sources(mask: Mask, keys: set[str]) -> Mask:
 
 
 def discover_circuit(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -420,7 +423,9 @@ def discover_circuit(
     return circuit
 
 
-def _name_neurons(model, coarse: Circuit, clean, corrupted, metric, opts: DiscoveryOptions):
+def _name_neurons(
+    model: NeuronHeadModelMixin, coarse: Circuit, clean, corrupted, metric, opts: DiscoveryOptions
+):
     """Step 3 and 4 of the module docstring: the circuit on the graph with named neurons."""
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
     coarse.extra["coarse"] = coarse

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,9 @@ from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
 Mask = dict[tuple[str, str], torch.Tensor]
 DiscoveryMetric = Callable[..., torch.Tensor]
 
@@ -41,7 +45,7 @@ BLOCK_BUDGET = 2**28
 # ---------------------------------------------------------------------------------------------
 
 
-def check_discoverable(model, neuron_level: bool = True) -> None:
+def check_discoverable(model: NeuronHeadModelMixin, neuron_level: bool = True) -> None:
     """Refuse, before any work, models whose residual stream is not a sum of node outputs.
 
     Args:
@@ -99,7 +103,12 @@ def check_discoverable(model, neuron_level: bool = True) -> None:
 
 
 def check_scoring_args(
-    model, clean_tokens, corrupted_tokens, method: str, ig_steps: int, neuron_level: bool
+    model: NeuronHeadModelMixin,
+    clean_tokens,
+    corrupted_tokens,
+    method: str,
+    ig_steps: int,
+    neuron_level: bool,
 ) -> None:
     """Refuse, before any work, what edge attribution cannot score (model, tokens, method)."""
     check_discoverable(model, neuron_level)
@@ -130,7 +139,10 @@ def call_metric(
 
 
 def check_additive(
-    model, tokens: Int[torch.Tensor, "batch pos"], metric: DiscoveryMetric, batches: list
+    model: NeuronHeadModelMixin,
+    tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    batches: list,
 ) -> None:
     """Refuse, before any work, a metric that is not additive over examples when it is summed
     over several batches (a per-batch mean would scale the reported metrics by the batch count).
@@ -218,7 +230,7 @@ def qkv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
     return getattr(attn, f"W_{name}"), getattr(attn, f"b_{name}")
 
 
-def input_site(model, dst: InputGroup) -> tuple[nn.Module | None, str]:
+def input_site(model: NeuronHeadModelMixin, dst: InputGroup) -> tuple[nn.Module | None, str]:
     """The normalisation an input reads through and the hook of its residual input."""
     if dst.kind == LOGITS:
         return None, block_act_name("resid_post", model.cfg.n_layers - 1)
@@ -247,7 +259,7 @@ def norm_linearisation(module: nn.Module | None, x: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 
 
-def source_hook_names(model, graph: HeadGraph) -> list[str]:
+def source_hook_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]:
     names = ["hook_embed"]
     if model.cfg.positional_embedding_type == "standard":
         names.append("hook_pos_embed")
@@ -288,7 +300,9 @@ def source_values(
     return _kept(out, src, 2)
 
 
-def writer_matrix(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
+def writer_matrix(
+    model: NeuronHeadModelMixin, src: SourceGroup, graph: HeadGraph, like: torch.Tensor
+) -> torch.Tensor:
     """``U [n, r, d_model]``: source ``n`` adds ``coefficients[..., n, :] @ U[n]`` to the stream."""
     if src.kind == EMBED:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
@@ -302,13 +316,22 @@ def writer_matrix(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor)
     return _kept(W_out, src, 0).unsqueeze(1)
 
 
-def neuron_read_matrix(model, dst: InputGroup, graph: HeadGraph) -> torch.Tensor:
+def neuron_read_matrix(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+) -> torch.Tensor:
     """``[d_model, d_mlp]`` read by a neuron input: ``W_gate`` (gated ``gate``) or ``W_in``."""
     mlp = model.blocks[dst.layer].mlp
     return mlp.W_gate if graph.gated and dst.input == "gate" else mlp.W_in
 
 
-def reader_matrix(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
+def reader_matrix(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+    like: torch.Tensor,
+) -> torch.Tensor:
     """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
     if dst.kind == LOGITS:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
@@ -333,7 +356,12 @@ def input_hook_name(dst: InputGroup, graph: HeadGraph) -> str:
     return head_act_name(inp, dst.layer, head_kind)
 
 
-def read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor) -> torch.Tensor:
+def read_gradient(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+    grad: torch.Tensor,
+) -> torch.Tensor:
     """d metric / d (what input ``n`` reads), ``[batch, pos, n, s]``."""
     if dst.kind == LOGITS:
         return grad.unsqueeze(2)

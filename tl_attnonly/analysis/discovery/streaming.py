@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -35,6 +36,9 @@ from tl_attnonly.analysis.discovery.sites import (
     writer_matrix,
 )
 from tl_attnonly.model import AttnOnlyTransformer
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 @dataclass
@@ -76,7 +80,7 @@ class TopEdges:
                 out[target] = None
         return list(out)
 
-    def restricted_mask(self, model) -> tuple[list[str], Mask]:
+    def restricted_mask(self, model: NeuronHeadModelMixin) -> tuple[list[str], Mask]:
         """``(nodes, mask)``: the restricted graph of :meth:`nodes` with exactly these edges.
 
         Pass both to :func:`~tl_attnonly.analysis.circuit_metric` (``nodes=nodes``) for the

@@ -8,6 +8,7 @@ Exact circuit runs (:func:`~.runs.circuit_metrics`) of the top ``n`` edges for g
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -16,6 +17,9 @@ from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune
 from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import Mask
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: A faithfulness this much below one at fewer edges counts as a fall (warning).
 MONOTONE_TOLERANCE = 0.05
@@ -40,7 +44,13 @@ def curve_warnings(curve: pd.DataFrame) -> list[str]:
 
 
 def sweep_to_target(
-    model, scores: EdgeScores, clean, corrupted, metric, nodes, opts: DiscoveryOptions
+    model: NeuronHeadModelMixin,
+    scores: EdgeScores,
+    clean,
+    corrupted,
+    metric,
+    nodes,
+    opts: DiscoveryOptions,
 ):
     """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring).
 
