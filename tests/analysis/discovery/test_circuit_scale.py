@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import GATED_ZOO, make_model, make_tokens
 
+import tl_attnonly.vis  # noqa: F401 - registers circuit_figure, which Circuit.figure() calls
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
     HeadGraph,

@@ -1,9 +1,10 @@
 """A found circuit (:class:`Circuit`: its edges, metrics, evidence, report) and faithfulness.
 
 :class:`Circuit` is drawn by :func:`tl_attnonly.vis.circuit.circuit_figure`, which sits above
-``analysis/``; so that ``analysis/`` imports nothing from ``vis/``, ``vis/circuit.py`` registers
-that function here (:func:`register_figure_builder`) when it is imported, as ``import
-tl_attnonly`` does, and :meth:`Circuit.figure` calls it.
+``analysis/``; so that ``analysis/`` imports nothing from ``vis/`` (not even inside a function),
+``tl_attnonly.vis.circuit`` registers that function here (:func:`register_figure_builder`) when
+it is imported (``import tl_attnonly.vis`` does), and :meth:`Circuit.figure` calls it; with no
+builder registered it refuses, saying what to import.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ class Circuit:
         """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`; same keywords)."""
         if _figure_builder is None:
             raise RuntimeError(
-                "No circuit figure builder is registered: import tl_attnonly (or "
-                "tl_attnonly.vis.circuit), which registers circuit_figure, then call figure() "
-                "again, or call tl_attnonly.vis.circuit.circuit_figure(circuit) directly."
+                "Circuit.figure() draws with tl_attnonly.vis, which is not imported yet: run "
+                "`import tl_attnonly.vis` (it registers circuit_figure) and call figure() again, "
+                "or call tl_attnonly.vis.circuit_figure(circuit) directly."
             )
         return _figure_builder(self, **kwargs)
 
