@@ -41,14 +41,7 @@ ALLOWED_PRIVATE: dict[tuple[str, str, str], str] = {
 
 #: Subpackages owned by another change in flight: cycles and private names wholly inside them are
 #: reported but allowed until that change lands.
-# TODO(discovery): analysis/discovery/ is being reworked (DiscoveryOptions) in parallel. Left
-# there: private names taken across its modules (sites: _batches, _call_metric, _coef,
-# _input_hook, _kv_weights, _neuron_read_matrix, _norm_linearisation, _read_gradient, _readers,
-# _site, _source_hooks, _source_values, _writers; edge_scores: _attribution_terms, _block_scores)
-# and runs.py's upward import of tl_attnonly.vis.circuit. Remove this entry when they are gone.
-PENDING_PREFIXES: dict[str, str] = {
-    "tl_attnonly.analysis.discovery": "reworked in parallel (DiscoveryOptions); TODO after merge",
-}
+PENDING_PREFIXES: dict[str, str] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from tl_attnonly.analysis.discovery.circuit import register_figure_builder
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
 
 #: Colour and dash of each input kind.
@@ -153,5 +154,8 @@ def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None)
     )
     return fig
 
+
+# Circuit.figure() draws with this (analysis/ imports nothing from vis/; vis/ plugs in here).
+register_figure_builder(circuit_figure)
 
 __all__ = ["EDGE_STYLES", "NODE_STYLES", "circuit_figure"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import GATED_ZOO, make_model, make_tokens
 
+import tl_attnonly.vis  # noqa: F401 - registers circuit_figure, which Circuit.figure() calls
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
     circuit_gate_value_split,
@@ -547,3 +548,18 @@ def test_node_circuits_on_an_encoder_are_exact_and_split_gate_and_value():
     none = run(clean, hooks + [(f"blocks.{layer}.mlp.hook_post", corrupt_post)])
     assert row.gate == pytest.approx(gate_only - none, rel=1e-9, abs=1e-12)
     assert row.both == pytest.approx(circuit.metric_circuit - none, rel=1e-9, abs=1e-12)
+
+
+def test_circuit_figure_draws_with_the_builder_vis_registers_and_refuses_without_one(monkeypatch):
+    """No import of vis/ in analysis/: vis registers circuit_figure, Circuit.figure calls it."""
+    from tl_attnonly.analysis.discovery import circuit as circuit_module
+    from tl_attnonly.vis.circuit import circuit_figure
+
+    assert circuit_module._figure_builder is circuit_figure
+    monkeypatch.setattr(circuit_module, "_figure_builder", None)
+    with pytest.raises(RuntimeError, match="import tl_attnonly.vis"):
+        circuit_module.Circuit.__new__(circuit_module.Circuit).figure()
+    drawn = []
+    monkeypatch.setattr(circuit_module, "_figure_builder", lambda c, **kw: drawn.append(kw) or 7)
+    assert circuit_module.Circuit.__new__(circuit_module.Circuit).figure(max_edges=3) == 7
+    assert drawn == [{"max_edges": 3}]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import GATED_ZOO, make_model, make_tokens
 
+import tl_attnonly.vis  # noqa: F401 - registers circuit_figure, which Circuit.figure() calls
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
     HeadGraph,
@@ -256,11 +257,11 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
     """The two ways of scoring one block (writer x reader products, or each row's residual
     vectors) give the same scores, chunked or not."""
     from tl_attnonly.analysis.discovery.edge_scores import (
-        _block_scores,
         _block_scores_from_rows,
         _read,
         _scores_from_read,
         _written,
+        block_scores,
     )
 
     g = torch.Generator().manual_seed(3)
@@ -273,11 +274,11 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
     lin = None
     if norm is not None:
         lin = (rand(B, d), rand(B).abs() + 0.5, rand(d), norm == "ln")
-    pairs = _block_scores(a, U, grad, R, lin, 2**20, path="pairs")
+    pairs = block_scores(a, U, grad, R, lin, 2**20, path="pairs")
     for budget in (2**20, 1):
-        rows = _block_scores(a, U, grad, R, lin, budget, path="rows")
+        rows = block_scores(a, U, grad, R, lin, budget, path="rows")
         torch.testing.assert_close(rows, pairs, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(_block_scores(a, U, grad, R, lin, 1), pairs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_scores(a, U, grad, R, lin, 1), pairs, rtol=1e-12, atol=1e-12)
     # from each group's written and read residual vectors, computed once per group
     from_rows = _block_scores_from_rows(_written(a, U), _read(grad, R), lin)
     torch.testing.assert_close(from_rows, pairs, rtol=1e-12, atol=1e-12)

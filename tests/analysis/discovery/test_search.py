@@ -30,11 +30,11 @@ from tl_attnonly.analysis import (
     prune,
 )
 from tl_attnonly.analysis.discovery.search import (
-    _curve_warnings,
     coarse_nodes,
     expand_mask,
     node_patching_metric,
 )
+from tl_attnonly.analysis.discovery.sweep import curve_warnings
 
 CLEAN, CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
 METRIC = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
@@ -236,9 +236,9 @@ def test_low_ceiling_and_falling_curve_are_warned():
         )  # fmt: skip
     assert circuit.ceiling < 0.8 and any("ceiling" in w for w in circuit.warnings)
     curve = pd.DataFrame(dict(top_n=[1, 2, 4], edges=[1, 2, 4], faithfulness=[0.1, 0.6, 0.3]))
-    (note,) = _curve_warnings(curve)
+    (note,) = curve_warnings(curve)
     assert "falls as edges are added: 0.600 at 2 edges, 0.300 at 4 edges" in note
-    assert _curve_warnings(curve.assign(faithfulness=[0.1, 0.6, 0.58])) == []
+    assert curve_warnings(curve.assign(faithfulness=[0.1, 0.6, 0.58])) == []
 
 
 def test_options_and_earlier_keywords():

@@ -3,12 +3,15 @@
 =======================  ======================================================================
 :mod:`.graph`            the unified graph: embeddings, attention heads, neuron-heads, logits
 :mod:`.sites`            where each node of the graph reads and writes the residual stream
-:mod:`.edge_scores`      edge attribution patching (EAP, EAP-IG) over that graph, pruning
+:mod:`.edge_scores`      edge attribution patching (EAP, EAP-IG) over that graph
+:mod:`.pruning`          top edges by score to a circuit mask, dangling edges dropped
 :mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
-:mod:`.runs`             exact circuit runs (full or restricted graphs), faithfulness, gate/value
+:mod:`.runs`             exact circuit runs (full or restricted graphs), gate/value splits
+:mod:`.circuit`          Circuit (a found circuit, its evidence and report), faithfulness
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
 :mod:`.options`          DiscoveryOptions: how discover_circuit searches
 :mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
+:mod:`.sweep`            the sweep: exact runs of top-n circuits up to the faithfulness target
 =======================  ======================================================================
 """
 

@@ -41,39 +41,44 @@ see :func:`logit_diff_metric`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, HeadGraph, InputGroup, edges_frame
+from tl_attnonly.analysis.discovery.graph import HeadGraph, edges_frame
+
+# pruning lives in .pruning; its public names stay importable from here too
+from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, mask_size, prune
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
-    _batches,
-    _call_metric,
-    _input_hook,
-    _norm_linearisation,
-    _read_gradient,
-    _readers,
-    _site,
-    _source_hooks,
-    _source_values,
-    _writers,
+    batch_indices,
+    call_metric,
     check_additive,
     check_discoverable,
     check_scoring_args,
+    input_hook_name,
+    input_site,
     logit_diff_metric,
+    norm_linearisation,
+    read_gradient,
+    reader_matrix,
+    source_hook_names,
+    source_values,
+    writer_matrix,
 )
-from tl_attnonly.hooks import attn_head_label
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
-def _block_scores(
+def block_scores(
     a: torch.Tensor,
     U: torch.Tensor,
     g: torch.Tensor,
@@ -153,7 +158,7 @@ def _read(g: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 
 
 def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
-    """:func:`_block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`) and read
+    """:func:`block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`) and read
     ``G [B, v, d]`` (:func:`_read`) residual vectors: the same sum, computed once per source group
     and per input group instead of once per block (wide nodes such as MLP layers, r or s ~ d_mlp).
     """
@@ -222,7 +227,7 @@ class EdgeScores:
 
 
 def edge_attribution_scores(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -258,7 +263,7 @@ def edge_attribution_scores(
         :class:`EdgeScores`.
     """
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
-    check_additive(model, clean_tokens, metric, _batches(clean_tokens.shape[0], batch_size))
+    check_additive(model, clean_tokens, metric, batch_indices(clean_tokens.shape[0], batch_size))
     graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
@@ -275,7 +280,7 @@ def edge_attribution_scores(
         for s, d in graph.blocks()
     }
     metrics = [0.0, 0.0]
-    terms = _attribution_terms(
+    terms = attribution_terms(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
         progress, metrics,
     )  # fmt: skip
@@ -291,14 +296,14 @@ def edge_attribution_scores(
         with torch.no_grad():
             for src in narrow:
                 if src.key not in writers:
-                    writers[src.key] = _writers(model, src, graph, deltas[src.key])
+                    writers[src.key] = writer_matrix(model, src, graph, deltas[src.key])
             W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
             for dst in graph.inputs:
                 if not dst.labels or dst.kind == "neuron":
                     continue
                 g, lin = reads[dst.key]
                 if dst.key not in readers:
-                    readers[dst.key] = _readers(model, dst, graph, g)
+                    readers[dst.key] = reader_matrix(model, dst, graph, g)
                 before = [s for s in narrow if s.order < dst.order]
                 if not before:
                     continue
@@ -321,25 +326,25 @@ def edge_attribution_scores(
                 continue  # scored above
             g, lin = reads[dst.key]
             if dst.key not in readers:
-                readers[dst.key] = _readers(model, dst, graph, g)
+                readers[dst.key] = reader_matrix(model, dst, graph, g)
             if src.key not in writers:
-                writers[src.key] = _writers(model, src, graph, g)
+                writers[src.key] = writer_matrix(model, src, graph, g)
             with torch.no_grad():
-                block = _block_scores(
+                block = block_scores(
                     deltas[src.key], writers[src.key], g, readers[dst.key], lin, block_bytes
                 )
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
 
-#: What :func:`_attribution_terms` yields per batch and interpolation step: every source group's
+#: What :func:`attribution_terms` yields per batch and interpolation step: every source group's
 #: change ``[rows, n, r]``, every input group's read gradient ``[rows, n, s]`` with its
 #: normalisation linearised at each row, and the weight of the step (``1 / ig_steps``).
 Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, Any]], float]
 
 
-def _attribution_terms(
-    model,
+def attribution_terms(
+    model: NeuronHeadModelMixin,
     graph: HeadGraph,
     clean_tokens: torch.Tensor,
     corrupted_tokens: torch.Tensor,
@@ -354,11 +359,11 @@ def _attribution_terms(
 
     Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``.
     """
-    source_names = _source_hooks(model, graph)
-    input_names = sorted({_input_hook(d, graph) for d in graph.inputs})
-    site_names = sorted({_site(model, d)[1] for d in graph.inputs})
+    source_names = source_hook_names(model, graph)
+    input_names = sorted({input_hook_name(d, graph) for d in graph.inputs})
+    site_names = sorted({input_site(model, d)[1] for d in graph.inputs})
     alphas = [1.0 * k / ig_steps for k in range(1, ig_steps + 1)] if method == "eap-ig" else [0.0]
-    batches = _batches(clean_tokens.shape[0], batch_size)
+    batches = batch_indices(clean_tokens.shape[0], batch_size)
     bar = tqdm(total=len(batches) * len(alphas), desc="edge attribution", disable=not progress)
     for idx in batches:
         clean, corrupted = clean_tokens[idx], corrupted_tokens[idx]
@@ -366,15 +371,15 @@ def _attribution_terms(
             logits, clean_cache = model.run_with_cache(
                 clean, names_filter=lambda n: n in source_names
             )
-            metrics[0] += _call_metric(metric, logits, idx).item()
+            metrics[0] += call_metric(metric, logits, idx).item()
             logits, corr_cache = model.run_with_cache(
                 corrupted, names_filter=lambda n: n in source_names
             )
-            metrics[1] += _call_metric(metric, logits, idx).item()
+            metrics[1] += call_metric(metric, logits, idx).item()
         clean_cache, corr_cache = dict(clean_cache.cache_dict), dict(corr_cache.cache_dict)
         deltas = {
             s.key: (
-                _source_values(clean_cache, s, graph) - _source_values(corr_cache, s, graph)
+                source_values(clean_cache, s, graph) - source_values(corr_cache, s, graph)
             ).flatten(0, 1)
             for s in graph.sources
             if s.labels
@@ -388,9 +393,9 @@ def _attribution_terms(
             for dst in graph.inputs:
                 if not dst.labels:
                     continue
-                module, site_name = _site(model, dst)
-                lin = _norm_linearisation(module, sites[site_name].flatten(0, 1))
-                g = _read_gradient(model, dst, graph, grads[_input_hook(dst, graph)])
+                module, site_name = input_site(model, dst)
+                lin = norm_linearisation(module, sites[site_name].flatten(0, 1))
+                g = read_gradient(model, dst, graph, grads[input_hook_name(dst, graph)])
                 reads[dst.key] = (g.flatten(0, 1), lin)
             yield deltas, reads, 1.0 / len(alphas)
             bar.update()
@@ -398,7 +403,15 @@ def _attribution_terms(
 
 
 def _gradient_pass(
-    model, tokens, idx, metric, input_names, site_names, clean_cache, corr_cache, alpha
+    model: NeuronHeadModelMixin,
+    tokens,
+    idx,
+    metric,
+    input_names,
+    site_names,
+    clean_cache,
+    corr_cache,
+    alpha,
 ):
     """One forward and backward pass: gradients at every input hook, residual at every site."""
     acts: dict[str, torch.Tensor] = {}
@@ -417,14 +430,14 @@ def _gradient_pass(
         sites[hook.name] = act.detach()
         return act
 
-    hooks = [("hook_embed", embed)]
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [("hook_embed", embed)]
     if model.cfg.positional_embedding_type == "standard":
         hooks.append(("hook_pos_embed", embed))
     hooks += [(name, site) for name in site_names if name not in input_names]
     hooks += [(name, keep) for name in input_names]
     with torch.enable_grad():
         logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
-        value = _call_metric(metric, logits, idx)
+        value = call_metric(metric, logits, idx)
         names = list(acts)
         grads = torch.autograd.grad(value, [acts[n] for n in names], allow_unused=True)
     out = {}
@@ -433,106 +446,6 @@ def _gradient_pass(
         if name in site_names:
             sites[name] = acts[name].detach()
     return out, sites
-
-
-# ---------------------------------------------------------------------------------------------
-# pruning
-# ---------------------------------------------------------------------------------------------
-
-
-def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
-    """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on it)."""
-    if dst.kind == LOGITS:
-        return []
-    if dst.kind == "attn" and dst.input in "kv" and graph.gqa:
-        group = graph.n_heads // graph.n_kv
-        j = dst.index[v]
-        return [attn_head_label(dst.layer, h) for h in range(j * group, (j + 1) * group)]
-    return [dst.labels[v]]
-
-
-def prune(
-    edge_scores: EdgeScores,
-    *,
-    top_n: int | None = None,
-    threshold: float | None = None,
-    absolute: bool = True,
-    drop_dangling: bool = True,
-) -> Mask:
-    """Keep the ``top_n`` edges by score (or all above ``threshold``), then drop dangling edges.
-
-    Args:
-        edge_scores: From :func:`edge_attribution_scores`.
-        top_n: Number of edges to keep (ties broken by order).
-        threshold: Keep edges whose score (or |score|) is at least this.
-        absolute: Rank by |score| (default) or by signed score.
-        drop_dangling: Remove edges out of nodes with no incoming edge (their change is 0 in the
-            circuit run) and into nodes whose output reaches nothing; the circuit metric is
-            unchanged, exactly.
-
-    Returns:
-        A mask: ``(source group, input group) -> bool [n_sources, n_inputs]``.
-    """
-    if (top_n is None) == (threshold is None):
-        raise ValueError("Give exactly one of top_n=... or threshold=....")
-    graph, scores = edge_scores.graph, edge_scores.scores
-    keys = list(scores)
-    flat = torch.cat([(scores[k].abs() if absolute else scores[k]).flatten() for k in keys])
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    if top_n is not None:
-        if top_n > 0:
-            keep[flat.topk(min(top_n, flat.numel())).indices] = True
-    elif threshold is not None:
-        keep = flat >= threshold
-    mask, start = {}, 0
-    for k in keys:
-        n = scores[k].numel()
-        mask[k] = keep[start : start + n].view_as(scores[k]).clone()
-        start += n
-    return drop_dangling_edges(graph, mask) if drop_dangling else mask
-
-
-def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
-    """Remove edges that cannot change the circuit metric (see :func:`prune`)."""
-    mask = {k: m.clone() for k, m in mask.items()}
-    while True:
-        has_in: set[str] = set()
-        has_out: set[str] = set()
-        for src, dst in graph.blocks():
-            m = mask[(src.key, dst.key)]
-            if not m.any():
-                continue
-            for u in m.any(1).nonzero().flatten().tolist():
-                has_out.add(src.labels[u])
-            for v in m.any(0).nonzero().flatten().tolist():
-                has_in.update(_node_of_input(graph, dst, v))
-        changed = False
-        for src, dst in graph.blocks():
-            m = mask[(src.key, dst.key)]
-            if not m.any():
-                continue
-            dead_u = torch.tensor(
-                [src.kind != EMBED and lab not in has_in for lab in src.labels], device=m.device
-            )
-            dead_v = torch.tensor(
-                [
-                    dst.kind != LOGITS
-                    and not any(n in has_out for n in _node_of_input(graph, dst, v))
-                    for v in range(len(dst.labels))
-                ],
-                device=m.device,
-            )
-            new = m & ~dead_u[:, None] & ~dead_v[None, :]
-            if not torch.equal(new, m):
-                mask[(src.key, dst.key)] = new
-                changed = True
-        if not changed:
-            return mask
-
-
-def mask_size(mask: Mask) -> int:
-    """Number of edges in a mask."""
-    return int(sum(int(m.sum()) for m in mask.values()))
 
 
 __all__ = [

@@ -31,12 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import pandas as pd
 import torch
 
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import attn_head_label, neuron_head_label
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Inputs of each kind of reader.
 ATTN_INPUTS = ("q", "k", "v")
@@ -124,7 +128,12 @@ class HeadGraph:
         ValueError: If ``nodes`` names a node the model does not have.
     """
 
-    def __init__(self, model, neuron_level: bool = True, nodes: Collection[str] | None = None):
+    def __init__(
+        self,
+        model: NeuronHeadModelMixin,
+        neuron_level: bool = True,
+        nodes: Collection[str] | None = None,
+    ):
         cfg = model.cfg
         self.n_heads = cfg.n_heads
         self.n_layers = cfg.n_layers
@@ -136,11 +145,12 @@ class HeadGraph:
         self.n_kv = n_kv
         self.gqa = n_kv != cfg.n_heads
         K = self.n_heads_per_neuron
+        d_mlp = cast(int, cfg.d_mlp)  # set for every model with neuron-heads
         if self.neuron_level:
-            neuron_labels = [[f"L{li}N{i}" for i in range(cfg.d_mlp)] for li in range(cfg.n_layers)]
+            neuron_labels = [[f"L{li}N{i}" for i in range(d_mlp)] for li in range(cfg.n_layers)]
         else:
             neuron_labels = [
-                [neuron_head_label(li, h, K) for h in range(cfg.d_mlp * K)]
+                [neuron_head_label(li, h, K) for h in range(d_mlp * K)]
                 for li in range(cfg.n_layers)
             ]
         keep = None if nodes is None else set(nodes)

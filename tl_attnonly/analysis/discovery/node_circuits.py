@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import pandas as pd
 import torch
@@ -31,6 +32,10 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.hooks import head_act_name, neuron_act_name
+
+if TYPE_CHECKING:
+    from tl_attnonly.encoder import AttnOnlyEncoder
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: A node-circuit metric: ``metric(output, inputs) -> scalar``.
 NodeMetric = Callable[..., torch.Tensor]
@@ -50,15 +55,18 @@ class ModelInputs:
     attention_mask: torch.Tensor | None = None
 
 
-def _is_encoder(model) -> bool:
+def _is_encoder(model: NeuronHeadModelMixin) -> bool:
     return hasattr(model, "encoder_output")
 
 
-def _forward(model, inputs: ModelInputs, fwd_hooks) -> torch.Tensor:
+def _forward(model: NeuronHeadModelMixin, inputs: ModelInputs, fwd_hooks) -> torch.Tensor:
     """Decoder logits, or the encoder's final hidden states, with ``fwd_hooks`` attached."""
     if _is_encoder(model):
         with model.hooks(fwd_hooks=fwd_hooks):
-            return model.encoder_output(inputs.tokens, inputs.token_type_ids, inputs.attention_mask)
+            encoder = cast("AttnOnlyEncoder", model)
+            return encoder.encoder_output(
+                inputs.tokens, inputs.token_type_ids, inputs.attention_mask
+            )
     return model.run_with_hooks(inputs.tokens, fwd_hooks=fwd_hooks)
 
 
@@ -86,7 +94,7 @@ def pair_cosine_metric(mean: bool = True) -> NodeMetric:
     return metric
 
 
-def _node_hooks(model) -> list[tuple[str, str, int]]:
+def _node_hooks(model: NeuronHeadModelMixin) -> list[tuple[str, str, int]]:
     """``(node group, hook name, layer)``: where each group's output is patched."""
     out = []
     if _is_encoder(model):
@@ -101,12 +109,12 @@ def _node_hooks(model) -> list[tuple[str, str, int]]:
     return out
 
 
-def node_labels(model) -> list[str]:
+def node_labels(model: NeuronHeadModelMixin) -> list[str]:
     """Every node: ``"embed"``, then per layer its attention heads and its neurons."""
     labels = ["embed"]
     for li in range(model.cfg.n_layers):
         labels += [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
-        labels += [f"L{li}N{i}" for i in range(model.cfg.d_mlp)]
+        labels += [f"L{li}N{i}" for i in range(cast(int, model.cfg.d_mlp))]
     return labels
 
 
@@ -129,7 +137,7 @@ class NodeScores:
 
 
 def node_attribution_scores(
-    model, clean: ModelInputs, corrupted: ModelInputs, metric: NodeMetric
+    model: NeuronHeadModelMixin, clean: ModelInputs, corrupted: ModelInputs, metric: NodeMetric
 ) -> NodeScores:
     """Attribution patching of every node and neuron input (one backward pass)."""
     require_neuron_heads(model)
@@ -178,7 +186,7 @@ def node_attribution_scores(
         return (clean_acts[name] - corr_acts[name]) * grads[name]
 
     scores = {"embed": float(sum(attr(n).sum() for g, n, _ in hooks if g == "embed"))}
-    gate = torch.zeros(L, model.cfg.d_mlp, dtype=torch.float64)
+    gate = torch.zeros(L, cast(int, model.cfg.d_mlp), dtype=torch.float64)
     val = torch.zeros_like(gate)
     for li in range(L):
         per_head = attr(head_act_name("z", li, "attn")).sum((0, 1, 3))
@@ -193,7 +201,7 @@ def node_attribution_scores(
 
 
 def node_circuit_metrics(
-    model,
+    model: NeuronHeadModelMixin,
     circuits: Sequence[set[str]],
     clean: ModelInputs,
     corrupted: ModelInputs,
@@ -234,7 +242,7 @@ def node_circuit_metrics(
                 if "embed" not in circuit:
                     fwd.append((name, lambda act, hook: corr[hook.name]))
                 continue
-            n = model.cfg.n_heads if group == "attn" else model.cfg.d_mlp
+            n = model.cfg.n_heads if group == "attn" else cast(int, model.cfg.d_mlp)
             prefix = f"L{li}{'H' if group == 'attn' else 'N'}"
             off = [i for i in range(n) if f"{prefix}{i}" not in circuit]
             if off:
@@ -277,7 +285,7 @@ class NodeCircuit:
 
 
 def discover_node_circuit(
-    model,
+    model: NeuronHeadModelMixin,
     clean: ModelInputs,
     corrupted: ModelInputs,
     metric: NodeMetric,

@@ -1,4 +1,4 @@
-"""Exact circuit runs over the head graph, faithfulness, gate/value splits, :class:`Circuit`.
+"""Exact circuit runs over the head graph and gate/value splits (:class:`Circuit`: :mod:`.circuit`).
 
 A circuit is a set of edges of :class:`~tl_attnonly.analysis.discovery.HeadGraph`. Its run is exact:
 the model runs on the clean input, and every input of every node receives the corrupted residual
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -34,62 +34,73 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly._types import check_token_pair
-from tl_attnonly.analysis.discovery.edge_scores import EdgeScores, mask_size
+
+# Circuit and faithfulness live in .circuit; they stay importable from here too
+from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
-    _batches,
-    _call_metric,
-    _coef,
-    _input_hook,
-    _kv_weights,
-    _neuron_read_matrix,
-    _site,
-    _source_hooks,
-    _source_values,
-    _writers,
+    batch_indices,
+    call_metric,
     check_additive,
     check_discoverable,
+    input_hook_name,
+    input_site,
+    neuron_head_coef,
+    neuron_read_matrix,
+    qkv_weights,
+    source_hook_names,
+    source_values,
+    writer_matrix,
 )
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 # ---------------------------------------------------------------------------------------------
 # exact circuit runs
 # ---------------------------------------------------------------------------------------------
 
 
-def _corrupted_names(model, graph: HeadGraph) -> list[str]:
-    names = set(_source_hooks(model, graph))
+def _corrupted_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]:
+    names = set(source_hook_names(model, graph))
     for dst in graph.inputs:
-        names.add(_input_hook(dst, graph))
-        names.add(_site(model, dst)[1])
+        names.add(input_hook_name(dst, graph))
+        names.add(input_site(model, dst)[1])
     return sorted(names)
 
 
-def _recompute(model, dst: InputGroup, graph: HeadGraph, x: torch.Tensor, nodes: torch.Tensor):
+def _recompute(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+    x: torch.Tensor,
+    nodes: torch.Tensor,
+):
     """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``.
 
     Returns ``[b, p, m, d_head]`` (attention), the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
     together with the head indices ``m'`` they go to, or, for gated MLPs, the gates ``g`` or
     linear branches ``u`` of the neurons, ``[b, p, m]`` (``hook_pre`` / ``hook_pre_linear``).
     """
-    module, _ = _site(model, dst)
+    module, _ = input_site(model, dst)
     normalised = module(x) if module is not None else x
     if dst.kind == "attn":
-        W, b = _kv_weights(model.blocks[dst.layer].attn, dst.input)
+        W, b = qkv_weights(model.blocks[dst.layer].attn, dst.input)
         out = torch.einsum("bpmd,mde->bpme", normalised, W[nodes]) + b[nodes]
         return out, nodes
     if graph.gated:  # TL's GatedMLP: g = x W_gate, u = x W_in, no biases before the product
-        W = _neuron_read_matrix(model, dst, graph)[:, nodes]
+        W = neuron_read_matrix(model, dst, graph)[:, nodes]
         return _project(normalised, W), nodes
     mlp = model.blocks[dst.layer].mlp
     K = graph.n_heads_per_neuron
     neurons = nodes if graph.neuron_level else nodes // K
     W_in = mlp.W_in[:, neurons]  # [d, m]
     pre = _project(normalised, W_in) + mlp.b_in[neurons]
-    scale = _coef(mlp, pre, 0 if dst.input == "gate" else 2)
-    shift = _coef(mlp, pre, 1 if dst.input == "gate" else 3)
+    scale = neuron_head_coef(mlp, pre, 0 if dst.input == "gate" else 2)
+    shift = neuron_head_coef(mlp, pre, 1 if dst.input == "gate" else 3)
     if graph.neuron_level:
         heads = (neurons[:, None] * K + torch.arange(K, device=nodes.device)).flatten()
         out = (pre.unsqueeze(-1) * scale + shift).flatten(-2)  # [b, p, m*K]
@@ -109,7 +120,7 @@ def _project(normalised: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
 
 
 def circuit_metric(
-    model,
+    model: NeuronHeadModelMixin,
     mask: Mask,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -145,7 +156,7 @@ def circuit_metric(
 
 
 def circuit_metrics(
-    model,
+    model: NeuronHeadModelMixin,
     masks: Sequence[Mask],
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -171,7 +182,7 @@ def circuit_metrics(
             )
     totals = [0.0] * len(masks)
     names = _corrupted_names(model, graph)
-    batches = _batches(clean_tokens.shape[0], batch_size)
+    batches = batch_indices(clean_tokens.shape[0], batch_size)
     check_additive(model, clean_tokens, metric, batches)
     bar = tqdm(total=len(batches) * len(masks), desc="circuit runs", disable=not progress)
     for idx in batches:
@@ -182,13 +193,15 @@ def circuit_metrics(
             corr = dict(corr_cache.cache_dict)
             for i, mask in enumerate(masks):
                 logits = _circuit_run(model, graph, mask, clean_tokens[idx], corr, block_bytes)
-                totals[i] += _call_metric(metric, logits, idx).item()
+                totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
     bar.close()
     return totals
 
 
-def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int):
+def _circuit_run(
+    model: NeuronHeadModelMixin, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int
+):
     current: dict[str, torch.Tensor] = {}
     writers = {}
     written: dict[str, torch.Tensor] = {}  # a source's change times its writers, once per run
@@ -225,8 +238,8 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
         # restricted indices (columns of the masks) of the readers whose input is rebuilt
         mixed = position[((included > 0) & (included < n_possible) & ours).nonzero().flatten()]
         mixed = mixed.unique()  # an MLP remainder: one column (0) for all its neurons
-        _, site_name = _site(model, dst)
-        hook_name = _input_hook(dst, graph)
+        _, site_name = input_site(model, dst)
+        hook_name = input_hook_name(dst, graph)
 
         def hook(act, hook):
             act = act.clone()
@@ -261,14 +274,14 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
             if len(rows) == 0:
                 continue
             if src.key not in writers:
-                writers[src.key] = _writers(model, src, graph, corr["hook_embed"])
+                writers[src.key] = writer_matrix(model, src, graph, corr["hook_embed"])
             if src.kind != "neuron":  # narrow group: its written change once per run
                 if src.key not in written:
-                    delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+                    delta = source_values(current, src, graph) - source_values(corr, src, graph)
                     written[src.key] = torch.einsum("bpur,urd->bpud", delta, writers[src.key])
                 DU = written[src.key][:, :, rows.to(written[src.key].device)]
             else:
-                delta = _source_values(current, src, graph) - _source_values(corr, src, graph)
+                delta = source_values(current, src, graph) - source_values(corr, src, graph)
                 rows_dev = rows.to(delta.device)
                 DU = torch.einsum(
                     "bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev]
@@ -279,7 +292,9 @@ def _circuit_run(model, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes:
             return corr["hook_embed"].new_zeros(*batch_pos, len(nodes), model.cfg.d_model)
         return out
 
-    hooks = [(name, record) for name in _source_hooks(model, graph)]
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
+        (name, record) for name in source_hook_names(model, graph)
+    ]
     for dst in graph.inputs:
         patch = patch_for(dst)
         if patch is not None:
@@ -306,142 +321,8 @@ def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.T
     return (nodes[:, None] * K + torch.arange(K)).flatten()
 
 
-def faithfulness(metric_circuit: float, metric_clean: float, metric_corrupted: float) -> float:
-    """``(circuit - corrupted) / (clean - corrupted)``: 1 for the full graph, 0 for the empty."""
-    denom = metric_clean - metric_corrupted
-    if denom == 0:
-        raise ZeroDivisionError(
-            "The metric is the same on the clean and corrupted inputs; faithfulness is undefined. "
-            "Choose inputs (or a metric) that tell them apart."
-        )
-    return (metric_circuit - metric_corrupted) / denom
-
-
-@dataclass
-class Circuit:
-    """A circuit found by :func:`discover_circuit`.
-
-    Attributes:
-        scores: Every edge's score (:class:`EdgeScores`).
-        mask: The edges kept.
-        metric_clean, metric_corrupted, metric_circuit: The metric of the clean run, the
-            corrupted run and the circuit run (exact).
-        faithfulness: ``(circuit - corrupted) / (clean - corrupted)``.
-        gate_value: Per neuron of the circuit, the exact gate/value split of its incoming circuit
-            edges (:func:`circuit_gate_value_split`), or None.
-        extra: What the search adds (see :func:`~tl_attnonly.analysis.discover_circuit`).
-        ceiling: Faithfulness of the graph's every edge (the most any circuit of it can reach).
-        curve: The sweep's exact runs: ``top_n, edges, metric, faithfulness`` per size.
-        node_patching: Faithfulness of plain node patching of the circuit's nodes (their clean
-            outputs in the corrupted run, every other node recomputed), a baseline.
-        warnings: What makes the reading doubtful (low ceiling, a curve that falls as edges are
-            added, a gate/value row with no edge of that kind); also issued as warnings.
-        mlp_split: Per MLP node with named neurons, the exact effect (faithfulness units) of
-            removing the named neurons' outgoing edges, the remainder's, and the layer's.
-    """
-
-    scores: EdgeScores
-    mask: Mask
-    metric_clean: float
-    metric_corrupted: float
-    metric_circuit: float
-    faithfulness: float
-    gate_value: pd.DataFrame | None = None
-    extra: dict = field(default_factory=dict)
-    ceiling: float | None = None
-    curve: pd.DataFrame | None = None
-    node_patching: float | None = None
-    warnings: list[str] = field(default_factory=list)
-    mlp_split: pd.DataFrame | None = None
-
-    @property
-    def graph(self) -> HeadGraph:
-        return self.scores.graph
-
-    def edges(self) -> pd.DataFrame:
-        """The circuit's edges, sorted by |score|."""
-        return self.scores.frame(self.mask)
-
-    def nodes(self) -> list[str]:
-        """Labels of the nodes with an edge in the circuit (sources and readers)."""
-        frame = self.edges()
-        return sorted(set(frame.source) | set(frame.target))
-
-    def figure(self, **kwargs):
-        """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`)."""
-        from tl_attnonly.vis.circuit import circuit_figure
-
-        return circuit_figure(self, **kwargs)
-
-    def report(self) -> str:
-        """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
-        named neurons), node-patching baseline, the sweep's curve, the MLP split, the gate/value
-        table, the attention heads, the warnings."""
-
-        def table(frame: pd.DataFrame, digits: int = 3) -> str:
-            return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
-
-        coarse = self.extra.get("coarse")
-        lines = [
-            repr(self),
-            f"metric: clean {self.metric_clean:.4g}, corrupted {self.metric_corrupted:.4g}",
-        ]
-        if self.ceiling is not None:
-            n_all = (coarse if coarse is not None else self).graph.n_edges()
-            lines.append(f"ceiling (all {n_all:,} edges of its graph): {self.ceiling:.3f}")
-        if coarse is not None and coarse is not self:
-            lines.append(
-                f"coarse circuit: {mask_size(coarse.mask):,} edges, faithfulness "
-                f"{coarse.faithfulness:.3f}; with named neurons: {mask_size(self.mask):,} edges, "
-                f"faithfulness {self.faithfulness:.3f}"
-            )
-        if "faithfulness_named_only" in self.extra:
-            lines.append(
-                "named neurons only (every remainder's outgoing edges removed): faithfulness "
-                f"{self.extra['faithfulness_named_only']:.3f}"
-            )
-        if self.node_patching is not None:
-            lines.append(
-                f"node patching of the circuit's sources (baseline): {self.node_patching:.3f}"
-            )
-        if self.curve is not None:
-            lines += ["faithfulness vs size (exact runs):", table(self.curve)]
-        if self.mlp_split is not None:
-            lines += [
-                "MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)",
-                table(self.mlp_split),
-            ]
-        if self.gate_value is not None:
-            lines += [
-                "gate/value split (metric units; NaN: no edge of that kind kept)",
-                table(self.gate_value, 4),
-            ]
-        heads = sorted(
-            {n for n in self.nodes() if "H" in n},
-            key=lambda h: tuple(int(x) for x in h[1:].split("H")),
-        )
-        lines.append(f"attention heads ({len(heads)}): " + ", ".join(heads))
-        if "seconds" in self.extra:
-            lines.append(
-                "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.extra["seconds"].items())
-            )
-        lines.append("warnings: " + ("; ".join(self.warnings) if self.warnings else "none"))
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return (
-            f"Circuit({mask_size(self.mask)} edges, {len(self.nodes())} nodes, faithfulness="
-            f"{self.faithfulness:.4g}, metric clean={self.metric_clean:.4g} corrupted="
-            f"{self.metric_corrupted:.4g} circuit={self.metric_circuit:.4g}"
-            + (f", ceiling={self.ceiling:.4g}" if self.ceiling is not None else "")
-            + ("" if self.node_patching is None else f", node patching={self.node_patching:.4g}")
-            + (f", {len(self.warnings)} warning(s)" if self.warnings else "")
-            + ")"
-        )
-
-
 def circuit_gate_value_split(
-    model,
+    model: NeuronHeadModelMixin,
     mask: Mask,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -546,7 +427,7 @@ def circuit_gate_value_split(
 
 
 def path_gate_value_split(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Sequence[str],

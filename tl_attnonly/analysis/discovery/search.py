@@ -43,10 +43,9 @@ run, so check ``Circuit.ceiling``.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -54,7 +53,6 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.edge_scores import (
-    EdgeScores,
     edge_attribution_scores,
     mask_size,
     prune,
@@ -70,21 +68,22 @@ from tl_attnonly.analysis.discovery.runs import (
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
     Mask,
-    _batches,
-    _call_metric,
+    batch_indices,
+    call_metric,
     check_additive,
     check_discoverable,
 )
+from tl_attnonly.analysis.discovery.sweep import FIRST_SIZE as FIRST_SIZE
+from tl_attnonly.analysis.discovery.sweep import MONOTONE_TOLERANCE as MONOTONE_TOLERANCE
+from tl_attnonly.analysis.discovery.sweep import sweep_to_target
 from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
 
-#: A faithfulness this much below one at fewer edges counts as a fall (warning).
-MONOTONE_TOLERANCE = 0.05
-#: First size of the geometric sweep (graphs of fewer than 64 x 64 edges: 1/64 of their edges).
-FIRST_SIZE = 64
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 def top_nodes(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -117,13 +116,13 @@ def top_nodes(
     check_discoverable(model, neuron_level)
     if n_nodes < 1:
         raise ValueError(f"n_nodes must be >= 1, got {n_nodes}.")
-    batches = _batches(clean_tokens.shape[0], batch_size)
+    batches = batch_indices(clean_tokens.shape[0], batch_size)
     check_additive(model, clean_tokens, metric, batches)
     total: pd.Series | None = None
     for idx in tqdm(batches, desc="node attribution", disable=not progress):
 
         def node_metric(out, inputs, idx=idx):
-            return _call_metric(metric, out, idx)
+            return call_metric(metric, out, idx)
 
         scores = node_attribution_scores(
             model, ModelInputs(clean_tokens[idx]), ModelInputs(corrupted_tokens[idx]), node_metric
@@ -140,7 +139,7 @@ def top_nodes(
     return labels, total
 
 
-def coarse_nodes(model) -> list[str]:
+def coarse_nodes(model: NeuronHeadModelMixin) -> list[str]:
     """The coarse graph's nodes: every attention head and every MLP layer as one node."""
     cfg = model.cfg
     heads = [attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)]
@@ -148,7 +147,7 @@ def coarse_nodes(model) -> list[str]:
 
 
 def node_patching_metric(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -201,7 +200,7 @@ def node_patching_metric(
     for li, idx in neurons.items():
         names[neuron_act_name("post", li)] = idx
     total = 0.0
-    for rows in _batches(clean_tokens.shape[0], batch_size):
+    for rows in batch_indices(clean_tokens.shape[0], batch_size):
         with torch.no_grad():
             _, cache = model.run_with_cache(clean_tokens[rows], names_filter=lambda n: n in names)
 
@@ -216,7 +215,7 @@ def node_patching_metric(
             logits = model.run_with_hooks(
                 corrupted_tokens[rows], fwd_hooks=[(n, patch) for n in names]
             )
-            total += _call_metric(metric, logits, rows).item()
+            total += call_metric(metric, logits, rows).item()
     return total
 
 
@@ -224,103 +223,9 @@ def _weighted_by_batch(metric: DiscoveryMetric, n_examples: int) -> DiscoveryMet
     """A per-batch mean turned additive: each batch's value times its share of the examples."""
 
     def additive(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        return _call_metric(metric, logits, indices) * (len(indices) / n_examples)
+        return call_metric(metric, logits, indices) * (len(indices) / n_examples)
 
     return additive
-
-
-def _curve_warnings(curve: pd.DataFrame) -> list[str]:
-    out = []
-    best_faith, best_edges = -math.inf, 0
-    for row in curve.sort_values("edges", kind="stable").itertuples():
-        if row.faithfulness < best_faith - MONOTONE_TOLERANCE:
-            out.append(
-                f"faithfulness falls as edges are added: {best_faith:.3f} at {best_edges} edges, "
-                f"{row.faithfulness:.3f} at {row.edges} edges; the edge ranking is not a good "
-                "order here (try method='eap-ig', more ig_steps, or another graph)."
-            )
-            break
-        if row.faithfulness > best_faith:
-            best_faith, best_edges = row.faithfulness, row.edges
-    return out
-
-
-def _sweep(model, scores: EdgeScores, clean, corrupted, metric, nodes, opts: DiscoveryOptions):
-    """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring).
-
-    Returns ``(mask, metric_circuit, curve, ceiling_metric, warnings)``.
-    """
-    graph = scores.graph
-    n_all = graph.n_edges()
-    m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
-    points: dict[int, tuple[Mask, float]] = {}
-    runs = 0
-
-    def run(sizes: list[int]) -> None:
-        nonlocal runs
-        sizes = [n for n in sizes if n not in points]
-        if not sizes:
-            return
-        masks = [graph.full_mask() if n >= n_all else prune(scores, top_n=n) for n in sizes]
-        values = circuit_metrics(
-            model, masks, clean, corrupted, metric, nodes=nodes, batch_size=opts.batch_size,
-            progress=opts.progress,
-        )  # fmt: skip
-        runs += len(sizes)
-        for n, mask, value in zip(sizes, masks, values, strict=True):
-            points[n] = (mask, value)
-
-    def faith(n: int) -> float:
-        return faithfulness(points[n][1], m_clean, m_corr)
-
-    notes: list[str] = []
-    run([n_all])  # the ceiling
-    ceiling = faith(n_all)
-    if ceiling < opts.target:
-        notes.append(
-            f"the ceiling is low: the graph's every edge ({n_all:,}) reaches faithfulness "
-            f"{ceiling:.3f} < target {opts.target}; no circuit of this graph can reach the target "
-            "(the nodes left out of the graph are frozen to the corrupted run): returning the full "
-            "graph. Use graph='coarse' or more nodes."
-        )
-        found = n_all
-    else:
-        sizes, n = [], max(1, min(FIRST_SIZE, n_all // FIRST_SIZE))
-        while n < n_all:
-            sizes.append(n)
-            n *= 2
-        found = n_all
-        lo = 0
-        for n in sizes:
-            if runs >= opts.max_runs:
-                notes.append(
-                    f"the sweep stopped after max_runs={opts.max_runs} runs before reaching the "
-                    f"target; returning the full graph ({n_all:,} edges)."
-                )
-                break
-            run([n])
-            if faith(n) >= opts.target:
-                found = n
-                break
-            lo = n
-        while lo and found > lo * opts.resolution and runs < opts.max_runs:
-            mid = int(round(math.sqrt(lo * found)))
-            if mid in (lo, found):
-                break
-            run([mid])
-            if faith(mid) >= opts.target:
-                found = mid
-            else:
-                lo = mid
-    curve = pd.DataFrame(
-        [
-            dict(top_n=n, edges=mask_size(mask), metric=value, faithfulness=faith(n))
-            for n, (mask, value) in sorted(points.items())
-        ],
-        columns=["top_n", "edges", "metric", "faithfulness"],
-    )
-    notes += _curve_warnings(curve)
-    return points[found][0], points[found][1], curve, ceiling, notes
 
 
 def _coarse_key(key: str) -> str:
@@ -354,7 +259,7 @@ def _without_sources(mask: Mask, keys: set[str]) -> Mask:
 
 
 def discover_circuit(
-    model,
+    model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -392,7 +297,7 @@ def discover_circuit(
     """
     opts = resolve_options(options, overrides)
     check_discoverable(model, opts.neuron_level)
-    batches = _batches(clean_tokens.shape[0], opts.batch_size)
+    batches = batch_indices(clean_tokens.shape[0], opts.batch_size)
     if opts.metric_reduction == "mean":
         metric = _weighted_by_batch(metric, clean_tokens.shape[0])
     else:
@@ -435,7 +340,7 @@ def discover_circuit(
     t = time.perf_counter()
     notes: list[str] = []
     if opts.top_n is None and opts.threshold is None:
-        mask, m_circ, curve, ceiling, notes = _sweep(
+        mask, m_circ, curve, ceiling, notes = sweep_to_target(
             model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts
         )
     else:
@@ -518,7 +423,9 @@ def discover_circuit(
     return circuit
 
 
-def _name_neurons(model, coarse: Circuit, clean, corrupted, metric, opts: DiscoveryOptions):
+def _name_neurons(
+    model: NeuronHeadModelMixin, coarse: Circuit, clean, corrupted, metric, opts: DiscoveryOptions
+):
     """Step 3 and 4 of the module docstring: the circuit on the graph with named neurons."""
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
     coarse.extra["coarse"] = coarse

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,9 @@ from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
 Mask = dict[tuple[str, str], torch.Tensor]
 DiscoveryMetric = Callable[..., torch.Tensor]
 
@@ -41,7 +45,7 @@ BLOCK_BUDGET = 2**28
 # ---------------------------------------------------------------------------------------------
 
 
-def check_discoverable(model, neuron_level: bool = True) -> None:
+def check_discoverable(model: NeuronHeadModelMixin, neuron_level: bool = True) -> None:
     """Refuse, before any work, models whose residual stream is not a sum of node outputs.
 
     Args:
@@ -99,7 +103,12 @@ def check_discoverable(model, neuron_level: bool = True) -> None:
 
 
 def check_scoring_args(
-    model, clean_tokens, corrupted_tokens, method: str, ig_steps: int, neuron_level: bool
+    model: NeuronHeadModelMixin,
+    clean_tokens,
+    corrupted_tokens,
+    method: str,
+    ig_steps: int,
+    neuron_level: bool,
 ) -> None:
     """Refuse, before any work, what edge attribution cannot score (model, tokens, method)."""
     check_discoverable(model, neuron_level)
@@ -110,7 +119,7 @@ def check_scoring_args(
         raise ValueError(f"ig_steps must be >= 1, got {ig_steps}.")
 
 
-def _call_metric(
+def call_metric(
     metric: DiscoveryMetric, logits: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
     try:
@@ -130,7 +139,10 @@ def _call_metric(
 
 
 def check_additive(
-    model, tokens: Int[torch.Tensor, "batch pos"], metric: DiscoveryMetric, batches: list
+    model: NeuronHeadModelMixin,
+    tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
+    batches: list,
 ) -> None:
     """Refuse, before any work, a metric that is not additive over examples when it is summed
     over several batches (a per-batch mean would scale the reported metrics by the batch count).
@@ -148,10 +160,10 @@ def check_additive(
     try:
         with torch.no_grad():
             logits = model(tokens[rows])
-            whole = _call_metric(metric, logits, rows).item()
+            whole = call_metric(metric, logits, rows).item()
             parts = (
-                _call_metric(metric, logits[:half], rows[:half]).item()
-                + _call_metric(metric, logits[half:], rows[half:]).item()
+                call_metric(metric, logits[:half], rows[:half]).item()
+                + call_metric(metric, logits[half:], rows[half:]).item()
             )
     except (IndexError, RuntimeError) as error:
         raise ValueError(
@@ -195,17 +207,17 @@ def logit_diff_metric(
     return metric
 
 
-def _batches(n: int, batch_size: int | None) -> list[torch.Tensor]:
+def batch_indices(n: int, batch_size: int | None) -> list[torch.Tensor]:
     size = n if batch_size is None else max(1, batch_size)
     return [torch.arange(s, min(n, s + size)) for s in range(0, n, size)]
 
 
-def _coef(mlp: NeuronHeadMLP, like: torch.Tensor, which: int) -> torch.Tensor:
+def neuron_head_coef(mlp: NeuronHeadMLP, like: torch.Tensor, which: int) -> torch.Tensor:
     """One coefficient ``[K]`` of the neuron-heads (0: b, 1: d, 2: f, 3: e, 4: g)."""
-    return mlp._coefs(like)[which]
+    return mlp.coefficient_tensors(like)[which]
 
 
-def _kv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
+def qkv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(W [heads, d_model, d_head], b [heads, d_head])`` of ``q``, ``k`` or ``v``.
 
     For ``k`` and ``v`` of grouped-query attention: one per key/value head.
@@ -218,7 +230,7 @@ def _kv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
     return getattr(attn, f"W_{name}"), getattr(attn, f"b_{name}")
 
 
-def _site(model, dst: InputGroup) -> tuple[nn.Module | None, str]:
+def input_site(model: NeuronHeadModelMixin, dst: InputGroup) -> tuple[nn.Module | None, str]:
     """The normalisation an input reads through and the hook of its residual input."""
     if dst.kind == LOGITS:
         return None, block_act_name("resid_post", model.cfg.n_layers - 1)
@@ -229,7 +241,7 @@ def _site(model, dst: InputGroup) -> tuple[nn.Module | None, str]:
     return block.ln2, block_act_name(resid, dst.layer)
 
 
-def _norm_linearisation(module: nn.Module | None, x: torch.Tensor):
+def norm_linearisation(module: nn.Module | None, x: torch.Tensor):
     """``(x_hat, 1/sigma, w, centred)`` of the normalisation at ``x`` [B, d], or None (identity)."""
     if module is None or isinstance(module, nn.Identity):
         return None
@@ -247,7 +259,7 @@ def _norm_linearisation(module: nn.Module | None, x: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 
 
-def _source_hooks(model, graph: HeadGraph) -> list[str]:
+def source_hook_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]:
     names = ["hook_embed"]
     if model.cfg.positional_embedding_type == "standard":
         names.append("hook_pos_embed")
@@ -270,10 +282,10 @@ def _kept(t: torch.Tensor, group: SourceGroup | InputGroup, dim: int) -> torch.T
     return t.index_select(dim, torch.tensor(group.index, dtype=torch.long, device=t.device))
 
 
-def _source_values(
+def source_values(
     acts: dict[str, torch.Tensor], src: SourceGroup, graph: HeadGraph
 ) -> torch.Tensor:
-    """What a source group writes, as coefficients ``[batch, pos, n, r]`` of :func:`_writers`."""
+    """What a source group writes: coefficients ``[batch, pos, n, r]`` of :func:`writer_matrix`."""
     if src.kind == EMBED:
         out = acts["hook_embed"]
         if "hook_pos_embed" in acts:
@@ -288,7 +300,9 @@ def _source_values(
     return _kept(out, src, 2)
 
 
-def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
+def writer_matrix(
+    model: NeuronHeadModelMixin, src: SourceGroup, graph: HeadGraph, like: torch.Tensor
+) -> torch.Tensor:
     """``U [n, r, d_model]``: source ``n`` adds ``coefficients[..., n, :] @ U[n]`` to the stream."""
     if src.kind == EMBED:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
@@ -302,19 +316,28 @@ def _writers(model, src: SourceGroup, graph: HeadGraph, like: torch.Tensor) -> t
     return _kept(W_out, src, 0).unsqueeze(1)
 
 
-def _neuron_read_matrix(model, dst: InputGroup, graph: HeadGraph) -> torch.Tensor:
+def neuron_read_matrix(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+) -> torch.Tensor:
     """``[d_model, d_mlp]`` read by a neuron input: ``W_gate`` (gated ``gate``) or ``W_in``."""
     mlp = model.blocks[dst.layer].mlp
     return mlp.W_gate if graph.gated and dst.input == "gate" else mlp.W_in
 
 
-def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> torch.Tensor:
+def reader_matrix(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+    like: torch.Tensor,
+) -> torch.Tensor:
     """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
     if dst.kind == LOGITS:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if dst.kind == "attn":
-        return _kept(_kv_weights(model.blocks[dst.layer].attn, dst.input)[0], dst, 0)
-    W_in = _neuron_read_matrix(model, dst, graph)
+        return _kept(qkv_weights(model.blocks[dst.layer].attn, dst.input)[0], dst, 0)
+    W_in = neuron_read_matrix(model, dst, graph)
     if not graph.neuron_level:
         W_in = W_in.repeat_interleave(graph.n_heads_per_neuron, dim=1)
     if dst.kind == MLP_REST:  # one reader of m neurons' inputs: [1, d_model, m]
@@ -322,7 +345,7 @@ def _readers(model, dst: InputGroup, graph: HeadGraph, like: torch.Tensor) -> to
     return _kept(W_in, dst, 1).T.unsqueeze(-1)
 
 
-def _input_hook(dst: InputGroup, graph: HeadGraph) -> str:
+def input_hook_name(dst: InputGroup, graph: HeadGraph) -> str:
     """The hook holding what ``dst`` reads (gated MLPs: ``hook_pre`` / ``hook_pre_linear``)."""
     if dst.kind == LOGITS:
         return block_act_name("resid_post", graph.n_layers - 1)
@@ -333,7 +356,12 @@ def _input_hook(dst: InputGroup, graph: HeadGraph) -> str:
     return head_act_name(inp, dst.layer, head_kind)
 
 
-def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor) -> torch.Tensor:
+def read_gradient(
+    model: NeuronHeadModelMixin,
+    dst: InputGroup,
+    graph: HeadGraph,
+    grad: torch.Tensor,
+) -> torch.Tensor:
     """d metric / d (what input ``n`` reads), ``[batch, pos, n, s]``."""
     if dst.kind == LOGITS:
         return grad.unsqueeze(2)
@@ -342,7 +370,8 @@ def _read_gradient(model, dst: InputGroup, graph: HeadGraph, grad: torch.Tensor)
     if graph.gated:  # d metric / d g or d u, [batch, pos, d_mlp] (neuron level only)
         return _kept(grad.unsqueeze(-1), dst, 2)
     mlp = model.blocks[dst.layer].mlp
-    coef = _coef(mlp, grad, 0 if dst.input == "gate" else 2)  # q = b*pre + d, v = f*pre + e
+    # q = b*pre + d, v = f*pre + e
+    coef = neuron_head_coef(mlp, grad, 0 if dst.input == "gate" else 2)
     K = graph.n_heads_per_neuron
     per_head = grad.squeeze(-1).unflatten(-1, (-1, K)) * coef  # [batch, pos, d_mlp, K]
     if graph.neuron_level:

@@ -18,23 +18,27 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly.analysis.discovery.edge_scores import _attribution_terms, _block_scores
+from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, block_scores
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
-    _readers,
-    _writers,
     check_scoring_args,
+    reader_matrix,
+    writer_matrix,
 )
 from tl_attnonly.model import AttnOnlyTransformer
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 @dataclass
@@ -76,7 +80,7 @@ class TopEdges:
                 out[target] = None
         return list(out)
 
-    def restricted_mask(self, model) -> tuple[list[str], Mask]:
+    def restricted_mask(self, model: NeuronHeadModelMixin) -> tuple[list[str], Mask]:
         """``(nodes, mask)``: the restricted graph of :meth:`nodes` with exactly these edges.
 
         Pass both to :func:`~tl_attnonly.analysis.circuit_metric` (``nodes=nodes``) for the
@@ -146,7 +150,7 @@ def top_edges(
     metrics = [0.0, 0.0]
     deltas: dict[str, list[torch.Tensor]] = {}
     reads: dict[str, list] = {}
-    terms = _attribution_terms(
+    terms = attribution_terms(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
         progress, metrics,
     )  # fmt: skip
@@ -165,9 +169,9 @@ def top_edges(
     for b, (src, dst) in enumerate(tqdm(blocks, desc="edge blocks", disable=not progress)):
         g, lin = read_rows[dst.key]
         with torch.no_grad():
-            R = _readers(model, dst, graph, g)
-            U = _writers(model, src, graph, g)
-            block = _block_scores(rows[src.key], U, g, R, lin, block_bytes).to(dtype).flatten()
+            R = reader_matrix(model, dst, graph, g)
+            U = writer_matrix(model, src, graph, g)
+            block = block_scores(rows[src.key], U, g, R, lin, block_bytes).to(dtype).flatten()
         rank = (block.abs() if absolute else block).to(torch.float64)
         top = rank.topk(min(n, rank.numel()))
         best = torch.cat([best, top.values])

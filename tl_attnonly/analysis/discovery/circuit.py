@@ -1,0 +1,172 @@
+"""A found circuit (:class:`Circuit`: its edges, metrics, evidence, report) and faithfulness.
+
+:class:`Circuit` is drawn by :func:`tl_attnonly.vis.circuit.circuit_figure`, which sits above
+``analysis/``; so that ``analysis/`` imports nothing from ``vis/`` (not even inside a function),
+``tl_attnonly.vis.circuit`` registers that function here (:func:`register_figure_builder`) when
+it is imported (``import tl_attnonly.vis`` does), and :meth:`Circuit.figure` calls it; with no
+builder registered it refuses, saying what to import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
+from tl_attnonly.analysis.discovery.graph import HeadGraph
+from tl_attnonly.analysis.discovery.pruning import mask_size
+from tl_attnonly.analysis.discovery.sites import Mask
+
+#: What :meth:`Circuit.figure` calls: set by :mod:`tl_attnonly.vis.circuit` on import.
+_figure_builder: Callable[..., Any] | None = None
+
+
+def register_figure_builder(builder: Callable[..., Any]) -> None:
+    """Set what :meth:`Circuit.figure` calls, ``builder(circuit, **kwargs)`` (done by
+    :mod:`tl_attnonly.vis.circuit` on import)."""
+    global _figure_builder
+    _figure_builder = builder
+
+
+def faithfulness(metric_circuit: float, metric_clean: float, metric_corrupted: float) -> float:
+    """``(circuit - corrupted) / (clean - corrupted)``: 1 for the full graph, 0 for the empty."""
+    denom = metric_clean - metric_corrupted
+    if denom == 0:
+        raise ZeroDivisionError(
+            "The metric is the same on the clean and corrupted inputs; faithfulness is undefined. "
+            "Choose inputs (or a metric) that tell them apart."
+        )
+    return (metric_circuit - metric_corrupted) / denom
+
+
+@dataclass
+class Circuit:
+    """A circuit found by :func:`discover_circuit`.
+
+    Attributes:
+        scores: Every edge's score (:class:`EdgeScores`).
+        mask: The edges kept.
+        metric_clean, metric_corrupted, metric_circuit: The metric of the clean run, the
+            corrupted run and the circuit run (exact).
+        faithfulness: ``(circuit - corrupted) / (clean - corrupted)``.
+        gate_value: Per neuron of the circuit, the exact gate/value split of its incoming circuit
+            edges (:func:`circuit_gate_value_split`), or None.
+        extra: What the search adds (see :func:`~tl_attnonly.analysis.discover_circuit`).
+        ceiling: Faithfulness of the graph's every edge (the most any circuit of it can reach).
+        curve: The sweep's exact runs: ``top_n, edges, metric, faithfulness`` per size.
+        node_patching: Faithfulness of plain node patching of the circuit's nodes (their clean
+            outputs in the corrupted run, every other node recomputed), a baseline.
+        warnings: What makes the reading doubtful (low ceiling, a curve that falls as edges are
+            added, a gate/value row with no edge of that kind); also issued as warnings.
+        mlp_split: Per MLP node with named neurons, the exact effect (faithfulness units) of
+            removing the named neurons' outgoing edges, the remainder's, and the layer's.
+    """
+
+    scores: EdgeScores
+    mask: Mask
+    metric_clean: float
+    metric_corrupted: float
+    metric_circuit: float
+    faithfulness: float
+    gate_value: pd.DataFrame | None = None
+    extra: dict = field(default_factory=dict)
+    ceiling: float | None = None
+    curve: pd.DataFrame | None = None
+    node_patching: float | None = None
+    warnings: list[str] = field(default_factory=list)
+    mlp_split: pd.DataFrame | None = None
+
+    @property
+    def graph(self) -> HeadGraph:
+        return self.scores.graph
+
+    def edges(self) -> pd.DataFrame:
+        """The circuit's edges, sorted by |score|."""
+        return self.scores.frame(self.mask)
+
+    def nodes(self) -> list[str]:
+        """Labels of the nodes with an edge in the circuit (sources and readers)."""
+        frame = self.edges()
+        return sorted(set(frame.source) | set(frame.target))
+
+    def figure(self, **kwargs: Any) -> Any:
+        """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`; same keywords)."""
+        if _figure_builder is None:
+            raise RuntimeError(
+                "Circuit.figure() draws with tl_attnonly.vis, which is not imported yet: run "
+                "`import tl_attnonly.vis` (it registers circuit_figure) and call figure() again, "
+                "or call tl_attnonly.vis.circuit_figure(circuit) directly."
+            )
+        return _figure_builder(self, **kwargs)
+
+    def report(self) -> str:
+        """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
+        named neurons), node-patching baseline, the sweep's curve, the MLP split, the gate/value
+        table, the attention heads, the warnings."""
+
+        def table(frame: pd.DataFrame, digits: int = 3) -> str:
+            return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
+
+        coarse = self.extra.get("coarse")
+        lines = [
+            repr(self),
+            f"metric: clean {self.metric_clean:.4g}, corrupted {self.metric_corrupted:.4g}",
+        ]
+        if self.ceiling is not None:
+            n_all = (coarse if coarse is not None else self).graph.n_edges()
+            lines.append(f"ceiling (all {n_all:,} edges of its graph): {self.ceiling:.3f}")
+        if coarse is not None and coarse is not self:
+            lines.append(
+                f"coarse circuit: {mask_size(coarse.mask):,} edges, faithfulness "
+                f"{coarse.faithfulness:.3f}; with named neurons: {mask_size(self.mask):,} edges, "
+                f"faithfulness {self.faithfulness:.3f}"
+            )
+        if "faithfulness_named_only" in self.extra:
+            lines.append(
+                "named neurons only (every remainder's outgoing edges removed): faithfulness "
+                f"{self.extra['faithfulness_named_only']:.3f}"
+            )
+        if self.node_patching is not None:
+            lines.append(
+                f"node patching of the circuit's sources (baseline): {self.node_patching:.3f}"
+            )
+        if self.curve is not None:
+            lines += ["faithfulness vs size (exact runs):", table(self.curve)]
+        if self.mlp_split is not None:
+            lines += [
+                "MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)",
+                table(self.mlp_split),
+            ]
+        if self.gate_value is not None:
+            lines += [
+                "gate/value split (metric units; NaN: no edge of that kind kept)",
+                table(self.gate_value, 4),
+            ]
+        heads = sorted(
+            {n for n in self.nodes() if "H" in n},
+            key=lambda h: tuple(int(x) for x in h[1:].split("H")),
+        )
+        lines.append(f"attention heads ({len(heads)}): " + ", ".join(heads))
+        if "seconds" in self.extra:
+            lines.append(
+                "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.extra["seconds"].items())
+            )
+        lines.append("warnings: " + ("; ".join(self.warnings) if self.warnings else "none"))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Circuit({mask_size(self.mask)} edges, {len(self.nodes())} nodes, faithfulness="
+            f"{self.faithfulness:.4g}, metric clean={self.metric_clean:.4g} corrupted="
+            f"{self.metric_corrupted:.4g} circuit={self.metric_circuit:.4g}"
+            + (f", ceiling={self.ceiling:.4g}" if self.ceiling is not None else "")
+            + ("" if self.node_patching is None else f", node patching={self.node_patching:.4g}")
+            + (f", {len(self.warnings)} warning(s)" if self.warnings else "")
+            + ")"
+        )
+
+
+__all__ = ["Circuit", "faithfulness", "register_figure_builder"]

@@ -1,0 +1,116 @@
+"""Pruning edge scores to a circuit: the top edges by score, then no dangling edges.
+
+A mask is ``(source group, input group) -> bool [n_sources, n_inputs]`` over
+:class:`~tl_attnonly.analysis.discovery.HeadGraph`; the scores come from
+:func:`~tl_attnonly.analysis.discovery.edge_attribution_scores`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, HeadGraph, InputGroup
+from tl_attnonly.analysis.discovery.sites import Mask
+from tl_attnonly.hooks import attn_head_label
+
+if TYPE_CHECKING:
+    from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
+
+def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
+    """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on it)."""
+    if dst.kind == LOGITS:
+        return []
+    if dst.kind == "attn" and dst.input in "kv" and graph.gqa:
+        group = graph.n_heads // graph.n_kv
+        j = dst.index[v]
+        return [attn_head_label(dst.layer, h) for h in range(j * group, (j + 1) * group)]
+    return [dst.labels[v]]
+
+
+def prune(
+    edge_scores: EdgeScores,
+    *,
+    top_n: int | None = None,
+    threshold: float | None = None,
+    absolute: bool = True,
+    drop_dangling: bool = True,
+) -> Mask:
+    """Keep the ``top_n`` edges by score (or all above ``threshold``), then drop dangling edges.
+
+    Args:
+        edge_scores: From :func:`edge_attribution_scores`.
+        top_n: Number of edges to keep (ties broken by order).
+        threshold: Keep edges whose score (or |score|) is at least this.
+        absolute: Rank by |score| (default) or by signed score.
+        drop_dangling: Remove edges out of nodes with no incoming edge (their change is 0 in the
+            circuit run) and into nodes whose output reaches nothing; the circuit metric is
+            unchanged, exactly.
+
+    Returns:
+        A mask: ``(source group, input group) -> bool [n_sources, n_inputs]``.
+    """
+    if (top_n is None) == (threshold is None):
+        raise ValueError("Give exactly one of top_n=... or threshold=....")
+    graph, scores = edge_scores.graph, edge_scores.scores
+    keys = list(scores)
+    flat = torch.cat([(scores[k].abs() if absolute else scores[k]).flatten() for k in keys])
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    if top_n is not None:
+        if top_n > 0:
+            keep[flat.topk(min(top_n, flat.numel())).indices] = True
+    elif threshold is not None:
+        keep = flat >= threshold
+    mask, start = {}, 0
+    for k in keys:
+        n = scores[k].numel()
+        mask[k] = keep[start : start + n].view_as(scores[k]).clone()
+        start += n
+    return drop_dangling_edges(graph, mask) if drop_dangling else mask
+
+
+def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
+    """Remove edges that cannot change the circuit metric (see :func:`prune`)."""
+    mask = {k: m.clone() for k, m in mask.items()}
+    while True:
+        has_in: set[str] = set()
+        has_out: set[str] = set()
+        for src, dst in graph.blocks():
+            m = mask[(src.key, dst.key)]
+            if not m.any():
+                continue
+            for u in m.any(1).nonzero().flatten().tolist():
+                has_out.add(src.labels[u])
+            for v in m.any(0).nonzero().flatten().tolist():
+                has_in.update(_node_of_input(graph, dst, v))
+        changed = False
+        for src, dst in graph.blocks():
+            m = mask[(src.key, dst.key)]
+            if not m.any():
+                continue
+            dead_u = torch.tensor(
+                [src.kind != EMBED and lab not in has_in for lab in src.labels], device=m.device
+            )
+            dead_v = torch.tensor(
+                [
+                    dst.kind != LOGITS
+                    and not any(n in has_out for n in _node_of_input(graph, dst, v))
+                    for v in range(len(dst.labels))
+                ],
+                device=m.device,
+            )
+            new = m & ~dead_u[:, None] & ~dead_v[None, :]
+            if not torch.equal(new, m):
+                mask[(src.key, dst.key)] = new
+                changed = True
+        if not changed:
+            return mask
+
+
+def mask_size(mask: Mask) -> int:
+    """Number of edges in a mask."""
+    return int(sum(int(m.sum()) for m in mask.values()))
+
+
+__all__ = ["drop_dangling_edges", "mask_size", "prune"]
