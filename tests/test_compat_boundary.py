@@ -49,12 +49,9 @@ TORCH_PRIVATE = {
 }
 
 #: (file relative to the package, what) still allowed; each a TODO with its reason.
-# TODO(derived_cache): derived_cache.py is edited in parallel; its
-# ``from transformer_lens.utilities.slice import Slice`` becomes ``transformer_lens.utilities``.
 # TODO(discovery): analysis/discovery/sites.py reads ``mlp._coefs``; use the public
 # ``mlp.coefficient_tensors(like)`` when its rework lands.
 ALLOWED = {
-    ("derived_cache.py", "transformer_lens.utilities.slice"): "edited in parallel",
     ("analysis/discovery/sites.py", "mlp._coefs"): "discovery/ reworked in parallel",
 }
 

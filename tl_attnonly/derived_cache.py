@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 from transformer_lens import ActivationCache
-from transformer_lens.utilities.slice import Slice
+from transformer_lens.utilities import Slice
 
 from tl_attnonly.hooks import hook_kind, neuron_act_name
 

@@ -126,7 +126,7 @@ class NeuronHeadModelMixin(_MixedInto):
             # same tensors, not copies, so building the model holds each weight once. (Only a
             # tensor TL builds in another dtype than cfg.dtype, MoE's float32 layers, is cast.)
             dtypes = {name: p.dtype for name, p in neuron_heads.named_parameters()}
-            _share_tensors(neuron_heads, mlp, fix=_INSTALL_FIX)
+            share_tensors(neuron_heads, mlp, fix=_INSTALL_FIX)
             for name, param in list(neuron_heads.named_parameters()):
                 if param.dtype != dtypes[name]:
                     cast_param = torch.nn.Parameter(
@@ -153,7 +153,7 @@ class NeuronHeadModelMixin(_MixedInto):
         with torch.device("meta"):
             converted = cls(cfg, model.tokenizer, move_to_device=False, conversion=options)
         converted.cfg.init_weights = init_weights
-        _share_tensors(
+        share_tensors(
             converted, model, _SHARE_FIX if share_weights else _INSTALL_FIX, clone=not share_weights
         )
         converted.train(model.training)
@@ -447,7 +447,7 @@ def _check_saved_coefficients(
 
 
 _SHARE_FIX = "Convert without share_weights=True (copies the weights)."
-_UNCONVERT_FIX = (
+UNCONVERT_FIX = (
     "The converted model's tensors no longer match TransformerLens's original class; please "
     "report this with the model's config."
 )
@@ -457,7 +457,7 @@ _INSTALL_FIX = (
 )
 
 
-def _share_tensors(
+def share_tensors(
     converted: torch.nn.Module, model: torch.nn.Module, fix: str = _SHARE_FIX, clone: bool = False
 ) -> None:
     """Make every parameter and buffer of ``converted`` the same tensor as ``model``'s (or, with
