@@ -82,6 +82,7 @@ from tl_attnonly.analysis.discovery import (
 from tl_attnonly.analysis.ioi import (
     IOIDataset,
     IOIHeadScores,
+    IOIWords,
     ioi_head_scores,
     make_ioi_dataset,
 )
@@ -197,6 +198,7 @@ __all__ = [
     # ioi
     "ioi_head_scores",
     "IOIDataset",
+    "IOIWords",
     "IOIHeadScores",
     "make_ioi_dataset",
     # summaries

@@ -49,6 +49,7 @@ from tl_attnonly.analysis.ioi.prompts import (
     IOI_PLACES,
     IOI_TEMPLATES,
     IOIDataset,
+    IOIWords,
     make_ioi_dataset,
 )
 from tl_attnonly.analysis.ioi.roles import ATTENTION_SCORES, ROLES, IOIHeadScores, ioi_head_scores
@@ -62,6 +63,7 @@ __all__ = [
     "IOI_TEMPLATES",
     "ROLES",
     "IOIDataset",
+    "IOIWords",
     "IOIHeadScores",
     "ioi_head_scores",
     "make_ioi_dataset",
