@@ -7,8 +7,10 @@ query row puts ``sigmoid(q)`` on itself (the diagonal) and the rest on ``"<bias>
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -286,19 +288,51 @@ class NeuronHeadView(RenderedHTML):
         return f"<NeuronHeadView {self.caption}>"
 
 
+@dataclass(frozen=True)
+class HeadSelection:
+    """Which neuron-heads :func:`neuron_head_attention_view` shows.
+
+    Attributes:
+        heads: Neuron-head indices to show (``h = neuron * K + k``).
+        neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
+        top_k: Keep only the ``top_k`` first neurons (``level="head"``: heads) of the ranking.
+        rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
+        level: ``"neuron"`` (default) ranks neurons, ``"head"`` ranks heads
+            (:func:`rank_neuron_heads`).
+    """
+
+    heads: HeadsLike = None
+    neurons: HeadsLike = None
+    top_k: int | None = None
+    rank_by: str = "z"
+    level: Literal["neuron", "head"] = "neuron"
+
+    def with_overrides(self, **changes: Any) -> HeadSelection:
+        """A copy with the given fields replaced.
+
+        Raises:
+            TypeError: For a name that is not a field, listing the fields.
+        """
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"neuron_head_attention_view() got unexpected keyword argument(s) {unknown}; "
+                f"the selection's fields are {fields} (tl_attnonly.vis.HeadSelection)."
+            )
+        return dataclasses.replace(self, **changes)
+
+
 def neuron_head_attention_view(
     source: NeuronHeadModelMixin | ActivationCache,
     layer: int,
     tokens: TokensLike | None = None,
     *,
-    heads: HeadsLike = None,
-    neurons: HeadsLike = None,
-    top_k: int | None = None,
-    rank_by: str = "z",
     page: int = 0,
     page_size: int = DEFAULT_PAGE_SIZE,
     batch_index: int = 0,
-    level: Literal["neuron", "head"] = "neuron",
+    selection: HeadSelection | None = None,
+    **overrides: Any,
 ) -> NeuronHeadView:
     """circuitsvis attention view of a layer's neuron-heads, the bias token drawn as ``"<bias>"``.
 
@@ -315,15 +349,13 @@ def neuron_head_attention_view(
         layer: Layer index.
         tokens: The prompt: text, token ids ``[pos]``/``[batch, pos]``, or (with a cache) its
             string tokens. Needed to label the tokens.
-        heads: Neuron-head indices to show (``h = neuron * K + k``).
-        neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
-        top_k: Keep only the ``top_k`` first neurons (``level="head"``: heads) of the ranking.
-        rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
         page: Which page of the selection (0-based).
         page_size: Heads per page (at most :data:`MAX_HEADS_PER_VIEW`).
         batch_index: Which prompt of a batch.
-        level: ``"neuron"`` (default) ranks neurons, ``"head"`` ranks heads
-            (:func:`rank_neuron_heads`).
+        selection: Which heads (:class:`HeadSelection`: ``heads``, ``neurons``, ``top_k``,
+            ``rank_by``, ``level``).
+        **overrides: Any of those fields by keyword (``top_k=64``); it replaces the one in
+            ``selection``.
 
     Returns:
         A :class:`NeuronHeadView`; ``view.heads`` and ``view.n_pages`` say what it holds.
@@ -332,6 +364,14 @@ def neuron_head_attention_view(
         >>> view = neuron_head_attention_view(converted, 0, "x = 1", top_k=64, page_size=16)
         >>> view.n_pages  # 4; pass page=1, 2, 3 for the rest
     """
+    if selection is not None and not isinstance(selection, HeadSelection):
+        raise TypeError(
+            "neuron_head_attention_view(..., selection=...) takes a tl_attnonly.vis."
+            f"HeadSelection, got {type(selection).__name__}."
+        )
+    chosen = (selection or HeadSelection()).with_overrides(**overrides)
+    heads, neurons, top_k = chosen.heads, chosen.neurons, chosen.top_k
+    rank_by, level = chosen.rank_by, chosen.level
     if page_size < 1 or page_size > MAX_HEADS_PER_VIEW:
         raise ValueError(
             f"page_size must be in [1, {MAX_HEADS_PER_VIEW}] (circuitsvis draws one chart per "
@@ -342,11 +382,11 @@ def neuron_head_attention_view(
     n_heads = model.n_neuron_heads
     k_per_neuron = model.n_heads_per_neuron
     heads = heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
-    selection = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
-    n_pages = max(1, math.ceil(len(selection) / page_size))
+    ranked = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
+    n_pages = max(1, math.ceil(len(ranked) / page_size))
     if not 0 <= page < n_pages:
-        raise IndexError(f"page must be in [0, {n_pages}) for {len(selection)} heads, got {page}.")
-    shown = selection[page * page_size : (page + 1) * page_size]
+        raise IndexError(f"page must be in [0, {n_pages}) for {len(ranked)} heads, got {page}.")
+    shown = ranked[page * page_size : (page + 1) * page_size]
     pattern = _cached(cache, "pattern", layer)[batch_index, shown]
     if len(str_tokens) != pattern.shape[1]:
         raise ValueError(
@@ -359,7 +399,7 @@ def neuron_head_attention_view(
     how = "chosen" if heads is not None else f"{what} ranked by {_RANK_DESCRIPTIONS[rank_by]}"
     caption = (
         f"Layer {layer}: neuron-heads {page * page_size + 1}-{page * page_size + len(shown)} of "
-        f"{len(selection)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "
+        f"{len(ranked)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "
         f"Column 0 is the bias token {BIAS_TOKEN}; the diagonal is each token's weight on itself."
     )
     props = {
@@ -377,7 +417,7 @@ def neuron_head_attention_view(
         str_tokens=[BIAS_TOKEN, *str_tokens],
         page=page,
         n_pages=n_pages,
-        n_selected=len(selection),
+        n_selected=len(ranked),
         props=props,
         caption=caption,
     )
@@ -392,6 +432,7 @@ def _div_id() -> str:
 __all__ = [
     "BIAS_TOKEN",
     "DEFAULT_PAGE_SIZE",
+    "HeadSelection",
     "MAX_HEADS_PER_VIEW",
     "RANK_BY",
     "NeuronHeadView",
