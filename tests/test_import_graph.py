@@ -29,15 +29,7 @@ ROOT = Path(tl_attnonly.__file__).parent
 ALLOWED_CYCLES: dict[tuple[str, ...], str] = {}
 
 #: (importing module, imported module, private name) still allowed, each with the reason.
-# TODO(neuron_head_model): its save/load part is being edited in parallel; rename these two to
-# public names (share_tensors, UNCONVERT_FIX) once that lands, so a new call is not broken.
-_PARALLEL = "neuron_head_model.py is edited in parallel; rename after that merge"
-ALLOWED_PRIVATE: dict[tuple[str, str, str], str] = {
-    ("tl_attnonly.model", "tl_attnonly.neuron_head_model", "_share_tensors"): _PARALLEL,
-    ("tl_attnonly.model", "tl_attnonly.neuron_head_model", "_UNCONVERT_FIX"): _PARALLEL,
-    ("tl_attnonly.encoder", "tl_attnonly.neuron_head_model", "_share_tensors"): _PARALLEL,
-    ("tl_attnonly.encoder", "tl_attnonly.neuron_head_model", "_UNCONVERT_FIX"): _PARALLEL,
-}
+ALLOWED_PRIVATE: dict[tuple[str, str, str], str] = {}
 
 #: Subpackages owned by another change in flight: cycles and private names wholly inside them are
 #: reported but allowed until that change lands.

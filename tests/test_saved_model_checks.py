@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tl_attnonly import AttnOnlyTransformer, convert
 from tl_attnonly.activations import FIT_RANGE, head_coefficients
 from tl_attnonly.conversion_record import SavedModelError
-from tl_attnonly.neuron_head_model import _pending_coefficients
+from tl_attnonly.saving import pending_coefficients as _pending_coefficients
 
 
 @pytest.fixture

@@ -310,7 +310,7 @@ def check_coefficients(
                 f"coefficients (max |error| {measured:.3g}, as recorded). Convert the original "
                 "model again to use this version's fit.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         return
     if saved != package:
@@ -335,7 +335,7 @@ def warn_unversioned(path: Path) -> None:
         "checksums, so edits to the weights cannot be detected. Save the model again with "
         "model.save_pretrained(directory) to add them.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

@@ -28,13 +28,15 @@ go over every value (``items``, ``values``, ``to`` is not one of them) derive wh
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from transformer_lens import ActivationCache
-from transformer_lens.utilities.slice import Slice
+from transformer_lens.utilities import Slice
 
 from tl_attnonly.hooks import hook_kind, neuron_act_name
 
@@ -249,19 +251,37 @@ class NeuronHeadActivationCache(ActivationCache):
         return sum(seen.values())
 
 
+@dataclass(frozen=True)
+class CacheRunOptions:
+    """TransformerLens's ``run_with_cache`` keywords (as for ``HookedRootModule.run_with_cache``;
+    the defaults are its own), apart from the forward pass's.
+
+    :func:`run_with_derived_cache` takes them as ``options=CacheRunOptions(...)`` or, as
+    ``run_with_cache`` does, each by keyword (which replaces the one in ``options``).
+    """
+
+    names_filter: Any = None
+    device: Any = None
+    remove_batch_dim: bool = False
+    incl_bwd: bool = False
+    pos_slice: Any = None
+    reset_hooks_end: bool = True
+    clear_contexts: bool = False
+    return_cache_object: bool = True
+
+    def with_overrides(self, kwargs: dict[str, Any]) -> CacheRunOptions:
+        """A copy with the cache keywords in ``kwargs`` replaced; they are removed from
+        ``kwargs``, which keeps the forward pass's keywords."""
+        names = [f.name for f in dataclasses.fields(self)]
+        return dataclasses.replace(self, **{n: kwargs.pop(n) for n in names if n in kwargs})
+
+
 def run_with_derived_cache(
     model: Any,
     run: Callable[..., tuple[Any, Any]],
     model_args: tuple[Any, ...],
     *,
-    names_filter: Any = None,
-    device: Any = None,
-    remove_batch_dim: bool = False,
-    incl_bwd: bool = False,
-    pos_slice: Any = None,
-    reset_hooks_end: bool = True,
-    clear_contexts: bool = False,
-    return_cache_object: bool = True,
+    options: CacheRunOptions | None = None,
     derive: bool = True,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
@@ -271,18 +291,24 @@ def run_with_derived_cache(
         model: The converted model.
         run: TransformerLens's ``run_with_cache`` of the model's base class, bound.
         model_args: Positional arguments of the forward pass.
-        names_filter, device, remove_batch_dim, incl_bwd: As for TransformerLens's
-            ``run_with_cache``.
-        pos_slice, reset_hooks_end, clear_contexts, return_cache_object: As for
-            TransformerLens's ``run_with_cache``.
+        options: ``run_with_cache``'s own keywords (:class:`CacheRunOptions`).
         derive: ``False`` stores every entry (the slower head path runs wherever a neuron-head
             hook is cached).
-        **kwargs: Passed to the forward pass.
+        **kwargs: ``run_with_cache``'s keywords (``names_filter``, ``device``,
+            ``remove_batch_dim``, ``incl_bwd``, ``pos_slice``, ``reset_hooks_end``,
+            ``clear_contexts``, ``return_cache_object``; each replaces the one in ``options``),
+            the rest passed to the forward pass.
     """
+    kwargs = dict(kwargs)
+    resolved = (options or CacheRunOptions()).with_overrides(kwargs)
+    names_filter, device = resolved.names_filter, resolved.device
+    remove_batch_dim, incl_bwd = resolved.remove_batch_dim, resolved.incl_bwd
+    pos_slice, reset_hooks_end = resolved.pos_slice, resolved.reset_hooks_end
+    clear_contexts, return_cache_object = resolved.clear_contexts, resolved.return_cache_object
     from tl_attnonly._compat import has_hooks
     from tl_attnonly.components.neuron_head_base import DERIVABLE_HOOKS, NeuronHeadBase
 
-    options = dict(
+    run_options = dict(
         device=device,
         remove_batch_dim=remove_batch_dim,
         incl_bwd=incl_bwd,
@@ -290,13 +316,17 @@ def run_with_derived_cache(
         clear_contexts=clear_contexts,
     )
     if pos_slice is not None:
-        options["pos_slice"] = pos_slice
+        run_options["pos_slice"] = pos_slice
     if not return_cache_object or not derive or incl_bwd or not reset_hooks_end:
         # Everything stored, by TransformerLens's own run_with_cache. (With reset_hooks_end=False
         # its caching hooks stay attached and later runs overwrite the cache: a derived entry
         # would come from a later run than the stored entry beside it.)
         out, cache = run(
-            *model_args, names_filter=names_filter, return_cache_object=False, **options, **kwargs
+            *model_args,
+            names_filter=names_filter,
+            return_cache_object=False,
+            **run_options,
+            **kwargs,
         )
         if not return_cache_object:
             return out, cache
@@ -424,6 +454,7 @@ def as_names_filter(names_filter: Any) -> Callable[[str], bool]:
 __all__ = [
     "NEURON_TUPLE_KINDS",
     "CacheBatchDimError",
+    "CacheRunOptions",
     "DerivingDict",
     "NeuronHeadActivationCache",
     "Transform",

@@ -26,11 +26,11 @@ from transformer_lens import HookedEncoder, HookedTransformerConfig
 
 from tl_attnonly.hub import hub_access
 from tl_attnonly.neuron_head_model import (
-    _UNCONVERT_FIX,
+    UNCONVERT_FIX,
     NeuronHeadModelMixin,
-    _share_tensors,
     pending_options,
     resolve_options,
+    share_tensors,
 )
 from tl_attnonly.options import ConversionOptions, check_convertible
 
@@ -130,7 +130,7 @@ class AttnOnlyEncoder(NeuronHeadModelMixin, HookedEncoder):
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore", DeprecationWarning)
             model = HookedEncoder(copy.deepcopy(self.cfg), self.tokenizer, move_to_device=False)
-        _share_tensors(model, self, fix=_UNCONVERT_FIX, clone=True)
+        share_tensors(model, self, fix=UNCONVERT_FIX, clone=True)
         return model.train(self.training)
 
 

@@ -18,11 +18,11 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from tl_attnonly.hub import hub_access
 from tl_attnonly.neuron_head_model import (
-    _UNCONVERT_FIX,
+    UNCONVERT_FIX,
     NeuronHeadModelMixin,
-    _share_tensors,
     pending_options,
     resolve_options,
+    share_tensors,
 )
 from tl_attnonly.options import ConversionOptions
 
@@ -123,7 +123,7 @@ class AttnOnlyTransformer(NeuronHeadModelMixin, HookedTransformer):
         with torch.device("meta"):  # no memory: copies of this model's tensors are put in place
             model = HookedTransformer(cfg, self.tokenizer, move_to_device=False)
         model.cfg.init_weights = init_weights
-        _share_tensors(model, self, fix=_UNCONVERT_FIX, clone=True)  # on their devices
+        share_tensors(model, self, fix=UNCONVERT_FIX, clone=True)  # on their devices
         return model.train(self.training)
 
 

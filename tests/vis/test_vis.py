@@ -140,6 +140,45 @@ def test_view_from_model_equals_view_from_cache(silu, cache, tokens):
     assert _props(from_model)["attention"] == _props(from_cache)["attention"]
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=5, rank_by="contrast"),
+        dict(neurons=[2, 0], level="neuron"),
+        dict(heads=[4, 1, 6]),
+        dict(top_k=7, rank_by="self", level="head"),
+    ],
+    ids=range(4),
+)
+def test_selection_and_keywords_give_identical_views(cache, tokens, kw):
+    from tl_attnonly.vis import HeadSelection
+
+    str_tokens = _str_tokens(tokens)
+    by_keyword = neuron_head_attention_view(cache, 0, str_tokens, page_size=4, **kw)
+    by_selection = neuron_head_attention_view(
+        cache, 0, str_tokens, page_size=4, selection=HeadSelection(**kw)
+    )
+    # A keyword replaces the field of the same name.
+    first = next(iter(kw))
+    wrong = {"top_k": 1, "neurons": [5], "heads": [0]}[first]
+    mixed = neuron_head_attention_view(
+        cache,
+        0,
+        str_tokens,
+        page_size=4,
+        selection=HeadSelection(**{**kw, first: wrong}),
+        **{first: kw[first]},
+    )
+    for view in (by_selection, mixed):
+        assert view.heads == by_keyword.heads and view.caption == by_keyword.caption
+        assert _props(view) == _props(by_keyword)
+    # The selection matters (the test can fail): the default view shows other heads.
+    default = neuron_head_attention_view(cache, 0, str_tokens, page_size=4)
+    assert (default.heads, default.caption) != (by_keyword.heads, by_keyword.caption)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'topk'"):
+        neuron_head_attention_view(cache, 0, str_tokens, topk=3)
+
+
 def test_pages_cover_every_head_once_in_rank_order(silu, cache, tokens):
     _, converted = silu
     n = converted.n_neuron_heads

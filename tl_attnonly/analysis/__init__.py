@@ -30,6 +30,7 @@ if not HAS_HOOKED_TRANSFORMER:  # TransformerLens 4.x: refuse at import, before 
     raise ImportError(f"{__name__} {NO_HOOKED_TRANSFORMER}")
 
 from tl_attnonly.analysis.cache import (
+    StackOptions,
     decompose_resid_heads,
     get_attn_head_results,
     get_neuron_head_results,
@@ -82,6 +83,7 @@ from tl_attnonly.analysis.discovery import (
 from tl_attnonly.analysis.ioi import (
     IOIDataset,
     IOIHeadScores,
+    IOIWords,
     ioi_head_scores,
     make_ioi_dataset,
 )
@@ -142,6 +144,7 @@ __all__ = [
     "parse_receiver",
     "patch_units",
     "PatchingOptions",
+    "StackOptions",
     "PatchUnit",
     "path_patch",
     "path_patch_caches",
@@ -197,6 +200,7 @@ __all__ = [
     # ioi
     "ioi_head_scores",
     "IOIDataset",
+    "IOIWords",
     "IOIHeadScores",
     "make_ioi_dataset",
     # summaries

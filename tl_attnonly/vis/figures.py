@@ -18,12 +18,8 @@ from transformer_lens import ActivationCache
 
 from tl_attnonly.activations import TL_ACTIVATIONS, NeuronHeadCoefficients
 from tl_attnonly.hooks import neuron_head_label
-from tl_attnonly.vis.patterns import (
-    HeadsLike,
-    converted_model_of,
-    rank_neuron_heads,
-    weights_and_z,
-)
+from tl_attnonly.vis.patterns import HeadsLike, rank_neuron_heads
+from tl_attnonly.vis.sources import converted_model_of, weights_and_z
 
 #: Colours: weight on the bias token -> weight on self.
 _SELF_COLORSCALE = [[0.0, "#f7f7f7"], [1.0, "#b2182b"]]

@@ -7,10 +7,11 @@ query row puts ``sigmoid(q)`` on itself (the diagonal) and the rest on ``"<bias>
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
-from collections.abc import Sequence
-from typing import Any, Literal, cast
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -18,11 +19,18 @@ from circuitsvis.utils.render import RenderedHTML, render_cdn
 from jaxtyping import Float
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import HeadsLike, require_neuron_heads
+from tl_attnonly._types import HeadsLike
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
-from tl_attnonly.hooks import neuron_act_name, neuron_head_label
+from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
+from tl_attnonly.vis.sources import (
+    TokensLike,
+    cache_and_tokens,
+    converted_model_of,
+    heads_from_neurons,
+)
+from tl_attnonly.vis.sources import cached as _cached
 
 #: How the bias token is drawn in every view.
 BIAS_TOKEN = "<bias>"
@@ -45,7 +53,6 @@ _RANK_DESCRIPTIONS = {
 }
 
 
-TokensLike = str | torch.Tensor | Sequence[str]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,19 +288,51 @@ class NeuronHeadView(RenderedHTML):
         return f"<NeuronHeadView {self.caption}>"
 
 
+@dataclass(frozen=True)
+class HeadSelection:
+    """Which neuron-heads :func:`neuron_head_attention_view` shows.
+
+    Attributes:
+        heads: Neuron-head indices to show (``h = neuron * K + k``).
+        neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
+        top_k: Keep only the ``top_k`` first neurons (``level="head"``: heads) of the ranking.
+        rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
+        level: ``"neuron"`` (default) ranks neurons, ``"head"`` ranks heads
+            (:func:`rank_neuron_heads`).
+    """
+
+    heads: HeadsLike = None
+    neurons: HeadsLike = None
+    top_k: int | None = None
+    rank_by: str = "z"
+    level: Literal["neuron", "head"] = "neuron"
+
+    def with_overrides(self, **changes: Any) -> HeadSelection:
+        """A copy with the given fields replaced.
+
+        Raises:
+            TypeError: For a name that is not a field, listing the fields.
+        """
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"neuron_head_attention_view() got unexpected keyword argument(s) {unknown}; "
+                f"the selection's fields are {fields} (tl_attnonly.vis.HeadSelection)."
+            )
+        return dataclasses.replace(self, **changes)
+
+
 def neuron_head_attention_view(
     source: NeuronHeadModelMixin | ActivationCache,
     layer: int,
     tokens: TokensLike | None = None,
     *,
-    heads: HeadsLike = None,
-    neurons: HeadsLike = None,
-    top_k: int | None = None,
-    rank_by: str = "z",
     page: int = 0,
     page_size: int = DEFAULT_PAGE_SIZE,
     batch_index: int = 0,
-    level: Literal["neuron", "head"] = "neuron",
+    selection: HeadSelection | None = None,
+    **overrides: Any,
 ) -> NeuronHeadView:
     """circuitsvis attention view of a layer's neuron-heads, the bias token drawn as ``"<bias>"``.
 
@@ -310,15 +349,13 @@ def neuron_head_attention_view(
         layer: Layer index.
         tokens: The prompt: text, token ids ``[pos]``/``[batch, pos]``, or (with a cache) its
             string tokens. Needed to label the tokens.
-        heads: Neuron-head indices to show (``h = neuron * K + k``).
-        neurons: Neuron indices to show (all ``K`` heads of each); exclusive with ``heads``.
-        top_k: Keep only the ``top_k`` first neurons (``level="head"``: heads) of the ranking.
-        rank_by: Ranking when no heads are given; see :func:`neuron_head_scores`.
         page: Which page of the selection (0-based).
         page_size: Heads per page (at most :data:`MAX_HEADS_PER_VIEW`).
         batch_index: Which prompt of a batch.
-        level: ``"neuron"`` (default) ranks neurons, ``"head"`` ranks heads
-            (:func:`rank_neuron_heads`).
+        selection: Which heads (:class:`HeadSelection`: ``heads``, ``neurons``, ``top_k``,
+            ``rank_by``, ``level``).
+        **overrides: Any of those fields by keyword (``top_k=64``); it replaces the one in
+            ``selection``.
 
     Returns:
         A :class:`NeuronHeadView`; ``view.heads`` and ``view.n_pages`` say what it holds.
@@ -327,6 +364,14 @@ def neuron_head_attention_view(
         >>> view = neuron_head_attention_view(converted, 0, "x = 1", top_k=64, page_size=16)
         >>> view.n_pages  # 4; pass page=1, 2, 3 for the rest
     """
+    if selection is not None and not isinstance(selection, HeadSelection):
+        raise TypeError(
+            "neuron_head_attention_view(..., selection=...) takes a tl_attnonly.vis."
+            f"HeadSelection, got {type(selection).__name__}."
+        )
+    chosen = (selection or HeadSelection()).with_overrides(**overrides)
+    heads, neurons, top_k = chosen.heads, chosen.neurons, chosen.top_k
+    rank_by, level = chosen.rank_by, chosen.level
     if page_size < 1 or page_size > MAX_HEADS_PER_VIEW:
         raise ValueError(
             f"page_size must be in [1, {MAX_HEADS_PER_VIEW}] (circuitsvis draws one chart per "
@@ -337,11 +382,11 @@ def neuron_head_attention_view(
     n_heads = model.n_neuron_heads
     k_per_neuron = model.n_heads_per_neuron
     heads = heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
-    selection = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
-    n_pages = max(1, math.ceil(len(selection) / page_size))
+    ranked = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
+    n_pages = max(1, math.ceil(len(ranked) / page_size))
     if not 0 <= page < n_pages:
-        raise IndexError(f"page must be in [0, {n_pages}) for {len(selection)} heads, got {page}.")
-    shown = selection[page * page_size : (page + 1) * page_size]
+        raise IndexError(f"page must be in [0, {n_pages}) for {len(ranked)} heads, got {page}.")
+    shown = ranked[page * page_size : (page + 1) * page_size]
     pattern = _cached(cache, "pattern", layer)[batch_index, shown]
     if len(str_tokens) != pattern.shape[1]:
         raise ValueError(
@@ -354,7 +399,7 @@ def neuron_head_attention_view(
     how = "chosen" if heads is not None else f"{what} ranked by {_RANK_DESCRIPTIONS[rank_by]}"
     caption = (
         f"Layer {layer}: neuron-heads {page * page_size + 1}-{page * page_size + len(shown)} of "
-        f"{len(selection)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "
+        f"{len(ranked)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "
         f"Column 0 is the bias token {BIAS_TOKEN}; the diagonal is each token's weight on itself."
     )
     props = {
@@ -372,138 +417,10 @@ def neuron_head_attention_view(
         str_tokens=[BIAS_TOKEN, *str_tokens],
         page=page,
         n_pages=n_pages,
-        n_selected=len(selection),
+        n_selected=len(ranked),
         props=props,
         caption=caption,
     )
-
-
-def converted_model_of(cache_or_model: Any) -> NeuronHeadModelMixin:
-    """The converted model itself, or the one whose run made a cache."""
-    if isinstance(cache_or_model, ActivationCache):
-        return require_neuron_heads(getattr(cache_or_model, "model", None))
-    return require_neuron_heads(cache_or_model)
-
-
-def _cached(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor:
-    tensor = _optional(cache, kind, layer)
-    if tensor is None:
-        name = neuron_act_name(kind, layer)
-        raise KeyError(
-            f"{name} is not in the cache. Run the converted model with it cached, e.g. "
-            f"converted.run_with_cache(tokens, names_filter=lambda n: n.endswith(('mlp.hook_"
-            "pattern', 'mlp.hook_z')))."
-        )
-    return tensor
-
-
-def _optional(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor | None:
-    name = neuron_act_name(kind, layer)
-    return cache[name] if name in cache.cache_dict else None
-
-
-def weights_and_z(
-    cache: ActivationCache, layer: int, shown: list[int], n_tokens: int, batch_index: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(pattern [head, pos, (self, bias)], z [head, pos])`` of the shown heads, as float arrays.
-
-    ``z`` is NaN when the cache lacks ``hook_z``. Raises if the cache is not ``n_tokens`` long.
-    """
-    pattern = _cached(cache, "pattern", layer)[batch_index, shown].detach().float().cpu().numpy()
-    if pattern.shape[1] != n_tokens:
-        raise ValueError(
-            f"{n_tokens} tokens given for a cache of {pattern.shape[1]} positions: pass the "
-            "string tokens of the prompt the cache was computed on."
-        )
-    z = _optional(cache, "z", layer)
-    if z is None:
-        return pattern, np.full(pattern.shape[:2], np.nan)
-    return pattern, z[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
-
-
-def heads_from_neurons(
-    heads: HeadsLike, neurons: HeadsLike, k_per_neuron: int, d_mlp: int
-) -> list[int] | None:
-    if neurons is None:
-        return None if heads is None else heads  # type: ignore[return-value]
-    if heads is not None:
-        raise ValueError("Pass heads=... or neurons=..., not both.")
-    if isinstance(neurons, int):
-        neurons = [neurons]
-    out: list[int] = []
-    for n in torch.as_tensor(neurons).flatten().tolist():
-        if not 0 <= n < d_mlp:
-            raise IndexError(f"Neuron indices must be in [0, {d_mlp}), got {n}.")
-        out.extend(range(n * k_per_neuron, (n + 1) * k_per_neuron))
-    return out
-
-
-def cache_and_tokens(
-    source: Any, tokens: TokensLike | None, layer: int, batch_index: int
-) -> tuple[ActivationCache, list[str]]:
-    if isinstance(source, ActivationCache):
-        model = converted_model_of(source)
-        _check_layer(model, layer)
-        if tokens is None:
-            raise ValueError(
-                "Pass tokens=...: the prompt (text or ids) or its string tokens, to label the view."
-            )
-        if isinstance(tokens, (list, tuple)):
-            return source, [str(t) for t in tokens]
-        return source, _str_tokens(model, cast("str | torch.Tensor", tokens), batch_index)
-    model = converted_model_of(source)
-    if tokens is None:
-        raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
-    if isinstance(tokens, (list, tuple)):
-        raise TypeError("With a model, pass the prompt as text or token ids, not string tokens.")
-    run_kwargs: dict[str, Any] = {}
-    if isinstance(tokens, str):
-        ids, run_kwargs = _encode(model, tokens)
-    else:
-        ids = torch.as_tensor(tokens)
-    if ids.ndim == 1:
-        ids = ids.unsqueeze(0)
-    _check_layer(model, layer)
-    names = (neuron_act_name("pattern", layer), neuron_act_name("z", layer))
-    with torch.inference_mode():
-        _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names, **run_kwargs)
-    return cache, _str_tokens(model, ids, batch_index)
-
-
-def _encode(model: Any, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Token ids of ``text``, and the forward arguments that go with them.
-
-    A ``HookedEncoder``'s ``to_tokens`` returns ``(tokens, token_type_ids, attention_mask)``.
-    """
-    encoded = model.to_tokens(text)
-    if isinstance(encoded, tuple):
-        ids, token_type_ids, mask = encoded
-        return ids, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
-    return encoded, {}
-
-
-def _check_layer(model: Any, layer: int) -> None:
-    n_layers = model.cfg.n_layers
-    if not 0 <= layer < n_layers:
-        raise IndexError(
-            f"layer {layer!r} is out of range: the model has {n_layers} layers "
-            f"(0 to {n_layers - 1})."
-        )
-
-
-def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
-    if isinstance(tokens, str):
-        if hasattr(model, "to_str_tokens"):
-            return list(model.to_str_tokens(tokens))
-        tokens = _encode(model, tokens)[0]  # HookedEncoder: no to_str_tokens
-    ids = torch.as_tensor(tokens)
-    if ids.ndim == 2:
-        ids = ids[batch_index]
-    if model.tokenizer is None:
-        return [str(int(t)) for t in ids]
-    if not hasattr(model, "to_str_tokens"):
-        return list(model.tokenizer.convert_ids_to_tokens(ids.tolist()))
-    return list(model.to_str_tokens(ids))
 
 
 def _div_id() -> str:
@@ -515,6 +432,7 @@ def _div_id() -> str:
 __all__ = [
     "BIAS_TOKEN",
     "DEFAULT_PAGE_SIZE",
+    "HeadSelection",
     "MAX_HEADS_PER_VIEW",
     "RANK_BY",
     "NeuronHeadView",

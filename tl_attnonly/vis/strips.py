@@ -16,14 +16,12 @@ import plotly.graph_objects as go
 
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.vis.figures import tick_label
-from tl_attnonly.vis.patterns import (
-    BIAS_TOKEN,
-    HeadsLike,
+from tl_attnonly.vis.patterns import BIAS_TOKEN, HeadsLike, rank_neuron_heads
+from tl_attnonly.vis.sources import (
     TokensLike,
     cache_and_tokens,
     converted_model_of,
     heads_from_neurons,
-    rank_neuron_heads,
     weights_and_z,
 )
 

@@ -317,3 +317,30 @@ def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys, monkeypatch
         assert text in out
     assert "then EAP-IG (2 steps) over the" in out
     assert [(kw["method"], kw["ig_steps"]) for kw in calls] == [("eap-ig", 2)]
+
+
+@pytest.mark.parametrize("corruption", ["abc", "swap", "s2"])
+def test_words_and_keywords_give_identical_datasets(bundled, corruption):
+    from tl_attnonly.analysis import IOIWords
+
+    templates = ["When {A} and {B} went to the {PLACE}, {C} gave a {OBJECT} to"]
+    kw = dict(templates=templates, names=WORDS, places=PLACES, objects=OBJECTS)
+    args = dict(corruption=corruption, orders=("BABA",), seed=3)
+    by_keyword = make_ioi_dataset(bundled, 6, **args, **kw)
+    by_words = make_ioi_dataset(bundled, 6, **args, words=IOIWords(**kw))
+    # A keyword replaces the word list of the same name.
+    mixed = make_ioi_dataset(
+        bundled, 6, **args, words=IOIWords(**{**kw, "names": WORDS[:5]}), names=WORDS
+    )
+    for data in (by_words, mixed):
+        assert data.prompts == by_keyword.prompts
+        assert data.corrupted_prompts == by_keyword.corrupted_prompts
+        for name in ("tokens", "corrupted_tokens", "io_pos", "s1_pos", "s2_pos", "end_pos"):
+            torch.testing.assert_close(
+                getattr(data, name), getattr(by_keyword, name), rtol=0, atol=0
+            )
+    # The words matter (the test can fail): other names give other prompts.
+    other = make_ioi_dataset(bundled, 6, **args, words=IOIWords(**{**kw, "names": WORDS[3:]}))
+    assert other.prompts != by_keyword.prompts
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'nmes'"):
+        make_ioi_dataset(bundled, 2, nmes=WORDS)

@@ -3,6 +3,7 @@
 =======================  ======================================================================
 :mod:`.views`            per-head results (attention heads and neuron-heads) from an ActivationCache
 :mod:`.decomposition`    residual stream decomposition into heads, direct logit attribution
+:mod:`.options`          StackOptions: how a stack is cut, scaled and bounded
 =======================  ======================================================================
 """
 
@@ -12,6 +13,7 @@ from tl_attnonly.analysis.cache.decomposition import (
     stack_all_head_results,
     stack_neuron_head_results,
 )
+from tl_attnonly.analysis.cache.options import StackOptions
 from tl_attnonly.analysis.cache.views import (
     DEFAULT_CHUNK,
     STACK_BUDGET,
@@ -29,5 +31,6 @@ __all__ = [
     "neuron_head_z",
     "stack_all_head_results",
     "STACK_BUDGET",
+    "StackOptions",
     "stack_neuron_head_results",
 ]

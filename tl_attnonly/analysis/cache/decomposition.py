@@ -9,7 +9,7 @@ the stack, or ``(stack, labels)`` with ``return_labels=True``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from jaxtyping import Float, Int
@@ -17,9 +17,9 @@ from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds, require_additive_residual
+from tl_attnonly.analysis.cache.options import StackOptions, resolve_stack_options
 from tl_attnonly.analysis.cache.views import (
     DEFAULT_CHUNK,
-    STACK_BUDGET,
     cache_model,
     component_chunks,
     stack_components,
@@ -27,6 +27,17 @@ from tl_attnonly.analysis.cache.views import (
 
 if TYPE_CHECKING:
     from tl_attnonly.model import AttnOnlyTransformer
+
+#: The options decompose_resid_heads uses: all but incl_remainder (it lists embed, pos_embed and
+#: bias itself).
+_DECOMPOSE_OPTIONS = (
+    "pos_slice",
+    "apply_ln",
+    "project_output_onto",
+    "max_bytes",
+    "chunk_size",
+    "progress",
+)
 
 
 def _logit_directions(
@@ -58,41 +69,26 @@ def stack_neuron_head_results(
     cache: ActivationCache,
     layer: int | None = -1,
     *,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     return_labels: Literal[False] = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor: ...
 @overload
 def stack_neuron_head_results(
     cache: ActivationCache,
     layer: int | None = -1,
     *,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     return_labels: Literal[True],
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> tuple[torch.Tensor, list[str]]: ...
 def stack_neuron_head_results(
     cache: ActivationCache,
     layer: int | None = -1,
     *,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     return_labels: bool = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """Every neuron-head's result in layers before ``layer``, stacked.
 
@@ -103,18 +99,8 @@ def stack_neuron_head_results(
         ``[layer * n_neuron_heads (+1), batch, pos, d_model]``, and labels ``L{l}N{i}`` /
         ``L{l}N{i}.{k}`` if ``return_labels``.
     """
-    stack, labels = stack_components(
-        cache,
-        layer,
-        kinds=("neuron",),
-        pos_slice=pos_slice,
-        apply_ln=apply_ln,
-        incl_remainder=incl_remainder,
-        project_output_onto=project_output_onto,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        progress=progress,
-    )
+    resolved = resolve_stack_options("stack_neuron_head_results", options, overrides)
+    stack, labels = stack_components(cache, layer, resolved, kinds=("neuron",))
     return (stack, labels) if return_labels else stack
 
 
@@ -125,14 +111,9 @@ def stack_all_head_results(
     *,
     kinds: Kinds = ("attn", "neuron"),
     mlp_input: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     return_labels: Literal[False] = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor: ...
 @overload
 def stack_all_head_results(
@@ -141,14 +122,9 @@ def stack_all_head_results(
     *,
     kinds: Kinds = ("attn", "neuron"),
     mlp_input: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     return_labels: Literal[True],
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> tuple[torch.Tensor, list[str]]: ...
 def stack_all_head_results(
     cache: ActivationCache,
@@ -156,14 +132,9 @@ def stack_all_head_results(
     *,
     kinds: Kinds = ("attn", "neuron"),
     mlp_input: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     return_labels: bool = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """``stack_head_results`` over all heads: attention heads and neuron-heads.
 
@@ -177,35 +148,22 @@ def stack_all_head_results(
         layer: Heads in layers strictly before ``layer``; ``-1``/``None``/``n_layers``: all.
         kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
         mlp_input: Also include the attention heads of ``layer`` (they feed its MLP).
-        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics).
-        apply_ln: Apply the LayerNorm scale cached at the input of ``layer`` (TransformerLens's
-            ``apply_ln_to_stack``).
         return_labels: Also return the labels (``L{l}H{h}``, ``L{l}N{i}``, ``L{l}N{i}.{k}``).
-        incl_remainder: Append ``resid - sum(heads)`` (embeddings and biases), labelled
-            ``"remainder"``.
-        project_output_onto: ``[d_model]`` or ``[d_model, n_outputs]`` directions to project
-            each component onto (after ``apply_ln``).
-        max_bytes: Refuse to build a larger stack; see the error for ways to narrow it.
-        chunk_size: Neuron-heads materialised at once.
-        progress: Show a progress bar over neuron-head chunks.
+        options: A :class:`~tl_attnonly.analysis.StackOptions`: ``pos_slice``, ``apply_ln``,
+            ``incl_remainder``, ``project_output_onto``, ``max_bytes``, ``chunk_size``,
+            ``progress`` (see its attributes).
+        **overrides: Any of those options by keyword (``pos_slice=-1``); it replaces the one
+            in ``options``.
+
+    Raises:
+        TypeError: For a keyword that is neither a parameter nor an option.
 
     Returns:
         ``[n_components, batch, pos, d_model]`` (pos dropped for an int ``pos_slice``; last axis
         ``n_outputs`` or squeezed when projecting), and the labels if ``return_labels``.
     """
-    stack, labels = stack_components(
-        cache,
-        layer,
-        mlp_input=mlp_input,
-        kinds=kinds,
-        pos_slice=pos_slice,
-        apply_ln=apply_ln,
-        incl_remainder=incl_remainder,
-        project_output_onto=project_output_onto,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        progress=progress,
-    )
+    resolved = resolve_stack_options("stack_all_head_results", options, overrides)
+    stack, labels = stack_components(cache, layer, resolved, mlp_input=mlp_input, kinds=kinds)
     return (stack, labels) if return_labels else stack
 
 
@@ -215,13 +173,9 @@ def decompose_resid_heads(
     layer: int | None = None,
     *,
     mlp_input: bool = False,
-    apply_ln: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
     return_labels: Literal[False] = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor: ...
 @overload
 def decompose_resid_heads(
@@ -229,26 +183,18 @@ def decompose_resid_heads(
     layer: int | None = None,
     *,
     mlp_input: bool = False,
-    apply_ln: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
     return_labels: Literal[True],
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> tuple[torch.Tensor, list[str]]: ...
 def decompose_resid_heads(
     cache: ActivationCache,
     layer: int | None = None,
     *,
     mlp_input: bool = False,
-    apply_ln: bool = False,
-    pos_slice: None | SliceInput | Slice = None,
     return_labels: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
+    options: StackOptions | None = None,
+    **overrides: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, list[str]]:
     """The residual stream as a sum of heads, embeddings and biases: nothing else.
 
@@ -265,26 +211,23 @@ def decompose_resid_heads(
     splits GELU neurons into their ``K`` heads and keeps the bias in the model's dtype.
 
     Args:
-        cache, layer, mlp_input, apply_ln, pos_slice, return_labels: As in
-            :func:`stack_all_head_results`.
-        project_output_onto, max_bytes, chunk_size, progress: As in
-            :func:`stack_all_head_results`.
+        cache, layer, mlp_input, return_labels, options, overrides: As in
+            :func:`stack_all_head_results`; every option but ``incl_remainder`` (this
+            decomposition lists the embeddings and biases itself).
+
+    Raises:
+        TypeError: For the keyword ``incl_remainder``.
+        ValueError: For ``options`` with ``incl_remainder=True``.
 
     Returns:
         ``[n_components, batch, pos, d_model]`` (see :func:`stack_all_head_results` for the
         shape options), and the labels if ``return_labels``.
     """
+    resolved = resolve_stack_options(
+        "decompose_resid_heads", options, overrides, supported=_DECOMPOSE_OPTIONS
+    )
     stack, labels = stack_components(
-        cache,
-        layer,
-        mlp_input=mlp_input,
-        pos_slice=pos_slice,
-        apply_ln=apply_ln,
-        incl_embeds_and_bias=True,
-        project_output_onto=project_output_onto,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        progress=progress,
+        cache, layer, resolved, mlp_input=mlp_input, incl_embeds_and_bias=True
     )
     return (stack, labels) if return_labels else stack
 

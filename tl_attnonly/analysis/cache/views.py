@@ -40,6 +40,7 @@ from tl_attnonly._types import Kinds, check_kinds, require_additive_residual, re
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 
 if TYPE_CHECKING:
+    from tl_attnonly.analysis.cache.options import StackOptions
     from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
@@ -271,19 +272,16 @@ def _target_resid(cache: ActivationCache, layer: int, mlp_input: bool) -> torch.
 def stack_components(
     cache: ActivationCache,
     layer: int | None,
+    options: StackOptions,
     *,
     mlp_input: bool = False,
     kinds: Kinds = ("attn", "neuron"),
-    pos_slice: None | SliceInput | Slice = None,
-    apply_ln: bool = False,
     incl_embeds_and_bias: bool = False,
-    incl_remainder: bool = False,
-    project_output_onto: torch.Tensor | None = None,
-    max_bytes: int = STACK_BUDGET,
-    chunk_size: int = DEFAULT_CHUNK,
-    progress: bool = False,
 ) -> tuple[torch.Tensor, list[str]]:
     """The stack behind :func:`stack_all_head_results` and :func:`decompose_resid_heads`."""
+    pos_slice, apply_ln = options.pos_slice, options.apply_ln
+    incl_remainder, project_output_onto = options.incl_remainder, options.project_output_onto
+    max_bytes, chunk_size, progress = options.max_bytes, options.chunk_size, options.progress
     model = cache_model(cache)
     if incl_embeds_and_bias or incl_remainder:
         require_additive_residual(

@@ -50,6 +50,7 @@ from tl_attnonly.analysis.ioi.prompts import (
     IOI_TEMPLATES,
     IOI_TEMPLATES_HELDOUT,
     IOIDataset,
+    IOIWords,
     make_ioi_dataset,
 )
 from tl_attnonly.analysis.ioi.roles import ATTENTION_SCORES, ROLES, IOIHeadScores, ioi_head_scores
@@ -64,6 +65,7 @@ __all__ = [
     "IOI_TEMPLATES_HELDOUT",
     "ROLES",
     "IOIDataset",
+    "IOIWords",
     "IOIHeadScores",
     "ioi_head_scores",
     "make_ioi_dataset",

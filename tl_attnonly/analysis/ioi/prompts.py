@@ -5,6 +5,7 @@ See :mod:`tl_attnonly.analysis.ioi` for the task, the roles and the corruptions.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -246,18 +247,49 @@ def _find(row: torch.Tensor, token: int, count: int, what: str, prompt: str) -> 
     return where
 
 
+@dataclass(frozen=True)
+class IOIWords:
+    """What :func:`make_ioi_dataset` fills its prompts with.
+
+    Attributes:
+        templates: Strings with ``{A}``, ``{B}``, ``{C}`` and optionally ``{PLACE}``,
+            ``{OBJECT}`` (see :data:`IOI_TEMPLATES`); every name must follow a space.
+        names: At least 5 names, each one token after a space.
+        places: Words for ``{PLACE}``.
+        objects: Words for ``{OBJECT}``.
+    """
+
+    templates: Sequence[str] = IOI_TEMPLATES
+    names: Sequence[str] = IOI_NAMES
+    places: Sequence[str] = IOI_PLACES
+    objects: Sequence[str] = IOI_OBJECTS
+
+    def with_overrides(self, **changes: Sequence[str]) -> IOIWords:
+        """A copy with the given fields replaced.
+
+        Raises:
+            TypeError: For a name that is not a field, listing the fields.
+        """
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"make_ioi_dataset() got unexpected keyword argument(s) {unknown}; the word "
+                f"lists are {fields} (tl_attnonly.analysis.IOIWords)."
+            )
+        return dataclasses.replace(self, **changes)
+
+
 def make_ioi_dataset(
     model: HookedTransformer,
     n_prompts: int,
     *,
     corruption: str = "abc",
-    templates: Sequence[str] = IOI_TEMPLATES,
-    names: Sequence[str] = IOI_NAMES,
-    places: Sequence[str] = IOI_PLACES,
-    objects: Sequence[str] = IOI_OBJECTS,
     orders: Sequence[str] = ("ABBA", "BABA"),
     prepend_bos: bool | None = None,
     seed: int = 0,
+    words: IOIWords | None = None,
+    **word_lists: Sequence[str],
 ) -> IOIDataset:
     """IOI prompts and corrupted twins, tokenized by ``model``'s tokenizer.
 
@@ -272,13 +304,13 @@ def make_ioi_dataset(
         corruption: ``"abc"`` (A, B, C replaced by three new distinct names: no name repeats, so
             nothing says which is IO), ``"swap"`` (IO and S exchanged everywhere: the answer is
             S), or ``"s2"`` (only S2 replaced by a third name).
-        templates: Strings with ``{A}``, ``{B}``, ``{C}`` and optionally ``{PLACE}``,
-            ``{OBJECT}`` (see :data:`IOI_TEMPLATES`); every name must follow a space.
-        names: At least 5 names, each one token after a space.
-        places, objects: Words for ``{PLACE}`` and ``{OBJECT}``.
         orders: A non-empty subset of ``("ABBA", "BABA")``.
         prepend_bos: Passed to ``model.to_tokens`` (default: the model's own default).
         seed: Seed of the draws.
+        words: The templates, names, places and objects (:class:`IOIWords`; default: the
+            module's lists).
+        **word_lists: ``templates``, ``names``, ``places`` or ``objects`` by keyword; each
+            replaces the one in ``words``.
 
     Returns:
         The :class:`IOIDataset`, right-padded with the tokenizer's pad token.
@@ -287,6 +319,14 @@ def make_ioi_dataset(
         ValueError: For an unknown corruption or order, too few names, a name of several tokens,
             or a template whose names cannot be found in the tokens.
     """
+    if words is not None and not isinstance(words, IOIWords):
+        raise TypeError(
+            f"make_ioi_dataset(..., words=...) takes a tl_attnonly.analysis.IOIWords, got "
+            f"{type(words).__name__}."
+        )
+    chosen = (words or IOIWords()).with_overrides(**word_lists)
+    templates, names = chosen.templates, chosen.names
+    places, objects = chosen.places, chosen.objects
     if corruption not in CORRUPTIONS:
         raise ValueError(f"corruption={corruption!r}; expected one of {CORRUPTIONS}.")
     if not orders or set(orders) - {"ABBA", "BABA"}:
@@ -374,5 +414,6 @@ __all__ = [
     "IOI_TEMPLATES",
     "IOI_TEMPLATES_HELDOUT",
     "IOIDataset",
+    "IOIWords",
     "make_ioi_dataset",
 ]

@@ -1,0 +1,156 @@
+"""Where a view's data comes from: the converted model of a cache, the cache and string tokens of
+a prompt, the patterns and ``z`` of chosen neuron-heads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+from transformer_lens import ActivationCache
+
+from tl_attnonly._types import HeadsLike, require_neuron_heads
+from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
+#: A prompt for a view: text, token ids ``[pos]``/``[batch, pos]``, or its string tokens.
+TokensLike = str | torch.Tensor | Sequence[str]
+
+
+def converted_model_of(cache_or_model: Any) -> NeuronHeadModelMixin:
+    """The converted model itself, or the one whose run made a cache."""
+    if isinstance(cache_or_model, ActivationCache):
+        return require_neuron_heads(getattr(cache_or_model, "model", None))
+    return require_neuron_heads(cache_or_model)
+
+
+def cached(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor:
+    tensor = _optional(cache, kind, layer)
+    if tensor is None:
+        name = neuron_act_name(kind, layer)
+        raise KeyError(
+            f"{name} is not in the cache. Run the converted model with it cached, e.g. "
+            f"converted.run_with_cache(tokens, names_filter=lambda n: n.endswith(('mlp.hook_"
+            "pattern', 'mlp.hook_z')))."
+        )
+    return tensor
+
+
+def _optional(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor | None:
+    name = neuron_act_name(kind, layer)
+    return cache[name] if name in cache.cache_dict else None
+
+
+def weights_and_z(
+    cache: ActivationCache, layer: int, shown: list[int], n_tokens: int, batch_index: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(pattern [head, pos, (self, bias)], z [head, pos])`` of the shown heads, as float arrays.
+
+    ``z`` is NaN when the cache lacks ``hook_z``. Raises if the cache is not ``n_tokens`` long.
+    """
+    pattern = cached(cache, "pattern", layer)[batch_index, shown].detach().float().cpu().numpy()
+    if pattern.shape[1] != n_tokens:
+        raise ValueError(
+            f"{n_tokens} tokens given for a cache of {pattern.shape[1]} positions: pass the "
+            "string tokens of the prompt the cache was computed on."
+        )
+    z = _optional(cache, "z", layer)
+    if z is None:
+        return pattern, np.full(pattern.shape[:2], np.nan)
+    return pattern, z[batch_index, :, shown, 0].detach().float().T.cpu().numpy()
+
+
+def heads_from_neurons(
+    heads: HeadsLike, neurons: HeadsLike, k_per_neuron: int, d_mlp: int
+) -> list[int] | None:
+    if neurons is None:
+        return None if heads is None else heads  # type: ignore[return-value]
+    if heads is not None:
+        raise ValueError("Pass heads=... or neurons=..., not both.")
+    if isinstance(neurons, int):
+        neurons = [neurons]
+    out: list[int] = []
+    for n in torch.as_tensor(neurons).flatten().tolist():
+        if not 0 <= n < d_mlp:
+            raise IndexError(f"Neuron indices must be in [0, {d_mlp}), got {n}.")
+        out.extend(range(n * k_per_neuron, (n + 1) * k_per_neuron))
+    return out
+
+
+def cache_and_tokens(
+    source: Any, tokens: TokensLike | None, layer: int, batch_index: int
+) -> tuple[ActivationCache, list[str]]:
+    if isinstance(source, ActivationCache):
+        model = converted_model_of(source)
+        _check_layer(model, layer)
+        if tokens is None:
+            raise ValueError(
+                "Pass tokens=...: the prompt (text or ids) or its string tokens, to label the view."
+            )
+        if isinstance(tokens, (list, tuple)):
+            return source, [str(t) for t in tokens]
+        return source, _str_tokens(model, cast("str | torch.Tensor", tokens), batch_index)
+    model = converted_model_of(source)
+    if tokens is None:
+        raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
+    if isinstance(tokens, (list, tuple)):
+        raise TypeError("With a model, pass the prompt as text or token ids, not string tokens.")
+    run_kwargs: dict[str, Any] = {}
+    if isinstance(tokens, str):
+        ids, run_kwargs = _encode(model, tokens)
+    else:
+        ids = torch.as_tensor(tokens)
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0)
+    _check_layer(model, layer)
+    names = (neuron_act_name("pattern", layer), neuron_act_name("z", layer))
+    with torch.inference_mode():
+        _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names, **run_kwargs)
+    return cache, _str_tokens(model, ids, batch_index)
+
+
+def _encode(model: Any, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Token ids of ``text``, and the forward arguments that go with them.
+
+    A ``HookedEncoder``'s ``to_tokens`` returns ``(tokens, token_type_ids, attention_mask)``.
+    """
+    encoded = model.to_tokens(text)
+    if isinstance(encoded, tuple):
+        ids, token_type_ids, mask = encoded
+        return ids, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
+    return encoded, {}
+
+
+def _check_layer(model: Any, layer: int) -> None:
+    n_layers = model.cfg.n_layers
+    if not 0 <= layer < n_layers:
+        raise IndexError(
+            f"layer {layer!r} is out of range: the model has {n_layers} layers "
+            f"(0 to {n_layers - 1})."
+        )
+
+
+def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
+    if isinstance(tokens, str):
+        if hasattr(model, "to_str_tokens"):
+            return list(model.to_str_tokens(tokens))
+        tokens = _encode(model, tokens)[0]  # HookedEncoder: no to_str_tokens
+    ids = torch.as_tensor(tokens)
+    if ids.ndim == 2:
+        ids = ids[batch_index]
+    if model.tokenizer is None:
+        return [str(int(t)) for t in ids]
+    if not hasattr(model, "to_str_tokens"):
+        return list(model.tokenizer.convert_ids_to_tokens(ids.tolist()))
+    return list(model.to_str_tokens(ids))
+
+
+__all__ = [
+    "TokensLike",
+    "cache_and_tokens",
+    "cached",
+    "converted_model_of",
+    "heads_from_neurons",
+    "weights_and_z",
+]
