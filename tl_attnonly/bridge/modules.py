@@ -83,6 +83,27 @@ class _BridgeLayer:
     #: submodules under the Hugging Face names (so the module tree keeps its paths).
     _projection_names: dict[str, str]
 
+    def __init__(
+        self,
+        mlp_bridge: nn.Module,
+        projections: dict[str, str],
+        cfg: Any,
+        coefficients: NeuronHeadCoefficients,
+    ):
+        self._bridge_projections = {role: getattr(mlp_bridge, role) for role in projections}
+        self._projection_names = dict(projections)
+        super().__init__(cfg, coefficients)  # type: ignore[call-arg]
+
+    def _init_parameters_and_hooks(self: Any) -> None:
+        """No parameters (the bridge's projections hold them): the projections, registered
+        under their Hugging Face names, and the neuron-head hook points."""
+        for role, name in self._projection_names.items():
+            self.add_module(name, self._bridge_projections[role])
+        del self._bridge_projections
+        self._add_neuron_head_hooks()
+        #: Set by every forward pass (the bridge's bypass guard reads it).
+        self._ran = False
+
     def _projection(self, role: str) -> Any:
         return getattr(self, self._projection_names[role])
 
@@ -136,27 +157,6 @@ class BridgeNeuronHeadMLP(_BridgeLayer, NeuronHeadMLP):
         cfg: ``d_model``, ``d_mlp``, ``act_fn``, ``dtype`` of the layer.
         coefficients: Per-head coefficients of ``cfg.act_fn``.
     """
-
-    def __init__(
-        self,
-        mlp_bridge: nn.Module,
-        projections: dict[str, str],
-        cfg: Any,
-        coefficients: NeuronHeadCoefficients,
-    ):
-        self._bridge_projections = {role: getattr(mlp_bridge, role) for role in projections}
-        self._projection_names = dict(projections)
-        super().__init__(cfg, coefficients)
-
-    def _init_parameters_and_hooks(self) -> None:
-        """No parameters (the bridge's projections hold them): the projections, registered
-        under their Hugging Face names, and the neuron-head hook points."""
-        for role, name in self._projection_names.items():
-            self.add_module(name, self._bridge_projections[role])
-        del self._bridge_projections
-        self._add_neuron_head_hooks()
-        #: Set by every forward pass (the bridge's bypass guard reads it).
-        self._ran = False
 
     @property
     def hook_pre(self) -> HookPoint:  # type: ignore[override]
@@ -212,27 +212,6 @@ class BridgeGatedNeuronHeadMLP(_BridgeLayer, GatedNeuronHeadMLP):
         cfg: ``d_model``, ``d_mlp``, ``act_fn``, ``dtype`` of the layer.
         coefficients: Per-head coefficients of ``cfg.act_fn``.
     """
-
-    def __init__(
-        self,
-        mlp_bridge: nn.Module,
-        projections: dict[str, str],
-        cfg: Any,
-        coefficients: NeuronHeadCoefficients,
-    ):
-        self._bridge_projections = {role: getattr(mlp_bridge, role) for role in projections}
-        self._projection_names = dict(projections)
-        super().__init__(cfg, coefficients)
-
-    def _init_parameters_and_hooks(self) -> None:
-        """No parameters (the bridge's projections hold them): the projections, registered
-        under their Hugging Face names, and the neuron-head hook points."""
-        for role, name in self._projection_names.items():
-            self.add_module(name, self._bridge_projections[role])
-        del self._bridge_projections
-        self._add_neuron_head_hooks()
-        #: Set by every forward pass (the bridge's bypass guard reads it).
-        self._ran = False
 
     @property
     def hook_pre(self) -> HookPoint:  # type: ignore[override]
