@@ -13,13 +13,18 @@ This is the bottom layer: it imports nothing from the package at run time
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard, TypeVar
 
 import torch
 from jaxtyping import Float
 
+_D = TypeVar("_D", bound="DataclassInstance")  # an options dataclass
+
 if TYPE_CHECKING:  # for annotations only: this module imports nothing of the package above it
+    from _typeshed import DataclassInstance
+
     from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
@@ -217,7 +222,29 @@ def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
         )
 
 
+
+def replace_options(options: _D, changes: dict[str, Any], unknown_message: str) -> _D:
+    """A copy of the options dataclass ``options`` with ``changes`` applied: the one
+    ``with_overrides`` of the package's options objects.
+
+    Args:
+        options: A dataclass instance (``LiteralOptions``, ``PatchingOptions``, ...).
+        changes: Field name -> new value.
+        unknown_message: The ``TypeError``'s message for names that are not fields, formatted
+            with ``unknown`` (the sorted unknown names) and ``names`` (the fields).
+
+    Raises:
+        TypeError: For a name that is not a field.
+    """
+    names = [f.name for f in dataclasses.fields(options)]
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise TypeError(unknown_message.format(unknown=unknown, names=names))
+    return dataclasses.replace(options, **changes)
+
+
 __all__ = [
+    "replace_options",
     "HEAD_KINDS",
     "CoefficientsLike",
     "FwdHooks",

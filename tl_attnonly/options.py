@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from tl_attnonly._types import replace_options
 from tl_attnonly.activations import (
     DEFAULT_RELU_K,
     FIT_RANGE,
@@ -216,14 +217,12 @@ class LiteralOptions:
         Raises:
             TypeError: For a name that is not an option, listing the options.
         """
-        names = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(names))
-        if unknown:
-            raise TypeError(
-                f"Unknown literal-form option(s) {unknown}; the options are {names} "
-                "(tl_attnonly.LiteralOptions)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "Unknown literal-form option(s) {unknown}; the options are {names} "
+            "(tl_attnonly.LiteralOptions).",
+        )
 
 
 def tl_mlp_class_name(cfg: HookedTransformerConfig) -> str:

@@ -7,7 +7,6 @@ query row puts ``sigmoid(q)`` on itself (the diagonal) and the rest on ``"<bias>
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import math
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from circuitsvis.utils.render import RenderedHTML, render_cdn
 from jaxtyping import Float
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import HeadsLike
+from tl_attnonly._types import HeadsLike, replace_options
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
@@ -313,14 +312,12 @@ class HeadSelection:
         Raises:
             TypeError: For a name that is not a field, listing the fields.
         """
-        fields = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(fields))
-        if unknown:
-            raise TypeError(
-                f"neuron_head_attention_view() got unexpected keyword argument(s) {unknown}; "
-                f"the selection's fields are {fields} (tl_attnonly.vis.HeadSelection)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "neuron_head_attention_view() got unexpected keyword argument(s) {unknown}; "
+            "the selection's fields are {names} (tl_attnonly.vis.HeadSelection).",
+        )
 
 
 def neuron_head_attention_view(

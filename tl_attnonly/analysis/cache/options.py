@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformer_lens.utilities import Slice, SliceInput
 
+from tl_attnonly._types import replace_options
 from tl_attnonly.analysis.cache.views import DEFAULT_CHUNK, STACK_BUDGET
 
 
@@ -57,14 +58,12 @@ class StackOptions:
         Raises:
             TypeError: For a name that is not an option, listing the options.
         """
-        names = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(names))
-        if unknown:
-            raise TypeError(
-                f"Unknown stack option(s) {unknown}; the options are {names} "
-                "(tl_attnonly.analysis.StackOptions)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "Unknown stack option(s) {unknown}; the options are {names} "
+            "(tl_attnonly.analysis.StackOptions).",
+        )
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -6,10 +6,11 @@ the keywords given one by one replace the options' fields (:meth:`DiscoveryOptio
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
+
+from tl_attnonly._types import replace_options
 
 #: Graphs :func:`~tl_attnonly.analysis.discover_circuit` searches.
 GRAPHS = ("coarse", "neurons")
@@ -114,14 +115,12 @@ class DiscoveryOptions:
         Raises:
             TypeError: For a name that is not an option, listing the options.
         """
-        names = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(names))
-        if unknown:
-            raise TypeError(
-                f"Unknown discovery option(s) {unknown}; the options are {names} "
-                "(tl_attnonly.analysis.DiscoveryOptions)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "Unknown discovery option(s) {unknown}; the options are {names} "
+            "(tl_attnonly.analysis.DiscoveryOptions).",
+        )
 
 
 #: Keywords of the earlier ``discover_circuit`` that select its single-stage neuron-level search.

@@ -5,7 +5,6 @@ See :mod:`tl_attnonly.analysis.ioi` for the task, the roles and the corruptions.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from jaxtyping import Float, Int
+
+from tl_attnonly._types import replace_options
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -270,14 +271,12 @@ class IOIWords:
         Raises:
             TypeError: For a name that is not a field, listing the fields.
         """
-        fields = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(fields))
-        if unknown:
-            raise TypeError(
-                f"make_ioi_dataset() got unexpected keyword argument(s) {unknown}; the word "
-                f"lists are {fields} (tl_attnonly.analysis.IOIWords)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "make_ioi_dataset() got unexpected keyword argument(s) {unknown}; the word "
+            "lists are {names} (tl_attnonly.analysis.IOIWords).",
+        )
 
 
 def make_ioi_dataset(

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tl_attnonly._types import replace_options
 from tl_attnonly.analysis.patching.resume import PATCH_BUDGET
 
 
@@ -50,14 +51,12 @@ class PatchingOptions:
         Raises:
             TypeError: For a name that is not an option, listing the options.
         """
-        names = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(names))
-        if unknown:
-            raise TypeError(
-                f"Unknown patching option(s) {unknown}; the options are {names} "
-                "(tl_attnonly.analysis.PatchingOptions)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "Unknown patching option(s) {unknown}; the options are {names} "
+            "(tl_attnonly.analysis.PatchingOptions).",
+        )
 
 
 def resolve_patching_options(

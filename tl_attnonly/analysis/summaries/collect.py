@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import require_neuron_heads
+from tl_attnonly._types import replace_options, require_neuron_heads
 from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
 from tl_attnonly.hooks import neuron_act_name
 
@@ -174,14 +173,12 @@ class SummaryOptions:
         Raises:
             TypeError: For a name that is not an option, listing the options.
         """
-        names = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(names))
-        if unknown:
-            raise TypeError(
-                f"Unknown summary option(s) {unknown}; the options are {names} "
-                "(tl_attnonly.analysis.SummaryOptions)."
-            )
-        return dataclasses.replace(self, **changes)
+        return replace_options(
+            self,
+            changes,
+            "Unknown summary option(s) {unknown}; the options are {names} "
+            "(tl_attnonly.analysis.SummaryOptions).",
+        )
 
 
 def summarize_neuron_heads(
