@@ -78,3 +78,15 @@ def test_hub_errors_are_recognised_through_the_exception_chain():
 def test_other_errors_are_failures(error):
     assert not tl_suite_plugin.needs_hub(error)
     assert not tl_suite_plugin.needs_hub(_raised_from(ValueError("wrapped"), error))
+
+
+def test_tl_attnonly_s_own_hub_failure_counts_as_needing_the_hub():
+    """AttnOnlyTransformer.from_pretrained fails fast offline with tl_attnonly.hub's error, before
+    TransformerLens reaches the hub client: the harness must skip those tests too (TL's files that
+    call from_pretrained at module level failed to collect before)."""
+    from tl_attnonly.hub import HubUnavailableError
+
+    error = HubUnavailableError("solu-1l", "the hub is unreachable", "load it locally")
+    assert tl_suite_plugin.needs_hub(error)
+    collected = f"tl_attnonly.hub.{type(error).__name__}: {error}"  # a collection error's text
+    assert any(text in collected for text in tl_suite_plugin.HUB_TEXT)

@@ -27,11 +27,14 @@ from allowlist import ALLOWED_FAILURES
 SWAP = os.environ.get("TL_SUITE_ORIGINAL", "0") != "1"
 
 #: Exception type names (anywhere in a failure's chain) meaning "this needs the hub".
-HUB_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+#: ``HubUnavailableError`` is tl_attnonly's own fast failure (``tl_attnonly.hub``), raised before
+#: TransformerLens reaches the hub client.
+HUB_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "HubUnavailableError")
 #: Text in an error, or in a test's output, meaning the same (a loader that catches the error
 #: and prints it, or OSError messages of transformers' offline mode).
 HUB_TEXT = (
     "OfflineModeIsEnabled",
+    "HubUnavailableError",
     "LocalEntryNotFoundError",
     "We couldn't connect to 'https://huggingface.co'",
     "outgoing traffic has been disabled",
