@@ -51,13 +51,13 @@ def describe(kind: str) -> str:
     )
 
 
-def build_hf(kind: str) -> tuple[Any, Any, str]:
+def build_hf(kind: str, n_layers: int = N_LAYERS) -> tuple[Any, Any, str]:
     """(hf_model, hf_config, architecture) of one benchmark model, random, eval mode."""
     torch.manual_seed(0)
     if kind == "silu":
         config = transformers.GPT2Config(
             n_embd=D_MODEL,
-            n_layer=N_LAYERS,
+            n_layer=n_layers,
             n_head=N_HEADS,
             n_inner=D_MLP[kind],
             activation_function="silu",
@@ -72,7 +72,7 @@ def build_hf(kind: str) -> tuple[Any, Any, str]:
         config = transformers.LlamaConfig(
             hidden_size=D_MODEL,
             intermediate_size=D_MLP[kind],
-            num_hidden_layers=N_LAYERS,
+            num_hidden_layers=n_layers,
             num_attention_heads=N_HEADS,
             num_key_value_heads=N_HEADS,
             vocab_size=VOCAB,
@@ -123,9 +123,15 @@ def _status_bytes(field: str) -> int:
 
 def _memory_only(kind: str) -> None:
     """Child process: one JSON line with the conversion's peak-memory ratio for ``kind``:
-    ``(model + peak resident growth while converting) / model``, after the conversion modules are
-    imported and the bridge has run once (fixed costs that do not grow with the model)."""
-    import tl_attnonly.bridge  # noqa: F401 - imports are a fixed cost, not the model's
+    ``(model + peak resident growth while converting) / model``, after a 1-layer model of the
+    same kind was converted and the bridge has run once (fixed costs: imports, library buffers)."""
+    # Fixed costs, not the model's: the modules convert() imports on first use (which depend on
+    # the environment) and one-time library buffers. Converting a 1-layer model of the same kind
+    # first pays them; its memory is given back (large blocks are mmapped, see the parent).
+    warm_up = convert(bridge_of(*build_hf(kind, n_layers=1)))
+    with torch.no_grad():
+        warm_up(torch.zeros(1, 4, dtype=torch.long))
+    del warm_up
 
     model, config, architecture = build_hf(kind)
     bridge = bridge_of(model, config, architecture)
