@@ -5,13 +5,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
-from transformer_lens import HookedTransformer
 
 from tl_attnonly.activations import NeuronHeadCoefficients
+
+if TYPE_CHECKING:  # annotations only: Verdict also serves the bridge path on TL 4.x
+    from transformer_lens import HookedTransformer
 
 #: Shared hook groups reported by :func:`equivalence_table` (name -> regex on hook names).
 HOOK_GROUPS = {

@@ -34,6 +34,7 @@ from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.bridge.convert import convert_bridge, neuron_head_layers, unconvert_bridge
 from tl_attnonly.bridge.modules import BridgeGatedNeuronHeadMLP
 from tl_attnonly.options import ConversionOptions
+from tl_attnonly.verify import Verdict
 
 #: Shared hook groups compared (name -> regex on the bridge's hook names); the same groups as
 #: :data:`tl_attnonly.verify.HOOK_GROUPS`.
@@ -57,33 +58,19 @@ REPORT_TOP_K = 32
 
 
 @dataclass
-class BridgeVerdict:
-    """One dtype's result of :func:`verify_bridge_conversion`.
+class BridgeVerdict(Verdict):
+    """One dtype's result of :func:`verify_bridge_conversion`: a
+    :class:`~tl_attnonly.verify.Verdict` whose reference is ``"unconverted bridge"`` (exact
+    activations) or ``"unconverted bridge with the heads' activation"`` (approximate ones: each
+    neuron's activation replaced by the sum of its heads, through ``hook_post``), whose
+    ``approximation_diff`` is against the unconverted bridge itself and whose ``table`` is
+    :func:`bridge_equivalence_table`'s.
 
     Attributes:
-        dtype: The dtype the bridge ran in.
-        max_abs_diff: ``max |converted logits - reference logits|``.
-        tolerance: The bound it was checked against.
-        reference: ``"unconverted bridge"`` (exact activations) or ``"unconverted bridge with
-            the heads' activation"`` (approximate ones: each neuron's activation replaced by the
-            sum of its heads, through ``hook_post``).
-        approximation_diff: ``max |Δlogits|`` against the unconverted bridge itself.
-        table: Converted vs unconverted, per hook group (:func:`bridge_equivalence_table`).
         coefficients: The neuron-heads' coefficients (layer 0's).
     """
 
-    dtype: torch.dtype
-    max_abs_diff: float
-    tolerance: float
-    reference: str
-    approximation_diff: float
-    table: pd.DataFrame
     coefficients: NeuronHeadCoefficients
-
-    @property
-    def passed(self) -> bool:
-        """``max_abs_diff <= tolerance`` (NaN fails)."""
-        return bool(self.max_abs_diff <= self.tolerance)
 
 
 def _names(name: str) -> bool:
