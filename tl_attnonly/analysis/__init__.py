@@ -10,6 +10,7 @@ Four rooms, each one idea:
 :mod:`.composition`             composition scores, streamed composition top-k
 :mod:`.levels`                  top_k of labelled scores, neuron-level aggregation
 :mod:`.ioi`                     IOI prompts, head roles (name mover, S-inhibition, ...)
+:mod:`.induction`               induction prompts: random tokens repeated, corrupted twins
 :mod:`.summaries`               dataset-level neuron-head summaries (top contexts, firing, tokens)
 ==============================  ==================================================================
 
@@ -79,6 +80,11 @@ from tl_attnonly.analysis.discovery import (
     prune,
     top_edges,
     top_nodes,
+)
+from tl_attnonly.analysis.induction import (
+    InductionDataset,
+    induction_token_pool,
+    make_induction_dataset,
 )
 from tl_attnonly.analysis.ioi import (
     IOIDataset,
@@ -197,6 +203,10 @@ __all__ = [
     "composition_top_k",
     "neuron_level",
     "neuron_level_pairs",
+    # induction
+    "InductionDataset",
+    "induction_token_pool",
+    "make_induction_dataset",
     # ioi
     "ioi_head_scores",
     "IOIDataset",
