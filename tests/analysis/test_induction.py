@@ -128,3 +128,27 @@ def test_from_tokens_and_errors(bundled):
         make_induction_dataset(bundled, 2, 2, pool=[5, 6, 7])
     with pytest.raises(ValueError, match="d_vocab"):
         make_induction_dataset(bundled, 2, 2, pool=[1, 2, 3, bundled.cfg.d_vocab])
+
+
+@pytest.mark.slow
+def test_the_smollm2_induction_script_stages_run_on_the_bundled_model(bundled, capsys):
+    # scripts/circuit_smollm2_induction.py prints the induction figures; its stages take any model.
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "scripts" / "circuit_smollm2_induction.py"
+    spec = importlib.util.spec_from_file_location("circuit_smollm2_induction", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    data = make_induction_dataset(bundled, 4, 3, seed=0)
+    args = argparse.Namespace(
+        target=0.8, batch_size=2, neurons_per_mlp=2, corruption="first", half_len=3
+    )
+    script.stage_check(bundled, data)
+    circuit = script.stage_discover(tl_attnonly.convert(bundled), data, args)
+    out = capsys.readouterr().out
+    for text in ("top-1 accuracy", "## discover_circuit, defaults (induction", "peak resident"):
+        assert text in out
+    assert "seconds" in circuit.extra and circuit.report() in out
