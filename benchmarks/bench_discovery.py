@@ -29,7 +29,7 @@ time of each stage, the peak resident memory above the loaded model, and PASS/FA
 (timed apart) and their circuit runs exactly on the restricted graph of their nodes.
 
 Run: ``python benchmarks/bench_discovery.py [--threads 2] [--examples 112] [--batch-size B]
-[--smollm2 [--ioi-prompts 16]]``; ``python benchmarks/bench_discovery.py --gpt2-small
+[--smollm2 [--ioi-prompts 16]] [--progress]``; ``python benchmarks/bench_discovery.py --gpt2-small
 [--threads 2] [--n-nodes 400] [--top-n 200] [--stream 1000] [--mlp-rest]``.
 """
 
@@ -94,7 +94,9 @@ def bracket_task(model, n_examples: int | None):
     return module.bracket_task(model, n_examples)
 
 
-def measure_default(model, clean, corrupted, metric, config: str, batch_size: int | None):
+def measure_default(
+    model, clean, corrupted, metric, config: str, batch_size: int | None, progress: bool = False
+):
     """``discover_circuit`` with its defaults: each stage's time, the total, the peak memory
     above the loaded model and the circuit found, every line prefixed with ``config``."""
     _reset_peak()
@@ -103,7 +105,7 @@ def measure_default(model, clean, corrupted, metric, config: str, batch_size: in
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         circuit = discover_circuit(
-            model, clean, corrupted, metric, batch_size=batch_size, progress=False
+            model, clean, corrupted, metric, batch_size=batch_size, progress=progress
         )
     total = time.perf_counter() - t0
     peak = _status("VmHWM") - base
@@ -138,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         "--smollm2", action="store_true", help="also SmolLM2-135M IOI (the [smollm2] extra; slow)"
     )
     parser.add_argument("--ioi-prompts", type=int, default=16, help="with --smollm2")
+    parser.add_argument(
+        "--progress", action="store_true", help="progress bars (stderr) during discover_circuit"
+    )
     parser.add_argument(
         "--gpt2-small", action="store_true",
         help="the earlier two-stage neuron-level measurement on a GPT-2-small-shaped model",
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         f"bundled tiny-stdlib-silu fp32, bracket task {clean.shape[0]} prompts x "
         f"{clean.shape[1]} tokens, batch {batch}, defaults, {torch.get_num_threads()} threads"
     )
-    measure_default(model, clean, corrupted, metric, config, args.batch_size)
+    measure_default(model, clean, corrupted, metric, config, args.batch_size, args.progress)
     if args.smollm2:
         from tl_attnonly.analysis import make_ioi_dataset
         from tl_attnonly.smollm2 import load_smollm2
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         measure_default(
             model, data.tokens, data.corrupted_tokens, data.additive_metric(), config,
-            args.batch_size,
+            args.batch_size, args.progress,
         )  # fmt: skip
 
 
