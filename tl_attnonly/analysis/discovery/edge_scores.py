@@ -51,6 +51,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.graph import HeadGraph, edges_frame
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 
 # pruning lives in .pruning; its public names stay importable from here too
 from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, mask_size, prune
@@ -240,6 +241,7 @@ def edge_attribution_scores(
     max_bytes: int = 2**30,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = True,
+    positions: PositionClasses | None = None,
 ) -> EdgeScores:
     """Score every edge of the head graph by edge attribution patching.
 
@@ -258,13 +260,20 @@ def edge_attribution_scores(
         max_bytes: Refuse when the score tensors alone would exceed this.
         block_bytes: Budget for the intermediates of one block (they are chunked to fit).
         progress: Show progress bars.
+        positions: Resolve the edges by position class (:mod:`.positions`): each input's
+            gradient is summed over the positions of its class only.
 
     Returns:
         :class:`EdgeScores`.
     """
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
+    if positions is not None:
+        positions.check_tokens(clean_tokens)
     check_additive(model, clean_tokens, metric, batch_indices(clean_tokens.shape[0], batch_size))
-    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
+    graph = HeadGraph(
+        model, neuron_level=neuron_level, nodes=nodes,
+        positions=None if positions is None else positions.names,
+    )  # fmt: skip
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
     if size > max_bytes:
@@ -282,7 +291,7 @@ def edge_attribution_scores(
     metrics = [0.0, 0.0]
     terms = attribution_terms(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
-        progress, metrics,
+        progress, metrics, positions,
     )  # fmt: skip
     # writing and reading matrices: weights, the same for every batch and step
     writers: dict[str, torch.Tensor] = {}
@@ -308,13 +317,15 @@ def edge_attribution_scores(
                 if not before:
                     continue
                 n = ends[before[-1].key]
+                sel, g, lin = _class_rows(dst, g, lin)
+                Wd = W if sel is None else W[sel]
                 rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
                 G = _read(g, readers[dst.key])
                 block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
-                for b in range(0, W.shape[0], rows):
+                for b in range(0, Wd.shape[0], rows):
                     part = slice(b, b + rows)
                     lin_part = None if lin is None else (lin[0][part], lin[1][part], *lin[2:])
-                    block += _scores_from_read(W[part, :n], G[part], lin_part)
+                    block += _scores_from_read(Wd[part, :n], G[part], lin_part)
                 start = 0
                 for src in before:
                     stop = start + len(src.labels)
@@ -329,12 +340,24 @@ def edge_attribution_scores(
                 readers[dst.key] = reader_matrix(model, dst, graph, g)
             if src.key not in writers:
                 writers[src.key] = writer_matrix(model, src, graph, g)
+            sel, g, lin = _class_rows(dst, g, lin)
+            delta = deltas[src.key] if sel is None else deltas[src.key][sel]
             with torch.no_grad():
-                block = block_scores(
-                    deltas[src.key], writers[src.key], g, readers[dst.key], lin, block_bytes
-                )
+                block = block_scores(delta, writers[src.key], g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
+
+
+def _class_rows(dst, g: torch.Tensor, lin):
+    """An input group of a position class: its rows (``batch * pos``) of that class, with its
+    gradient ``g [rows, n, s]`` and normalisation there. Its gradient is zero at every other row
+    (:func:`attribution_terms`), and every term of a score is linear in it, so the other rows add
+    exactly nothing; skipping them makes a graph of ``C`` classes cost about what one costs."""
+    if dst.position is None:
+        return None, g, lin
+    sel = g.flatten(1).ne(0).any(1).nonzero().flatten()
+    lin = None if lin is None else (lin[0][sel], lin[1][sel], *lin[2:])
+    return sel, g[sel], lin
 
 
 #: What :func:`attribution_terms` yields per batch and interpolation step: every source group's
@@ -354,10 +377,13 @@ def attribution_terms(
     batch_size: int | None,
     progress: bool,
     metrics: list[float],
+    positions: PositionClasses | None = None,
 ) -> Iterator[Terms]:
     """The per-row terms of the EAP scores, batch by batch (``rows = batch * pos``).
 
-    Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``.
+    Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``. An input
+    group of a position class (``graph.positions``) reads the gradient at its class's positions
+    only (zero elsewhere).
     """
     source_names = source_hook_names(model, graph)
     input_names = sorted({input_hook_name(d, graph) for d in graph.inputs})
@@ -396,6 +422,8 @@ def attribution_terms(
                 module, site_name = input_site(model, dst)
                 lin = norm_linearisation(module, sites[site_name].flatten(0, 1))
                 g = read_gradient(model, dst, graph, grads[input_hook_name(dst, graph)])
+                if dst.position is not None and positions is not None:
+                    g = g * positions.mask(dst.position, idx, g.device)[:, :, None, None]
                 reads[dst.key] = (g.flatten(0, 1), lin)
             yield deltas, reads, 1.0 / len(alphas)
             bar.update()
