@@ -68,7 +68,9 @@ def test_resolved_scores_are_directional_derivatives_at_each_class(name, monkeyp
 
     monkeypatch.setattr(reference, "CLEAN", CLEAN)
     monkeypatch.setattr(reference, "CORRUPTED", CORRUPTED)
-    es = edge_attribution_scores(model, CLEAN, CORRUPTED, _metric, positions=CLASSES, progress=False)
+    es = edge_attribution_scores(
+        model, CLEAN, CORRUPTED, _metric, positions=CLASSES, progress=False
+    )
     plain = edge_attribution_scores(model, CLEAN, CORRUPTED, _metric, progress=False).frame()
     cases = [
         ("embed", "L0H1", "q"),
@@ -146,7 +148,7 @@ def test_full_edges_at_one_class_equal_corrupted_inputs_at_the_others(name):
         got = circuit_metric(model, mask, CLEAN, CORRUPTED, _metric, positions=CLASSES)
         frozen = IDS != c
 
-        def hook(act, hook):
+        def hook(act, hook, frozen=frozen):
             shape = frozen.shape + (1,) * (act.ndim - 2)
             return torch.where(frozen.view(shape), corr[hook.name], act)
 

@@ -307,18 +307,18 @@ def edge_attribution_scores(
                 if src.key not in writers:
                     writers[src.key] = writer_matrix(model, src, graph, deltas[src.key])
             W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
+            W, spans = _rows_by_class(W, graph, reads)
             for dst in graph.inputs:
                 if not dst.labels or dst.kind == "neuron":
                     continue
-                g, lin = reads[dst.key]
+                g, lin = reads[dst.key][:2]
                 if dst.key not in readers:
                     readers[dst.key] = reader_matrix(model, dst, graph, g)
                 before = [s for s in narrow if s.order < dst.order]
                 if not before:
                     continue
                 n = ends[before[-1].key]
-                sel, g, lin = _class_rows(dst, g, lin)
-                Wd = W if sel is None else W[sel]
+                Wd = W if dst.position is None else W[spans[dst.position]]
                 rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
                 G = _read(g, readers[dst.key])
                 block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
@@ -335,35 +335,39 @@ def edge_attribution_scores(
         for src, dst in graph.blocks():
             if src.kind != "neuron" and dst.kind != "neuron":
                 continue  # scored above
-            g, lin = reads[dst.key]
+            g, lin, *class_rows = reads[dst.key]
             if dst.key not in readers:
                 readers[dst.key] = reader_matrix(model, dst, graph, g)
             if src.key not in writers:
                 writers[src.key] = writer_matrix(model, src, graph, g)
-            sel, g, lin = _class_rows(dst, g, lin)
-            delta = deltas[src.key] if sel is None else deltas[src.key][sel]
+            delta = deltas[src.key][class_rows[0]] if class_rows else deltas[src.key]
             with torch.no_grad():
                 block = block_scores(delta, writers[src.key], g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
 
-def _class_rows(dst, g: torch.Tensor, lin):
-    """An input group of a position class: its rows (``batch * pos``) of that class, with its
-    gradient ``g [rows, n, s]`` and normalisation there. Its gradient is zero at every other row
-    (:func:`attribution_terms`), and every term of a score is linear in it, so the other rows add
-    exactly nothing; skipping them makes a graph of ``C`` classes cost about what one costs."""
-    if dst.position is None:
-        return None, g, lin
-    sel = g.flatten(1).ne(0).any(1).nonzero().flatten()
-    lin = None if lin is None else (lin[0][sel], lin[1][sel], *lin[2:])
-    return sel, g[sel], lin
+def _rows_by_class(W: torch.Tensor, graph: HeadGraph, reads) -> tuple[torch.Tensor, dict]:
+    """``W [rows, u, d]`` with its rows grouped by position class (one copy), and each class's
+    slice of it; unchanged without classes."""
+    if graph.positions is None:
+        return W, {}
+    rows = {}
+    for dst in graph.inputs:
+        if dst.position is not None and dst.labels and dst.position not in rows:
+            rows[dst.position] = reads[dst.key][2]
+    spans, start = {}, 0
+    for name, where in rows.items():
+        spans[name] = slice(start, start + len(where))
+        start += len(where)
+    return W[torch.cat(list(rows.values()))], spans
 
 
 #: What :func:`attribution_terms` yields per batch and interpolation step: every source group's
 #: change ``[rows, n, r]``, every input group's read gradient ``[rows, n, s]`` with its
-#: normalisation linearised at each row, and the weight of the step (``1 / ig_steps``).
-Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, Any]], float]
+#: normalisation linearised at each row (an input of a position class: those of its class's rows,
+#: and the rows), and the weight of the step (``1 / ig_steps``).
+Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[Any, ...]], float]
 
 
 def attribution_terms(
@@ -382,8 +386,9 @@ def attribution_terms(
     """The per-row terms of the EAP scores, batch by batch (``rows = batch * pos``).
 
     Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``. An input
-    group of a position class (``graph.positions``) reads the gradient at its class's positions
-    only (zero elsewhere).
+    group of a position class (``graph.positions``) reads the gradient at its class's rows only:
+    its read is ``(g, lin, rows)``, restricted to the rows (indices into ``batch * pos``) of its
+    class, the only rows where its score has terms.
     """
     source_names = source_hook_names(model, graph)
     input_names = sorted({input_hook_name(d, graph) for d in graph.inputs})
@@ -415,16 +420,20 @@ def attribution_terms(
                 model, corrupted, idx, metric, input_names, site_names, clean_cache, corr_cache,
                 alpha,
             )  # fmt: skip
-            reads = {}
+            reads: dict[str, tuple[Any, ...]] = {}
             for dst in graph.inputs:
                 if not dst.labels:
                     continue
                 module, site_name = input_site(model, dst)
                 lin = norm_linearisation(module, sites[site_name].flatten(0, 1))
                 g = read_gradient(model, dst, graph, grads[input_hook_name(dst, graph)])
+                g = g.flatten(0, 1)
                 if dst.position is not None and positions is not None:
-                    g = g * positions.mask(dst.position, idx, g.device)[:, :, None, None]
-                reads[dst.key] = (g.flatten(0, 1), lin)
+                    rows = positions.mask(dst.position, idx, g.device).flatten().nonzero()[:, 0]
+                    lin = None if lin is None else (lin[0][rows], lin[1][rows], *lin[2:])
+                    reads[dst.key] = (g[rows], lin, rows)
+                    continue
+                reads[dst.key] = (g, lin)
             yield deltas, reads, 1.0 / len(alphas)
             bar.update()
     bar.close()

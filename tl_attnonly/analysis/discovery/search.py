@@ -28,6 +28,11 @@ enters through the embeddings and the first MLP layers and reaches every later n
 few hundred selected neurons freezes every other neuron to the corrupted run, and its full graph
 (the ceiling) may recover little. A whole MLP layer as one node loses nothing of that.
 
+**Resolved by position** (``positions=``, :mod:`.positions`): every input of the graph is split
+by position class (for IOI ``data.position_classes()``: the IO, S1, S1+1, S2 and END positions and
+the rest), so an identity path such as ``embed -> L0MLP`` can be kept at the name positions
+without keeping it everywhere. The full graph is still the clean run, so the ceiling is 1.
+
 **Evidence.** Every :class:`~.runs.Circuit` carries its ceiling (faithfulness of the graph's every
 edge), the faithfulness-vs-size curve, a node-patching baseline (the clean outputs of the
 circuit's nodes patched into the corrupted run, every other node recomputed:
