@@ -36,13 +36,14 @@ when ``roles`` runs too):
   heads and whole MLP layers ranked by EAP-IG, the smallest circuit reaching ``--target`` by exact
   runs, then neurons named in its MLP nodes), on ``--templates package`` (IOI_TEMPLATES) or
   ``heldout`` (IOI_TEMPLATES_HELDOUT, a second set); prints the circuit's evidence, the time and
-  the process's peak resident memory.
+  the process's peak resident memory. ``--positions roles`` resolves the edges by position
+  class (``data.position_classes()``: IO, S1, S1+1, S2, END and the other positions).
 
 Usage::
 
     python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes discover] [--threads 2]
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
-        [--corruption abc|swap] [--target 0.8]
+        [--corruption abc|swap] [--target 0.8] [--positions none|roles]
 """
 
 from __future__ import annotations
@@ -260,14 +261,16 @@ def stage_discover(model, data, args) -> Circuit:
     every piece of evidence the circuit carries."""
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     start = time.perf_counter()
+    positions = data.position_classes() if args.positions == "roles" else None
     circuit = discover_circuit(
         model, data.tokens, data.corrupted_tokens, data.additive_metric(), target=args.target,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size, positions=positions,
     )  # fmt: skip
     seconds = time.perf_counter() - start
+    where = "resolved by IOI role positions" if positions is not None else "every position"
     print(
         f"\n## discover_circuit, defaults ({args.templates} templates, {args.corruption} "
-        f"corruption, {len(data)} prompts, target {args.target})"
+        f"corruption, {len(data)} prompts, target {args.target}; edges {where})"
     )
     print(circuit.report())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -293,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         help="IOI_TEMPLATES (package) or IOI_TEMPLATES_HELDOUT (a second set, not tuned on)",
     )  # fmt: skip
     parser.add_argument("--target", type=float, default=0.8, help="faithfulness (discover)")
+    parser.add_argument(
+        "--positions", default="none", choices=["none", "roles"],
+        help="discover: resolve the edges by position class (IO, S1, S1+1, S2, END, other)",
+    )  # fmt: skip
     parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
     parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400, 1000, 3000])

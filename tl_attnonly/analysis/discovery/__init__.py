@@ -48,6 +48,7 @@ from tl_attnonly.analysis.discovery.node_circuits import (
     pair_cosine_metric,
 )
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
@@ -104,6 +105,7 @@ __all__ = [
     "NodeScores",
     "pair_cosine_metric",
     "path_gate_value_split",
+    "PositionClasses",
     "prune",
     "SourceGroup",
     "top_edges",

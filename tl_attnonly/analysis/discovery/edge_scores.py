@@ -51,6 +51,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.graph import HeadGraph, edges_frame
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 
 # pruning lives in .pruning; its public names stay importable from here too
 from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, mask_size, prune
@@ -240,6 +241,7 @@ def edge_attribution_scores(
     max_bytes: int = 2**30,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = True,
+    positions: PositionClasses | None = None,
 ) -> EdgeScores:
     """Score every edge of the head graph by edge attribution patching.
 
@@ -258,13 +260,20 @@ def edge_attribution_scores(
         max_bytes: Refuse when the score tensors alone would exceed this.
         block_bytes: Budget for the intermediates of one block (they are chunked to fit).
         progress: Show progress bars.
+        positions: Resolve the edges by position class (:mod:`.positions`): each input's
+            gradient is summed over the positions of its class only.
 
     Returns:
         :class:`EdgeScores`.
     """
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
+    if positions is not None:
+        positions.check_tokens(clean_tokens)
     check_additive(model, clean_tokens, metric, batch_indices(clean_tokens.shape[0], batch_size))
-    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
+    graph = HeadGraph(
+        model, neuron_level=neuron_level, nodes=nodes,
+        positions=None if positions is None else positions.names,
+    )  # fmt: skip
     dtype = next(model.parameters()).dtype
     size = graph.n_edges() * torch.tensor([], dtype=dtype).element_size()
     if size > max_bytes:
@@ -282,7 +291,7 @@ def edge_attribution_scores(
     metrics = [0.0, 0.0]
     terms = attribution_terms(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
-        progress, metrics,
+        progress, metrics, positions,
     )  # fmt: skip
     # writing and reading matrices: weights, the same for every batch and step
     writers: dict[str, torch.Tensor] = {}
@@ -298,23 +307,25 @@ def edge_attribution_scores(
                 if src.key not in writers:
                     writers[src.key] = writer_matrix(model, src, graph, deltas[src.key])
             W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
+            W, spans = _rows_by_class(W, graph, reads)
             for dst in graph.inputs:
                 if not dst.labels or dst.kind == "neuron":
                     continue
-                g, lin = reads[dst.key]
+                g, lin = reads[dst.key][:2]
                 if dst.key not in readers:
                     readers[dst.key] = reader_matrix(model, dst, graph, g)
                 before = [s for s in narrow if s.order < dst.order]
                 if not before:
                     continue
                 n = ends[before[-1].key]
+                Wd = W if dst.position is None else W[spans[dst.position]]
                 rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
                 G = _read(g, readers[dst.key])
                 block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
-                for b in range(0, W.shape[0], rows):
+                for b in range(0, Wd.shape[0], rows):
                     part = slice(b, b + rows)
                     lin_part = None if lin is None else (lin[0][part], lin[1][part], *lin[2:])
-                    block += _scores_from_read(W[part, :n], G[part], lin_part)
+                    block += _scores_from_read(Wd[part, :n], G[part], lin_part)
                 start = 0
                 for src in before:
                     stop = start + len(src.labels)
@@ -324,23 +335,39 @@ def edge_attribution_scores(
         for src, dst in graph.blocks():
             if src.kind != "neuron" and dst.kind != "neuron":
                 continue  # scored above
-            g, lin = reads[dst.key]
+            g, lin, *class_rows = reads[dst.key]
             if dst.key not in readers:
                 readers[dst.key] = reader_matrix(model, dst, graph, g)
             if src.key not in writers:
                 writers[src.key] = writer_matrix(model, src, graph, g)
+            delta = deltas[src.key][class_rows[0]] if class_rows else deltas[src.key]
             with torch.no_grad():
-                block = block_scores(
-                    deltas[src.key], writers[src.key], g, readers[dst.key], lin, block_bytes
-                )
+                block = block_scores(delta, writers[src.key], g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
 
+def _rows_by_class(W: torch.Tensor, graph: HeadGraph, reads) -> tuple[torch.Tensor, dict]:
+    """``W [rows, u, d]`` with its rows grouped by position class (one copy), and each class's
+    slice of it; unchanged without classes."""
+    if graph.positions is None:
+        return W, {}
+    rows = {}
+    for dst in graph.inputs:
+        if dst.position is not None and dst.labels and dst.position not in rows:
+            rows[dst.position] = reads[dst.key][2]
+    spans, start = {}, 0
+    for name, where in rows.items():
+        spans[name] = slice(start, start + len(where))
+        start += len(where)
+    return W[torch.cat(list(rows.values()))], spans
+
+
 #: What :func:`attribution_terms` yields per batch and interpolation step: every source group's
 #: change ``[rows, n, r]``, every input group's read gradient ``[rows, n, s]`` with its
-#: normalisation linearised at each row, and the weight of the step (``1 / ig_steps``).
-Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, Any]], float]
+#: normalisation linearised at each row (an input of a position class: those of its class's rows,
+#: and the rows), and the weight of the step (``1 / ig_steps``).
+Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[Any, ...]], float]
 
 
 def attribution_terms(
@@ -354,10 +381,14 @@ def attribution_terms(
     batch_size: int | None,
     progress: bool,
     metrics: list[float],
+    positions: PositionClasses | None = None,
 ) -> Iterator[Terms]:
     """The per-row terms of the EAP scores, batch by batch (``rows = batch * pos``).
 
-    Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``.
+    Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``. An input
+    group of a position class (``graph.positions``) reads the gradient at its class's rows only:
+    its read is ``(g, lin, rows)``, restricted to the rows (indices into ``batch * pos``) of its
+    class, the only rows where its score has terms.
     """
     source_names = source_hook_names(model, graph)
     input_names = sorted({input_hook_name(d, graph) for d in graph.inputs})
@@ -389,14 +420,20 @@ def attribution_terms(
                 model, corrupted, idx, metric, input_names, site_names, clean_cache, corr_cache,
                 alpha,
             )  # fmt: skip
-            reads = {}
+            reads: dict[str, tuple[Any, ...]] = {}
             for dst in graph.inputs:
                 if not dst.labels:
                     continue
                 module, site_name = input_site(model, dst)
                 lin = norm_linearisation(module, sites[site_name].flatten(0, 1))
                 g = read_gradient(model, dst, graph, grads[input_hook_name(dst, graph)])
-                reads[dst.key] = (g.flatten(0, 1), lin)
+                g = g.flatten(0, 1)
+                if dst.position is not None and positions is not None:
+                    rows = positions.mask(dst.position, idx, g.device).flatten().nonzero()[:, 0]
+                    lin = None if lin is None else (lin[0][rows], lin[1][rows], *lin[2:])
+                    reads[dst.key] = (g[rows], lin, rows)
+                    continue
+                reads[dst.key] = (g, lin)
             yield deltas, reads, 1.0 / len(alphas)
             bar.update()
     bar.close()

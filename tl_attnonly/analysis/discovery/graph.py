@@ -29,8 +29,8 @@ edges instead.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
 import pandas as pd
@@ -95,6 +95,8 @@ class InputGroup:
         index: Positions of ``labels`` in the full group (all of it unless restricted); for an
             MLP remainder (kind ``"mlp"``, one reader) the positions of the neurons it holds.
         size: Number of readers in the full group.
+        position: The position class this group reads at (key suffix ``"@{position}"``;
+            :mod:`.positions`), or None: every position.
     """
 
     key: str
@@ -105,6 +107,7 @@ class InputGroup:
     order: int
     index: tuple[int, ...]
     size: int
+    position: str | None = None
 
 
 class HeadGraph:
@@ -119,6 +122,9 @@ class HeadGraph:
             kept. ``"L{l}MLP"`` keeps layer ``l``'s other neurons as one node (their summed output
             is its output; its gate and value inputs are theirs, all receiving the same edges).
             Default: every node.
+        positions: Names of position classes (:class:`~.positions.PositionClasses`): every
+            input group is split into one group per class (key ``"attn.23.v@io"``), so edges
+            are resolved by position. Default: none (one group per input, every position).
 
     Attributes:
         gated: Whether the MLPs are gated (inputs ``gate = g``, ``value = u``; see above).
@@ -133,8 +139,10 @@ class HeadGraph:
         model: NeuronHeadModelMixin,
         neuron_level: bool = True,
         nodes: Collection[str] | None = None,
+        positions: Sequence[str] | None = None,
     ):
         cfg = model.cfg
+        self.positions = None if positions is None else tuple(positions)
         self.n_heads = cfg.n_heads
         self.n_layers = cfg.n_layers
         self.n_heads_per_neuron = model.n_heads_per_neuron
@@ -236,6 +244,12 @@ class HeadGraph:
         self.inputs.append(
             InputGroup(LOGITS, LOGITS, cfg.n_layers, "", (LOGITS,), 3 * cfg.n_layers + 3, (0,), 1)
         )
+        if self.positions is not None:
+            self.inputs = [
+                replace(g, key=f"{g.key}@{p}", position=p)
+                for g in self.inputs
+                for p in self.positions
+            ]
         self.restricted = any(len(g.labels) < g.size for g in self.sources) or any(
             len(g.labels) < g.size for g in self.inputs
         )
@@ -278,9 +292,9 @@ class HeadGraph:
         }
 
 
-def edge_label(src: str, dst: str, inp: str) -> str:
-    """``"L0H1->L1N3:gate"``, ``"L1N3->logits"``."""
-    return f"{src}->{dst}" + (f":{inp}" if inp else "")
+def edge_label(src: str, dst: str, inp: str, position: str | None = None) -> str:
+    """``"L0H1->L1N3:gate"``, ``"L1N3->logits"``; resolved by position ``"L0H1->L1N3:gate@io"``."""
+    return f"{src}->{dst}" + (f":{inp}" if inp else "") + (f"@{position}" if position else "")
 
 
 def edges_frame(
@@ -290,11 +304,13 @@ def edges_frame(
 ) -> pd.DataFrame:
     """One row per edge (or per edge in ``mask``): source, target, input, score, sorted by |score|.
 
-    Columns: ``edge, source, target, input, source_kind, target_kind, score``.
+    Columns: ``edge, source, target, input, source_kind, target_kind, score`` (and ``position``
+    after ``input`` for a graph resolved by position).
     """
-    rows: dict[str, list] = {
-        k: [] for k in ("source", "target", "input", "source_kind", "target_kind", "score")
-    }
+    columns = ["source", "target", "input", "source_kind", "target_kind", "score"]
+    if graph.positions is not None:
+        columns.insert(3, "position")
+    rows: dict[str, list] = {k: [] for k in columns}
     for src, dst in graph.blocks():
         block = scores[(src.key, dst.key)]
         keep = (
@@ -307,6 +323,8 @@ def edges_frame(
             rows["source"].append(src.labels[u])
             rows["target"].append(dst.labels[v])
             rows["input"].append(dst.input)
+            if graph.positions is not None:
+                rows["position"].append(dst.position)
             rows["source_kind"].append(src.kind)
             rows["target_kind"].append(dst.kind)
             rows["score"].append(float(block[u, v]))
@@ -315,8 +333,14 @@ def edges_frame(
         0,
         "edge",
         [
-            edge_label(s, t, i)
-            for s, t, i in zip(frame.source, frame.target, frame.input, strict=True)
+            edge_label(s, t, i, p)
+            for s, t, i, p in zip(
+                frame.source,
+                frame.target,
+                frame.input,
+                frame["position"] if graph.positions is not None else [None] * len(frame),
+                strict=True,
+            )
         ],
     )
     order = frame.score.abs().sort_values(ascending=False, kind="stable").index

@@ -38,6 +38,7 @@ from tl_attnonly._types import check_token_pair
 # Circuit and faithfulness live in .circuit; they stay importable from here too
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
@@ -131,6 +132,7 @@ def circuit_metric(
     batch_size: int | None = None,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = False,
+    positions: PositionClasses | None = None,
 ) -> float:
     """The metric of the circuit ``mask``, exactly (see the module docstring).
 
@@ -145,6 +147,8 @@ def circuit_metric(
         batch_size: Examples per pass.
         block_bytes: Budget for the residual inputs rebuilt at once (chunked to fit).
         progress: Progress bar over batches.
+        positions: The mask's position classes (:mod:`.positions`), if it is over a graph
+            resolved by position: each class's positions are rebuilt from its own edges.
 
     Returns:
         The metric summed over batches.
@@ -152,6 +156,7 @@ def circuit_metric(
     return circuit_metrics(
         model, [mask], clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
         nodes=nodes, batch_size=batch_size, block_bytes=block_bytes, progress=progress,
+        positions=positions,
     )[0]  # fmt: skip
 
 
@@ -167,18 +172,25 @@ def circuit_metrics(
     batch_size: int | None = None,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = False,
+    positions: PositionClasses | None = None,
 ) -> list[float]:
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
     check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
-    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
+    if positions is not None:
+        positions.check_tokens(clean_tokens)
+    graph = HeadGraph(
+        model, neuron_level=neuron_level, nodes=nodes,
+        positions=None if positions is None else positions.names,
+    )  # fmt: skip
     for mask in masks:
         missing = set(graph.block_keys()) - set(mask)
         if missing:
             raise ValueError(
                 f"The mask lacks blocks {sorted(missing)[:3]}...: build it for this model with "
                 f"prune() or HeadGraph(model, neuron_level={neuron_level}, nodes=...).full_mask() "
-                "(a restricted graph's mask needs the same nodes=...)."
+                "(a restricted graph's mask needs the same nodes=..., and a mask resolved by "
+                "position the same positions=...)."
             )
     totals = [0.0] * len(masks)
     names = _corrupted_names(model, graph)
@@ -191,8 +203,15 @@ def circuit_metrics(
                 corrupted_tokens[idx], names_filter=lambda n: n in names
             )
             corr = dict(corr_cache.cache_dict)
+            where = (
+                None
+                if positions is None
+                else {p: positions.mask(p, idx, clean_tokens.device) for p in positions.names}
+            )
             for i, mask in enumerate(masks):
-                logits = _circuit_run(model, graph, mask, clean_tokens[idx], corr, block_bytes)
+                logits = _circuit_run(
+                    model, graph, mask, clean_tokens[idx], corr, block_bytes, where
+                )
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
     bar.close()
@@ -200,8 +219,16 @@ def circuit_metrics(
 
 
 def _circuit_run(
-    model: NeuronHeadModelMixin, graph: HeadGraph, mask: Mask, tokens, corr, block_bytes: int
+    model: NeuronHeadModelMixin,
+    graph: HeadGraph,
+    mask: Mask,
+    tokens,
+    corr,
+    block_bytes: int,
+    where: dict[str, torch.Tensor] | None = None,
 ):
+    """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
+    by position: each class's hook changes its own positions only)."""
     current: dict[str, torch.Tensor] = {}
     writers = {}
     written: dict[str, torch.Tensor] = {}  # a source's change times its writers, once per run
@@ -240,8 +267,27 @@ def _circuit_run(
         mixed = mixed.unique()  # an MLP remainder: one column (0) for all its neurons
         _, site_name = input_site(model, dst)
         hook_name = input_hook_name(dst, graph)
+        patch = patch_inputs(dst, blocks, none, mixed, index, site_name, hook_name)
+        if dst.position is not None:
+            if where is None:
+                raise ValueError(
+                    "This mask is over a graph resolved by position: give positions=... (the "
+                    "PositionClasses it was built with)."
+                )
+            sel = where[dst.position]
+            return hook_name, _at_positions(patch, sel)
+        return hook_name, patch
 
+    def _at_positions(patch, sel: torch.Tensor):
         def hook(act, hook):
+            new = patch(act, hook)
+            shape = sel.shape + (1,) * (act.ndim - 2)
+            return torch.where(sel.view(shape).to(act.device), new, act)
+
+        return hook
+
+    def patch_inputs(dst: InputGroup, blocks, none, mixed, index, site_name: str, hook_name: str):
+        def patch(act, hook):
             act = act.clone()
             if dst.kind == LOGITS:
                 if len(mixed) == 0:
@@ -264,7 +310,7 @@ def _circuit_run(
                 act[:, :, heads] = new.to(act.dtype)
             return act
 
-        return hook_name, hook
+        return patch
 
     def _delta_sum(blocks, nodes, batch_pos):
         out = None
@@ -309,7 +355,8 @@ def _readers_of_other_groups(graph: HeadGraph, dst: InputGroup) -> torch.Tensor:
         mine = torch.zeros(dst.size, dtype=torch.bool)
         mine[list(dst.index)] = True
         return (~mine).nonzero().flatten()
-    rest = graph.input_by_key.get(f"mlp.{dst.layer}.{dst.input}") if dst.kind == "neuron" else None
+    key = f"mlp.{dst.layer}.{dst.input}" + (f"@{dst.position}" if dst.position else "")
+    rest = graph.input_by_key.get(key) if dst.kind == "neuron" else None
     return torch.tensor(rest.index if rest is not None else (), dtype=torch.long)
 
 
@@ -333,6 +380,7 @@ def circuit_gate_value_split(
     nodes: Collection[str] | None = None,
     batch_size: int | None = None,
     progress: bool = True,
+    positions: PositionClasses | None = None,
 ) -> pd.DataFrame:
     """For each neuron of the circuit: the effect of its gate edges alone, value edges alone, both.
 
@@ -360,13 +408,17 @@ def circuit_gate_value_split(
         neurons: Labels of neurons (or neuron-heads) to split; default every neuron with an
             incoming circuit edge.
         Others: As in :func:`~tl_attnonly.analysis.circuit_metric` (``nodes``: the mask's
-            restricted graph).
+            restricted graph; ``positions``: its position classes, whose gate (value) edges at
+            every position count as the neuron's gate (value)).
 
     Returns:
         DataFrame with columns ``node, gate, value, both, interaction, n_gate_edges,
         n_value_edges`` (metric units).
     """
-    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
+    graph = HeadGraph(
+        model, neuron_level=neuron_level, nodes=nodes,
+        positions=None if positions is None else positions.names,
+    )  # fmt: skip
     targets: dict[str, dict[str, list[tuple[tuple[str, str], int]]]] = {}
     for src, dst in graph.blocks():
         if dst.kind != "neuron":
@@ -392,7 +444,7 @@ def circuit_gate_value_split(
         masks += [without(entry, "gate"), without(entry, "value"), without(entry, "gate", "value")]
     values = circuit_metrics(
         model, masks, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
-        nodes=nodes, batch_size=batch_size, progress=progress,
+        nodes=nodes, batch_size=batch_size, progress=progress, positions=positions,
     )  # fmt: skip
     m_full = values[0]
     rows = []

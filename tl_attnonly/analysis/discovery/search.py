@@ -28,6 +28,11 @@ enters through the embeddings and the first MLP layers and reaches every later n
 few hundred selected neurons freezes every other neuron to the corrupted run, and its full graph
 (the ceiling) may recover little. A whole MLP layer as one node loses nothing of that.
 
+**Resolved by position** (``positions=``, :mod:`.positions`): every input of the graph is split
+by position class (for IOI ``data.position_classes()``: the IO, S1, S1+1, S2 and END positions and
+the rest), so an identity path such as ``embed -> L0MLP`` can be kept at the name positions
+without keeping it everywhere. The full graph is still the clean run, so the ceiling is 1.
+
 **Evidence.** Every :class:`~.runs.Circuit` carries its ceiling (faithfulness of the graph's every
 edge), the faithfulness-vs-size curve, a node-patching baseline (the clean outputs of the
 circuit's nodes patched into the corrupted run, every other node recomputed:
@@ -59,6 +64,7 @@ from tl_attnonly.analysis.discovery.edge_scores import (
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
@@ -264,6 +270,8 @@ def discover_circuit(
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
     options: DiscoveryOptions | None = None,
+    *,
+    positions: PositionClasses | None = None,
     **overrides: Any,
 ) -> Circuit:
     """Find the smallest circuit reaching a faithfulness target, with its evidence.
@@ -279,6 +287,10 @@ def discover_circuit(
             examples (``metric_reduction="sum"``, checked when there are several batches) or a
             per-batch mean (``metric_reduction="mean"``).
         options: A :class:`~.options.DiscoveryOptions` (default: its defaults).
+        positions: Resolve the graph's edges by position class (:mod:`.positions`; for IOI
+            ``data.position_classes()``): every input is split per class, so an edge such as
+            ``embed -> L0MLP:value@s2`` is kept at the S2 positions without keeping it at the
+            others. Default: edges cover every position.
         **overrides: Fields of :class:`~.options.DiscoveryOptions` given one by one (they win),
             e.g. ``target=0.9``, ``batch_size=8``. The earlier keywords ``top_n``,
             ``threshold``, ``nodes``, ``n_nodes``, ``mlp_rest`` (without ``options`` or
@@ -333,7 +345,7 @@ def discover_circuit(
     scores = edge_attribution_scores(
         model, clean_tokens, corrupted_tokens, metric, method=opts.method,
         ig_steps=opts.ig_steps, neuron_level=opts.neuron_level, nodes=nodes,
-        batch_size=opts.batch_size, progress=opts.progress,
+        batch_size=opts.batch_size, progress=opts.progress, positions=positions,
     )  # fmt: skip
     seconds["edge scores"] = time.perf_counter() - t
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
@@ -341,13 +353,14 @@ def discover_circuit(
     notes: list[str] = []
     if opts.top_n is None and opts.threshold is None:
         mask, m_circ, curve, ceiling, notes = sweep_to_target(
-            model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts
+            model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts, positions
         )
     else:
         mask = prune(scores, top_n=opts.top_n, threshold=opts.threshold)
         m_full, m_circ = circuit_metrics(
             model, [scores.graph.full_mask(), mask], clean_tokens, corrupted_tokens, metric,
             neuron_level=opts.neuron_level, nodes=nodes, batch_size=opts.batch_size,
+            positions=positions,
         )  # fmt: skip
         ceiling = faithfulness(m_full, m_clean, m_corr)
         curve = pd.DataFrame(
@@ -380,7 +393,7 @@ def discover_circuit(
     if opts.graph == "coarse" and opts.neurons_per_mlp > 0:
         t = time.perf_counter()
         circuit, fine_nodes = _name_neurons(
-            model, circuit, clean_tokens, corrupted_tokens, metric, opts
+            model, circuit, clean_tokens, corrupted_tokens, metric, opts, positions
         )
         seconds["neurons"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -407,7 +420,7 @@ def discover_circuit(
             model, circuit.mask, clean_tokens, corrupted_tokens, metric,
             neurons=list(ranked.index[: opts.max_gate_value_neurons]),
             neuron_level=opts.neuron_level, nodes=fine_nodes, batch_size=opts.batch_size,
-            progress=opts.progress,
+            progress=opts.progress, positions=positions,
         )  # fmt: skip
         seconds["gate/value"] = time.perf_counter() - t
     for note in circuit.warnings:
@@ -424,7 +437,13 @@ def discover_circuit(
 
 
 def _name_neurons(
-    model: NeuronHeadModelMixin, coarse: Circuit, clean, corrupted, metric, opts: DiscoveryOptions
+    model: NeuronHeadModelMixin,
+    coarse: Circuit,
+    clean,
+    corrupted,
+    metric,
+    opts: DiscoveryOptions,
+    positions: PositionClasses | None = None,
 ):
     """Step 3 and 4 of the module docstring: the circuit on the graph with named neurons."""
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
@@ -444,7 +463,7 @@ def _name_neurons(
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
-        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress,
+        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress, positions=positions,
     )  # fmt: skip
     mask = expand_mask(coarse.graph, coarse.mask, scores.graph)
     masks = [mask]
@@ -457,7 +476,7 @@ def _name_neurons(
     masks.append(_without_sources(mask, {f"mlp.{li}" for li in layers}))
     values = circuit_metrics(
         model, masks, clean, corrupted, metric, nodes=fine_nodes, batch_size=opts.batch_size,
-        progress=opts.progress,
+        progress=opts.progress, positions=positions,
     )  # fmt: skip
     m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
     denom = m_clean - m_corr

@@ -14,6 +14,7 @@ import pandas as pd
 
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune
 from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import Mask
@@ -51,6 +52,7 @@ def sweep_to_target(
     metric,
     nodes,
     opts: DiscoveryOptions,
+    positions: PositionClasses | None = None,
 ):
     """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring).
 
@@ -70,7 +72,7 @@ def sweep_to_target(
         masks = [graph.full_mask() if n >= n_all else prune(scores, top_n=n) for n in sizes]
         values = circuit_metrics(
             model, masks, clean, corrupted, metric, nodes=nodes, batch_size=opts.batch_size,
-            progress=opts.progress,
+            progress=opts.progress, positions=positions,
         )  # fmt: skip
         runs += len(sizes)
         for n, mask, value in zip(sizes, masks, values, strict=True):

@@ -14,6 +14,7 @@ import torch
 from jaxtyping import Float, Int
 
 from tl_attnonly._types import replace_options
+from tl_attnonly.analysis.discovery.positions import PositionClasses
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -183,6 +184,23 @@ class IOIDataset:
                 f"Unknown position {name!r}; expected io, s1, s2, end, s1_plus1 or first."
             )
         return getattr(self, f"{name}_pos")
+
+    def position_classes(
+        self, names: Sequence[str] = ("io", "s1", "s1_plus1", "s2", "end")
+    ) -> PositionClasses:
+        """Each token position's IOI role, for a circuit resolved by position
+        (``discover_circuit(..., positions=data.position_classes())``).
+
+        Args:
+            names: Roles with a class of their own (as :meth:`positions` names them); every
+                other position (the template's words, padding) is class ``"other"``.
+
+        Returns:
+            :class:`~tl_attnonly.analysis.discovery.positions.PositionClasses` over ``tokens``.
+        """
+        return PositionClasses.from_positions(
+            tuple(self.tokens.shape), {name: self.positions(name) for name in names}
+        )
 
     def logit_diff(self, logits: Float[torch.Tensor, "batch pos d_vocab"]) -> torch.Tensor:
         """``logit(IO) - logit(S)`` at END, per row: ``[batch]``."""
