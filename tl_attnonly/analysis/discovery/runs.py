@@ -39,6 +39,7 @@ from tl_attnonly._types import check_token_pair
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
 from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
@@ -53,8 +54,6 @@ from tl_attnonly.analysis.discovery.sites import (
     neuron_read_matrix,
     qkv_weights,
     source_hook_names,
-    source_values,
-    writer_matrix,
 )
 
 if TYPE_CHECKING:
@@ -193,6 +192,7 @@ def circuit_metrics(
                 "position the same positions=...)."
             )
     totals = [0.0] * len(masks)
+    plans = [CircuitPlan(graph, mask) for mask in masks]
     names = _corrupted_names(model, graph)
     batches = batch_indices(clean_tokens.shape[0], batch_size)
     check_additive(model, clean_tokens, metric, batches)
@@ -210,7 +210,7 @@ def circuit_metrics(
             )
             for i, mask in enumerate(masks):
                 logits = _circuit_run(
-                    model, graph, mask, clean_tokens[idx], corr, block_bytes, where
+                    model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where
                 )
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
@@ -225,13 +225,14 @@ def _circuit_run(
     tokens,
     corr,
     block_bytes: int,
+    plan: CircuitPlan | None = None,
     where: dict[str, torch.Tensor] | None = None,
 ):
     """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
     by position: each class's hook changes its own positions only)."""
     current: dict[str, torch.Tensor] = {}
-    writers = {}
-    written: dict[str, torch.Tensor] = {}  # a source's change times its writers, once per run
+    # each merged source row's change once per run, inputs shared by readers with equal edges
+    run = PlanRun(model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes)
 
     def record(act, hook):
         current[hook.name] = act
@@ -292,7 +293,7 @@ def _circuit_run(
             if dst.kind == LOGITS:
                 if len(mixed) == 0:
                     return corr[hook_name].clone()
-                return corr[hook_name] + _delta_sum(blocks, mixed, act.shape[:2])[:, :, 0]
+                return run.inputs(dst, hook_name, mixed)[:, :, 0]
             corr_act = corr[hook_name]
             if dst.kind in ("neuron", MLP_REST):
                 none_heads = _heads_of(graph, dst, none)
@@ -303,7 +304,7 @@ def _circuit_run(
             step = max(1, block_bytes // per)
             for start in range(0, len(mixed), step):
                 chunk = mixed[start : start + step].to(act.device)
-                x = corr[site_name].unsqueeze(2) + _delta_sum(blocks, chunk, act.shape[:2])
+                x = run.inputs(dst, site_name, chunk.cpu())
                 # the readers' indices in the model (an MLP remainder: all its neurons)
                 full = index.to(act.device) if dst.kind == MLP_REST else index.to(act.device)[chunk]
                 new, heads = _recompute(model, dst, graph, x.to(act.dtype), full)
@@ -311,32 +312,6 @@ def _circuit_run(
             return act
 
         return patch
-
-    def _delta_sum(blocks, nodes, batch_pos):
-        out = None
-        for src, m in blocks:
-            sub = m[:, nodes.to(m.device)]
-            rows = sub.any(1).nonzero().flatten()
-            if len(rows) == 0:
-                continue
-            if src.key not in writers:
-                writers[src.key] = writer_matrix(model, src, graph, corr["hook_embed"])
-            if src.kind != "neuron":  # narrow group: its written change once per run
-                if src.key not in written:
-                    delta = source_values(current, src, graph) - source_values(corr, src, graph)
-                    written[src.key] = torch.einsum("bpur,urd->bpud", delta, writers[src.key])
-                DU = written[src.key][:, :, rows.to(written[src.key].device)]
-            else:
-                delta = source_values(current, src, graph) - source_values(corr, src, graph)
-                rows_dev = rows.to(delta.device)
-                DU = torch.einsum(
-                    "bpur,urd->bpud", delta[:, :, rows_dev], writers[src.key][rows_dev]
-                )
-            part = torch.einsum("bpud,um->bpmd", DU, sub[rows].to(DU.dtype))
-            out = part if out is None else out + part
-        if out is None:
-            return corr["hook_embed"].new_zeros(*batch_pos, len(nodes), model.cfg.d_model)
-        return out
 
     hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
         (name, record) for name in source_hook_names(model, graph)

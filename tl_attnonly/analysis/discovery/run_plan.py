@@ -1,0 +1,192 @@
+"""What an exact circuit run (:mod:`.runs`) adds to each input, computed once per run.
+
+A circuit run rebuilds each reader's residual input as the corrupted input plus the current run's
+change of the sources joined to it, ``sum_{u -> v} delta_u`` with ``delta_u = (out_u(current) -
+out_u(corrupted)) U_u`` (``[batch, pos, d_model]``). Two kinds of redundancy make that sum cheap:
+
+- **Sources with the same outgoing edges** (the same mask row into every later input) always
+  appear together, so only their sum is needed: a named neuron and its layer's remainder of a
+  circuit expanded from an MLP node (``expand_mask``) are one summed row, like the coarse node.
+  :class:`CircuitPlan` merges them (per residual position ``order``), and each merged row's change
+  is computed once per run (``delta``), not once per reader.
+- **Readers with the same incoming edges** at the same residual site receive the same input:
+  it is built once (:meth:`CircuitPlan.inputs`; a dst group's copies of one column, and the
+  gate and value of a layer, or ``q``, ``k`` and ``v``, that share their edges).
+
+Each reader's input is then one matrix product ``M^T W`` of the merged rows' changes
+``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``. The result equals
+the edge-by-edge sum up to floating-point rounding (the order of the additions).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tl_attnonly.analysis.discovery.graph import HeadGraph, InputGroup, SourceGroup
+from tl_attnonly.analysis.discovery.sites import Mask, source_values, writer_matrix
+
+if TYPE_CHECKING:
+    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+
+
+class CircuitPlan:
+    """A circuit's sources merged by identical outgoing edges (mask only; no activations).
+
+    Args:
+        graph: The mask's graph.
+        mask: ``(source group, input group) -> bool [n_sources, n_inputs]``.
+
+    Attributes:
+        orders: Residual positions that have a source with an edge, increasing.
+        members: Per order, ``(group, rows, ids)``: the group's kept rows with an edge and the
+            merged row each belongs to.
+        n_rows: Per order, the number of merged rows.
+        offsets: The first merged row of each order (rows of all orders in one matrix), then
+            the total.
+        incidence: ``(order, input key) -> bool [n_rows, n_inputs]``: merged row -> reader edges.
+    """
+
+    def __init__(self, graph: HeadGraph, mask: Mask):
+        by_order: dict[int, list[SourceGroup]] = {}
+        for src in graph.sources:
+            if src.labels:
+                by_order.setdefault(src.order, []).append(src)
+        self.orders: list[int] = []
+        self.members: dict[int, list[tuple[SourceGroup, torch.Tensor, torch.Tensor]]] = {}
+        self.n_rows: dict[int, int] = {}
+        self.incidence: dict[tuple[int, str], torch.Tensor] = {}
+        self.offsets = [0]  # the first merged row of each order, and the total
+        for order, groups in sorted(by_order.items()):
+            dsts = [d for d in graph.inputs if d.labels and d.order > order]
+            if not dsts:
+                continue
+            signature = torch.cat(
+                [torch.cat([mask[(s.key, d.key)].cpu() for d in dsts], 1) for s in groups], 0
+            )
+            used = signature.any(1)
+            if not bool(used.any()):
+                continue
+            unique, ids = torch.unique(
+                signature[used].to(torch.uint8), dim=0, return_inverse=True
+            )
+            rows_all = used.nonzero().flatten()
+            members = []
+            start = 0
+            for s in groups:
+                n = len(s.labels)
+                pick = (rows_all >= start) & (rows_all < start + n)
+                if bool(pick.any()):
+                    members.append((s, rows_all[pick] - start, ids[pick]))
+                start += n
+            self.orders.append(order)
+            self.members[order] = members
+            self.n_rows[order] = unique.shape[0]
+            self.offsets.append(self.offsets[-1] + unique.shape[0])
+            offset = 0
+            for d in dsts:
+                n = len(d.labels)
+                self.incidence[(order, d.key)] = unique[:, offset : offset + n].bool()
+                offset += n
+
+    def before(self, dst: InputGroup) -> list[int]:
+        """The orders whose sources ``dst`` reads."""
+        return [o for o in self.orders if o < dst.order]  # a prefix of the orders
+
+    def columns(self, dst: InputGroup, readers: torch.Tensor) -> torch.Tensor:
+        """``bool [rows before dst, len(readers)]``: the merged rows joined to each reader."""
+        parts = [self.incidence[(o, dst.key)][:, readers] for o in self.before(dst)]
+        if not parts:
+            return torch.zeros(0, len(readers), dtype=torch.bool)
+        return torch.cat(parts, 0)
+
+
+class PlanRun:
+    """One circuit run's merged changes and rebuilt inputs.
+
+    Args:
+        model, graph, plan: The run's model, graph and :class:`CircuitPlan`.
+        current, corr: The current run's recorded source activations and the corrupted cache.
+        block_bytes: Budget for intermediate tensors and for the inputs kept for reuse.
+    """
+
+    def __init__(
+        self,
+        model: NeuronHeadModelMixin,
+        graph: HeadGraph,
+        plan: CircuitPlan,
+        current: dict[str, torch.Tensor],
+        corr: dict[str, torch.Tensor],
+        block_bytes: int,
+    ):
+        self.model, self.graph, self.plan = model, graph, plan
+        self.current, self.corr, self.block_bytes = current, corr, block_bytes
+        # [rows, batch*pos*d_model]: every merged row's change, rows of each order together
+        self.changes: torch.Tensor | None = None
+        self.filled: set[int] = set()
+        self.built: dict[tuple, torch.Tensor] = {}  # (site, order, column bytes) -> [b, p, d]
+        self.site: str | None = None
+        self.kept_bytes = 0
+
+    def _fill(self, order: int) -> None:
+        """Write each merged row's change at ``order`` into :attr:`changes` (once per run)."""
+        like = self.corr["hook_embed"]
+        b, p, d = like.shape[0], like.shape[1], self.model.cfg.d_model
+        if self.changes is None:
+            self.changes = like.new_zeros(self.plan.offsets[-1], b * p * d)
+        start_row = self.plan.offsets[self.plan.orders.index(order)]
+        for src, rows, ids in self.plan.members[order]:
+            U = writer_matrix(self.model, src, self.graph, like)
+            change = source_values(self.current, src, self.graph) - source_values(
+                self.corr, src, self.graph
+            )
+            per = max(1, b * p * d * change.element_size() * 2)
+            step = max(1, self.block_bytes // per)
+            for start in range(0, len(rows), step):
+                r = rows[start : start + step].to(change.device)
+                DU = torch.einsum("bpur,urd->ubpd", change[:, :, r], U[r.to(U.device)])
+                target = (ids[start : start + step] + start_row).to(DU.device)
+                self.changes.index_add_(0, target, DU.flatten(1))
+        self.filled.add(order)
+
+    def inputs(self, dst: InputGroup, site: str, readers: torch.Tensor) -> torch.Tensor:
+        """``[batch, pos, len(readers), d_model]``: the corrupted input at ``site`` plus each
+        reader's circuit sum; readers with the same edges share one computation."""
+        corr = self.corr[site]
+        b, p, d = corr.shape
+        if site != self.site:  # inputs are shared within one residual site only
+            self.site, self.built, self.kept_bytes = site, {}, 0
+        M = self.plan.columns(dst, readers)  # [rows before dst, readers]
+        unique, which = torch.unique(M.T.to(torch.uint8), dim=0, return_inverse=True)
+        keys = [(dst.order, bytes(col.numpy().tobytes())) for col in unique]
+        missing = [i for i, key in enumerate(keys) if key not in self.built]
+        fresh: dict[int, torch.Tensor] = {}
+        if missing:
+            cols = unique[missing].T.bool()  # [rows before dst, n_missing]
+            rows = cols.any(1).nonzero().flatten()
+            if len(rows) == 0:
+                total = corr.new_zeros(len(missing), b * p * d)
+            else:
+                for o in self.plan.before(dst):
+                    if o not in self.filled:
+                        self._fill(o)
+                assert self.changes is not None
+                W = self.changes
+                if len(rows) == M.shape[0]:  # every row: no gather
+                    total = cols.T.to(W.dtype).to(W.device) @ W[: len(rows)]
+                else:
+                    total = cols[rows].T.to(W.dtype).to(W.device) @ W[rows.to(W.device)]
+            sums = total.view(len(missing), b, p, d)
+            for j, i in enumerate(missing):
+                fresh[i] = sums[j]
+                size = sums[j].numel() * sums[j].element_size()
+                if self.kept_bytes + size <= self.block_bytes:
+                    self.built[keys[i]] = sums[j]
+                    self.kept_bytes += size
+        parts = [fresh[i] if i in fresh else self.built[keys[i]] for i in range(len(keys))]
+        stacked = torch.stack(parts, 2)  # [b, p, n_unique, d]
+        return corr.unsqueeze(2) + stacked[:, :, which.to(stacked.device)]
+
+
+__all__ = ["CircuitPlan", "PlanRun"]
