@@ -1,0 +1,148 @@
+"""Exact circuit runs against their definition, edge by edge (fp64).
+
+``circuit_metrics`` merges sources with identical outgoing edges and builds each distinct reader
+input once (``run_plan.py``). The reference here does neither: every kept reader's input is the
+corrupted residual input plus, one edge at a time, the change its source writes, and every reader
+outside the graph reads the corrupted run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GATED_ZOO, make_model, make_tokens
+
+from tl_attnonly import convert
+from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
+from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST
+from tl_attnonly.analysis.discovery.run_plan import CircuitPlan
+from tl_attnonly.analysis.discovery.runs import _recompute
+from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
+from tl_attnonly.analysis.discovery.sites import (
+    input_hook_name,
+    input_site,
+    source_hook_names,
+    source_values,
+    writer_matrix,
+)
+
+CLEAN, CORRUPTED = make_tokens(3, 7, seed=0), make_tokens(3, 7, seed=1)
+METRIC = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+MODELS = {
+    "llama": ("silu", GATED_ZOO["llama"], True),
+    "gqa_rotary": (
+        "silu",
+        dict(normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=4,
+             n_heads=4, d_head=4, n_key_value_heads=2),
+        True,
+    ),  # fmt: skip
+    "ln_gelu_heads": ("gelu", dict(normalization_type="LN"), False),
+    "parallel": ("silu", dict(normalization_type="LN", parallel_attn_mlp=True), True),
+}
+
+
+def _reference(model, graph: HeadGraph, mask) -> float:
+    """The circuit's metric by its definition, one edge at a time."""
+    with torch.no_grad():
+        _, cache = model.run_with_cache(CORRUPTED)
+        corr = dict(cache.cache_dict)
+        current: dict[str, torch.Tensor] = {}
+
+        def record(act, hook):
+            current[hook.name] = act
+            return act
+
+        def reader_input(dst, j):
+            x = corr[input_site(model, dst)[1]].clone()
+            for src in graph.sources:
+                if not (src.labels and src.order < dst.order):
+                    continue
+                change = source_values(current, src, graph) - source_values(corr, src, graph)
+                U = writer_matrix(model, src, graph, x)
+                for u in mask[(src.key, dst.key)][:, j].nonzero().flatten().tolist():
+                    x = x + change[:, :, u] @ U[u]
+            return x
+
+        groups: dict[str, list] = {}
+        for dst in graph.inputs:
+            if dst.labels:
+                groups.setdefault(input_hook_name(dst, graph), []).append(dst)
+
+        def patch(act, hook):
+            out = corr[hook.name].clone()  # readers outside the graph: corrupted
+            for dst in groups[hook.name]:
+                if dst.kind == LOGITS:
+                    return reader_input(dst, 0)
+                for j in range(len(dst.labels)):
+                    which = dst.index if dst.kind == MLP_REST else (dst.index[j],)
+                    x = reader_input(dst, j).unsqueeze(2)
+                    new, heads = _recompute(model, dst, graph, x, torch.tensor(which))
+                    out[:, :, heads] = new
+            return out
+
+        hooks = [(n, record) for n in source_hook_names(model, graph)]
+        hooks += [(name, patch) for name in groups]
+        logits = model.run_with_hooks(CLEAN, fwd_hooks=hooks)
+        return METRIC(logits, torch.arange(CLEAN.shape[0])).item()
+
+
+def _random_mask(graph: HeadGraph, p: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.rand(m.shape, generator=g) < p for k, m in graph.full_mask().items()}
+
+
+def _masks(model, graph: HeadGraph, coarse: HeadGraph, named: list[str]):
+    """Random circuits of the fine graph, a coarse circuit expanded to it (named neurons and
+    remainders with identical edges), and that circuit without a layer's named neurons' or
+    remainder's outgoing edges (the masks of discover_circuit's neuron stage)."""
+    expanded = expand_mask(coarse, _random_mask(coarse, 0.4, seed=3), graph)
+    layer = int(named[0][1:].split("N")[0])
+    masks = [
+        graph.full_mask(),
+        graph.full_mask(False),
+        _random_mask(graph, 0.3, seed=1),
+        _random_mask(graph, 0.7, seed=2),
+        expanded,
+    ]
+    for keys in ({f"neuron.{layer}"}, {f"mlp.{layer}"}, {f"neuron.{layer}", f"mlp.{layer}"}):
+        masks.append({k: m & (k[0] not in keys) for k, m in expanded.items()})
+    return masks
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_circuit_runs_equal_the_edge_by_edge_definition(name):
+    act_fn, overrides, neuron_level = MODELS[name]
+    model = convert(make_model(act_fn, **overrides))
+    named = ["L0N2", "L0N5", "L1N0", "L1N9"]
+    if not neuron_level:  # neuron-heads
+        named = [f"{n}.{k}" for n in named for k in range(model.n_heads_per_neuron)]
+    nodes = coarse_nodes(model) + named
+    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
+    coarse = HeadGraph(model, neuron_level=neuron_level, nodes=coarse_nodes(model))
+    masks = _masks(model, graph, coarse, named)
+    got = circuit_metrics(
+        model, masks, CLEAN, CORRUPTED, METRIC, neuron_level=neuron_level, nodes=nodes,
+        batch_size=2,
+    )  # fmt: skip
+    for value, mask in zip(got, masks, strict=True):
+        assert value == pytest.approx(_reference(model, graph, mask), rel=1e-10, abs=1e-12)
+    # and on the full (unrestricted) graph
+    full = HeadGraph(model, neuron_level=neuron_level)
+    mask = _random_mask(full, 0.2, seed=4)
+    (value,) = circuit_metrics(
+        model, [mask], CLEAN, CORRUPTED, METRIC, neuron_level=neuron_level
+    )
+    assert value == pytest.approx(_reference(model, full, mask), rel=1e-10, abs=1e-12)
+
+
+def test_an_expanded_coarse_circuit_merges_back_to_the_coarse_sources():
+    """A named neuron and its layer's remainder with the same edges are one merged row: the
+    fine run's source rows are the coarse run's."""
+    model = convert(make_model("silu", **GATED_ZOO["llama"]))
+    coarse = HeadGraph(model, nodes=coarse_nodes(model))
+    fine = HeadGraph(model, nodes=coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"])
+    mask = _random_mask(coarse, 0.5, seed=0)
+    coarse_plan = CircuitPlan(coarse, mask)
+    fine_plan = CircuitPlan(fine, expand_mask(coarse, mask, fine))
+    assert fine_plan.n_rows == coarse_plan.n_rows
+    assert fine_plan.offsets[-1] < sum(len(s.labels) for s in fine.sources)
