@@ -199,7 +199,8 @@ class IOIDataset:
             :class:`~tl_attnonly.analysis.discovery.positions.PositionClasses` over ``tokens``.
         """
         return PositionClasses.from_positions(
-            tuple(self.tokens.shape), {name: self.positions(name) for name in names}
+            (self.tokens.shape[0], self.tokens.shape[1]),
+            {name: self.positions(name) for name in names},
         )
 
     def logit_diff(self, logits: Float[torch.Tensor, "batch pos d_vocab"]) -> torch.Tensor:
