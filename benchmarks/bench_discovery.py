@@ -4,12 +4,13 @@ Default: the bundled model (tiny-stdlib-silu: 2 layers, d_model 128, 4 heads, d_
 fp32) on the bracket task of ``scripts/circuit_bracket.py`` (clean ``"    return{a}({b}"``,
 corrupted ``"    return{a}[{b}"``; metric: mean ``logit(")") - logit("]")``), and
 ``discover_circuit(model, clean, corrupted, metric)`` with its defaults (``DiscoveryOptions()``:
-coarse graph of attention heads and whole MLP layers, EAP-IG with 5 steps, sweep of exact runs to
-faithfulness 0.8, 8 neurons named per MLP node of the circuit, gate/value split of 4 neurons).
-Printed, each line with the configuration it was measured under: the time of each stage
-(``circuit.extra["seconds"]``: edge scores, sweep, neurons, node patching, gate/value), the total,
-the peak resident memory above the loaded model (Linux ``VmHWM`` after resetting it), and the
-circuit found (edges, faithfulness, ceiling, node-patching baseline, sweep runs).
+coarse graph of attention heads and whole MLP layers, EAP-IG with 5 steps ranked by signed effect,
+sweep of exact runs to faithfulness 0.8, up to 30 pruning runs, 8 neurons named per MLP node of the
+circuit, gate/value split of 4 neurons). Printed, each line with the configuration it was
+measured under: the time of each stage (``circuit.extra["seconds"]``: edge scores, sweep, pruning,
+neurons, node patching, gate/value), the total, the peak resident memory above the loaded model
+(Linux ``VmHWM`` after resetting it), and the circuit found (edges, faithfulness, ceiling,
+node-patching baseline, sweep and pruning runs).
 
 ``--smollm2`` measures the same call on SmolLM2-135M-Instruct IOI too (``make_ioi_dataset``,
 ``--ioi-prompts`` prompts, ABC corruption, seed 1, ``data.additive_metric()``; the [smollm2]
@@ -122,7 +123,8 @@ def measure_default(
         f"[{config}] circuit: coarse {mask_size(coarse.mask):,} of {coarse.graph.n_edges():,} "
         f"edges, faithfulness {circuit.faithfulness:.3f} (ceiling {circuit.ceiling:.3f}, node "
         f"patching {circuit.node_patching:.3f}); {len(curve) if curve is not None else 0} exact "
-        f"sweep runs; with named neurons {mask_size(circuit.mask):,} edges; "
+        f"sweep runs, {len(circuit.extra.get('pruning', ()))} pruning runs; with named neurons "
+        f"{mask_size(circuit.mask):,} edges; "
         f"{len(caught)} warning(s)"
     )
     return circuit

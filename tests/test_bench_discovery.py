@@ -9,7 +9,7 @@ import runpy
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("edge scores", "sweep", "neurons", "node patching", "gate/value")
+STAGES = ("edge scores", "sweep", "pruning", "neurons", "node patching", "gate/value")
 
 
 def _bench():
@@ -33,6 +33,7 @@ def test_default_discovery_prints_each_stage_and_the_peak_memory_with_its_config
     assert re.search(r"peak memory above the loaded model \d+ MiB$", total)
     [circuit] = [line for line in lines if "] circuit: " in line]
     assert re.search(r"coarse \d+ of 125 edges, faithfulness [\d.]+ \(ceiling 1\.000", circuit)
+    assert re.search(r"\d+ exact sweep runs, [1-9]\d* pruning runs", circuit)
 
 
 def test_gpt2_small_two_stage_measurement_runs_on_a_small_config(capsys):

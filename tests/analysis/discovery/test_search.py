@@ -51,6 +51,18 @@ def _model(name: str = "llama"):
     return convert(make_model("gelu", normalization_type="LN"))
 
 
+def _top(scores, n, ranking):
+    """The top-n edges by the ranking, written out here: |score|, or score toward the clean run."""
+    if ranking == "absolute":
+        return prune(scores, top_n=n)
+    sign = 1.0 if scores.metric_clean >= scores.metric_corrupted else -1.0
+    signed = type(scores)(
+        scores.graph, {k: v * sign for k, v in scores.scores.items()}, scores.metric_clean,
+        scores.metric_corrupted, scores.method,
+    )  # fmt: skip
+    return prune(signed, top_n=n, absolute=False)
+
+
 def _quiet(**kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -58,13 +70,20 @@ def _quiet(**kw):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", pytest.param("ln_gelu", marks=pytest.mark.slow), "gqa"]
+    "name, ranking",
+    [
+        ("llama", "signed"),
+        ("llama", "absolute"),
+        pytest.param("ln_gelu", "signed", marks=pytest.mark.slow),
+        ("gqa", "signed"),
+    ],
 )
-def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name):
+def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name, ranking):
     model = _model(name)
     circuit = _quiet(
         model=model, clean_tokens=CLEAN, corrupted_tokens=CORRUPTED, metric=METRIC,
         neurons_per_mlp=0, gate_value=False, progress=False, resolution=1.05, max_runs=40,
+        prune_runs=0, ranking=ranking,
     )  # fmt: skip
     nodes = coarse_nodes(model)
     assert set(circuit.graph.node_labels()) == set(nodes)
@@ -81,7 +100,7 @@ def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name):
     curve = circuit.curve
     n_all = circuit.graph.n_edges()
     masks = [
-        circuit.graph.full_mask() if n >= n_all else prune(circuit.scores, top_n=n)
+        circuit.graph.full_mask() if n >= n_all else _top(circuit.scores, n, ranking)
         for n in curve.top_n
     ]
     values = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes)
@@ -96,7 +115,7 @@ def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name):
     # brute force: no prefix of the ranking below the largest failing size run reaches it there
     all_sizes = list(range(1, size + 1))
     exact = circuit_metrics(
-        model, [prune(circuit.scores, top_n=n) for n in all_sizes], CLEAN, CORRUPTED, METRIC,
+        model, [_top(circuit.scores, n, ranking) for n in all_sizes], CLEAN, CORRUPTED, METRIC,
         nodes=nodes,
     )  # fmt: skip
     faiths = [faithfulness(v, circuit.metric_clean, circuit.metric_corrupted) for v in exact]

@@ -4,7 +4,7 @@
 :mod:`.graph`            the unified graph: embeddings, attention heads, neuron-heads, logits
 :mod:`.sites`            where each node of the graph reads and writes the residual stream
 :mod:`.edge_scores`      edge attribution patching (EAP, EAP-IG) over that graph
-:mod:`.pruning`          top edges by score to a circuit mask, dangling edges dropped
+:mod:`.pruning`          top edges by rank (signed or |score|) to a circuit mask, no dangling edges
 :mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
 :mod:`.runs`             exact circuit runs (full or restricted graphs), gate/value splits
 :mod:`.circuit`          Circuit (a found circuit, its evidence and report), faithfulness
@@ -12,6 +12,7 @@
 :mod:`.options`          DiscoveryOptions: how discover_circuit searches
 :mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
 :mod:`.sweep`            the sweep: exact runs of top-n circuits up to the faithfulness target
+:mod:`.refine`           pruning by exact runs: the sweep's circuit less what it does not need
 =======================  ======================================================================
 """
 

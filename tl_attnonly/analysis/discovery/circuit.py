@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import torch
 
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.graph import HeadGraph
@@ -92,6 +93,27 @@ class Circuit:
         frame = self.edges()
         return sorted(set(frame.source) | set(frame.target))
 
+    def opposing(self, n: int = 10) -> pd.DataFrame:
+        """The ``n`` edges left out of the circuit with the largest estimated effect *against*
+        the clean behaviour (a negative name mover's direct effect, say): what a circuit ranked
+        by signed effect (``ranking="signed"``) leaves out by design. Columns as :meth:`edges`,
+        most opposing first; ``score`` is the edge's estimated change of the metric.
+        """
+        direction = 1.0 if self.metric_clean >= self.metric_corrupted else -1.0
+        left_out = {}
+        for key, scores in self.scores.scores.items():
+            keep = (scores * direction < 0) & ~self.mask[key].to(torch.bool)
+            if keep.any():
+                cut = (scores * direction).masked_fill(~keep, 0.0).flatten()
+                smallest = cut.topk(min(n, int(keep.sum())), largest=False).indices
+                only = torch.zeros_like(keep).flatten()
+                only[smallest] = True
+                keep = only.view_as(keep)
+            left_out[key] = keep
+        frame = self.scores.frame(left_out)
+        order = (frame.score * direction).sort_values(kind="stable").index
+        return frame.loc[order].head(n).reset_index(drop=True)
+
     def figure(self, **kwargs: Any) -> Any:
         """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`; same keywords)."""
         if _figure_builder is None:
@@ -129,6 +151,14 @@ class Circuit:
                 "named neurons only (every remainder's outgoing edges removed): faithfulness "
                 f"{self.extra['faithfulness_named_only']:.3f}"
             )
+        if "swept" in self.extra:
+            swept, steps = self.extra["swept"], self.extra["pruning"]
+            base = coarse if coarse is not None else self
+            lines.append(
+                f"sweep's top-n circuit: {swept['edges']:,} edges, faithfulness "
+                f"{swept['faithfulness']:.3f}; pruned by {len(steps)} exact runs to "
+                f"{mask_size(base.mask):,} edges, faithfulness {base.faithfulness:.3f}"
+            )
         if self.node_patching is not None:
             lines.append(
                 f"node patching of the circuit's sources (baseline): {self.node_patching:.3f}"
@@ -145,6 +175,14 @@ class Circuit:
                 "gate/value split (metric units; NaN: no edge of that kind kept)",
                 table(self.gate_value, 4),
             ]
+        if self.scores.method in ("eap", "eap-ig"):
+            opposing = self.opposing(5)
+            if len(opposing):
+                lines += [
+                    "largest edges against the behaviour left out (estimated change of the "
+                    "metric):",
+                    ", ".join(f"{r.edge} {r.score:+.3f}" for r in opposing.itertuples()),
+                ]
         heads = sorted(
             {n for n in self.nodes() if "H" in n},
             key=lambda h: tuple(int(x) for x in h[1:].split("H")),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tl_attnonly._types import replace_options
+from tl_attnonly.analysis.discovery.pruning import RANKINGS
 
 #: Graphs :func:`~tl_attnonly.analysis.discover_circuit` searches.
 GRAPHS = ("coarse", "neurons")
@@ -31,7 +32,13 @@ class DiscoveryOptions:
             used when neither ``top_n`` nor ``threshold`` is given.
         top_n, threshold: A fixed-size circuit instead of the sweep
             (:func:`~tl_attnonly.analysis.prune`); at most one.
-        method: Edge ranking, ``"eap-ig"`` (default) or ``"eap"``.
+        method: Edge scores, ``"eap-ig"`` (default) or ``"eap"``.
+        ranking: How the sweep orders the scored edges (:func:`~.pruning.ranking_values`).
+            ``"signed"`` (default): by the estimated effect toward the clean run, so an edge that
+            works against the behaviour (a negative name mover's) is ranked last and a small
+            circuit holds what produces the behaviour (``Circuit.opposing`` lists the largest
+            such edges left out). ``"absolute"``: by ``|score|`` (both kinds mixed; on real
+            models the circuit at the target is far larger, ``docs/open_questions.md``).
         ig_steps: Interpolation steps of ``"eap-ig"``.
         neuron_level: One node per neuron (default) or per neuron-head (``graph="neurons"``).
         nodes, n_nodes, mlp_rest: ``graph="neurons"`` only: restrict the graph
@@ -52,6 +59,10 @@ class DiscoveryOptions:
         max_runs: Most exact circuit runs of the sweep (geometric sizes, then bisection).
         resolution: The bisection stops when the largest failing size is within this factor of
             the smallest size reaching the target.
+        prune_runs: Most exact runs of the greedy pruning pass after the sweep
+            (:func:`~.refine.prune_by_runs`: the sweep's circuit loses its lowest-scored edges
+            in chunks while its exact faithfulness stays at the target); 0: no pass, the
+            circuit is the sweep's top-``n``.
         progress: Progress bars.
     """
 
@@ -60,6 +71,7 @@ class DiscoveryOptions:
     top_n: int | None = None
     threshold: float | None = None
     method: str = "eap-ig"
+    ranking: str = "signed"
     ig_steps: int = 5
     neuron_level: bool = True
     nodes: Collection[str] | None = None
@@ -73,6 +85,7 @@ class DiscoveryOptions:
     max_gate_value_neurons: int = 4
     max_runs: int = 24
     resolution: float = 1.1
+    prune_runs: int = 30
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -81,6 +94,8 @@ class DiscoveryOptions:
         for name in ("method", "neuron_method"):
             if getattr(self, name) not in ("eap", "eap-ig"):
                 raise ValueError(f"{name} must be 'eap' or 'eap-ig', got {getattr(self, name)!r}.")
+        if self.ranking not in RANKINGS:
+            raise ValueError(f"ranking must be one of {RANKINGS}, got {self.ranking!r}.")
         if self.metric_reduction not in REDUCTIONS:
             raise ValueError(
                 f"metric_reduction must be one of {REDUCTIONS}, got {self.metric_reduction!r}."
@@ -93,6 +108,10 @@ class DiscoveryOptions:
             raise ValueError(f"resolution must be > 1, got {self.resolution}.")
         if self.max_runs < 1:
             raise ValueError(f"max_runs must be >= 1, got {self.max_runs}.")
+        if self.prune_runs < 0:
+            raise ValueError(
+                f"prune_runs must be >= 0 (0: no pruning pass), got {self.prune_runs}."
+            )
         if self.neurons_per_mlp < 0:
             raise ValueError(f"neurons_per_mlp must be >= 0, got {self.neurons_per_mlp}.")
         if self.graph == "coarse" and (
@@ -134,7 +153,7 @@ def resolve_options(
 
     Without ``options`` and ``graph``, a call with the earlier keywords (``top_n``, ``threshold``,
     ``nodes``, ``n_nodes``, ``mlp_rest``) keeps their earlier meaning: the neuron-level graph,
-    ranked by plain EAP unless ``method`` is given.
+    ranked by plain EAP and ``|score|`` unless ``method`` / ``ranking`` is given.
     """
     if options is None:
         options = DiscoveryOptions()
@@ -143,6 +162,8 @@ def resolve_options(
             base: dict[str, Any] = {"graph": "neurons"}
             if "method" not in overrides:
                 base["method"] = "eap"
+            if "ranking" not in overrides:
+                base["ranking"] = "absolute"
             overrides = {**base, **overrides}
     return options.with_overrides(**overrides)
 

@@ -7,6 +7,7 @@ A mask is ``(source group, input group) -> bool [n_sources, n_inputs]`` over
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,9 +109,48 @@ def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
             return mask
 
 
+#: How a search orders edges: by ``|score|``, or by their signed effect toward the clean run.
+RANKINGS = ("signed", "absolute")
+
+
+def ranking_values(edge_scores: EdgeScores, ranking: str) -> dict[tuple[str, str], torch.Tensor]:
+    """Each edge's rank value (larger: kept first) under ``ranking``.
+
+    ``"absolute"``: ``|score|``. ``"signed"``: the score times the sign of ``clean - corrupted``,
+    so edges estimated to move the metric toward the clean run come first and edges estimated to
+    move it away (toward the corrupted run) come last, whichever way the metric points.
+    """
+    if ranking not in RANKINGS:
+        raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}.")
+    if ranking == "absolute":
+        return {k: v.abs() for k, v in edge_scores.scores.items()}
+    direction = 1.0 if edge_scores.metric_clean >= edge_scores.metric_corrupted else -1.0
+    return {k: v * direction for k, v in edge_scores.scores.items()}
+
+
+def prune_ranked(
+    edge_scores: EdgeScores,
+    ranking: str,
+    *,
+    top_n: int | None = None,
+    threshold: float | None = None,
+) -> Mask:
+    """:func:`prune` by :func:`ranking_values`: the ``top_n`` edges (or those whose rank value is
+    at least ``threshold``), dangling edges dropped."""
+    ranked = replace(edge_scores, scores=ranking_values(edge_scores, ranking))
+    return prune(ranked, top_n=top_n, threshold=threshold, absolute=False)
+
+
 def mask_size(mask: Mask) -> int:
     """Number of edges in a mask."""
     return int(sum(int(m.sum()) for m in mask.values()))
 
 
-__all__ = ["drop_dangling_edges", "mask_size", "prune"]
+__all__ = [
+    "RANKINGS",
+    "drop_dangling_edges",
+    "mask_size",
+    "prune",
+    "prune_ranked",
+    "ranking_values",
+]

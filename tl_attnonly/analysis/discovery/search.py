@@ -5,12 +5,19 @@ fine:
 
 1. **Coarse graph.** Every attention head (its ``q``, ``k`` and ``v`` inputs apart), every MLP
    layer as one node ``L{l}MLP`` (a restricted :class:`~.graph.HeadGraph` holding no neuron and
-   every layer's remainder), the embeddings and the logits. Edges are ranked by EAP-IG.
+   every layer's remainder), the embeddings and the logits. Edges are scored by EAP-IG and ranked
+   by their signed effect toward the clean run (``ranking="signed"``; edges that work against the
+   behaviour come last, and ``Circuit.opposing()`` lists the largest of them; ``"absolute"``
+   ranks by ``|score|``).
 2. **Sweep.** Exact circuit runs (:func:`~.runs.circuit_metrics`) of the top ``n`` edges for
    geometric ``n`` (64, 128, ...; small graphs from 1/64 of their edges) until one reaches the
    faithfulness ``target`` (default 0.8), then bisection between the largest size below the
-   target and the smallest above it. The circuit returned is the smallest size run that reaches
-   the target; its faithfulness is that exact run's.
+   target and the smallest above it: the smallest size run that reaches the target.
+2b. **Pruning** (``prune_runs``, default 30 exact runs; :mod:`.refine`). That circuit's edges
+   are removed in chunks, lowest rank first, each removal kept only if the exact faithfulness
+   stays at the target. The circuit returned is the last one kept; its faithfulness is its exact
+   run's, and ``circuit.extra["swept"]`` / ``["pruning"]`` hold the sweep's circuit and every
+   pruning run.
 3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
    largest node attribution ``|score|`` are named: the graph is rebuilt with them as nodes (the
    rest of the layer stays one node ``L{l}MLP``), and every coarse edge into or out of
@@ -60,11 +67,12 @@ from tqdm.auto import tqdm
 from tl_attnonly.analysis.discovery.edge_scores import (
     edge_attribution_scores,
     mask_size,
-    prune,
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
 from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.discovery.pruning import prune_ranked
+from tl_attnonly.analysis.discovery.refine import prune_by_runs
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
@@ -276,9 +284,10 @@ def discover_circuit(
 ) -> Circuit:
     """Find the smallest circuit reaching a faithfulness target, with its evidence.
 
-    Coarse to fine by default (module docstring): attention heads and whole MLP layers ranked by
-    EAP-IG, the smallest top-``n`` circuit reaching ``target`` found by exact runs, then the
-    circuit's MLP layers split into named neurons (gate and value apart) and their remainder.
+    Coarse to fine by default (module docstring): attention heads and whole MLP layers scored by
+    EAP-IG and ranked by signed effect, the smallest top-``n`` circuit reaching ``target`` found
+    by exact runs and pruned by more exact runs, then the circuit's MLP layers split into named
+    neurons (gate and value apart) and their remainder.
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
@@ -300,8 +309,10 @@ def discover_circuit(
         A :class:`~tl_attnonly.analysis.Circuit` with ``ceiling``, ``curve``, ``node_patching``,
         ``warnings``, ``gate_value`` and (coarse graph, named neurons) ``mlp_split``;
         ``circuit.extra`` holds ``"coarse"`` (the coarse circuit before neurons were named),
-        ``"named"`` (layer -> named neurons), ``"seconds"`` (time per stage) and, with
-        ``n_nodes``, ``"nodes"`` and ``"node_scores"``.
+        ``"named"`` (layer -> named neurons), ``"seconds"`` (time per stage), after a pruning
+        pass ``"swept"`` (the sweep's circuit: edges, faithfulness) and ``"pruning"`` (one row per
+        exact run: round, removed, edges, faithfulness, accepted) and, with ``n_nodes``,
+        ``"nodes"`` and ``"node_scores"``.
 
     Raises:
         ValueError: For options that contradict each other, or a metric that is not additive
@@ -355,8 +366,20 @@ def discover_circuit(
         mask, m_circ, curve, ceiling, notes = sweep_to_target(
             model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts, positions
         )
+        swept = faithfulness(m_circ, m_clean, m_corr)
+        if opts.prune_runs > 0 and ceiling >= opts.target and swept >= opts.target:
+            seconds["sweep"] = time.perf_counter() - t
+            t = time.perf_counter()
+            extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
+            mask, m_circ, extra["pruning"] = prune_by_runs(
+                model, scores, mask, m_circ, clean_tokens, corrupted_tokens, metric,
+                target=opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
+                neuron_level=opts.neuron_level, batch_size=opts.batch_size, positions=positions,
+                progress=opts.progress,
+            )  # fmt: skip
+            seconds["pruning"] = time.perf_counter() - t
     else:
-        mask = prune(scores, top_n=opts.top_n, threshold=opts.threshold)
+        mask = prune_ranked(scores, opts.ranking, top_n=opts.top_n, threshold=opts.threshold)
         m_full, m_circ = circuit_metrics(
             model, [scores.graph.full_mask(), mask], clean_tokens, corrupted_tokens, metric,
             neuron_level=opts.neuron_level, nodes=nodes, batch_size=opts.batch_size,
@@ -377,7 +400,8 @@ def discover_circuit(
                 f"target {opts.target}; the nodes left out of the graph are frozen to the "
                 "corrupted run."
             )
-    seconds["sweep"] = time.perf_counter() - t
+    if "pruning" not in seconds:
+        seconds["sweep"] = time.perf_counter() - t
     if opts.progress:
         tqdm.write(
             f"discover_circuit: {mask_size(mask):,} of {scores.graph.n_edges():,} edges, "

@@ -15,7 +15,7 @@ import pandas as pd
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.discovery.pruning import mask_size, prune
+from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
 from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import Mask
 
@@ -69,7 +69,10 @@ def sweep_to_target(
         sizes = [n for n in sizes if n not in points]
         if not sizes:
             return
-        masks = [graph.full_mask() if n >= n_all else prune(scores, top_n=n) for n in sizes]
+        masks = [
+            graph.full_mask() if n >= n_all else prune_ranked(scores, opts.ranking, top_n=n)
+            for n in sizes
+        ]
         values = circuit_metrics(
             model, masks, clean, corrupted, metric, nodes=nodes, batch_size=opts.batch_size,
             progress=opts.progress, positions=positions,

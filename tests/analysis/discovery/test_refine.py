@@ -1,0 +1,197 @@
+"""The pruning pass after the sweep (``prune_runs``): checked against independent exact runs.
+
+The pass removes a circuit's lowest-scored edges while its exact faithfulness stays at the target.
+Every claim it makes is re-run here: the returned circuit's metric, the faithfulness of every
+candidate it logged (rebuilt from the ranking and the log alone), and that it only removes edges
+of the sweep's circuit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import GATED_ZOO, make_model, make_tokens
+
+from tl_attnonly import convert
+from tl_attnonly.analysis import (
+    DiscoveryOptions,
+    circuit_metric,
+    discover_circuit,
+    faithfulness,
+    logit_diff_metric,
+)
+from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, mask_size
+from tl_attnonly.analysis.discovery.refine import prune_by_runs
+from tl_attnonly.analysis.discovery.search import coarse_nodes
+
+CLEAN, CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+METRIC = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+
+
+def _discover(model, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return discover_circuit(
+            model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=0, gate_value=False,
+            progress=False, **kw,
+        )  # fmt: skip
+
+
+def _models():
+    yield "llama", convert(make_model("silu", **GATED_ZOO["llama"]))
+    yield (
+        "gqa",
+        convert(
+            make_model("silu", normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2)
+        ),
+    )
+
+
+@pytest.mark.parametrize("name", ["llama", "gqa"])
+def test_pruned_circuit_is_a_subset_of_the_sweeps_and_reaches_the_target_exactly(name):
+    model = dict(_models())[name]
+    swept = _discover(model, prune_runs=0)
+    pruned = _discover(model, prune_runs=12)
+    nodes = coarse_nodes(model)
+    # the same ranking and the same sweep: the pass starts from the sweep's circuit
+    assert pruned.extra["swept"] == {
+        "edges": mask_size(swept.mask),
+        "faithfulness": swept.faithfulness,
+    }
+    for key, m in pruned.mask.items():
+        assert not (m & ~swept.mask[key]).any(), "the pass added an edge"
+    assert mask_size(pruned.mask) <= mask_size(swept.mask)
+    # the reported metric is an independent exact run's, and it reaches the target
+    again = circuit_metric(model, pruned.mask, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    assert pruned.metric_circuit == pytest.approx(again, rel=1e-12)
+    assert pruned.faithfulness >= 0.8
+    steps = pruned.extra["pruning"]
+    assert 0 < len(steps) <= 12
+    assert (steps.faithfulness[steps.accepted] >= 0.8).all()
+    assert "pruning" in pruned.extra["seconds"]
+
+
+def test_every_logged_candidate_is_its_exact_run():
+    """Replays the pass from its log: each round's candidates are the current circuit without
+    the next untried edges by ascending |score|, dangling edges dropped."""
+    model = dict(_models())["llama"]
+    swept = _discover(model, prune_runs=0)
+    nodes = coarse_nodes(model)
+    mask, value, steps = prune_by_runs(
+        model, swept.scores, swept.mask, swept.metric_circuit, CLEAN, CORRUPTED, METRIC,
+        target=0.8, max_runs=15, nodes=nodes, progress=False,
+    )  # fmt: skip
+    keys = list(swept.scores.scores)
+    flat_scores = torch.cat([swept.scores.scores[k].abs().flatten() for k in keys])
+
+    def flat(m):
+        return torch.cat([m[k].flatten() for k in keys])
+
+    def unflat(f):
+        out, start = {}, 0
+        for k in keys:
+            n = swept.mask[k].numel()
+            out[k] = f[start : start + n].view_as(swept.mask[k]).clone()
+            start += n
+        return out
+
+    cur = flat(swept.mask)
+    order = [i for i in torch.sort(flat_scores, stable=True).indices.tolist() if cur[i]]
+    kept: set[int] = set()
+    for _, rnd in steps.groupby("round", sort=True):
+        live = [i for i in order if cur[i] and i not in kept]
+        candidates = []
+        for row in rnd.itertuples():
+            f = cur.clone()
+            f[live[: row.removed]] = False
+            cand = flat(drop_dangling_edges(swept.graph, unflat(f)))
+            candidates.append(cand)
+            assert int(cand.sum()) == row.edges
+            m = circuit_metric(model, unflat(cand), CLEAN, CORRUPTED, METRIC, nodes=nodes)
+            faith = faithfulness(m, swept.metric_clean, swept.metric_corrupted)
+            assert faith == pytest.approx(row.faithfulness, rel=1e-10, abs=1e-12)
+        accepted = rnd.accepted.tolist()
+        assert sum(accepted) <= 1
+        if any(accepted):
+            # the largest removal that reaches the target is the one kept
+            first = next(i for i, f in enumerate(rnd.faithfulness) if f >= 0.8)
+            assert accepted.index(True) == first
+            cur = candidates[first]
+        else:
+            assert (rnd.faithfulness < 0.8).all()
+            kept.update(live[: int(rnd.removed.min())])
+    assert torch.equal(flat(mask), cur)
+    again = circuit_metric(model, mask, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    assert value == pytest.approx(again, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama", "gqa"])
+def test_pruning_a_poorly_ranked_circuit_removes_what_it_does_not_need(name):
+    """Fails without the pass (the sweep keeps a top-n circuit whole): the whole graph ranked
+    by random scores, pruned, keeps the target with fewer edges; each accepted one reaches it."""
+    model = dict(_models())[name]
+    swept = _discover(model, prune_runs=0)
+    graph, nodes = swept.graph, coarse_nodes(model)
+    gen = torch.Generator().manual_seed(0)
+    scores = type(swept.scores)(
+        graph, {k: torch.rand(v.shape, generator=gen, dtype=v.dtype) for k, v in
+                swept.scores.scores.items()},
+        swept.metric_clean, swept.metric_corrupted, "random",
+    )  # fmt: skip
+    full = graph.full_mask()
+    m_full = circuit_metric(model, full, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    mask, value, steps = prune_by_runs(
+        model, scores, full, m_full, CLEAN, CORRUPTED, METRIC, target=0.8, max_runs=30,
+        nodes=nodes, progress=False,
+    )  # fmt: skip
+    assert mask_size(mask) < graph.n_edges()
+    assert steps.accepted.any()
+    again = circuit_metric(model, mask, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    assert value == pytest.approx(again, rel=1e-12)
+    assert faithfulness(again, swept.metric_clean, swept.metric_corrupted) >= 0.8
+
+
+def test_prune_runs_option():
+    assert DiscoveryOptions().prune_runs == 30
+    assert DiscoveryOptions(prune_runs=0).prune_runs == 0
+    with pytest.raises(ValueError, match="prune_runs must be >= 0"):
+        DiscoveryOptions(prune_runs=-1)
+
+
+def test_signed_ranking_follows_the_metrics_direction():
+    """A metric pointing the other way (clean below corrupted) ranks the same edges first: the
+    circuits found with ``metric`` and ``-metric`` are the same edges (fails with the sign not
+    taken from clean - corrupted: the negated metric would keep the opposing edges)."""
+    model = dict(_models())["llama"]
+
+    def negated(logits, indices):
+        return -METRIC(logits, indices)
+
+    up = _discover(model, prune_runs=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        down = discover_circuit(
+            model, CLEAN, CORRUPTED, negated, neurons_per_mlp=0, gate_value=False,
+            progress=False, prune_runs=6,
+        )  # fmt: skip
+    assert down.metric_clean < down.metric_corrupted
+    for key, m in up.mask.items():
+        assert torch.equal(m, down.mask[key])
+    assert down.faithfulness == pytest.approx(up.faithfulness, rel=1e-9)
+
+
+def test_opposing_lists_the_edges_left_out_that_work_against_the_behaviour():
+    model = dict(_models())["llama"]
+    circuit = _discover(model)
+    frame = circuit.scores.frame()
+    inside = set(circuit.edges().edge)
+    sign = 1.0 if circuit.metric_clean >= circuit.metric_corrupted else -1.0
+    expected = frame[~frame.edge.isin(inside) & (frame.score * sign < 0)]
+    expected = expected.assign(key=expected.score * sign).sort_values("key", kind="stable")
+    got = circuit.opposing(4)
+    assert got.edge.tolist() == expected.edge.head(4).tolist()
+    assert got.score.tolist() == pytest.approx(expected.score.head(4).tolist(), rel=1e-12)
+    text = circuit.report()
+    assert "pruned by" in text and "against the behaviour left out" in text
