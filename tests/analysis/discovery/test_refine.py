@@ -195,3 +195,34 @@ def test_opposing_lists_the_edges_left_out_that_work_against_the_behaviour():
     assert got.score.tolist() == pytest.approx(expected.score.head(4).tolist(), rel=1e-12)
     text = circuit.report()
     assert "pruned by" in text and "against the behaviour left out" in text
+
+
+def test_a_circuit_that_overshoots_the_clean_run_is_warned():
+    """Fails before the warning: this model's circuit moves the metric far past the clean run
+    (faithfulness about 8), which a target of 0.8 alone accepts silently."""
+    model = dict(_models())["gqa"]
+    with pytest.warns(UserWarning, match="above 1: the circuit moves the metric past"):
+        circuit = discover_circuit(
+            model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=0, gate_value=False, progress=False
+        )
+    assert circuit.faithfulness > 1.2
+    assert any("above 1" in w for w in circuit.warnings)
+
+
+def test_a_signed_curve_that_returns_to_the_clean_run_is_not_a_fall():
+    """Ranked by signed effect, this model's curve rises to 2.15 and the full graph (every
+    opposing edge in) is 1: not a poor order (fails when the full graph counts as a fall). The
+    circuit (1.17) is within the overshoot bound: no warning at all. Ranked by |score|, the same
+    kind of curve is still warned about."""
+    model = dict(_models())["llama"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        circuit = discover_circuit(
+            model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=0, gate_value=False, progress=False
+        )
+    assert circuit.curve.faithfulness.max() > 2 and 0.8 <= circuit.faithfulness <= 1.2
+    with pytest.warns(UserWarning, match="falls as edges are added"):
+        discover_circuit(
+            model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=0, gate_value=False,
+            progress=False, ranking="absolute",
+        )  # fmt: skip

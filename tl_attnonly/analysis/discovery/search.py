@@ -96,6 +96,10 @@ if TYPE_CHECKING:
     from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
+#: A circuit whose faithfulness exceeds ``1 + OVERSHOOT`` is warned about (it overshoots).
+OVERSHOOT = 0.2
+
+
 def top_nodes(
     model: NeuronHeadModelMixin,
     clean_tokens: Int[torch.Tensor, "batch pos"],
@@ -402,6 +406,14 @@ def discover_circuit(
             )
     if "pruning" not in seconds:
         seconds["sweep"] = time.perf_counter() - t
+    found = faithfulness(m_circ, m_clean, m_corr)
+    if found > 1 + OVERSHOOT:
+        notes.append(
+            f"faithfulness {found:.3f} is above 1: the circuit moves the metric past the clean "
+            "run, because edges that work against the behaviour are left out (circuit.opposing() "
+            "lists the largest); it exaggerates the behaviour rather than reproducing it. "
+            "ranking='absolute' keeps such edges when their |score| is large."
+        )
     if opts.progress:
         tqdm.write(
             f"discover_circuit: {mask_size(mask):,} of {scores.graph.n_edges():,} edges, "
