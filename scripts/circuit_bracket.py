@@ -14,8 +14,9 @@ Prints (figures quoted in docs/open_questions.md):
 5. the path-patching gate/value split of ``L0H0 -> every layer-0 neuron``;
 6. what plain neuron tools give: attribution patching of ``hook_post`` (one number per neuron)
    and how many of its top neurons the circuit contains;
-7. :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph, EAP-IG, sweep
-   to faithfulness 0.8, named neurons) and its evidence (``Circuit.report()``).
+7. :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph, EAP-IG ranked
+   by signed effect, sweep to faithfulness 0.8, pruning, named neurons) and its evidence
+   (``Circuit.report()``).
 
 Usage::
 

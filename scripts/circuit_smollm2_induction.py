@@ -13,8 +13,9 @@ the second half's positions (its first position left out), written additively
 
 The script first prints the clean and corrupted metric and top-1 accuracy of the original model
 (does SmolLM2 do the task?), then runs :func:`~tl_attnonly.analysis.discover_circuit` with its
-defaults (coarse graph of attention heads and whole MLP layers ranked by EAP-IG, the smallest
-circuit reaching ``--target`` by exact runs, then ``--neurons-per-mlp`` neurons named in each of
+defaults (coarse graph of attention heads and whole MLP layers scored by EAP-IG and ranked by
+signed effect, the smallest circuit reaching ``--target`` by exact runs, pruned by more exact runs,
+then ``--neurons-per-mlp`` neurons named in each of
 its MLP nodes) on the converted model, and prints the circuit's evidence
 (:meth:`~tl_attnonly.analysis.Circuit.report`, whose last line is the time of each stage,
 ``circuit.extra["seconds"]``), the whole call's time and the process's peak resident memory.

@@ -33,8 +33,9 @@ when ``roles`` runs too):
   runs), and the gate/value split of the top neurons.
 
 * ``discover``: :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph of
-  heads and whole MLP layers ranked by EAP-IG, the smallest circuit reaching ``--target`` by exact
-  runs, then neurons named in its MLP nodes), on ``--templates package`` (IOI_TEMPLATES) or
+  heads and whole MLP layers scored by EAP-IG and ranked by signed effect, the smallest circuit
+  reaching ``--target`` by exact runs, pruned by more exact runs, then neurons named in its MLP
+  nodes), on ``--templates package`` (IOI_TEMPLATES) or
   ``heldout`` (IOI_TEMPLATES_HELDOUT, a second set); prints the circuit's evidence, the time and
   the process's peak resident memory. ``--positions roles`` resolves the edges by position
   class (``data.position_classes()``: IO, S1, S1+1, S2, END and the other positions).
@@ -44,6 +45,7 @@ Usage::
     python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes discover] [--threads 2]
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
+        [--ranking signed|absolute] [--prune-runs 30]
 """
 
 from __future__ import annotations
@@ -257,14 +259,15 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
 
 
 def stage_discover(model, data, args) -> Circuit:
-    """``discover_circuit`` with its defaults (coarse graph, EAP-IG, sweep to ``--target``), and
-    every piece of evidence the circuit carries."""
+    """``discover_circuit`` with its defaults (coarse graph, EAP-IG ranked by signed effect,
+    sweep to ``--target``, pruning), and every piece of evidence the circuit carries."""
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     start = time.perf_counter()
     positions = data.position_classes() if args.positions == "roles" else None
     circuit = discover_circuit(
         model, data.tokens, data.corrupted_tokens, data.additive_metric(), target=args.target,
-        batch_size=args.batch_size, positions=positions,
+        batch_size=args.batch_size, positions=positions, ranking=args.ranking,
+        prune_runs=args.prune_runs,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     where = "resolved by IOI role positions" if positions is not None else "every position"
@@ -299,6 +302,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--positions", default="none", choices=["none", "roles"],
         help="discover: resolve the edges by position class (IO, S1, S1+1, S2, END, other)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ranking", default="signed", choices=["signed", "absolute"],
+        help="discover: edge order of the sweep (default signed; absolute: by |score|)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prune-runs", type=int, default=30,
+        help="discover: exact runs of the pruning pass after the sweep (0: none)",
     )  # fmt: skip
     parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
