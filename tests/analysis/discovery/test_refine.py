@@ -226,3 +226,18 @@ def test_a_signed_curve_that_returns_to_the_clean_run_is_not_a_fall():
             model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=0, gate_value=False,
             progress=False, ranking="absolute",
         )  # fmt: skip
+
+
+def test_the_report_lists_what_the_ranking_left_out_not_the_named_neuron_rescoring():
+    """With named neurons the circuit's scores are the named-neuron graph's (plain EAP); the
+    edges the sweep's ranking left out are the coarse circuit's, and the report prints those
+    (it printed the rescored ones before)."""
+    model = dict(_models())["llama"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        circuit = discover_circuit(
+            model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=3, gate_value=False, progress=False
+        )
+    coarse = circuit.extra["coarse"]
+    expected = ", ".join(f"{r.edge} {r.score:+.3f}" for r in coarse.opposing(5).itertuples())
+    assert expected and expected in circuit.report()

@@ -97,7 +97,9 @@ class Circuit:
         """The ``n`` edges left out of the circuit with the largest estimated effect *against*
         the clean behaviour (a negative name mover's direct effect, say): what a circuit ranked
         by signed effect (``ranking="signed"``) leaves out by design. Columns as :meth:`edges`,
-        most opposing first; ``score`` is the edge's estimated change of the metric.
+        most opposing first; ``score`` is the edge's estimated change of the metric. (On a
+        circuit with named neurons these are the named-neuron graph's scores; the ranking's are
+        ``circuit.extra["coarse"].opposing()``, which :meth:`report` prints.)
         """
         direction = 1.0 if self.metric_clean >= self.metric_corrupted else -1.0
         left_out = {}
@@ -175,8 +177,10 @@ class Circuit:
                 "gate/value split (metric units; NaN: no edge of that kind kept)",
                 table(self.gate_value, 4),
             ]
-        if self.scores.method in ("eap", "eap-ig"):
-            opposing = self.opposing(5)
+        # what the ranking left out: the coarse circuit's (its scores ranked the sweep)
+        ranked = coarse if coarse is not None else self
+        if ranked.scores.method in ("eap", "eap-ig"):
+            opposing = ranked.opposing(5)
             if len(opposing):
                 lines += [
                     "largest edges against the behaviour left out (estimated change of the "
