@@ -276,6 +276,13 @@ def stage_discover(model, data, args) -> Circuit:
         f"corruption, {len(data)} prompts, target {args.target}; edges {where})"
     )
     print(circuit.report())
+    coarse = circuit.extra.get("coarse", circuit)
+    frame = coarse.edges()
+    top = frame.head(args.show_edges)
+    print(f"largest {len(top)} of the coarse circuit's {len(frame):,} edges (EAP-IG score):")
+    print("  " + ", ".join(f"{r.edge} {r.score:+.3f}" for r in top.itertuples()))
+    kinds = frame.groupby(["source_kind", "target_kind"]).size().to_dict()
+    print("coarse edges by kind:", ", ".join(f"{a} -> {b}: {n}" for (a, b), n in kinds.items()))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"time {seconds:.0f} s; peak resident memory of the process {peak:.2f} GiB")
     return circuit
@@ -311,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
         "--prune-runs", type=int, default=30,
         help="discover: exact runs of the pruning pass after the sweep (0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--show-edges", type=int, default=25, help="discover: the coarse circuit's edges printed"
+    )
     parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
     parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400, 1000, 3000])
