@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
+from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, ranking_values
 from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
-from tl_attnonly.analysis.discovery.sites import Mask
+from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
 
 if TYPE_CHECKING:
     from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
@@ -57,9 +58,9 @@ def prune_by_runs(
     scores: EdgeScores,
     mask: Mask,
     metric_circuit: float,
-    clean_tokens: torch.Tensor,
-    corrupted_tokens: torch.Tensor,
-    metric: Any,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    metric: DiscoveryMetric,
     *,
     target: float,
     max_runs: int,
@@ -70,8 +71,8 @@ def prune_by_runs(
     positions: PositionClasses | None = None,
     progress: bool = True,
 ) -> tuple[Mask, float, pd.DataFrame]:
-    """Remove a circuit's edges, smallest ``|score|`` first, while its exact faithfulness stays
-    at or above ``target`` (module docstring).
+    """Remove a circuit's edges, lowest rank first, while its exact faithfulness stays at or
+    above ``target`` (module docstring).
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
