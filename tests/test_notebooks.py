@@ -18,6 +18,7 @@ the documentation site from the run the tests made instead of running every note
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import time
@@ -62,6 +63,10 @@ def test_the_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
 def test_notebook_is_stored_without_outputs(path):
+    # every cell has its own id as stored (nbformat fills in missing ones on reading, with a
+    # MissingIDFieldWarning that will become an error)
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert all(ids) and len(set(ids)) == len(ids), ids
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     for cell in nb.cells:
