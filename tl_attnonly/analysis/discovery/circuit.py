@@ -18,7 +18,7 @@ import torch
 
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.graph import HeadGraph
-from tl_attnonly.analysis.discovery.pruning import mask_size
+from tl_attnonly.analysis.discovery.pruning import mask_size, metric_direction, ranking_values
 from tl_attnonly.analysis.discovery.sites import Mask
 
 #: What :meth:`Circuit.figure` calls: set by :mod:`tl_attnonly.vis.circuit` on import.
@@ -101,12 +101,12 @@ class Circuit:
         circuit with named neurons these are the named-neuron graph's scores; the ranking's are
         ``circuit.extra["coarse"].opposing()``, which :meth:`report` prints.)
         """
-        direction = 1.0 if self.metric_clean >= self.metric_corrupted else -1.0
+        direction = metric_direction(self.metric_clean, self.metric_corrupted)
         left_out = {}
-        for key, scores in self.scores.scores.items():
-            keep = (scores * direction < 0) & ~self.mask[key].to(torch.bool)
+        for key, toward_clean in ranking_values(self.scores, "signed").items():
+            keep = (toward_clean < 0) & ~self.mask[key].to(torch.bool)
             if keep.any():
-                cut = (scores * direction).masked_fill(~keep, 0.0).flatten()
+                cut = toward_clean.masked_fill(~keep, 0.0).flatten()
                 smallest = cut.topk(min(n, int(keep.sum())), largest=False).indices
                 only = torch.zeros_like(keep).flatten()
                 only[smallest] = True
@@ -178,15 +178,12 @@ class Circuit:
                 table(self.gate_value, 4),
             ]
         # what the ranking left out: the coarse circuit's (its scores ranked the sweep)
-        ranked = coarse if coarse is not None else self
-        if ranked.scores.method in ("eap", "eap-ig"):
-            opposing = ranked.opposing(5)
-            if len(opposing):
-                lines += [
-                    "largest edges against the behaviour left out (estimated change of the "
-                    "metric):",
-                    ", ".join(f"{r.edge} {r.score:+.3f}" for r in opposing.itertuples()),
-                ]
+        opposing = (coarse if coarse is not None else self).opposing(5)
+        if len(opposing):
+            lines += [
+                "largest edges against the behaviour left out (estimated change of the metric):",
+                ", ".join(f"{r.edge} {r.score:+.3f}" for r in opposing.itertuples()),
+            ]
         heads = sorted(
             {n for n in self.nodes() if "H" in n},
             key=lambda h: tuple(int(x) for x in h[1:].split("H")),

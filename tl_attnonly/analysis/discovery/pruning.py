@@ -56,19 +56,34 @@ def prune(
         raise ValueError("Give exactly one of top_n=... or threshold=....")
     graph, scores = edge_scores.graph, edge_scores.scores
     keys = list(scores)
-    flat = torch.cat([(scores[k].abs() if absolute else scores[k]).flatten() for k in keys])
+    flat = flatten_blocks({k: v.abs() for k, v in scores.items()} if absolute else scores, keys)
     keep = torch.zeros_like(flat, dtype=torch.bool)
     if top_n is not None:
         if top_n > 0:
             keep[flat.topk(min(top_n, flat.numel())).indices] = True
     elif threshold is not None:
         keep = flat >= threshold
-    mask, start = {}, 0
-    for k in keys:
-        n = scores[k].numel()
-        mask[k] = keep[start : start + n].view_as(scores[k]).clone()
-        start += n
+    mask = unflatten_blocks(keep, scores, keys)
     return drop_dangling_edges(graph, mask) if drop_dangling else mask
+
+
+def flatten_blocks(
+    blocks: dict[tuple[str, str], torch.Tensor], keys: list[tuple[str, str]]
+) -> torch.Tensor:
+    """A mask's (or scores') blocks, in ``keys`` order, as one flat tensor."""
+    return torch.cat([blocks[k].flatten() for k in keys])
+
+
+def unflatten_blocks(
+    flat: torch.Tensor, like: dict[tuple[str, str], torch.Tensor], keys: list[tuple[str, str]]
+) -> Mask:
+    """The inverse of :func:`flatten_blocks`: ``flat`` cut into blocks shaped as ``like``'s."""
+    out, start = {}, 0
+    for k in keys:
+        n = like[k].numel()
+        out[k] = flat[start : start + n].view_as(like[k]).clone()
+        start += n
+    return out
 
 
 def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
@@ -124,8 +139,14 @@ def ranking_values(edge_scores: EdgeScores, ranking: str) -> dict[tuple[str, str
         raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}.")
     if ranking == "absolute":
         return {k: v.abs() for k, v in edge_scores.scores.items()}
-    direction = 1.0 if edge_scores.metric_clean >= edge_scores.metric_corrupted else -1.0
+    direction = metric_direction(edge_scores.metric_clean, edge_scores.metric_corrupted)
     return {k: v * direction for k, v in edge_scores.scores.items()}
+
+
+def metric_direction(metric_clean: float, metric_corrupted: float) -> float:
+    """``+1`` when the clean run's metric is at least the corrupted one's, else ``-1``: a score
+    times this is its effect toward the clean run."""
+    return 1.0 if metric_clean >= metric_corrupted else -1.0
 
 
 def prune_ranked(
@@ -149,8 +170,11 @@ def mask_size(mask: Mask) -> int:
 __all__ = [
     "RANKINGS",
     "drop_dangling_edges",
+    "flatten_blocks",
     "mask_size",
+    "metric_direction",
     "prune",
     "prune_ranked",
     "ranking_values",
+    "unflatten_blocks",
 ]

@@ -29,7 +29,12 @@ from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, ranking_values
+from tl_attnonly.analysis.discovery.pruning import (
+    drop_dangling_edges,
+    flatten_blocks,
+    ranking_values,
+    unflatten_blocks,
+)
 from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
 
@@ -38,19 +43,6 @@ if TYPE_CHECKING:
 
 #: Candidates per round: the next ``k``, ``k // 2`` and ``k // 4`` untried edges.
 SHRINK = (1, 2, 4)
-
-
-def _flat(mask: Mask, keys: list[tuple[str, str]]) -> torch.Tensor:
-    return torch.cat([mask[k].flatten() for k in keys])
-
-
-def _unflat(flat: torch.Tensor, like: Mask, keys: list[tuple[str, str]]) -> Mask:
-    out, start = {}, 0
-    for k in keys:
-        n = like[k].numel()
-        out[k] = flat[start : start + n].view_as(like[k]).clone()
-        start += n
-    return out
 
 
 def prune_by_runs(
@@ -95,9 +87,8 @@ def prune_by_runs(
     """
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     keys = list(scores.scores)
-    values_by_key = ranking_values(scores, ranking)
-    flat_scores = torch.cat([values_by_key[k].flatten() for k in keys])
-    cur = _flat(mask, keys).to(torch.bool)
+    flat_scores = flatten_blocks(ranking_values(scores, ranking), keys)
+    cur = flatten_blocks(mask, keys).to(torch.bool)
     # ascending rank value, ties by position (deterministic)
     order = torch.sort(flat_scores.cpu(), stable=True).indices.to(cur.device)
     order = order[cur[order]]
@@ -116,12 +107,12 @@ def prune_by_runs(
         for size in sizes:
             flat = cur.clone()
             flat[live[:size]] = False
-            dropped = drop_dangling_edges(scores.graph, _unflat(flat, mask, keys))
-            candidates.append(_flat(dropped, keys))
+            dropped = drop_dangling_edges(scores.graph, unflatten_blocks(flat, mask, keys))
+            candidates.append(flatten_blocks(dropped, keys))
         values = circuit_metrics(
-            model, [_unflat(c, mask, keys) for c in candidates], clean_tokens, corrupted_tokens,
-            metric, neuron_level=neuron_level, nodes=nodes, batch_size=batch_size,
-            positions=positions,
+            model, [unflatten_blocks(c, mask, keys) for c in candidates], clean_tokens,
+            corrupted_tokens, metric, neuron_level=neuron_level, nodes=nodes,
+            batch_size=batch_size, positions=positions,
         )  # fmt: skip
         runs += len(candidates)
         bar.update(len(candidates))
@@ -143,7 +134,7 @@ def prune_by_runs(
         bar.set_postfix(edges=int(cur.sum()))
     bar.close()
     columns = ["round", "removed", "edges", "faithfulness", "accepted"]
-    return _unflat(cur, mask, keys), value, pd.DataFrame(rows, columns=columns)
+    return unflatten_blocks(cur, mask, keys), value, pd.DataFrame(rows, columns=columns)
 
 
 __all__ = ["prune_by_runs"]

@@ -370,18 +370,6 @@ def discover_circuit(
         mask, m_circ, curve, ceiling, notes = sweep_to_target(
             model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts, positions
         )
-        swept = faithfulness(m_circ, m_clean, m_corr)
-        if opts.prune_runs > 0 and ceiling >= opts.target and swept >= opts.target:
-            seconds["sweep"] = time.perf_counter() - t
-            t = time.perf_counter()
-            extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
-            mask, m_circ, extra["pruning"] = prune_by_runs(
-                model, scores, mask, m_circ, clean_tokens, corrupted_tokens, metric,
-                target=opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
-                neuron_level=opts.neuron_level, batch_size=opts.batch_size, positions=positions,
-                progress=opts.progress,
-            )  # fmt: skip
-            seconds["pruning"] = time.perf_counter() - t
     else:
         mask = prune_ranked(scores, opts.ranking, top_n=opts.top_n, threshold=opts.threshold)
         m_full, m_circ = circuit_metrics(
@@ -404,8 +392,20 @@ def discover_circuit(
                 f"target {opts.target}; the nodes left out of the graph are frozen to the "
                 "corrupted run."
             )
-    if "pruning" not in seconds:
-        seconds["sweep"] = time.perf_counter() - t
+    seconds["sweep"] = time.perf_counter() - t
+    swept = faithfulness(m_circ, m_clean, m_corr)
+    if opts.top_n is None and opts.threshold is None and opts.prune_runs > 0 and (
+        ceiling >= opts.target and swept >= opts.target
+    ):
+        t = time.perf_counter()
+        extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
+        mask, m_circ, extra["pruning"] = prune_by_runs(
+            model, scores, mask, m_circ, clean_tokens, corrupted_tokens, metric,
+            target=opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
+            neuron_level=opts.neuron_level, batch_size=opts.batch_size, positions=positions,
+            progress=opts.progress,
+        )  # fmt: skip
+        seconds["pruning"] = time.perf_counter() - t
     found = faithfulness(m_circ, m_clean, m_corr)
     if found > 1 + OVERSHOOT:
         notes.append(
