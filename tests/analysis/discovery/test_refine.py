@@ -1,6 +1,6 @@
 """The pruning pass after the sweep (``prune_runs``): checked against independent exact runs.
 
-The pass removes a circuit's lowest-scored edges while its exact faithfulness stays at the target.
+The pass removes a circuit's lowest-ranked edges while its exact faithfulness stays at the target.
 Every claim it makes is re-run here: the returned circuit's metric, the faithfulness of every
 candidate it logged (rebuilt from the ranking and the log alone), and that it only removes edges
 of the sweep's circuit.
@@ -73,18 +73,25 @@ def test_pruned_circuit_is_a_subset_of_the_sweeps_and_reaches_the_target_exactly
     assert "pruning" in pruned.extra["seconds"]
 
 
-def test_every_logged_candidate_is_its_exact_run():
+@pytest.mark.parametrize("ranking", ["signed", "absolute"])
+def test_every_logged_candidate_is_its_exact_run(ranking):
     """Replays the pass from its log: each round's candidates are the current circuit without
-    the next untried edges by ascending |score|, dangling edges dropped."""
+    the next untried edges by ascending rank (signed effect toward the clean run, or |score|,
+    written out here), dangling edges dropped. Signed: from the sweep's circuit (the default);
+    absolute: from the whole graph, where edges of both signs are in and the two orders differ."""
     model = dict(_models())["llama"]
     swept = _discover(model, prune_runs=0)
     nodes = coarse_nodes(model)
+    start = swept.mask if ranking == "signed" else swept.graph.full_mask()
+    m_start = circuit_metric(model, start, CLEAN, CORRUPTED, METRIC, nodes=nodes)
     mask, value, steps = prune_by_runs(
-        model, swept.scores, swept.mask, swept.metric_circuit, CLEAN, CORRUPTED, METRIC,
-        target=0.8, max_runs=15, nodes=nodes, progress=False,
+        model, swept.scores, start, m_start, CLEAN, CORRUPTED, METRIC, target=0.8, max_runs=15,
+        ranking=ranking, nodes=nodes, progress=False,
     )  # fmt: skip
     keys = list(swept.scores.scores)
-    flat_scores = torch.cat([swept.scores.scores[k].abs().flatten() for k in keys])
+    sign = 1.0 if swept.metric_clean >= swept.metric_corrupted else -1.0
+    raw = torch.cat([swept.scores.scores[k].flatten() for k in keys])
+    flat_scores = raw * sign if ranking == "signed" else raw.abs()
 
     def flat(m):
         return torch.cat([m[k].flatten() for k in keys])
@@ -97,7 +104,7 @@ def test_every_logged_candidate_is_its_exact_run():
             start += n
         return out
 
-    cur = flat(swept.mask)
+    cur = flat(start)
     order = [i for i in torch.sort(flat_scores, stable=True).indices.tolist() if cur[i]]
     kept: set[int] = set()
     for _, rnd in steps.groupby("round", sort=True):
