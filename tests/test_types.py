@@ -6,7 +6,8 @@ import pytest
 from conftest import make_model
 
 from tl_attnonly import convert, to_literal
-from tl_attnonly._types import check_kinds, require_neuron_heads
+from tl_attnonly._types import check_kinds
+from tl_attnonly.adapt import analysis_model
 
 
 def test_check_kinds_orders_attention_heads_first():
@@ -20,16 +21,18 @@ def test_check_kinds_refuses_strings_empty_and_unknown(kinds):
         check_kinds(kinds)
 
 
-def test_require_neuron_heads_accepts_converted_models_only():
+def test_analysis_model_accepts_converted_models_only():
     model = make_model(n_layers=1)
     converted = convert(model)
-    assert require_neuron_heads(converted) is converted
+    adapted = analysis_model(converted)
+    assert adapted.model is converted and analysis_model(adapted) is adapted
+    assert analysis_model(model, neuron_heads=False).model is model
     with pytest.raises(TypeError, match=r"HookedTransformer has no neuron-heads.*convert\(model\)"):
-        require_neuron_heads(model)
+        analysis_model(model)
     with pytest.raises(TypeError, match="structured form"):
-        require_neuron_heads(to_literal(model, max_len=4))
-    # Duck typing is not enough: an object with a neuron_heads attribute is not a converted model.
-    with pytest.raises(TypeError, match="SimpleNamespace has no neuron-heads"):
+        analysis_model(to_literal(model, max_len=4))
+    # Duck typing is not enough: an object with a neuron_heads attribute is not a model.
+    with pytest.raises(TypeError, match="got SimpleNamespace"):
         from types import SimpleNamespace
 
-        require_neuron_heads(SimpleNamespace(neuron_heads=[]))
+        analysis_model(SimpleNamespace(neuron_heads=[]))

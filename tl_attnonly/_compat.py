@@ -24,6 +24,7 @@ against the installed versions.
 ``HAS_HOOKED_TRANSFORMER``          whether this TransformerLens has ``HookedTransformer`` (3.x;
                                     4.x removed it and its component tree: only
                                     ``TransformerBridge``)
+``BRIDGE_STARTS_AT_LAYER``          whether a bridge's forward takes ``start_at_layer`` (4.x)
 :func:`is_transformer_bridge`       whether an object is a ``TransformerBridge`` (3.x and 4.x)
 :func:`bridge_bypasses_original`    whether a bridge MLP computes itself from processed weights
 :func:`route_through_original`      (TL's private ``_use_processed_weights``) and making it call
@@ -38,6 +39,7 @@ against the installed versions.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 from typing import TYPE_CHECKING, Any, Dict, Iterator
 
@@ -57,6 +59,11 @@ from transformer_lens.utilities.typed_module_list import TypedModuleList
 #: only ``TransformerBridge``: there, :func:`tl_attnonly.convert` takes a bridge and the
 #: HookedTransformer-only entry points raise an ``ImportError`` that says what to use.
 HAS_HOOKED_TRANSFORMER = importlib.util.find_spec("transformer_lens.HookedTransformer") is not None
+
+#: Whether a ``TransformerBridge`` starts a forward pass at a block
+#: (``run_with_hooks(resid, start_at_layer=l)``): TransformerLens 4.x; 3.x's bridge raises
+#: ``NotImplementedError``. Read from the installed version, not by trying.
+BRIDGE_STARTS_AT_LAYER = int(importlib.metadata.version("transformer-lens").split(".")[0]) >= 4
 
 #: The message of the HookedTransformer-only entry points on TransformerLens 4.x.
 NO_HOOKED_TRANSFORMER = (
@@ -187,6 +194,7 @@ def route_through_original(mlp_bridge: nn.Module) -> None:
     projection submodules, which the wrapped module then calls (TL 3.9 and 4.x gated MLPs)."""
     mlp_bridge.__dict__["_use_processed_weights"] = False
 
+
 def child_module(module: nn.Module, name: str) -> nn.Module | None:
     """``module``'s direct submodule ``name``, or ``None`` (torch's private ``_modules``: unlike
     ``getattr``, it finds no parameter, buffer or plain attribute of that name)."""
@@ -307,6 +315,8 @@ def hf_offline_mode() -> Iterator[None]:
         yield
     finally:
         constants.HF_HUB_OFFLINE = before
+
+
 def make_model_alias_map() -> dict[str, str]:
     """Every TransformerLens model name and alias, lowercased -> the official name.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
 from jaxtyping import Float
@@ -25,7 +25,6 @@ _D = TypeVar("_D", bound="DataclassInstance")  # an options dataclass
 if TYPE_CHECKING:  # for annotations only: this module imports nothing of the package above it
     from _typeshed import DataclassInstance
 
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
 
 
 class CoefficientsLike(Protocol):
@@ -73,126 +72,6 @@ def check_kinds(kinds: Kinds) -> tuple[HeadKind, ...]:
     return tuple(kind for kind in HEAD_KINDS if kind in kinds)
 
 
-def is_converted(model: object) -> TypeGuard[NeuronHeadModelMixin]:
-    """Whether ``model`` has structured neuron-heads (a converted decoder or encoder).
-
-    Duck-typed on what the converted models' mixin (:class:`~tl_attnonly.neuron_head_model.
-    NeuronHeadModelMixin`) defines, ``neuron_heads`` and ``set_use_neuron_result``, so this bottom
-    module needs no import of the model classes.
-    """
-    cls = type(model)
-    return isinstance(getattr(cls, "neuron_heads", None), property) and callable(
-        getattr(cls, "set_use_neuron_result", None)
-    )
-
-
-def _is_transformer_bridge(model: object) -> bool:
-    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (by its classes: this module
-    imports nothing above it; the same test as ``_compat.is_transformer_bridge``)."""
-    return any(
-        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens.")
-        for cls in type(model).__mro__
-    )
-
-
-def require_neuron_heads(model: object) -> NeuronHeadModelMixin:
-    """``model`` if it has structured neuron-heads, else a ``TypeError`` that says what to do.
-
-    A ``TransformerBridge`` (converted or not) is refused with directions: the analysis tools read
-    an :class:`~tl_attnonly.AttnOnlyTransformer`'s structure; a converted bridge exposes the same
-    hooks and per-layer head weights, used directly (see ``docs/bridge.md``).
-
-    Args:
-        model: Anything; accepted: an :class:`~tl_attnonly.AttnOnlyTransformer` or
-            :class:`~tl_attnonly.AttnOnlyEncoder`.
-
-    Returns:
-        ``model``, typed as a converted model.
-    """
-    if _is_transformer_bridge(model):
-        tools = (
-            "the analysis tools (tl_attnonly.analysis, tl_attnonly.vis, tl_attnonly.report) "
-            "work on an AttnOnlyTransformer (TransformerLens 3.x: "
-            "tl_attnonly.convert(hooked_transformer)) and do not read a bridge yet."
-        )
-        converted = any(
-            getattr(m, "is_bridge_neuron_heads", False) for m in model.modules()  # type: ignore[attr-defined]
-        )
-        first = (
-            f"This TransformerBridge is converted, but {tools}"
-            if converted
-            else "This TransformerBridge is not converted (tl_attnonly.convert(bridge) converts "
-            f"it in place), and {tools}"
-        )
-        raise TypeError(
-            f"{first} On a converted bridge use its hooks with run_with_cache / run_with_hooks: "
-            "blocks.{l}.mlp.hook_pattern [batch, head, pos, (self, bias)], hook_z, hook_q, "
-            "hook_v, hook_result (set use_neuron_result on the layers), and the head weights of "
-            "tl_attnonly.bridge.neuron_head_layers(bridge)[l] (W_Q, W_V, W_O, coefficients, "
-            "derive_activation)."
-        )
-    if is_converted(model):
-        if any(getattr(mlp, "is_mixture_of_experts", False) for mlp in model.neuron_heads):
-            raise NotImplementedError(
-                "The analysis tools work on dense neuron-head layers; this model's MLPs are "
-                "mixtures of experts (NeuronHeadMoE), whose experts see only the tokens routed to "
-                "them. Use the experts' hooks directly (blocks.{l}.mlp.experts.{e}.hook_pattern, "
-                "hook_z, ...; router: blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) "
-                "with run_with_cache / run_with_hooks."
-            )
-        return model
-    if getattr(model, "is_literal_form", False):
-        raise TypeError(
-            "The analysis tools work on the structured form; a LiteralTransformer has no "
-            "structured neuron-heads. Analyse tl_attnonly.convert(model) instead, or use the "
-            "literal model's hooks (same names: blocks.{l}.mlp.hook_pattern, ...) with "
-            "run_with_cache / run_with_hooks and the tl_attnonly.hooks presets."
-        )
-    raise TypeError(
-        f"{type(model).__name__} has no neuron-heads: convert it first "
-        "(tl_attnonly.convert(model)) and use the converted model (and its caches)."
-    )
-
-
-def require_additive_residual(model: object, what: str) -> None:
-    """Refuse ``what`` on a model whose residual stream is not a sum of head outputs.
-
-    A BERT-style encoder (post-LN: ``LN(resid + sublayer_out)``, embeddings through ``embed.ln``)
-    or a decoder that normalises each sublayer's output before adding it (OLMo 2/3,
-    ``use_normalization_before_and_after``) has no decomposition of the residual stream into head
-    results, so a decomposition or direct logit attribution would be wrong.
-
-    Raises:
-        NotImplementedError: Naming the model's kind and what works instead.
-    """
-    from transformer_lens import HookedEncoder
-
-    from tl_attnonly._compat import POST_NORM_ARCHITECTURES
-
-    cfg = model.cfg  # type: ignore[attr-defined]
-    if isinstance(model, HookedEncoder):
-        reason = (
-            "a BERT-style encoder normalises the residual stream after every sublayer "
-            "(LN(resid + attn_out), LN(resid_mid + mlp_out)) and after the embeddings"
-        )
-    elif cfg.use_normalization_before_and_after or (
-        cfg.original_architecture in POST_NORM_ARCHITECTURES
-    ):
-        reason = (
-            f"this model ({cfg.original_architecture or 'use_normalization_before_and_after'}) "
-            "normalises each sublayer's output before adding it to the residual stream"
-        )
-    else:
-        return
-    raise NotImplementedError(
-        f"{what} needs a residual stream that is a sum of head outputs, but {reason}, so it is "
-        "not one. What works: per-head results (stack_all_head_results without incl_remainder, "
-        "get_neuron_head_results), activation patching, and attribution_patch with a metric on "
-        "the output (for sentence embeddings: metric_input=the final hidden states, "
-        "patching_metric=pooled_cosine_metric(mask))."
-    )
-
-
 def check_tokens(tokens: object) -> None:
     """Refuse tokens that are not a 2-d tensor ``[batch, pos]`` (e.g. a string or one prompt).
 
@@ -220,7 +99,6 @@ def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
             f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} tokens must have "
             "the same shape (pad the prompts to one length)."
         )
-
 
 
 def replace_options(options: _D, changes: dict[str, Any], unknown_message: str) -> _D:
@@ -255,7 +133,4 @@ __all__ = [
     "check_kinds",
     "check_token_pair",
     "check_tokens",
-    "is_converted",
-    "require_additive_residual",
-    "require_neuron_heads",
 ]

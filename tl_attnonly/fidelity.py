@@ -25,8 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from transformer_lens import HookedEncoder
 
+from tl_attnonly.corpora import load_sentences
 from tl_attnonly.encoder import convert_encoder
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.minilm import DEFAULT_MAX_LENGTH, encode_sentences, tokenize
@@ -55,18 +54,6 @@ FIDELITY_COLUMNS = (
 
 #: Pre-activations beyond this magnitude count as "large" in :func:`preactivation_stats`.
 LARGE_PREACTIVATION = 20.0
-
-
-def load_sentences(path: str | Path | None = None) -> list[str]:
-    """The bundled fidelity sentences (``tl_attnonly/data/sentences.txt``), or those of ``path``.
-
-    One sentence per line; blank lines are skipped.
-    """
-    if path is None:
-        text = resources.files("tl_attnonly").joinpath("data/sentences.txt").read_text("utf-8")
-    else:
-        text = Path(path).read_text("utf-8")
-    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 @dataclass

@@ -19,15 +19,15 @@ line is a newline).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from importlib import resources
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Int
-from transformer_lens import HookedTransformer
 
-from tl_attnonly.fidelity import load_sentences
+from tl_attnonly.corpora import load_prompts
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
 
 #: The columns :func:`compare_lms` returns, in order.
 LM_FIDELITY_COLUMNS = (
@@ -38,21 +38,6 @@ LM_FIDELITY_COLUMNS = (
     "max_abs_logit",
     "n_tokens",
 )
-
-
-def load_prompts(path: str | Path | None = None) -> list[str]:
-    """The bundled fidelity prompts (300), or the lines of ``path``; ``\\n`` becomes a newline.
-
-    Args:
-        path: A text file with one prompt per line; default: ``data/sentences.txt`` followed by
-            ``data/prompts.txt``.
-    """
-    if path is not None:
-        lines = Path(path).read_text("utf-8").splitlines()
-    else:
-        text = resources.files("tl_attnonly").joinpath("data/prompts.txt").read_text("utf-8")
-        lines = load_sentences() + text.splitlines()
-    return [line.strip().replace("\\n", "\n") for line in lines if line.strip()]
 
 
 def token_batches(

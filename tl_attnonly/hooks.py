@@ -20,6 +20,7 @@ from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
 
 if TYPE_CHECKING:
     from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel
 
 #: Neuron-head hook -> shape, for docs and checks.
 NEURON_HOOK_SHAPES = {
@@ -252,7 +253,7 @@ def neuron_head_refs(layer: int, neuron: int, n_heads_per_neuron: int = 1) -> li
 
 
 def all_head_refs(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel | NeuronHeadModelMixin,
     kinds: Kinds = ("attn", "neuron"),
     layers: Iterable[int] | None = None,
 ) -> list[HeadRef]:

@@ -9,6 +9,7 @@ heatmaps, an attribution-patching heatmap over every head, and the GELU-fit erro
 from __future__ import annotations
 
 from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, NO_HOOKED_TRANSFORMER
+from tl_attnonly.adapt import analysis_model
 
 if not HAS_HOOKED_TRANSFORMER:  # TransformerLens 4.x: refuse at import, before any work
     raise ImportError(f"{__name__} {NO_HOOKED_TRANSFORMER}")
@@ -30,7 +31,6 @@ from plotly.offline import get_plotlyjs
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
-from tl_attnonly._types import require_neuron_heads
 from tl_attnonly.hooks import (
     NEURON_HOOK_SHAPES,
     head_names_filter,
@@ -101,7 +101,7 @@ def write_demo_report(
     Returns:
         The path written.
     """
-    require_neuron_heads(converted)
+    analysis_model(converted)  # refuses, with directions, a model without neuron-heads
     if converted.tokenizer is None:
         raise ValueError("The report needs a model with a tokenizer (to show the prompt's tokens).")
     path = Path(path)

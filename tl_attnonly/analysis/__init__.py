@@ -25,11 +25,6 @@ are listed, attention heads of every layer come first, then neuron-heads
 :mod:`tl_attnonly.hooks` (``decomposition_names_filter()``, ``head_names_filter("z")``, ...).
 """
 
-from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, NO_HOOKED_TRANSFORMER
-
-if not HAS_HOOKED_TRANSFORMER:  # TransformerLens 4.x: refuse at import, before any work
-    raise ImportError(f"{__name__} {NO_HOOKED_TRANSFORMER}")
-
 from tl_attnonly.analysis.cache import (
     StackOptions,
     decompose_resid_heads,

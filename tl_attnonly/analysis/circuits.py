@@ -46,9 +46,9 @@ import torch
 from jaxtyping import Float
 from transformer_lens import FactoredMatrix
 
-from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import ModelLike
 
 
 def homogeneous(x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model_plus_1"]:
@@ -56,16 +56,15 @@ def homogeneous(x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, ".
     return torch.cat([x, x.new_ones(x.shape[:-1] + (1,))], dim=-1)
 
 
-def bias_token_homogeneous(model: NeuronHeadModelMixin) -> torch.Tensor:
+def bias_token_homogeneous(model: ModelLike) -> torch.Tensor:
     """The bias token in homogeneous coordinates: the zero vector (so its key, and score, are 0)."""
+    model = analysis_model(model)
     return model.W_E.new_zeros(model.cfg.d_model + 1)
 
 
-def layer_indices(model: NeuronHeadModelMixin, layer: int | None) -> list[int]:
-    """``[layer]``, or every layer for ``None``; a ``ValueError`` for a layer out of range.
-
-    """
-    require_neuron_heads(model)
+def layer_indices(model: ModelLike, layer: int | None) -> list[int]:
+    """``[layer]``, or every layer for ``None``; a ``ValueError`` for a layer out of range."""
+    model = analysis_model(model)
     if layer is None:
         return list(range(model.cfg.n_layers))
     if not 0 <= layer < model.cfg.n_layers:
@@ -97,7 +96,7 @@ def value_weights(mlp: Any, per_unit_u: bool) -> Float[torch.Tensor, "n_neuron_h
 
 
 def neuron_ov_circuit(
-    model: NeuronHeadModelMixin, layer: int | None = None, *, per_unit_u: bool = False
+    model: ModelLike, layer: int | None = None, *, per_unit_u: bool = False
 ) -> FactoredMatrix:
     """Neuron-heads' OV circuits ``W_V W_O``: rank 1, ``f_k W_in[:, i] (x) W_out[i]``.
 
@@ -119,6 +118,7 @@ def neuron_ov_circuit(
     Raises:
         ValueError: For a gated layer without ``per_unit_u=True``.
     """
+    model = analysis_model(model)
     layers = layer_indices(model, layer)
     # [n_neuron_heads, d_model, 1]
     A = [value_weights(model.blocks[li].mlp, per_unit_u) for li in layers]
@@ -134,7 +134,7 @@ def key_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_1
     return torch.cat([mlp.W_K, mlp.b_K[:, None, :]], dim=-2).transpose(-2, -1)
 
 
-def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> FactoredMatrix:
+def neuron_qk_circuit(model: ModelLike, layer: int | None = None) -> FactoredMatrix:
     """Neuron-heads' QK circuits in homogeneous coordinates (module docstring).
 
     ``homogeneous(x) @ QK @ homogeneous(y).T`` is the score of a query with normalised residual
@@ -145,6 +145,7 @@ def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> 
         ``FactoredMatrix`` ``[n_neuron_heads, d_model + 1, d_model + 1]`` (``[n_layers, ...]``
         for all layers), inner dimension 1: ``A = [W_Q; b_Q]``, ``B = [W_K; b_K]^T``.
     """
+    model = analysis_model(model)
     layers = layer_indices(model, layer)
     A = [_query_homogeneous(model.blocks[li].mlp) for li in layers]
     B = [key_homogeneous(model.blocks[li].mlp) for li in layers]
@@ -152,7 +153,7 @@ def neuron_qk_circuit(model: NeuronHeadModelMixin, layer: int | None = None) -> 
 
 
 def neuron_attn_scores_from_circuit(
-    model: NeuronHeadModelMixin, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
+    model: ModelLike, layer: int, mlp_input: Float[torch.Tensor, "batch pos d_model"]
 ) -> Float[torch.Tensor, "batch n_neuron_heads query_pos 2"]:
     """The neuron-heads' compact scores ``(self, bias)`` computed from :func:`neuron_qk_circuit`.
 
@@ -160,6 +161,7 @@ def neuron_attn_scores_from_circuit(
     given the MLP's input ``blocks[layer].ln2(resid_mid)`` (``ln2.hook_normalized`` itself only
     when the LayerNorm weights are folded, ``fold_ln=True``).
     """
+    model = analysis_model(model)
     qk = neuron_qk_circuit(model, layer)
     x = homogeneous(mlp_input)  # [batch, pos, d_model + 1]
     query = torch.einsum("bpd,hdm->bhpm", x, qk.A)  # [batch, head, pos, 1]
@@ -171,7 +173,7 @@ def neuron_attn_scores_from_circuit(
 
 
 def neuron_full_ov_circuit(
-    model: NeuronHeadModelMixin, layer: int, *, per_unit_u: bool = False
+    model: ModelLike, layer: int, *, per_unit_u: bool = False
 ) -> FactoredMatrix:
     """``W_E W_V W_O W_U`` of each neuron-head of ``layer``: ``[n_neuron_heads, d_vocab, d_vocab]``.
 
@@ -180,11 +182,12 @@ def neuron_full_ov_circuit(
     and everything between the embedding, the head and the unembedding. Gated layers: per unit of
     ``u`` with ``per_unit_u=True``, else refused (see :func:`neuron_ov_circuit`).
     """
+    model = analysis_model(model)
     mlp = model.blocks[layer_indices(model, layer)[0]].mlp
     return FactoredMatrix(model.W_E @ value_weights(mlp, per_unit_u), mlp.W_O @ model.W_U)
 
 
-def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredMatrix:
+def neuron_full_qk_circuit(model: ModelLike, layer: int) -> FactoredMatrix:
     """Neuron-heads' scores by query token and key: ``[n_neuron_heads, d_vocab, 1 + d_vocab]``.
 
     Rows are query tokens (``homogeneous(W_E)``). Column 0 is the bias token (score 0); column
@@ -192,6 +195,7 @@ def neuron_full_qk_circuit(model: NeuronHeadModelMixin, layer: int) -> FactoredM
     constant, and a neuron-head sees only its own token among them). Ignores LayerNorm and
     positional embeddings, as TransformerLens's full QK circuits do.
     """
+    model = analysis_model(model)
     mlp = model.blocks[layer_indices(model, layer)[0]].mlp
     keys = torch.cat([bias_token_homogeneous(model)[None], homogeneous(model.W_E)])
     return FactoredMatrix(

@@ -20,6 +20,7 @@ from jaxtyping import Float
 from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.circuits import (
     key_homogeneous,
     layer_indices,
@@ -28,7 +29,7 @@ from tl_attnonly.analysis.circuits import (
 )
 from tl_attnonly.analysis.levels import top_k
 from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: Default memory budget (bytes) for a matrix of pairwise scores.
 SCORES_BUDGET = 2 * 2**30
@@ -42,7 +43,7 @@ _BLOCK_ELEMENTS = 2**25
 # composition scores
 # ------------------------------------------------------------------------------------------------
 def _right_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, mode: str, per_unit_u: bool = False
+    model: AttnOnlyModel, kind: str, layer: int, mode: str, per_unit_u: bool = False
 ) -> FactoredMatrix | None:
     """The receiver-side FactoredMatrix of one layer's heads (None: reads nothing)."""
     if kind == "attn":
@@ -62,7 +63,7 @@ def _right_matrix(
 
 
 def _left_matrix(
-    model: NeuronHeadModelMixin, kind: str, layer: int, per_unit_u: bool = False
+    model: AttnOnlyModel, kind: str, layer: int, per_unit_u: bool = False
 ) -> FactoredMatrix:
     if kind == "attn":
         attn = model.blocks[layer].attn
@@ -74,7 +75,7 @@ def _left_matrix(
 _SENDERS_PER_BLOCK = 4096
 
 
-def _stage(model: NeuronHeadModelMixin, kind: str, layer: int) -> int:
+def _stage(model: AttnOnlyModel, kind: str, layer: int) -> int:
     """Order of sublayers in the residual stream: a head can compose with later stages only."""
     if kind == "attn" or model.cfg.parallel_attn_mlp:
         return 2 * layer
@@ -113,7 +114,7 @@ class CompositionScores:
 
 
 def composition_scores(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     mode: Literal["Q", "K", "V"],
     senders: Sequence[str | HeadRef] | None = None,
     receivers: Sequence[str | HeadRef] | None = None,
@@ -144,6 +145,7 @@ def composition_scores(
     Returns:
         :class:`CompositionScores` (``.scores``, ``.senders``, ``.receivers``, ``.top_k()``).
     """
+    model = analysis_model(model)
     if mode not in ("Q", "K", "V"):
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
     layer_indices(model, None)
@@ -152,7 +154,7 @@ def composition_scores(
 
 
 def _composition_scores(
-    model: NeuronHeadModelMixin, mode, senders, receivers, max_bytes, progress, per_unit_u
+    model: AttnOnlyModel, mode, senders, receivers, max_bytes, progress, per_unit_u
 ) -> CompositionScores:
     K = model.n_heads_per_neuron
     send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
@@ -175,7 +177,7 @@ def _composition_scores(
 
 
 def composition_blocks(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     mode: str,
     send: list[HeadRef],
     recv: list[HeadRef],
@@ -186,6 +188,7 @@ def composition_blocks(
     reads after the sender writes; a block holds at most :data:`_SENDERS_PER_BLOCK` senders.
 
     Used by :func:`composition_scores` and :func:`composition_top_k`."""
+    model = analysis_model(model)
     # Receiver side: collapsed [d_model, rank] per head and its norm, grouped by (kind, layer).
     recv_groups: dict[tuple[str, int], list[int]] = {}
     for j, ref in enumerate(recv):
@@ -221,7 +224,7 @@ def composition_blocks(
 
 
 def composition_top_k(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     mode: Literal["Q", "K", "V"],
     k: int = 10,
     senders: Sequence[str | HeadRef] | None = None,
@@ -258,6 +261,7 @@ def composition_top_k(
     Returns:
         A DataFrame with columns ``sender, receiver, score``.
     """
+    model = analysis_model(model)
     if mode not in ("Q", "K", "V"):
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
     if level not in ("neuron", "head"):
@@ -299,7 +303,7 @@ def composition_top_k(
 
 
 def _representatives(
-    model: NeuronHeadModelMixin, specs: Sequence[str | HeadRef] | None, mode: str | None
+    model: AttnOnlyModel, specs: Sequence[str | HeadRef] | None, mode: str | None
 ) -> tuple[list[HeadRef], list[str]]:
     """One head per unit (attention head or neuron) and the units' labels.
 

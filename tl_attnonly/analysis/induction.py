@@ -25,6 +25,11 @@ not scored: nothing says a repeat starts there.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tl_attnonly.protocol import ModelLike
+
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,10 +38,11 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Float, Int
 
-from tl_attnonly.fidelity_lm import load_prompts
+from tl_attnonly.adapt import analysis_model
+from tl_attnonly.corpora import load_prompts
 
 if TYPE_CHECKING:
-    from transformer_lens import HookedTransformer
+    pass
 
 #: Corruptions of :func:`make_induction_dataset`.
 INDUCTION_CORRUPTIONS = ("first", "second")
@@ -179,7 +185,7 @@ class InductionDataset:
         return metric
 
 
-def induction_token_pool(model: HookedTransformer, texts: Sequence[str] | None = None) -> list[int]:
+def induction_token_pool(model: ModelLike, texts: Sequence[str] | None = None) -> list[int]:
     """Every distinct non-special token id of ``texts`` in ``model``'s tokenizer, sorted.
 
     Args:
@@ -191,6 +197,7 @@ def induction_token_pool(model: HookedTransformer, texts: Sequence[str] | None =
     Raises:
         ValueError: If the model has no tokenizer.
     """
+    model = analysis_model(model, neuron_heads=False)
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(
@@ -205,7 +212,7 @@ def induction_token_pool(model: HookedTransformer, texts: Sequence[str] | None =
 
 
 def make_induction_dataset(
-    model: HookedTransformer,
+    model: ModelLike,
     n_prompts: int,
     half_len: int = 10,
     *,
@@ -235,6 +242,7 @@ def make_induction_dataset(
         ValueError: For an unknown corruption, ``half_len < 2``, ``n_prompts < 1``, a pool of
             fewer than ``2 * half_len`` distinct tokens, or a BOS with no BOS token.
     """
+    model = analysis_model(model, neuron_heads=False)
     if corruption not in INDUCTION_CORRUPTIONS:
         raise ValueError(f"corruption={corruption!r}; expected one of {INDUCTION_CORRUPTIONS}.")
     if half_len < 2:

@@ -76,7 +76,7 @@ class _BridgeLayer:
     per-head results path. A mixin of :class:`NeuronHeadBase` subclasses."""
 
     #: Marks a bridge's neuron-head layer for code that may not import this package
-    #: (``tl_attnonly._types.require_neuron_heads``).
+    #: (``tl_attnonly.adapt.analysis_model``).
     is_bridge_neuron_heads = True
 
     #: The projections, by the bridge's names (``gate``, ``in``, ``out``), as registered

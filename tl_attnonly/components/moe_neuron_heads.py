@@ -132,7 +132,7 @@ class NeuronHeadMoE(MoE):
 
     experts: nn.ModuleList
     #: Marks a mixture of experts for checks that must not import this class
-    #: (:func:`tl_attnonly._types.require_neuron_heads`).
+    #: (:func:`tl_attnonly.adapt.analysis_model`).
     is_mixture_of_experts: ClassVar[bool] = True
 
     def __init__(

@@ -39,7 +39,7 @@ class LiteralTransformer(HookedRootModule):
     """
 
     #: Marks the literal form for checks that must not import this class
-    #: (:func:`tl_attnonly._types.require_neuron_heads`).
+    #: (:func:`tl_attnonly.adapt.analysis_model`).
     is_literal_form: ClassVar[bool] = True
 
     cfg: HookedTransformerConfig

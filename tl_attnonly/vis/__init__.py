@@ -25,11 +25,6 @@ Example:
     >>> neuron_activity_heatmap(cache, layer=0, str_tokens=converted.to_str_tokens("def f(x):"))
 """
 
-from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, NO_HOOKED_TRANSFORMER
-
-if not HAS_HOOKED_TRANSFORMER:  # TransformerLens 4.x: refuse at import, before any work
-    raise ImportError(f"{__name__} {NO_HOOKED_TRANSFORMER}")
-
 from tl_attnonly.vis.circuit import circuit_figure
 from tl_attnonly.vis.export import (
     circuitsvis_js,

@@ -21,7 +21,7 @@ from transformer_lens import ActivationCache
 from tl_attnonly._types import HeadsLike, replace_options
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.hooks import neuron_head_label
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
 from tl_attnonly.vis.sources import (
     TokensLike,
@@ -50,8 +50,6 @@ _RANK_DESCRIPTIONS = {
     "contrast": "max - min weight on self over tokens",
     "output": "max |z| * |W_O| over tokens (size of what it writes)",
 }
-
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,7 +319,7 @@ class HeadSelection:
 
 
 def neuron_head_attention_view(
-    source: NeuronHeadModelMixin | ActivationCache,
+    source: AttnOnlyModel | ActivationCache,
     layer: int,
     tokens: TokensLike | None = None,
     *,

@@ -10,19 +10,20 @@ import numpy as np
 import torch
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import HeadsLike, require_neuron_heads
+from tl_attnonly._types import HeadsLike
+from tl_attnonly.adapt import analysis_model, model_of_cache
 from tl_attnonly.hooks import neuron_act_name
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import AttnOnlyModel
 
 #: A prompt for a view: text, token ids ``[pos]``/``[batch, pos]``, or its string tokens.
 TokensLike = str | torch.Tensor | Sequence[str]
 
 
-def converted_model_of(cache_or_model: Any) -> NeuronHeadModelMixin:
+def converted_model_of(cache_or_model: Any) -> AttnOnlyModel:
     """The converted model itself, or the one whose run made a cache."""
     if isinstance(cache_or_model, ActivationCache):
-        return require_neuron_heads(getattr(cache_or_model, "model", None))
-    return require_neuron_heads(cache_or_model)
+        return model_of_cache(cache_or_model)
+    return analysis_model(cache_or_model)
 
 
 def cached(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor:
@@ -133,7 +134,7 @@ def _check_layer(model: Any, layer: int) -> None:
 
 def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
     if isinstance(tokens, str):
-        if hasattr(model, "to_str_tokens"):
+        if not model.is_encoder:
             return list(model.to_str_tokens(tokens))
         tokens = _encode(model, tokens)[0]  # HookedEncoder: no to_str_tokens
     ids = torch.as_tensor(tokens)
@@ -141,7 +142,7 @@ def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> lis
         ids = ids[batch_index]
     if model.tokenizer is None:
         return [str(int(t)) for t in ids]
-    if not hasattr(model, "to_str_tokens"):
+    if model.is_encoder:  # HookedEncoder: no to_str_tokens
         return list(model.tokenizer.convert_ids_to_tokens(ids.tolist()))
     return list(model.to_str_tokens(ids))
 

@@ -227,6 +227,6 @@ def test_runs_from_a_layer_skip_unchanged_leading_positions_exactly(overrides):
         full = runs.run(resid + change, layer)
         skipping = runs.run(resid + change, layer, first_pos=first)
         torch.testing.assert_close(skipping, full, rtol=0, atol=1e-10)
-        assert first in runs._prefixes or first == corrupted.shape[1]
+        assert first in runs._runner._prefixes or first == corrupted.shape[1]
     with torch.no_grad():  # and the runs from a layer are the model's
         torch.testing.assert_close(runs.run(runs.resid(1), 1), model(corrupted), rtol=0, atol=1e-12)

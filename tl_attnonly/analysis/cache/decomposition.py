@@ -16,7 +16,8 @@ from jaxtyping import Float, Int
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
-from tl_attnonly._types import Kinds, check_kinds, require_additive_residual
+from tl_attnonly._types import Kinds, check_kinds
+from tl_attnonly.adapt import require_additive_residual
 from tl_attnonly.analysis.cache.options import StackOptions, resolve_stack_options
 from tl_attnonly.analysis.cache.views import (
     DEFAULT_CHUNK,
@@ -26,7 +27,7 @@ from tl_attnonly.analysis.cache.views import (
 )
 
 if TYPE_CHECKING:
-    from tl_attnonly.model import AttnOnlyTransformer
+    from tl_attnonly.protocol import AttnOnlyModel
 
 #: The options decompose_resid_heads uses: all but incl_remainder (it lists embed, pos_embed and
 #: bias itself).
@@ -41,7 +42,7 @@ _DECOMPOSE_OPTIONS = (
 
 
 def _logit_directions(
-    model: AttnOnlyTransformer, tokens, incorrect_tokens
+    model: AttnOnlyModel, tokens, incorrect_tokens
 ) -> Float[torch.Tensor, "*batch_and_pos d_model"]:
     """``W_U[:, tokens]`` (minus ``W_U[:, incorrect_tokens]``), times ``ln_final.w`` if any.
 
@@ -57,7 +58,7 @@ def _logit_directions(
                 f"{tuple(directions.shape)} and {tuple(incorrect.shape)}."
             )
         directions = directions - incorrect
-    w = getattr(getattr(model, "ln_final", None), "w", None)
+    w = None if model.ln_final is None else model.ln_final.w
     return directions if w is None else directions * w
 
 

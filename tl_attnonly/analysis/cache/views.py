@@ -36,12 +36,13 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
-from tl_attnonly._types import Kinds, check_kinds, require_additive_residual, require_neuron_heads
+from tl_attnonly._types import Kinds, check_kinds
+from tl_attnonly.adapt import model_of_cache, require_additive_residual
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.cache.options import StackOptions
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel
 
 #: Default memory budget (bytes) for a stacked tensor of per-head results.
 STACK_BUDGET = 2 * 2**30
@@ -53,18 +54,12 @@ DEFAULT_CHUNK = 1024
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def cache_model(cache: ActivationCache):
-    model = getattr(cache, "model", None)
-    if model is None:
-        raise TypeError(
-            f"Expected a transformer_lens ActivationCache from run_with_cache, got "
-            f"{type(cache).__name__}."
-        )
-    require_neuron_heads(model)
-    return model
+def cache_model(cache: ActivationCache) -> AttnOnlyModel:
+    """The converted model whose run made ``cache``, as analysis reads it."""
+    return model_of_cache(cache)
 
 
-def _resolve_layer(model: NeuronHeadModelMixin, layer: int | None) -> int:
+def _resolve_layer(model: AttnOnlyModel, layer: int | None) -> int:
     n_layers = model.cfg.n_layers
     if layer is None or layer == -1:
         return n_layers
@@ -133,7 +128,7 @@ def _normalize_projection(
     return project_output_onto, False
 
 
-def _accumulated_bias(model: NeuronHeadModelMixin, layer: int, mlp_input: bool) -> torch.Tensor:
+def _accumulated_bias(model: AttnOnlyModel, layer: int, mlp_input: bool) -> torch.Tensor:
     """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32)."""
     bias = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
     for li in range(layer):

@@ -50,6 +50,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import HeadGraph, edges_frame
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 
@@ -76,7 +77,7 @@ from tl_attnonly.analysis.discovery.sites import (
 )
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 
 def block_scores(
@@ -228,7 +229,7 @@ class EdgeScores:
 
 
 def edge_attribution_scores(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -266,6 +267,7 @@ def edge_attribution_scores(
     Returns:
         :class:`EdgeScores`.
     """
+    model = analysis_model(model)
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
     if positions is not None:
         positions.check_tokens(clean_tokens)
@@ -371,7 +373,7 @@ Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[Any, ...]], float]
 
 
 def attribution_terms(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     graph: HeadGraph,
     clean_tokens: torch.Tensor,
     corrupted_tokens: torch.Tensor,
@@ -390,6 +392,7 @@ def attribution_terms(
     its read is ``(g, lin, rows)``, restricted to the rows (indices into ``batch * pos``) of its
     class, the only rows where its score has terms.
     """
+    model = analysis_model(model)
     source_names = source_hook_names(model, graph)
     input_names = sorted({input_hook_name(d, graph) for d in graph.inputs})
     site_names = sorted({input_site(model, d)[1] for d in graph.inputs})
@@ -440,7 +443,7 @@ def attribution_terms(
 
 
 def _gradient_pass(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel,
     tokens,
     idx,
     metric,

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, cast
 import pandas as pd
 import torch
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import attn_head_label, neuron_head_label
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import ModelLike
 
 #: Inputs of each kind of reader.
 ATTN_INPUTS = ("q", "k", "v")
@@ -136,11 +137,12 @@ class HeadGraph:
 
     def __init__(
         self,
-        model: NeuronHeadModelMixin,
+        model: ModelLike,
         neuron_level: bool = True,
         nodes: Collection[str] | None = None,
         positions: Sequence[str] | None = None,
     ):
+        model = analysis_model(model)
         cfg = model.cfg
         self.positions = None if positions is None else tuple(positions)
         self.n_heads = cfg.n_heads

@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import require_neuron_heads
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import head_act_name, neuron_act_name
 
 if TYPE_CHECKING:
     from tl_attnonly.encoder import AttnOnlyEncoder
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: A node-circuit metric: ``metric(output, inputs) -> scalar``.
 NodeMetric = Callable[..., torch.Tensor]
@@ -55,15 +55,15 @@ class ModelInputs:
     attention_mask: torch.Tensor | None = None
 
 
-def _is_encoder(model: NeuronHeadModelMixin) -> bool:
-    return hasattr(model, "encoder_output")
+def _is_encoder(model: AttnOnlyModel) -> bool:
+    return model.is_encoder
 
 
-def _forward(model: NeuronHeadModelMixin, inputs: ModelInputs, fwd_hooks) -> torch.Tensor:
+def _forward(model: AttnOnlyModel, inputs: ModelInputs, fwd_hooks) -> torch.Tensor:
     """Decoder logits, or the encoder's final hidden states, with ``fwd_hooks`` attached."""
     if _is_encoder(model):
         with model.hooks(fwd_hooks=fwd_hooks):
-            encoder = cast("AttnOnlyEncoder", model)
+            encoder = cast("AttnOnlyEncoder", model.model)
             return encoder.encoder_output(
                 inputs.tokens, inputs.token_type_ids, inputs.attention_mask
             )
@@ -94,7 +94,7 @@ def pair_cosine_metric(mean: bool = True) -> NodeMetric:
     return metric
 
 
-def _node_hooks(model: NeuronHeadModelMixin) -> list[tuple[str, str, int]]:
+def _node_hooks(model: AttnOnlyModel) -> list[tuple[str, str, int]]:
     """``(node group, hook name, layer)``: where each group's output is patched."""
     out = []
     if _is_encoder(model):
@@ -109,8 +109,9 @@ def _node_hooks(model: NeuronHeadModelMixin) -> list[tuple[str, str, int]]:
     return out
 
 
-def node_labels(model: NeuronHeadModelMixin) -> list[str]:
+def node_labels(model: ModelLike) -> list[str]:
     """Every node: ``"embed"``, then per layer its attention heads and its neurons."""
+    model = analysis_model(model)
     labels = ["embed"]
     for li in range(model.cfg.n_layers):
         labels += [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
@@ -137,10 +138,10 @@ class NodeScores:
 
 
 def node_attribution_scores(
-    model: NeuronHeadModelMixin, clean: ModelInputs, corrupted: ModelInputs, metric: NodeMetric
+    model: ModelLike, clean: ModelInputs, corrupted: ModelInputs, metric: NodeMetric
 ) -> NodeScores:
     """Attribution patching of every node and neuron input (one backward pass)."""
-    require_neuron_heads(model)
+    model = analysis_model(model)
     if clean.tokens.shape != corrupted.tokens.shape:
         raise ValueError("clean and corrupted inputs must have the same shape.")
     L, K = model.cfg.n_layers, model.n_heads_per_neuron
@@ -201,7 +202,7 @@ def node_attribution_scores(
 
 
 def node_circuit_metrics(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     circuits: Sequence[set[str]],
     clean: ModelInputs,
     corrupted: ModelInputs,
@@ -217,7 +218,7 @@ def node_circuit_metrics(
         corrupt_inputs: Per circuit, ``{neuron label: "gate" | "value"}``: that input of that
             neuron additionally receives its corrupted value (for gate/value splits).
     """
-    require_neuron_heads(model)
+    model = analysis_model(model)
     K = model.n_heads_per_neuron
     hooks = _node_hooks(model)
     names = {name for _, name, _ in hooks} | {
@@ -285,7 +286,7 @@ class NodeCircuit:
 
 
 def discover_node_circuit(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean: ModelInputs,
     corrupted: ModelInputs,
     metric: NodeMetric,
@@ -302,6 +303,7 @@ def discover_node_circuit(
         corrupted) - m(C, q and v corrupted)``, ``value = m(C, q corrupted) - m(C, q and v
         corrupted)`` and ``interaction = both - gate - value``.
     """
+    model = analysis_model(model)
     scores = node_attribution_scores(model, clean, corrupted, metric)
     ranked = scores.scores.abs().sort_values(ascending=False, kind="stable")
     nodes = set(ranked.index[:top_n])

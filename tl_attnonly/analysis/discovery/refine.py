@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import (
@@ -39,14 +40,14 @@ from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import ModelLike
 
 #: Candidates per round: the next ``k``, ``k // 2`` and ``k // 4`` untried edges.
 SHRINK = (1, 2, 4)
 
 
 def prune_by_runs(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     scores: EdgeScores,
     mask: Mask,
     metric_circuit: float,
@@ -85,6 +86,7 @@ def prune_by_runs(
         candidate run (``round``, ``removed`` edges tried, ``edges`` of the candidate,
         ``faithfulness``, ``accepted``).
     """
+    model = analysis_model(model)
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     keys = list(scores.scores)
     flat_scores = flatten_blocks(ranking_values(scores, ranking), keys)

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import HeadGraph, InputGroup, SourceGroup
 from tl_attnonly.analysis.discovery.sites import Mask, source_values, writer_matrix
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import ModelLike
 
 
 class CircuitPlan:
@@ -68,9 +69,7 @@ class CircuitPlan:
             used = signature.any(1)
             if not bool(used.any()):
                 continue
-            unique, ids = torch.unique(
-                signature[used].to(torch.uint8), dim=0, return_inverse=True
-            )
+            unique, ids = torch.unique(signature[used].to(torch.uint8), dim=0, return_inverse=True)
             rows_all = used.nonzero().flatten()
             members = []
             start = 0
@@ -113,13 +112,14 @@ class PlanRun:
 
     def __init__(
         self,
-        model: NeuronHeadModelMixin,
+        model: ModelLike,
         graph: HeadGraph,
         plan: CircuitPlan,
         current: dict[str, torch.Tensor],
         corr: dict[str, torch.Tensor],
         block_bytes: int,
     ):
+        model = analysis_model(model)
         self.model, self.graph, self.plan = model, graph, plan
         self.current, self.corr, self.block_bytes = current, corr, block_bytes
         # [rows, batch*pos*d_model]: every merged row's change, rows of each order together

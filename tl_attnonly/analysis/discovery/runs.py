@@ -34,6 +34,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly._types import check_token_pair
+from tl_attnonly.adapt import analysis_model
 
 # Circuit and faithfulness live in .circuit; they stay importable from here too
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
@@ -57,14 +58,14 @@ from tl_attnonly.analysis.discovery.sites import (
 )
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 # ---------------------------------------------------------------------------------------------
 # exact circuit runs
 # ---------------------------------------------------------------------------------------------
 
 
-def _corrupted_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]:
+def _corrupted_names(model: AttnOnlyModel, graph: HeadGraph) -> list[str]:
     names = set(source_hook_names(model, graph))
     for dst in graph.inputs:
         names.add(input_hook_name(dst, graph))
@@ -73,7 +74,7 @@ def _corrupted_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]
 
 
 def _recompute(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel,
     dst: InputGroup,
     graph: HeadGraph,
     x: torch.Tensor,
@@ -120,7 +121,7 @@ def _project(normalised: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
 
 
 def circuit_metric(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     mask: Mask,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -152,6 +153,7 @@ def circuit_metric(
     Returns:
         The metric summed over batches.
     """
+    model = analysis_model(model)
     return circuit_metrics(
         model, [mask], clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
         nodes=nodes, batch_size=batch_size, block_bytes=block_bytes, progress=progress,
@@ -160,7 +162,7 @@ def circuit_metric(
 
 
 def circuit_metrics(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     masks: Sequence[Mask],
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -174,6 +176,7 @@ def circuit_metrics(
     positions: PositionClasses | None = None,
 ) -> list[float]:
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
+    model = analysis_model(model)
     check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
     if positions is not None:
@@ -219,7 +222,7 @@ def circuit_metrics(
 
 
 def _circuit_run(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel,
     graph: HeadGraph,
     mask: Mask,
     tokens,
@@ -344,7 +347,7 @@ def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.T
 
 
 def circuit_gate_value_split(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     mask: Mask,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -390,6 +393,7 @@ def circuit_gate_value_split(
         DataFrame with columns ``node, gate, value, both, interaction, n_gate_edges,
         n_value_edges`` (metric units).
     """
+    model = analysis_model(model)
     graph = HeadGraph(
         model, neuron_level=neuron_level, nodes=nodes,
         positions=None if positions is None else positions.names,
@@ -460,7 +464,7 @@ def _n_edges(mask: Mask, columns: list[tuple[tuple[str, str], int]]) -> int:
 
 
 def path_gate_value_split(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Sequence[str],
@@ -489,6 +493,7 @@ def path_gate_value_split(
     Returns:
         ``{"gate", "value", "both", "interaction", "corrupted"}`` (metric units).
     """
+    model = analysis_model(model)
     from tl_attnonly.analysis.patching.paths import path_patch, path_patch_caches
 
     K = model.n_heads_per_neuron

@@ -64,6 +64,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import (
     edge_attribution_scores,
     mask_size,
@@ -93,7 +94,7 @@ from tl_attnonly.analysis.discovery.sweep import sweep_to_target
 from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 
 #: A circuit whose faithfulness exceeds ``1 + OVERSHOOT`` is warned about (it overshoots).
@@ -101,7 +102,7 @@ OVERSHOOT = 0.2
 
 
 def top_nodes(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -129,6 +130,7 @@ def top_nodes(
         (``pd.Series`` indexed by label; ``"embed"`` included, never kept: the graph always has
         it).
     """
+    model = analysis_model(model)
     from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
 
     check_discoverable(model, neuron_level)
@@ -157,15 +159,16 @@ def top_nodes(
     return labels, total
 
 
-def coarse_nodes(model: NeuronHeadModelMixin) -> list[str]:
+def coarse_nodes(model: ModelLike) -> list[str]:
     """The coarse graph's nodes: every attention head and every MLP layer as one node."""
+    model = analysis_model(model)
     cfg = model.cfg
     heads = [attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)]
     return heads + [mlp_rest_label(li) for li in range(cfg.n_layers)]
 
 
 def node_patching_metric(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -188,6 +191,7 @@ def node_patching_metric(
     Returns:
         The metric summed over batches.
     """
+    model = analysis_model(model)
     heads: dict[int, list[int]] = {}
     neurons: dict[int, list[int] | None] = {}
     embed = False
@@ -277,7 +281,7 @@ def _without_sources(mask: Mask, keys: set[str]) -> Mask:
 
 
 def discover_circuit(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
@@ -322,6 +326,7 @@ def discover_circuit(
         ValueError: For options that contradict each other, or a metric that is not additive
             over examples with ``metric_reduction="sum"`` and several batches.
     """
+    model = analysis_model(model)
     opts = resolve_options(options, overrides)
     check_discoverable(model, opts.neuron_level)
     batches = batch_indices(clean_tokens.shape[0], opts.batch_size)
@@ -394,8 +399,11 @@ def discover_circuit(
             )
     seconds["sweep"] = time.perf_counter() - t
     swept = faithfulness(m_circ, m_clean, m_corr)
-    if opts.top_n is None and opts.threshold is None and opts.prune_runs > 0 and (
-        ceiling >= opts.target and swept >= opts.target
+    if (
+        opts.top_n is None
+        and opts.threshold is None
+        and opts.prune_runs > 0
+        and (ceiling >= opts.target and swept >= opts.target)
     ):
         t = time.perf_counter()
         extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
@@ -438,7 +446,11 @@ def discover_circuit(
     patched = list(dict.fromkeys(n.split(".")[0] for n in base.edges().source))
     circuit.node_patching = faithfulness(
         node_patching_metric(
-            model, clean_tokens, corrupted_tokens, metric, [n for n in patched if n != EMBED],
+            model,
+            clean_tokens,
+            corrupted_tokens,
+            metric,
+            [n for n in patched if n != EMBED],
             batch_size=opts.batch_size,
         ),
         m_clean,
@@ -473,7 +485,7 @@ def discover_circuit(
 
 
 def _name_neurons(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel,
     coarse: Circuit,
     clean,
     corrupted,

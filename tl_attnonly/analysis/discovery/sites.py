@@ -13,11 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 from jaxtyping import Int
-from transformer_lens.components import LayerNorm, LayerNormPre, RMSNorm, RMSNormPre
 
-from tl_attnonly._types import check_token_pair, require_neuron_heads
+from tl_attnonly._types import check_token_pair
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import (
     EMBED,
     LOGITS,
@@ -31,7 +30,7 @@ from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike, Norm
 
 Mask = dict[tuple[str, str], torch.Tensor]
 DiscoveryMetric = Callable[..., torch.Tensor]
@@ -45,11 +44,12 @@ BLOCK_BUDGET = 2**28
 # ---------------------------------------------------------------------------------------------
 
 
-def check_discoverable(model: NeuronHeadModelMixin, neuron_level: bool = True) -> None:
+def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     """Refuse, before any work, models whose residual stream is not a sum of node outputs.
 
     Args:
-        model: The model to check.
+        model: The model to check (an :class:`~tl_attnonly.protocol.AttnOnlyModel`, or a model
+            :func:`~tl_attnonly.adapt.analysis_model` takes).
         neuron_level: The graph's granularity (head level is refused for gated MLPs with K > 1).
 
     Raises:
@@ -58,8 +58,8 @@ def check_discoverable(model: NeuronHeadModelMixin, neuron_level: bool = True) -
             each sublayer), qk-norm, positions other than learned or rotary, attention-only models,
             and neuron-head level on gated MLPs with ``K > 1``.
     """
-    require_neuron_heads(model)  # refuses mixtures of experts (NeuronHeadMoE) by name
-    if hasattr(model, "encoder_output"):
+    model = analysis_model(model)  # refuses mixtures of experts (NeuronHeadMoE) by name
+    if model.is_encoder:
         raise NotImplementedError(
             "Edge-level circuit discovery needs a pre-norm decoder; a BERT-style encoder "
             "normalises after each residual addition, so its residual stream is not a sum of node "
@@ -70,23 +70,18 @@ def check_discoverable(model: NeuronHeadModelMixin, neuron_level: bool = True) -
     problems = []
     if cfg.positional_embedding_type not in ("standard", "rotary"):
         problems.append(f"positional_embedding_type={cfg.positional_embedding_type!r}")
-    for flag in ("use_normalization_before_and_after", "use_qk_norm", "load_in_4bit"):
-        if getattr(cfg, flag, False):
-            problems.append(f"{flag}=True")
-    if getattr(cfg, "original_architecture", None) in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
-        problems.append("post-norm blocks")
+    if cfg.post_norm:
+        problems.append(
+            "norms after each sublayer (use_normalization_before_and_after=True or post-norm "
+            "blocks)"
+        )
+    if cfg.use_qk_norm:
+        problems.append("use_qk_norm=True")
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     for li, block in enumerate(model.blocks):
         if not isinstance(block.mlp, (NeuronHeadMLP, GatedNeuronHeadMLP)):
             problems.append(f"blocks.{li}.mlp is a {type(block.mlp).__name__}")
-
-        for name in ("ln1", "ln2"):
-            module = getattr(block, name, None)
-            if module is not None and not isinstance(
-                module, (nn.Identity, LayerNorm, LayerNormPre, RMSNorm, RMSNormPre)
-            ):
-                problems.append(f"blocks.{li}.{name} is a {type(module).__name__}")
     gated = any(isinstance(block.mlp, GatedNeuronHeadMLP) for block in model.blocks)
     if gated and not neuron_level and model.n_heads_per_neuron > 1:
         problems.append(
@@ -103,7 +98,7 @@ def check_discoverable(model: NeuronHeadModelMixin, neuron_level: bool = True) -
 
 
 def check_scoring_args(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens,
     corrupted_tokens,
     method: str,
@@ -111,6 +106,7 @@ def check_scoring_args(
     neuron_level: bool,
 ) -> None:
     """Refuse, before any work, what edge attribution cannot score (model, tokens, method)."""
+    model = analysis_model(model)
     check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
     if method not in ("eap", "eap-ig"):
@@ -139,7 +135,7 @@ def call_metric(
 
 
 def check_additive(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     tokens: Int[torch.Tensor, "batch pos"],
     metric: DiscoveryMetric,
     batches: list,
@@ -153,6 +149,7 @@ def check_additive(
     Raises:
         ValueError: If they differ (say ``metric_reduction="mean"``, or make the metric a sum).
     """
+    model = analysis_model(model)
     if len(batches) < 2:
         return
     rows = torch.arange(min(tokens.shape[0], 4))
@@ -230,7 +227,7 @@ def qkv_weights(attn, inp: str) -> tuple[torch.Tensor, torch.Tensor]:
     return getattr(attn, f"W_{name}"), getattr(attn, f"b_{name}")
 
 
-def input_site(model: NeuronHeadModelMixin, dst: InputGroup) -> tuple[nn.Module | None, str]:
+def input_site(model: AttnOnlyModel, dst: InputGroup) -> tuple[Norm | None, str]:
     """The normalisation an input reads through and the hook of its residual input."""
     if dst.kind == LOGITS:
         return None, block_act_name("resid_post", model.cfg.n_layers - 1)
@@ -241,17 +238,15 @@ def input_site(model: NeuronHeadModelMixin, dst: InputGroup) -> tuple[nn.Module 
     return block.ln2, block_act_name(resid, dst.layer)
 
 
-def norm_linearisation(module: nn.Module | None, x: torch.Tensor):
+def norm_linearisation(norm: Norm | None, x: torch.Tensor):
     """``(x_hat, 1/sigma, w, centred)`` of the normalisation at ``x`` [B, d], or None (identity)."""
-    if module is None or isinstance(module, nn.Identity):
+    if norm is None:
         return None
-    centred = isinstance(module, (LayerNorm, LayerNormPre))
+    centred = norm.centred
     x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     xc = x - x.mean(-1, keepdim=True) if centred else x
-    eps = float(module.eps)  # type: ignore[arg-type]
-    sigma = (xc.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-    w = module.w if isinstance(module, (LayerNorm, RMSNorm)) else None
-    return xc / sigma, 1.0 / sigma.squeeze(-1), w, centred
+    sigma = (xc.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+    return xc / sigma, 1.0 / sigma.squeeze(-1), norm.w, centred
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +254,8 @@ def norm_linearisation(module: nn.Module | None, x: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 
 
-def source_hook_names(model: NeuronHeadModelMixin, graph: HeadGraph) -> list[str]:
+def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
+    model = analysis_model(model)
     names = ["hook_embed"]
     if model.cfg.positional_embedding_type == "standard":
         names.append("hook_pos_embed")
@@ -301,9 +297,10 @@ def source_values(
 
 
 def writer_matrix(
-    model: NeuronHeadModelMixin, src: SourceGroup, graph: HeadGraph, like: torch.Tensor
+    model: ModelLike, src: SourceGroup, graph: HeadGraph, like: torch.Tensor
 ) -> torch.Tensor:
     """``U [n, r, d_model]``: source ``n`` adds ``coefficients[..., n, :] @ U[n]`` to the stream."""
+    model = analysis_model(model)
     if src.kind == EMBED:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if src.kind == "attn":
@@ -317,22 +314,24 @@ def writer_matrix(
 
 
 def neuron_read_matrix(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     dst: InputGroup,
     graph: HeadGraph,
 ) -> torch.Tensor:
     """``[d_model, d_mlp]`` read by a neuron input: ``W_gate`` (gated ``gate``) or ``W_in``."""
+    model = analysis_model(model)
     mlp = model.blocks[dst.layer].mlp
     return mlp.W_gate if graph.gated and dst.input == "gate" else mlp.W_in
 
 
 def reader_matrix(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     dst: InputGroup,
     graph: HeadGraph,
     like: torch.Tensor,
 ) -> torch.Tensor:
     """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
+    model = analysis_model(model)
     if dst.kind == LOGITS:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if dst.kind == "attn":
@@ -357,12 +356,13 @@ def input_hook_name(dst: InputGroup, graph: HeadGraph) -> str:
 
 
 def read_gradient(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     dst: InputGroup,
     graph: HeadGraph,
     grad: torch.Tensor,
 ) -> torch.Tensor:
     """d metric / d (what input ``n`` reads), ``[batch, pos, n, s]``."""
+    model = analysis_model(model)
     if dst.kind == LOGITS:
         return grad.unsqueeze(2)
     if dst.kind == "attn":

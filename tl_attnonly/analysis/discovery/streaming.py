@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, block_scores
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.analysis.discovery.sites import (
@@ -35,10 +36,9 @@ from tl_attnonly.analysis.discovery.sites import (
     reader_matrix,
     writer_matrix,
 )
-from tl_attnonly.model import AttnOnlyTransformer
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import ModelLike
 
 
 @dataclass
@@ -80,12 +80,13 @@ class TopEdges:
                 out[target] = None
         return list(out)
 
-    def restricted_mask(self, model: NeuronHeadModelMixin) -> tuple[list[str], Mask]:
+    def restricted_mask(self, model: ModelLike) -> tuple[list[str], Mask]:
         """``(nodes, mask)``: the restricted graph of :meth:`nodes` with exactly these edges.
 
         Pass both to :func:`~tl_attnonly.analysis.circuit_metric` (``nodes=nodes``) for the
         circuit's exact run.
         """
+        model = analysis_model(model)
         nodes = self.nodes()
         if any(g.kind == MLP_REST for g in self.graph.sources):  # keep the remainders' members
             nodes = self.graph.node_labels()
@@ -112,7 +113,7 @@ def _layer(label: str) -> int:
 
 
 def top_edges(
-    model: AttnOnlyTransformer,
+    model: ModelLike,
     n: int,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
@@ -143,6 +144,7 @@ def top_edges(
     Returns:
         :class:`TopEdges`.
     """
+    model = analysis_model(model)
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}.")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
@@ -20,7 +21,7 @@ from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.protocol import ModelLike
 
 #: A faithfulness this much below one at fewer edges counts as a fall (warning).
 MONOTONE_TOLERANCE = 0.05
@@ -45,7 +46,7 @@ def curve_warnings(curve: pd.DataFrame) -> list[str]:
 
 
 def sweep_to_target(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     scores: EdgeScores,
     clean,
     corrupted,
@@ -58,6 +59,7 @@ def sweep_to_target(
 
     Returns ``(mask, metric_circuit, curve, ceiling_metric, warnings)``.
     """
+    model = analysis_model(model)
     graph = scores.graph
     n_all = graph.n_edges()
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted

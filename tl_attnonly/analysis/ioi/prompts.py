@@ -5,6 +5,11 @@ See :mod:`tl_attnonly.analysis.ioi` for the task, the roles and the corruptions.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tl_attnonly.protocol import ModelLike
+
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +19,7 @@ import torch
 from jaxtyping import Float, Int
 
 from tl_attnonly._types import replace_options
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 
 if TYPE_CHECKING:
@@ -299,7 +305,7 @@ class IOIWords:
 
 
 def make_ioi_dataset(
-    model: HookedTransformer,
+    model: ModelLike,
     n_prompts: int,
     *,
     corruption: str = "abc",
@@ -337,6 +343,7 @@ def make_ioi_dataset(
         ValueError: For an unknown corruption or order, too few names, a name of several tokens,
             or a template whose names cannot be found in the tokens.
     """
+    model = analysis_model(model, neuron_heads=False)
     if words is not None and not isinstance(words, IOIWords):
         raise TypeError(
             f"make_ioi_dataset(..., words=...) takes a tl_attnonly.analysis.IOIWords, got "

@@ -14,14 +14,13 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
-from transformer_lens.components import LayerNorm, LayerNormPre
 
-from tl_attnonly._types import require_additive_residual
+from tl_attnonly.adapt import analysis_model, require_additive_residual
 from tl_attnonly.analysis.ioi.prompts import IOIDataset
 from tl_attnonly.hooks import attn_names_filter, exact_names_filter
 
 if TYPE_CHECKING:
-    from transformer_lens import HookedTransformer
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 
 #: Attention scores: column -> (query position, key position).
@@ -168,7 +167,7 @@ class IOIHeadScores:
 
 
 def ioi_head_scores(
-    model: HookedTransformer,
+    model: ModelLike,
     dataset: IOIDataset,
     *,
     corrupted: bool = False,
@@ -199,6 +198,7 @@ def ioi_head_scores(
         NotImplementedError: For a model whose residual stream is not a sum of head outputs
             (post-norm): direct logit attribution is undefined there.
     """
+    model = analysis_model(model, neuron_heads=False)
     if model.cfg.attention_dir != "causal":
         raise ValueError(
             "IOI head scores need causal attention (a next-token task; right padding would be "
@@ -225,7 +225,7 @@ def ioi_head_scores(
 
 
 def _batch_scores(
-    model: HookedTransformer, part: IOIDataset, tokens: torch.Tensor, names_filter
+    model: AttnOnlyModel, part: IOIDataset, tokens: torch.Tensor, names_filter
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """One batch: ``logit_diff [batch]``, ``{score: [batch, n_layers, n_heads]}``, ``dla_io``
     and ``dla_s`` (``[batch, n_layers, n_heads]``), on the CPU."""
@@ -237,22 +237,25 @@ def _batch_scores(
     attention = {}
     for name, (query, key) in ATTENTION_SCORES.items():
         q, k = part.positions(query).to(device), part.positions(key).to(device)
-        per_layer = [cache["pattern", li][rows, :, q, k] for li in range(model.cfg.n_layers)]
+        per_layer = [
+            cache[f"blocks.{li}.attn.hook_pattern"][rows, :, q, k]
+            for li in range(model.cfg.n_layers)
+        ]
         attention[name] = torch.stack(per_layer, 1).cpu()  # [batch, n_layers, n_heads]
-    ln_final = getattr(model, "ln_final", None)
+    ln_final = model.ln_final
     if "ln_final.hook_scale" in cache.cache_dict:
         scale = cache["ln_final.hook_scale"][rows, end]  # [batch, 1]
     else:  # no final norm
         scale = torch.ones(len(part), 1, dtype=model.W_U.dtype, device=device)
-    centre = isinstance(ln_final, LayerNorm | LayerNormPre)
-    weight = getattr(ln_final, "w", None)
+    centre = ln_final is not None and ln_final.centred
+    weight = None if ln_final is None else ln_final.w
     directions = []
     for token in (part.io_token, part.s_token):
         direction = model.W_U[:, token.to(device)].T  # [batch, d_model]
         directions.append(direction if weight is None else direction * weight)
     dla_io, dla_s = [], []
     for li in range(model.cfg.n_layers):
-        z = cache["z", li][rows, end]  # [batch, n_heads, d_head]
+        z = cache[f"blocks.{li}.attn.hook_z"][rows, end]  # [batch, n_heads, d_head]
         out = torch.einsum("bhd,hdm->bhm", z, model.blocks[li].attn.W_O)
         if centre:
             out = out - out.mean(-1, keepdim=True)

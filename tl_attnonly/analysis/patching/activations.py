@@ -36,7 +36,8 @@ from transformer_lens.patching import (
     layer_pos_head_vector_patch_setter,
 )
 
-from tl_attnonly._types import FwdHooks, Metric, check_tokens, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, check_tokens
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import PatchUnit, get_act_patch_outputs
 from tl_attnonly.analysis.patching.resume import (
@@ -56,7 +57,7 @@ from tl_attnonly.hooks import (
     neuron_hook_kind,
     parse_head_label,
 )
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: Neuron-head activations that can be patched, and their layout.
 VECTOR_KINDS = ("z", "v", "q", "result")  # [batch, pos, head, ...]
@@ -70,7 +71,8 @@ class _NeuronHeadNames:
     ``z``, ``pattern``, ... to ``blocks.{l}.attn``; neuron-heads live at ``blocks.{l}.mlp``.
     """
 
-    def __init__(self, model: NeuronHeadModelMixin):
+    def __init__(self, model: ModelLike):
+        model = analysis_model(model)
         self.model = model
         self.cfg = model.cfg
 
@@ -101,7 +103,7 @@ def _cloning(setter: Callable) -> Callable:
 
 
 def neuron_head_patch_index(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     activation_name: str = "z",
     *,
     per_position: bool = False,
@@ -123,7 +125,7 @@ def neuron_head_patch_index(
         layers, heads, positions: Subsets to sweep; default all (positions need ``n_pos``).
         n_pos: Number of positions (for ``positions=None``).
     """
-    require_neuron_heads(model)
+    model = analysis_model(model)
     kind = neuron_hook_kind(activation_name)
     if kind not in VECTOR_KINDS + PATTERN_KINDS:
         raise ValueError(
@@ -157,7 +159,7 @@ def _setter(kind: str, per_position: bool) -> Callable:
 
 
 def get_act_patch_neuron_heads(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -212,7 +214,7 @@ def get_act_patch_neuron_heads(
     patches_per_pass = opts.patches_per_pass
     max_bytes = opts.max_bytes
     progress = opts.progress
-    require_neuron_heads(model)
+    model = analysis_model(model)
     check_tokens(corrupted_tokens)
     index_df = neuron_head_patch_index(
         model,
@@ -270,7 +272,7 @@ def get_act_patch_neuron_heads(
 
 
 def _z_by_output_deltas(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -306,7 +308,7 @@ PatchFn = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 def run_patches(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -343,6 +345,7 @@ def run_patches(
     Raises:
         MemoryError: If ``patches_per_pass`` copies (or one) exceed ``max_bytes``.
     """
+    model = analysis_model(model)
     check_tokens(corrupted_tokens)
     batch, pos = corrupted_tokens.shape
     step = patches_per_pass_for(model, batch, pos, patches_per_pass, max_bytes)
@@ -376,7 +379,7 @@ def _patch_hook(edits: list[tuple[int, PatchFn]], clean_cache, batch: int) -> Ca
 
 
 def get_act_patch_all_heads(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -407,7 +410,7 @@ def get_act_patch_all_heads(
         ``(metric after each patch [n_heads], labels)``. For every head of a neuron together
         (``K > 1``), use :func:`~tl_attnonly.analysis.get_act_patch_outputs` (``level="neuron"``).
     """
-    require_neuron_heads(model)
+    model = analysis_model(model)
     K = model.n_heads_per_neuron
     refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
     if can_resume(model):  # decoders: passes start at the patched layer (output deltas)

@@ -32,21 +32,19 @@ from tl_attnonly._types import (
     Metric,
     check_kinds,
     check_token_pair,
-    require_neuron_heads,
 )
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.levels import neuron_level
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import get_act_patch_outputs
 from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels, head_names_filter
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: Activations attribution patching supports, and where their head axis is.
 ATTRIBUTION_KINDS = {"z": 2, "v": 2, "q": 2, "pattern": 1}
 
 
-def _names(
-    model: NeuronHeadModelMixin, kind: str, kinds: Sequence[str]
-) -> list[tuple[str, str, int]]:
+def _names(model: AttnOnlyModel, kind: str, kinds: Sequence[str]) -> list[tuple[str, str, int]]:
     """(sublayer kind, hook name, layer) for every layer and every requested kind of head."""
     out = []
     for sub in kinds:
@@ -61,7 +59,7 @@ def _names(
 
 
 def attribution_patch(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_cache: ActivationCache,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     patching_metric: Metric,
@@ -123,7 +121,7 @@ def attribution_patch(
     )
     per_position = opts.per_position
     progress = opts.progress
-    require_neuron_heads(model)
+    model = analysis_model(model)
     if activation_name not in ATTRIBUTION_KINDS:
         raise ValueError(
             f"activation_name must be one of {sorted(ATTRIBUTION_KINDS)}, got {activation_name!r}."
@@ -277,7 +275,7 @@ class AttributionCheck:
 
 
 def attribute_then_patch(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     patching_metric: Metric,
@@ -328,7 +326,7 @@ def attribute_then_patch(
     patches_per_pass = opts.patches_per_pass
     max_bytes = opts.max_bytes
     progress = opts.progress
-    require_neuron_heads(model)
+    model = analysis_model(model)
     check_token_pair(clean_tokens, corrupted_tokens)
     if level not in ("neuron", "head"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")

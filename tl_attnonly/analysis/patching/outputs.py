@@ -30,7 +30,8 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import Metric, check_tokens, require_neuron_heads
+from tl_attnonly._types import Metric, check_tokens
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.resume import (
     LayerRuns,
@@ -47,7 +48,7 @@ from tl_attnonly.hooks import (
     neuron_head_refs,
     parse_head_label,
 )
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 Level = Literal["neuron", "head"]
 
@@ -71,7 +72,7 @@ class PatchUnit:
 
 
 def patch_units(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     heads: Sequence[str | HeadRef] | None = None,
     level: Level = "neuron",
 ) -> list[PatchUnit]:
@@ -88,6 +89,7 @@ def patch_units(
     Raises:
         ValueError: For an unknown level or a malformed label.
     """
+    model = analysis_model(model)
     if level not in ("neuron", "head"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
     K = model.n_heads_per_neuron
@@ -116,7 +118,7 @@ def patch_units(
 
 
 def get_act_patch_outputs(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -170,7 +172,7 @@ def get_act_patch_outputs(
     patches_per_pass = opts.patches_per_pass
     max_bytes = opts.max_bytes
     progress = opts.progress
-    require_neuron_heads(model)
+    model = analysis_model(model)
     check_tokens(corrupted_tokens)
     if not can_resume(model):
         raise TypeError(
@@ -244,7 +246,7 @@ def _position_mask(
 
 
 def _delta_pass(
-    model: NeuronHeadModelMixin,
+    model: AttnOnlyModel,
     runs: LayerRuns,
     clean_cache: ActivationCache,
     layer: int,

@@ -33,7 +33,8 @@ import torch
 from jaxtyping import Int
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import FwdHooks, Metric, check_token_pair, require_neuron_heads
+from tl_attnonly._types import FwdHooks, Metric, check_token_pair
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import (
     HeadRef,
     block_act_name,
@@ -42,7 +43,7 @@ from tl_attnonly.hooks import (
     head_names_filter,
     parse_head_label,
 )
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import ModelLike
 
 LOGITS = "logits"
 
@@ -93,10 +94,9 @@ def parse_receiver(
     return Receiver(ref, "".join(c for c in allowed if c in inputs))
 
 
-def receiver_hooks(
-    model: NeuronHeadModelMixin, receivers: Sequence[Receiver]
-) -> dict[str, list[int]]:
+def receiver_hooks(model: ModelLike, receivers: Sequence[Receiver]) -> dict[str, list[int]]:
     """hook name -> head indices (in that hook's head axis) to patch."""
+    model = analysis_model(model)
     n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
     group = model.cfg.n_heads // n_kv
     out: dict[str, list[int]] = {}
@@ -115,11 +115,12 @@ def receiver_hooks(
 
 
 def path_patch_caches(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
 ) -> tuple[ActivationCache, ActivationCache]:
     """The clean and corrupted caches path patching needs: every head's ``z``, the final resid."""
+    model = analysis_model(model)
     names = head_names_filter("z") | exact_names_filter(
         block_act_name("resid_post", model.cfg.n_layers - 1)
     )
@@ -130,7 +131,7 @@ def path_patch_caches(
 
 
 def record_receiver_inputs(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
     corrupted_cache: ActivationCache,
@@ -140,6 +141,7 @@ def record_receiver_inputs(
     """Step 1 for several sender sets at once (one batch copy each): the corrupted run with
     every head's ``z`` frozen to its corrupted value except the senders' (clean); returns the
     activations of the hooks ``names`` (receivers' inputs), ``[copies * batch, ...]``."""
+    model = analysis_model(model)
     copies = len(sender_sets)
     n_layers, n_heads, n_neuron = model.cfg.n_layers, model.cfg.n_heads, model.n_neuron_heads
     device = corrupted_tokens.device
@@ -177,7 +179,7 @@ def record_receiver_inputs(
 
 
 def path_patch_runs(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     corrupted_tokens: torch.Tensor,
     clean_cache: ActivationCache,
     corrupted_cache: ActivationCache,
@@ -186,6 +188,7 @@ def path_patch_runs(
     patching_metric: Metric,
 ) -> list[float]:
     """Path patching for several sender sets at once, one batch copy per sender set."""
+    model = analysis_model(model)
     copies, batch = len(sender_sets), corrupted_tokens.shape[0]
     n_layers = model.cfg.n_layers
     tokens = corrupted_tokens.repeat(copies, 1)
@@ -215,14 +218,14 @@ def path_patch_runs(
 
 
 def prepare_path_patch(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens,
     corrupted_tokens,
     receivers,
     clean_cache,
     corrupted_cache,
 ):
-    require_neuron_heads(model)
+    model = analysis_model(model)
     check_token_pair(clean_tokens, corrupted_tokens)
     K = model.n_heads_per_neuron
     if isinstance(receivers, (str, HeadRef, Receiver)):
@@ -236,7 +239,7 @@ def prepare_path_patch(
 
 
 def path_patch(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Iterable[str | HeadRef],
@@ -260,6 +263,7 @@ def path_patch(
     Returns:
         ``patching_metric`` of the path-patched run.
     """
+    model = analysis_model(model)
     parsed, clean_cache, corrupted_cache = prepare_path_patch(
         model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
     )

@@ -17,20 +17,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
-from transformer_lens import (
-    HookedTransformer,
-    TransformerLensKeyValueCache,
-    TransformerLensKeyValueCacheEntry,
-)
 
-from tl_attnonly._compat import POST_NORM_ARCHITECTURES
 from tl_attnonly._types import FwdHooks, Metric
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import block_act_name, exact_names_filter
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import ModelLike
 
 #: Default memory budget (bytes) of the batch copies of one patched pass.
 PATCH_BUDGET = 1 << 30
@@ -48,25 +42,23 @@ def hook_layer(name: str) -> int | None:
 
 
 def can_resume(model: object) -> bool:
-    """Whether ``model`` runs from a given layer (a decoder: ``forward(start_at_layer=...)``)."""
-    return isinstance(model, HookedTransformer)
+    """Whether ``model`` runs from a given layer (a decoder; see
+    :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`)."""
+    return analysis_model(model, neuron_heads=False).can_resume
 
 
-def additive_mlp_out(model: NeuronHeadModelMixin) -> bool:
+def additive_mlp_out(model: ModelLike) -> bool:
     """Whether an MLP's output is added to the residual stream as it is (no norm after it), so
     that a change of ``hook_post`` by ``delta`` changes ``resid_post`` by ``delta @ W_out``."""
-    cfg = model.cfg
-    return (
-        can_resume(model)
-        and not cfg.use_normalization_before_and_after
-        and cfg.original_architecture not in POST_NORM_ARCHITECTURES
-    )
+    model = analysis_model(model, neuron_heads=False)
+    return model.can_resume and not model.cfg.post_norm
 
 
-def bytes_per_copy(model: NeuronHeadModelMixin, batch: int, pos: int) -> int:
+def bytes_per_copy(model: ModelLike, batch: int, pos: int) -> int:
     """An estimate of the activation memory one copy of a ``[batch, pos]`` input needs in a pass
     with the neuron-head path of one layer hooked: logits, residual streams, the per-head
     temporaries of one neuron-head layer and one layer's attention pattern."""
+    model = analysis_model(model, neuron_heads=False)
     cfg = model.cfg
     itemsize = torch.empty(0, dtype=cfg.dtype).element_size()
     per_token = (
@@ -79,7 +71,7 @@ def bytes_per_copy(model: NeuronHeadModelMixin, batch: int, pos: int) -> int:
 
 
 def patches_per_pass_for(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     batch: int,
     pos: int,
     patches_per_pass: int | None,
@@ -91,6 +83,7 @@ def patches_per_pass_for(
         MemoryError: If one copy (or the ``patches_per_pass`` copies asked for) would exceed the
             budget, naming what to change.
     """
+    model = analysis_model(model, neuron_heads=False)
     per_copy = bytes_per_copy(model, batch, pos)
     if patches_per_pass is None:
         if per_copy > max_bytes:
@@ -119,41 +112,34 @@ class LayerRuns:
     """The corrupted run's residual stream at every layer, and runs that resume from it.
 
     Args:
-        model: A converted decoder (:class:`~tl_attnonly.AttnOnlyTransformer`).
+        model: A converted decoder (an :class:`~tl_attnonly.AttnOnlyTransformer` or a converted
+            ``TransformerBridge``; see :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`).
         corrupted_tokens: ``[batch, pos]``.
         extra_names: Further hooks to cache from the corrupted run (e.g. neuron-head ``z``).
     """
 
     def __init__(
         self,
-        model: NeuronHeadModelMixin,
+        model: ModelLike,
         corrupted_tokens: Int[torch.Tensor, "batch pos"],
         extra_names: Sequence[str] = (),
     ):
-        if not can_resume(model):
-            raise TypeError(f"{type(model).__name__} cannot start a forward pass at a layer.")
+        model = analysis_model(model, neuron_heads=False)
+        if not model.can_resume:
+            raise TypeError(f"{type(model.model).__name__} cannot start a forward pass at a layer.")
         self.model = model
         self.batch = corrupted_tokens.shape[0]
         n_layers = model.cfg.n_layers
         names = [block_act_name("resid_pre", li) for li in range(n_layers)]
         names.append(block_act_name("resid_post", n_layers - 1))
         self.tokens = corrupted_tokens
+        self._runner = model.layer_runs(corrupted_tokens)
         with torch.no_grad():
-            # What forward(tokens) passes to every block besides the residual stream.
-            decoder = cast(HookedTransformer, model)
-            _, _, self._shortformer, self._mask = decoder.input_to_embed(corrupted_tokens)
             self.logits, self.cache = model.run_with_cache(
                 corrupted_tokens, names_filter=exact_names_filter(*names, *extra_names)
             )
-        cfg = model.cfg
         #: Whether passes may skip unchanged leading positions (see the module docstring).
-        self.prefix_reuse = (
-            cfg.attention_dir == "causal"
-            and cfg.positional_embedding_type in ("standard", "rotary")
-            and self._mask is None
-            and self._shortformer is None
-        )
-        self._prefixes: dict[int, TransformerLensKeyValueCache] = {}
+        self.prefix_reuse = self._runner.prefix_reuse
 
     def resid(self, layer: int) -> Float[torch.Tensor, "batch pos d_model"]:
         """The corrupted residual stream entering block ``layer`` (``n_layers``: the final one)."""
@@ -175,53 +161,11 @@ class LayerRuns:
         ``first_pos``: ``resid`` equals the corrupted residual stream at every position before
         it, so where :attr:`prefix_reuse` holds only positions ``first_pos..`` are run.
         """
-        copies = resid.shape[0] // self.batch
-        n_pos = resid.shape[1]
-        if first_pos > 0 and self.prefix_reuse and not fwd_hooks:
-            first_pos = min(first_pos, n_pos)
-            prefix = self.logits[:, :first_pos].repeat(copies, 1, 1)
-            if first_pos == n_pos:
-                return prefix
-            past = self._prefix_cache(first_pos, copies)
-            with torch.no_grad():
-                suffix = self.model(resid[:, first_pos:], start_at_layer=layer, past_kv_cache=past)
-            return torch.cat((prefix, suffix), dim=1)
-        kwargs: dict[str, Any] = {}
-        if self._mask is not None:
-            kwargs["attention_mask"] = self._mask.repeat(copies, 1)
-        if self._shortformer is not None:
-            kwargs["shortformer_pos_embed"] = self._shortformer.repeat(copies, 1, 1)
-        with torch.no_grad():
-            return self.model.run_with_hooks(
-                resid, start_at_layer=layer, fwd_hooks=list(fwd_hooks), **kwargs
-            )
-
-    def _prefix_cache(self, first_pos: int, copies: int) -> TransformerLensKeyValueCache:
-        """The corrupted run's keys and values of positions ``< first_pos``, every layer, for
-        ``copies`` copies of the batch, frozen (a pass reads them, never extends them)."""
-        if first_pos not in self._prefixes:
-            cache = TransformerLensKeyValueCache.init_cache(
-                self.model.cfg, self.model.cfg.device, self.batch
-            )
-            prefix = self.tokens[:, :first_pos]
-            with torch.no_grad():  # causal: the prefix alone gives the same keys and values
-                self.model(prefix, past_kv_cache=cache, attention_mask=torch.ones_like(prefix))
-            self._prefixes[first_pos] = cache
-        cache = self._prefixes[first_pos]
-        entries = [
-            TransformerLensKeyValueCacheEntry(
-                entry.past_keys.repeat(copies, 1, 1, 1),
-                entry.past_values.repeat(copies, 1, 1, 1),
-                frozen=True,
-            )
-            for entry in cache.entries
-        ]
-        mask = cache.previous_attention_mask.repeat(copies, 1)
-        return TransformerLensKeyValueCache(entries, mask, frozen=True)
+        return self._runner.run(resid, layer, list(fwd_hooks), first_pos, self.logits)
 
 
 def run_copies(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     runs: LayerRuns | None,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     copies: int,
@@ -230,6 +174,7 @@ def run_copies(
     """Logits of ``copies`` copies of the corrupted batch with ``fwd_hooks`` (named hooks that
     edit each copy's rows): from the earliest hooked block when every hook is in a block and
     ``runs`` is given, else a full forward pass."""
+    model = analysis_model(model, neuron_heads=False)
     layers = [hook_layer(name) if isinstance(name, str) else None for name, _ in fwd_hooks]
     if runs is not None and fwd_hooks and None not in layers:
         first = min(layer for layer in layers if layer is not None)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.paths import (
     LOGITS,
@@ -40,11 +41,11 @@ from tl_attnonly.hooks import (
     head_labels,
     parse_head_label,
 )
-from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+from tl_attnonly.protocol import ModelLike
 
 
 def path_patch_sweep(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     receivers: str | Iterable[str | HeadRef | tuple | Receiver],
@@ -74,6 +75,7 @@ def path_patch_sweep(
         ``(metric for each sender [n_senders], sender labels)``, float64 on the CPU like
         :func:`path_patch_receiver_sweep`.
     """
+    model = analysis_model(model)
     opts = resolve_patching_options(
         "path_patch_sweep",
         options,
@@ -103,7 +105,7 @@ def path_patch_sweep(
 
 
 def path_patch_receiver_sweep(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Iterable[str | HeadRef],
@@ -138,6 +140,7 @@ def path_patch_receiver_sweep(
         ``(metric for each receiver [n_receivers], receiver labels)``, float64; labels as
         :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
     """
+    model = analysis_model(model)
     opts = resolve_patching_options(
         "path_patch_receiver_sweep",
         options,
@@ -170,7 +173,7 @@ class _ReceiverSweep:
 
     def __init__(
         self,
-        model: NeuronHeadModelMixin,
+        model: ModelLike,
         clean_tokens: torch.Tensor,
         corrupted_tokens: torch.Tensor,
         receivers: Sequence[str | HeadRef | tuple | Receiver],
@@ -179,6 +182,7 @@ class _ReceiverSweep:
         patches_per_pass: int | None,
         max_bytes: int,
     ):
+        model = analysis_model(model)
         parsed, self.clean_cache, self.corrupted_cache = prepare_path_patch(
             model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
         )
@@ -243,7 +247,7 @@ class _ReceiverSweep:
 
 
 def path_patch_grid(
-    model: NeuronHeadModelMixin,
+    model: ModelLike,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     senders: Sequence[str | HeadRef],
@@ -272,6 +276,7 @@ def path_patch_grid(
     Returns:
         ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
     """
+    model = analysis_model(model)
     opts = resolve_patching_options(
         "path_patch_grid",
         options,

@@ -5,6 +5,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tl_attnonly.protocol import ModelLike
+
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,7 +20,8 @@ import torch
 from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import replace_options, require_neuron_heads
+from tl_attnonly._types import replace_options
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
 from tl_attnonly.hooks import neuron_act_name
 
@@ -64,7 +70,7 @@ def _token_rows(
 ) -> Iterator[torch.Tensor]:
     """1-d token tensors of at most ``max_len`` tokens (strings tokenised with BOS)."""
     for item in corpus:
-        if isinstance(item, str) and hasattr(model, "encoder_output"):  # BERT-style: [CLS] .. [SEP]
+        if isinstance(item, str) and model.is_encoder:  # BERT-style: [CLS] .. [SEP]
             tokens = model.tokenizer(item, return_tensors="pt")["input_ids"][0]
         elif isinstance(item, str):
             tokens = model.to_tokens(item, truncate=False)[0]
@@ -182,7 +188,7 @@ class SummaryOptions:
 
 
 def summarize_neuron_heads(
-    model: AttnOnlyTransformer | AttnOnlyEncoder,
+    model: ModelLike,
     corpus: Iterable[str | torch.Tensor] | None = None,
     *,
     options: SummaryOptions | None = None,
@@ -222,7 +228,7 @@ def summarize_neuron_heads(
     k, before, after, max_len = opts.k, opts.before, opts.after, opts.max_len
     batch_size, max_rows, token_stats = opts.batch_size, opts.max_rows, opts.token_stats
     max_bytes, progress = opts.max_bytes, opts.progress
-    require_neuron_heads(model)
+    model = analysis_model(model)
     cfg = model.cfg
     assert cfg.d_mlp is not None  # a converted model has MLPs
     L, N, K, V = cfg.n_layers, cfg.d_mlp, model.n_heads_per_neuron, cfg.d_vocab
@@ -262,7 +268,7 @@ def summarize_neuron_heads(
             tokens[i, : row.shape[0]] = row.cpu()
         valid = torch.arange(pad)[None, :] < lengths[:, None]  # [batch, pos]
         kwargs: dict[str, Any] = {}
-        if hasattr(model, "encoder_output"):  # bidirectional: padding must be masked out
+        if model.is_encoder:  # bidirectional: padding must be masked out
             kwargs["one_zero_attention_mask"] = valid.long().to(device)
         with torch.no_grad():
             _, cache = model.run_with_cache(

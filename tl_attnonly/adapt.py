@@ -1,0 +1,145 @@
+"""The one door from a model to the analysis tools: :func:`analysis_model` picks the adapter.
+
+:mod:`tl_attnonly.protocol` says what the tools read; the two adapters implement it
+(:class:`~tl_attnonly.hooked.adapter.HookedAdapter`, :class:`~tl_attnonly.bridge.adapter.
+BridgeAdapter`). This module only chooses between them and refuses, with directions, what neither
+takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tl_attnonly.bridge.adapter import BridgeAdapter
+from tl_attnonly.hooked.adapter import HookedAdapter
+from tl_attnonly.protocol import AttnOnlyModel, ModelLike
+
+
+def analysis_model(model: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
+    """``model`` as the analysis tools read it: an :class:`AttnOnlyModel`.
+
+    Accepts an adapter (returned as is), an :class:`~tl_attnonly.AttnOnlyTransformer` /
+    :class:`~tl_attnonly.AttnOnlyEncoder`, a ``TransformerBridge`` converted with
+    :func:`tl_attnonly.convert`, and, with ``neuron_heads=False``, an unconverted
+    ``HookedTransformer`` or bridge.
+
+    Args:
+        model: The model (or an adapter).
+        neuron_heads: Refuse a model without structured neuron-heads (the default).
+
+    Raises:
+        TypeError: For anything else, or a model that is not converted, saying what to do.
+        NotImplementedError: For mixtures of experts (by layer) where neuron-heads are needed.
+    """
+    if isinstance(model, (HookedAdapter, BridgeAdapter)):
+        adapted: AttnOnlyModel = model
+    elif getattr(model, "is_literal_form", False):
+        raise TypeError(
+            "The analysis tools work on the structured form; a LiteralTransformer has no "
+            "structured neuron-heads. Analyse tl_attnonly.convert(model) instead, or use the "
+            "literal model's hooks (same names: blocks.{l}.mlp.hook_pattern, ...) with "
+            "run_with_cache / run_with_hooks and the tl_attnonly.hooks presets."
+        )
+    elif _is_transformer_bridge(model):
+        adapted = BridgeAdapter(model)
+    elif _is_hooked_root(model):
+        adapted = HookedAdapter(model)
+    else:
+        raise TypeError(
+            f"Expected a TransformerLens model (AttnOnlyTransformer, AttnOnlyEncoder, a "
+            f"TransformerBridge converted with tl_attnonly.convert) or an ActivationCache of one, "
+            f"got {type(model).__name__}."
+        )
+    if neuron_heads:
+        _require_neuron_heads(adapted)
+    return adapted
+
+
+def model_of_cache(cache: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
+    """The :func:`analysis_model` of the model whose ``run_with_cache`` made ``cache``.
+
+    Raises:
+        TypeError: If ``cache`` is not a TransformerLens ``ActivationCache`` (it has no model).
+    """
+    model = getattr(cache, "model", None)
+    if model is None:
+        raise TypeError(
+            f"Expected a transformer_lens ActivationCache from run_with_cache, got "
+            f"{type(cache).__name__}."
+        )
+    return analysis_model(model, neuron_heads=neuron_heads)
+
+
+def _require_neuron_heads(model: AttnOnlyModel) -> None:
+    if not model.is_converted:
+        raise TypeError(
+            f"This {model.kind} has no neuron-heads: convert it first (tl_attnonly.convert(model)"
+            + (", in place for a bridge" if model.kind == "TransformerBridge" else "")
+            + ") and use the converted model (and its caches)."
+        )
+    for index, layer in enumerate(model.neuron_heads):
+        if getattr(layer, "is_mixture_of_experts", False):
+            raise NotImplementedError(
+                f"blocks.{index}.mlp is a mixture of experts (NeuronHeadMoE): the analysis tools "
+                "work on dense neuron-head layers, and an expert sees only the tokens routed to "
+                "it. Use the experts' hooks directly (blocks.{l}.mlp.experts.{e}.hook_pattern, "
+                "hook_z, ...; router: blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) "
+                "with run_with_cache / run_with_hooks."
+            )
+
+
+def _is_transformer_bridge(model: object) -> bool:
+    return any(
+        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens.")
+        for cls in type(model).__mro__
+    )
+
+
+def _is_hooked_root(model: object) -> bool:
+    """A TransformerLens ``HookedTransformer`` / ``HookedEncoder`` (3.x), by its classes."""
+    return any(
+        cls.__name__ in ("HookedTransformer", "HookedEncoder")
+        and cls.__module__.startswith("transformer_lens.")
+        for cls in type(model).__mro__
+    )
+
+
+def require_additive_residual(model: ModelLike, what: str) -> None:
+    """Refuse ``what`` on a model whose residual stream is not a sum of head outputs.
+
+    A BERT-style encoder (post-LN: ``LN(resid + sublayer_out)``, embeddings through ``embed.ln``)
+    or a decoder that normalises each sublayer's output before adding it (OLMo 2/3, Gemma 2/3:
+    ``use_normalization_before_and_after``) has no decomposition of the residual stream into head
+    results, so a decomposition or direct logit attribution would be wrong.
+
+    Args:
+        model: A model :func:`analysis_model` takes.
+        what: The tool, for the message.
+
+    Raises:
+        NotImplementedError: Naming the model's kind and what works instead.
+    """
+    model = analysis_model(model, neuron_heads=False)
+    if model.is_encoder:
+        reason = (
+            "a BERT-style encoder normalises the residual stream after every sublayer "
+            "(LN(resid + attn_out), LN(resid_mid + mlp_out)) and after the embeddings"
+        )
+    elif model.cfg.post_norm:
+        name = model.cfg.original_architecture or "use_normalization_before_and_after"
+        reason = (
+            f"this model ({name}) normalises each sublayer's output before adding it to the "
+            "residual stream"
+        )
+    else:
+        return
+    raise NotImplementedError(
+        f"{what} needs a residual stream that is a sum of head outputs, but {reason}, so it is "
+        "not one. What works: per-head results (stack_all_head_results without incl_remainder, "
+        "get_neuron_head_results), activation patching, and attribution_patch with a metric on "
+        "the output (for sentence embeddings: metric_input=the final hidden states, "
+        "patching_metric=pooled_cosine_metric(mask))."
+    )
+
+
+__all__ = ["analysis_model", "model_of_cache", "require_additive_residual"]

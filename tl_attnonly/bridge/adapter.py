@@ -1,0 +1,394 @@
+"""A ``TransformerBridge`` (converted by :func:`tl_attnonly.convert`, or not) as an
+:class:`~tl_attnonly.protocol.AttnOnlyModel`: how the analysis tools read a bridge.
+
+What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it is bridged:
+
+* **Weights.** The bridge's attention components give TransformerLens-shaped ``W_Q`` ... ``W_O``
+  (TL 3.9 and 4.x); :class:`BridgeAttention` fills absent biases with zeros and repeats grouped
+  key/value heads per query head, as ``GroupedQueryAttention.W_K`` does. The neuron-head layers
+  are the converted bridge's (:func:`tl_attnonly.bridge.neuron_head_layers`).
+* **Norms.** :class:`BridgeNorm` is the bridge's own normalisation maths (TransformerLens's
+  python path: LayerNorm or RMSNorm, Gemma's ``1 + weight``), computed without firing hooks.
+* **Facts** the bridge's config does not state are read from its structure: norms after each
+  sublayer (Gemma 2's ``ln1_post`` / ``ln2_post``), parallel blocks, grouped-query attention.
+* **Runs from a block.** TransformerLens 4.x's bridge starts a pass at a block
+  (``start_at_layer``); 3.x's bridge cannot, so a run from block ``l`` there is a full pass of
+  the tokens whose residual stream entering block ``l`` is replaced (same result, more compute).
+  Passes never skip leading positions (``prefix_reuse`` is false): the bridge has no frozen
+  key-value cache.
+* **Raw and compatibility mode.** Everything is read live from the components, so both work;
+  in compatibility mode the weights are the processed ones (folded norms), exactly as the bridge
+  runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float, Int
+
+from tl_attnonly._compat import BRIDGE_STARTS_AT_LAYER, child_module
+from tl_attnonly.protocol import AdapterBase, Block, Hooks, ModelFacts, Tensor
+
+
+class BridgeNorm:
+    """A bridge normalisation component as a :class:`~tl_attnonly.protocol.Norm`.
+
+    Calling it computes what the bridge's ``NormalizationBridge`` computes, without firing its
+    hooks: the wrapped Hugging Face module where the bridge calls it (its native path, e.g.
+    ``LlamaRMSNorm``, which works in float32 inside), else TransformerLens's python path: centre
+    (LayerNorm), divide by ``sqrt(mean(x**2) + eps)``, times the weight (Gemma: ``1 + weight``),
+    plus the bias (LayerNorm). ``centred``, ``eps``, ``w`` and ``b`` are that maths' parameters
+    (what edge attribution linearises).
+
+    Args:
+        component: The bridge's ``NormalizationBridge`` (``blocks[l].ln1``, ``ln_final``, ...).
+        config_eps: The bridge config's ``eps``.
+    """
+
+    def __init__(self, component: Any, config_eps: float):
+        self.component = component
+        self.centred = not bool(getattr(component, "uses_rms_norm", False))
+        original = getattr(component, "original_component", None)
+        eps = getattr(original, "eps", None)
+        if eps is None:
+            eps = getattr(original, "variance_epsilon", None)
+        folding = bool(getattr(component.config, "layer_norm_folding", False))
+        # The python path reads the config's eps; the folded (HF) path the module's own.
+        self.eps = float(eps if folding and eps is not None else config_eps)
+
+    @property
+    def _offset(self) -> bool:
+        offset = getattr(self.component, "uses_weight_offset", None)
+        if offset is None:  # TransformerLens 3.x: the config says it for RMS norms
+            offset = not self.centred and bool(
+                getattr(self.component.config, "rmsnorm_uses_offset", False)
+            )
+        return bool(offset)
+
+    @property
+    def w(self) -> torch.Tensor | None:
+        original = getattr(self.component, "original_component", None)
+        weight = getattr(original, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return None
+        return 1.0 + weight if self._offset else weight
+
+    @property
+    def b(self) -> torch.Tensor | None:
+        if not self.centred:
+            return None
+        original = getattr(self.component, "original_component", None)
+        bias = getattr(original, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
+        component = self.component
+        if getattr(component, "use_native_layernorm_autograd", False) or getattr(
+            component.config, "layer_norm_folding", False
+        ):  # the bridge runs the Hugging Face module itself (e.g. float32 inside LlamaRMSNorm)
+            return component.original_component(x)
+        dtype = x.dtype
+        h = x if dtype in (torch.float32, torch.float64) else x.float()
+        if self.centred:
+            h = h - h.mean(-1, keepdim=True)
+        h = h / (h.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        w, b = self.w, self.b
+        if w is not None:
+            h = h * w
+        if b is not None:
+            h = h + b
+        return h.to(dtype)
+
+
+class BridgeAttention:
+    """A bridge attention component's weights in TransformerLens's shapes
+    (:class:`~tl_attnonly.protocol.AttentionWeights`).
+
+    Args:
+        component: The bridge's attention component (``blocks[l].attn``).
+        n_heads: Query heads.
+        d_model: Residual width (for an absent ``b_O``).
+    """
+
+    def __init__(self, component: Any, n_heads: int, d_model: int):
+        self.component = component
+        self.n_heads = n_heads
+        self.d_model = d_model
+        self.n_kv_heads = int(component.W_K.shape[0])
+        if self.n_kv_heads != n_heads:  # grouped-query attention: TL's per-kv-head names
+            self._W_K = self._kv("W_K")
+            self._W_V = self._kv("W_V")
+            self._b_K = self._kv_bias("b_K")
+            self._b_V = self._kv_bias("b_V")
+
+    def _bias(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.component, name)
+        return (
+            bias
+            if isinstance(bias, torch.Tensor)
+            else like.new_zeros(like.shape[0], like.shape[-1])
+        )
+
+    def _kv(self, name: str) -> torch.Tensor:
+        return getattr(self.component, name)
+
+    def _kv_bias(self, name: str) -> torch.Tensor:
+        return self._bias(name, self._kv("W_" + name[-1]))
+
+    def _per_query_head(self, t: torch.Tensor) -> torch.Tensor:
+        if self.n_kv_heads == self.n_heads:
+            return t
+        return t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0)
+
+    @property
+    def W_Q(self) -> Float[torch.Tensor, "n_heads d_model d_head"]:
+        return self.component.W_Q
+
+    @property
+    def W_K(self) -> Float[torch.Tensor, "n_heads d_model d_head"]:
+        return self._per_query_head(self.component.W_K)
+
+    @property
+    def W_V(self) -> Float[torch.Tensor, "n_heads d_model d_head"]:
+        return self._per_query_head(self.component.W_V)
+
+    @property
+    def W_O(self) -> Float[torch.Tensor, "n_heads d_head d_model"]:
+        return self.component.W_O
+
+    @property
+    def b_Q(self) -> Float[torch.Tensor, "n_heads d_head"]:
+        return self._bias("b_Q", self.component.W_Q)
+
+    @property
+    def b_K(self) -> Float[torch.Tensor, "n_heads d_head"]:
+        return self._per_query_head(self._kv_bias("b_K"))
+
+    @property
+    def b_V(self) -> Float[torch.Tensor, "n_heads d_head"]:
+        return self._per_query_head(self._kv_bias("b_V"))
+
+    @property
+    def b_O(self) -> Float[torch.Tensor, " d_model"]:
+        bias = self.component.b_O
+        return bias if isinstance(bias, torch.Tensor) else self.W_O.new_zeros(self.d_model)
+
+
+def _norm(component: Any, eps: float) -> BridgeNorm | None:
+    if component is None:
+        return None
+    original = getattr(component, "original_component", None)
+    if original is None or isinstance(original, torch.nn.Identity):
+        return None
+    return BridgeNorm(component, eps)
+
+
+def _facts(bridge: Any) -> ModelFacts:
+    from tl_attnonly.bridge.modules import BridgeGatedNeuronHeadMLP
+
+    cfg = bridge.cfg
+    blocks = list(bridge.blocks)
+    first = blocks[0]
+    attn: Any = child_module(first, "attn")
+    post_norm = bool(getattr(cfg, "use_normalization_before_and_after", False)) or any(
+        child_module(block, name) is not None
+        for block in blocks
+        for name in ("ln1_post", "ln2_post")
+    )
+    qk_norm = bool(getattr(cfg, "use_qk_norm", False)) or any(
+        child_module(cast(nn.Module, child_module(block, "attn")), name) is not None
+        for block in blocks
+        for name in ("q_norm", "k_norm")
+    )
+    mlp_layers = [getattr(child_module(b, "mlp"), "original_component", None) for b in blocks]
+    n_kv = int(attn.W_K.shape[0]) if attn is not None else cfg.n_heads
+    W_E = bridge.W_E
+    return ModelFacts(
+        n_layers=len(blocks),
+        n_heads=cfg.n_heads,
+        n_key_value_heads=n_kv if n_kv != cfg.n_heads else None,
+        d_model=cfg.d_model,
+        d_head=cfg.d_head,
+        d_mlp=getattr(cfg, "d_mlp", None),
+        d_vocab=cfg.d_vocab,
+        d_vocab_out=getattr(cfg, "d_vocab_out", cfg.d_vocab),
+        n_ctx=cfg.n_ctx,
+        act_fn=getattr(cfg, "act_fn", None),
+        positional_embedding_type=cfg.positional_embedding_type,
+        normalization_type=getattr(cfg, "normalization_type", None),
+        attention_dir=getattr(cfg, "attention_dir", "causal"),
+        parallel_attn_mlp=bool(getattr(cfg, "parallel_attn_mlp", False))
+        or type(first).__name__ == "ParallelBlockBridge",
+        post_norm=post_norm,
+        use_qk_norm=qk_norm,
+        attn_only=False,
+        gated_mlp=any(isinstance(m, BridgeGatedNeuronHeadMLP) for m in mlp_layers)
+        or bool(getattr(cfg, "gated_mlp", False)),
+        default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
+        device=W_E.device,
+        dtype=W_E.dtype,
+        original_architecture=getattr(cfg, "original_architecture", None)
+        or getattr(cfg, "architecture", None),
+    )
+
+
+class BridgeAdapter(AdapterBase):
+    """A ``TransformerBridge`` as an :class:`~tl_attnonly.protocol.AttnOnlyModel` (see the module
+    docstring for what differs from a ``HookedTransformer`` and how).
+
+    Args:
+        bridge: The bridge; read live (weights, hooks, neuron-head layers), never copied.
+    """
+
+    kind = "TransformerBridge"
+    is_encoder = False
+    can_resume = True
+
+    def __init__(self, bridge: Any):
+        self.model = bridge
+        self.cfg = _facts(bridge)
+        eps = float(getattr(bridge.cfg, "eps", 1e-5))
+        self.blocks: list[Block] = []
+        for block in bridge.blocks:
+            mlp = child_module(block, "mlp")
+            self.blocks.append(
+                Block(
+                    attn=BridgeAttention(
+                        child_module(block, "attn"), self.cfg.n_heads, self.cfg.d_model
+                    ),
+                    mlp=getattr(mlp, "original_component", None),
+                    ln1=_norm(child_module(block, "ln1"), eps),
+                    ln2=_norm(child_module(block, "ln2"), eps),
+                )
+            )
+        self.ln_final = _norm(getattr(bridge, "ln_final", None), eps)
+
+    # ------------------------------------------------------------------ neuron-heads
+    @property
+    def is_converted(self) -> bool:
+        from tl_attnonly.bridge.convert import is_converted_bridge
+
+        return is_converted_bridge(self.model)
+
+    @property
+    def neuron_heads(self) -> list[Any]:
+        from tl_attnonly.bridge.convert import neuron_head_layers
+
+        return list(neuron_head_layers(self.model)) if self.is_converted else []
+
+    @property
+    def n_heads_per_neuron(self) -> int:
+        layers = self.neuron_heads
+        return layers[0].n_heads_per_neuron if layers else 0
+
+    @property
+    def n_neuron_heads(self) -> int:
+        layers = self.neuron_heads
+        return layers[0].n_neuron_heads if layers else 0
+
+    def set_use_neuron_result(self, use_neuron_result: bool) -> None:
+        from tl_attnonly.bridge.convert import set_use_neuron_result
+
+        set_use_neuron_result(self.model, use_neuron_result)
+
+    # ------------------------------------------------------------------ hooks by the names asked
+    def run_with_hooks(self, *args: Any, fwd_hooks: Any = (), bwd_hooks: Any = (), **kwargs: Any):
+        return self.model.run_with_hooks(
+            *args, fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
+        )
+
+    def hooks(self, fwd_hooks: Any = (), bwd_hooks: Any = (), **kwargs: Any) -> Any:
+        return self.model.hooks(
+            fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
+        )
+
+    def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> BridgeLayerRunner:
+        return BridgeLayerRunner(self, tokens, self.cfg.n_layers)
+
+
+class HookAs:
+    """A bridge hook point seen under the name a hook was added by.
+
+    A bridge's hook names are aliases (``blocks.0.hook_resid_pre`` is ``blocks.0.hook_in``,
+    ``hook_embed`` is ``embed.hook_out``); a hook function receives the hook point, whose
+    ``name`` is the canonical one. Hook functions that look activations up by ``hook.name`` (as
+    TransformerLens's patching does on a ``HookedTransformer``) see the name they were added by.
+    """
+
+    def __init__(self, hook: Any, name: str):
+        self._hook = hook
+        self.name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._hook, attribute)
+
+
+def named_hooks(hooks: Any) -> list[tuple[Any, Callable]]:
+    """``(name, fn)`` hooks whose functions see ``hook.name`` as ``name`` (:class:`HookAs`);
+    hooks added by a filter function are passed as they are."""
+    out: list[tuple[Any, Callable]] = []
+    for name, fn in hooks or ():
+        if isinstance(name, str):
+
+            def as_named(tensor: Any, hook: Any, _fn: Callable = fn, _name: str = name) -> Any:
+                return _fn(tensor, hook=HookAs(hook, _name))
+
+            out.append((name, as_named))
+        else:
+            out.append((name, fn))
+    return out
+
+
+class BridgeLayerRunner:
+    """Runs of a bridge that start at a block (see the module docstring).
+
+    Args:
+        bridge: The bridge's adapter.
+        tokens: The batch the residual streams given to :meth:`run` are copies of.
+        n_layers: Its blocks.
+    """
+
+    prefix_reuse = False
+
+    def __init__(self, bridge: Any, tokens: Int[torch.Tensor, "batch pos"], n_layers: int):
+        self.model = bridge  # the adapter: hooks see the names they were added by
+        self.tokens = tokens
+        self.batch = tokens.shape[0]
+        self.n_layers = n_layers
+
+    def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
+        copies = resid.shape[0] // self.batch
+        hooks = list(hooks)
+        if layer >= self.n_layers:  # only the final norm and the unembedding
+            site, start = f"blocks.{self.n_layers - 1}.hook_resid_post", self.n_layers - 1
+        else:
+            site, start = f"blocks.{layer}.hook_resid_pre", layer
+
+        def replace(act: torch.Tensor, hook: Any) -> torch.Tensor:
+            return resid
+
+        with torch.no_grad():
+            if BRIDGE_STARTS_AT_LAYER:
+                if layer < self.n_layers:
+                    return self.model.run_with_hooks(resid, start_at_layer=layer, fwd_hooks=hooks)
+                # the last block runs, its output replaced
+                entering = torch.zeros_like(resid)
+                return self.model.run_with_hooks(
+                    entering, start_at_layer=start, fwd_hooks=[(site, replace)] + hooks
+                )
+            tokens = self.tokens.repeat(copies, 1)
+            return self.model.run_with_hooks(tokens, fwd_hooks=[(site, replace)] + hooks)
+
+
+__all__ = [
+    "BridgeAdapter",
+    "BridgeAttention",
+    "BridgeLayerRunner",
+    "BridgeNorm",
+    "HookAs",
+    "named_hooks",
+]

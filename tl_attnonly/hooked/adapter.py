@@ -1,0 +1,227 @@
+"""A ``HookedTransformer`` / ``HookedEncoder`` (converted or not) as an
+:class:`~tl_attnonly.protocol.AttnOnlyModel`.
+
+The adapter is thin: the blocks' attention modules already have TransformerLens's weight
+properties, and the neuron-head layers are the blocks' MLPs. It adds the norms as
+:class:`~tl_attnonly.protocol.Norm` views and the runs that resume from a block
+(``forward(resid, start_at_layer=l)``, with TransformerLens's frozen key-value cache for a shared
+prefix). TransformerLens 3.x is imported only when a method needs it: this module imports on 4.x.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from jaxtyping import Float, Int
+
+from tl_attnonly.protocol import AdapterBase, Block, Hooks, ModelFacts, Norm, Tensor
+
+
+class HookedNorm:
+    """A TransformerLens norm module (``LayerNorm``, ``LayerNormPre``, ``RMSNorm``,
+    ``RMSNormPre``) as a :class:`~tl_attnonly.protocol.Norm`.
+
+    Args:
+        module: The module (``blocks[l].ln1``, ``ln_final``, ...).
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        name = type(module).__name__
+        if name not in ("LayerNorm", "LayerNormPre", "RMSNorm", "RMSNormPre"):
+            raise NotImplementedError(
+                f"A {name} normalisation is not one the analysis tools read (LayerNorm, "
+                "LayerNormPre, RMSNorm, RMSNormPre)."
+            )
+        self.centred = name.startswith("LayerNorm")
+        self.eps = float(module.eps)  # type: ignore[arg-type]
+
+    @property
+    def w(self) -> torch.Tensor | None:
+        return getattr(self.module, "w", None)
+
+    @property
+    def b(self) -> torch.Tensor | None:
+        return getattr(self.module, "b", None)
+
+    def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
+        return self.module(x)
+
+
+def hooked_norm(module: Any) -> Norm | None:
+    """The :class:`~tl_attnonly.protocol.Norm` of a TransformerLens norm slot (``None`` for none
+    or ``nn.Identity``)."""
+    if module is None or isinstance(module, nn.Identity):
+        return None
+    return HookedNorm(module)
+
+
+def _facts(model: Any) -> ModelFacts:
+    from tl_attnonly._compat import POST_NORM_ARCHITECTURES
+
+    cfg = model.cfg
+    return ModelFacts(
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_key_value_heads=getattr(cfg, "n_key_value_heads", None),
+        d_model=cfg.d_model,
+        d_head=cfg.d_head,
+        d_mlp=cfg.d_mlp,
+        d_vocab=cfg.d_vocab,
+        d_vocab_out=cfg.d_vocab_out,
+        n_ctx=cfg.n_ctx,
+        act_fn=cfg.act_fn,
+        positional_embedding_type=cfg.positional_embedding_type,
+        normalization_type=cfg.normalization_type,
+        attention_dir=cfg.attention_dir,
+        parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
+        post_norm=bool(cfg.use_normalization_before_and_after)
+        or cfg.original_architecture in POST_NORM_ARCHITECTURES,
+        use_qk_norm=bool(getattr(cfg, "use_qk_norm", False)),
+        attn_only=bool(cfg.attn_only),
+        gated_mlp=bool(cfg.gated_mlp),
+        default_prepend_bos=bool(cfg.default_prepend_bos),
+        device=torch.device(cfg.device) if cfg.device is not None else model.W_E.device,
+        dtype=cfg.dtype,
+        original_architecture=cfg.original_architecture,
+    )
+
+
+class HookedAdapter(AdapterBase):
+    """An :class:`~tl_attnonly.AttnOnlyTransformer`, :class:`~tl_attnonly.AttnOnlyEncoder` or an
+    unconverted ``HookedTransformer`` as an :class:`~tl_attnonly.protocol.AttnOnlyModel`.
+
+    Args:
+        model: The model; read live (weights, hooks), never copied.
+    """
+
+    kind = "HookedTransformer"
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.cfg = _facts(model)
+        self.is_encoder = hasattr(model, "encoder_output") or type(model).__name__.endswith(
+            "Encoder"
+        )
+        self.can_resume = not self.is_encoder
+        self.blocks: list[Block] = [
+            Block(
+                attn=block.attn,
+                mlp=getattr(block, "mlp", None),
+                ln1=hooked_norm(getattr(block, "ln1", None)),
+                ln2=hooked_norm(getattr(block, "ln2", None)),
+            )
+            for block in model.blocks
+        ]
+        self.ln_final = hooked_norm(getattr(model, "ln_final", None))
+
+    # ------------------------------------------------------------------ neuron-heads
+    @property
+    def is_converted(self) -> bool:
+        neuron_heads = getattr(type(self.model), "neuron_heads", None)
+        return isinstance(neuron_heads, property) and bool(self.model.neuron_heads)
+
+    @property
+    def neuron_heads(self) -> list[Any]:
+        return list(self.model.neuron_heads) if self.is_converted else []
+
+    @property
+    def n_heads_per_neuron(self) -> int:
+        return self.model.n_heads_per_neuron if self.is_converted else 0
+
+    @property
+    def n_neuron_heads(self) -> int:
+        return self.model.n_neuron_heads if self.is_converted else 0
+
+    def set_use_neuron_result(self, use_neuron_result: bool) -> None:
+        self.model.set_use_neuron_result(use_neuron_result)
+
+    def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> HookedLayerRunner:
+        if not self.can_resume:
+            raise TypeError(f"{type(self.model).__name__} cannot start a forward pass at a layer.")
+        return HookedLayerRunner(self.model, tokens)
+
+
+class HookedLayerRunner:
+    """Runs of a ``HookedTransformer`` that start at a block (``start_at_layer``).
+
+    In a causal decoder with learned or rotary positions and no padding, a run whose residual
+    stream equals the corrupted one before ``first_pos`` runs positions ``first_pos..`` only,
+    attending to the tokens' keys and values of the earlier positions (TransformerLens's frozen
+    key-value cache, filled once by a run of the prefix).
+
+    Args:
+        model: The decoder.
+        tokens: The batch the residual streams given to :meth:`run` are copies of.
+    """
+
+    def __init__(self, model: Any, tokens: Int[torch.Tensor, "batch pos"]):
+        self.model = model
+        self.tokens = tokens
+        self.batch = tokens.shape[0]
+        with torch.no_grad():
+            # What forward(tokens) passes to every block besides the residual stream.
+            _, _, self._shortformer, self._mask = model.input_to_embed(tokens)
+        cfg = model.cfg
+        self.prefix_reuse = (
+            cfg.attention_dir == "causal"
+            and cfg.positional_embedding_type in ("standard", "rotary")
+            and self._mask is None
+            and self._shortformer is None
+        )
+        self._prefixes: dict[int, Any] = {}
+
+    def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
+        copies = resid.shape[0] // self.batch
+        n_pos = resid.shape[1]
+        if first_pos > 0 and self.prefix_reuse and not hooks and prefix is not None:
+            first_pos = min(first_pos, n_pos)
+            prefix = prefix[:, :first_pos].repeat(copies, 1, 1)
+            if first_pos == n_pos:
+                return prefix
+            past = self._prefix_cache(first_pos, copies)
+            with torch.no_grad():
+                suffix = self.model(resid[:, first_pos:], start_at_layer=layer, past_kv_cache=past)
+            return torch.cat((prefix, suffix), dim=1)
+        kwargs: dict[str, Any] = {}
+        if self._mask is not None:
+            kwargs["attention_mask"] = self._mask.repeat(copies, 1)
+        if self._shortformer is not None:
+            kwargs["shortformer_pos_embed"] = self._shortformer.repeat(copies, 1, 1)
+        with torch.no_grad():
+            return self.model.run_with_hooks(
+                resid, start_at_layer=layer, fwd_hooks=list(hooks), **kwargs
+            )
+
+    def _prefix_cache(self, first_pos: int, copies: int) -> Any:
+        """The tokens' keys and values of positions ``< first_pos``, every layer, for ``copies``
+        copies of the batch, frozen (a pass reads them, never extends them)."""
+        from transformer_lens import (
+            TransformerLensKeyValueCache,
+            TransformerLensKeyValueCacheEntry,
+        )
+
+        if first_pos not in self._prefixes:
+            cache = TransformerLensKeyValueCache.init_cache(
+                self.model.cfg, self.model.cfg.device, self.batch
+            )
+            prefix = self.tokens[:, :first_pos]
+            with torch.no_grad():  # causal: the prefix alone gives the same keys and values
+                self.model(prefix, past_kv_cache=cache, attention_mask=torch.ones_like(prefix))
+            self._prefixes[first_pos] = cache
+        cache = self._prefixes[first_pos]
+        entries = [
+            TransformerLensKeyValueCacheEntry(
+                entry.past_keys.repeat(copies, 1, 1, 1),
+                entry.past_values.repeat(copies, 1, 1, 1),
+                frozen=True,
+            )
+            for entry in cache.entries
+        ]
+        mask = cache.previous_attention_mask.repeat(copies, 1)
+        return TransformerLensKeyValueCache(entries, mask, frozen=True)
+
+
+__all__ = ["HookedAdapter", "HookedLayerRunner", "HookedNorm", "hooked_norm"]

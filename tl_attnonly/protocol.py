@@ -1,0 +1,332 @@
+"""What the analysis tools read of a model: one small, typed interface, two adapters.
+
+``tl_attnonly.analysis``, ``tl_attnonly.vis`` and the report never look at a model's class. They
+call :func:`tl_attnonly.adapt.analysis_model` once, at their entry, and read everything through the
+:class:`AttnOnlyModel` it returns (in the spirit of TransformerLens 4's
+``transformer_lens.model_protocol``):
+
+==============================  ==================================================================
+``cfg``                         :class:`ModelFacts`: TransformerLens's config names for the few
+                                facts analysis reads (sizes, positions, norms, parallel blocks)
+``blocks[l]``                   :class:`Block`: ``attn`` (:class:`AttentionWeights`, TL shapes),
+                                ``mlp`` (the neuron-head layer, or the MLP of an unconverted
+                                model), ``ln1`` / ``ln2`` (:class:`Norm` or ``None``)
+``ln_final``                    :class:`Norm` or ``None``
+``W_E``, ``W_U``, ``b_U``       embedding and unembedding, TransformerLens orientation
+``neuron_heads``                one neuron-head layer per block (``W_Q``, ``W_V``, ``W_O``,
+                                coefficients; :class:`~tl_attnonly.NeuronHeadMLP` and subclasses)
+``run_with_hooks`` / ``...``    the model's own ``__call__``, ``run_with_hooks``,
+                                ``run_with_cache``, ``to_tokens``, ``to_str_tokens``, tokenizer
+``layer_runs(tokens)``          runs that resume from a block's residual stream
+                                (:class:`LayerRunner`)
+==============================  ==================================================================
+
+:func:`tl_attnonly.adapt.analysis_model` picks the adapter. The adapters:
+
+* :class:`tl_attnonly.hooked.adapter.HookedAdapter`: an :class:`~tl_attnonly.AttnOnlyTransformer`
+  or :class:`~tl_attnonly.AttnOnlyEncoder` (TransformerLens 3.x), or an unconverted
+  ``HookedTransformer`` for the tools that need no neuron-heads (IOI roles, datasets).
+* :class:`tl_attnonly.bridge.adapter.BridgeAdapter`: a ``TransformerBridge`` converted with
+  :func:`tl_attnonly.convert` (TransformerLens 3.9 and 4.x; raw or compatibility mode), or an
+  unconverted one for the tools that need no neuron-heads.
+
+Where the two kinds differ, the adapter says so through the interface (``can_resume``,
+``prefix_reuse``, ``is_encoder``, ``cfg.post_norm``), never through its class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from jaxtyping import Float, Int
+
+if TYPE_CHECKING:
+    from tl_attnonly.components.factory import NeuronHeadLayer
+
+Tensor = torch.Tensor
+#: Forward hooks: ``(hook name or filter, function)`` pairs, as ``run_with_hooks`` takes them.
+Hooks = Sequence[tuple[Any, Callable]]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The config facts analysis reads, under TransformerLens's ``HookedTransformerConfig`` names.
+
+    Built by the adapters from the model's own config and structure (a bridge's config does not
+    say everything: post-norms, for one, are read from the blocks).
+    """
+
+    n_layers: int
+    n_heads: int
+    n_key_value_heads: int | None
+    d_model: int
+    d_head: int
+    d_mlp: int | None
+    d_vocab: int
+    d_vocab_out: int
+    n_ctx: int
+    act_fn: str | None
+    positional_embedding_type: str
+    normalization_type: str | None
+    attention_dir: str
+    parallel_attn_mlp: bool
+    #: Norms after each sublayer (Gemma 2/3 ``use_normalization_before_and_after``, OLMo 2/3
+    #: post-norm blocks): the residual stream is then no sum of head outputs.
+    post_norm: bool
+    use_qk_norm: bool
+    attn_only: bool
+    gated_mlp: bool
+    default_prepend_bos: bool
+    device: torch.device
+    dtype: torch.dtype
+    #: The model's own architecture name where it has one (for messages).
+    original_architecture: str | None = None
+
+    @property
+    def use_normalization_before_and_after(self) -> bool:
+        """TransformerLens's name of :attr:`post_norm`."""
+        return self.post_norm
+
+
+@runtime_checkable
+class Norm(Protocol):
+    """A normalisation as analysis needs it: its maths, and calling it fires no hook.
+
+    ``norm(x) = (x - mean(x) if centred else x) / sqrt(mean(x_c ** 2) + eps) * w + b`` over the
+    last axis (``w`` and ``b`` absent: 1 and 0).
+    """
+
+    @property
+    def centred(self) -> bool:
+        """Whether the mean is subtracted first (LayerNorm; RMSNorm: no)."""
+        ...
+
+    @property
+    def eps(self) -> float: ...
+
+    @property
+    def w(self) -> torch.Tensor | None:
+        """The gain actually applied ``[d_model]`` (Gemma's ``1 + weight``), or ``None``."""
+        ...
+
+    @property
+    def b(self) -> torch.Tensor | None: ...
+
+    def __call__(
+        self, x: Float[torch.Tensor, "... d_model"]
+    ) -> Float[torch.Tensor, "... d_model"]: ...
+
+
+@runtime_checkable
+class AttentionWeights(Protocol):
+    """One attention layer's weights in TransformerLens's shapes (biases zero where absent).
+
+    ``W_K``, ``W_V``, ``b_K``, ``b_V`` are per query head (grouped-query attention: repeated, as
+    TransformerLens's ``GroupedQueryAttention.W_K``); with grouped-query attention the per
+    key/value head weights are ``_W_K``, ``_W_V``, ``_b_K``, ``_b_V`` too.
+    """
+
+    @property
+    def W_Q(self) -> Float[torch.Tensor, "n_heads d_model d_head"]: ...
+    @property
+    def W_K(self) -> Float[torch.Tensor, "n_heads d_model d_head"]: ...
+    @property
+    def W_V(self) -> Float[torch.Tensor, "n_heads d_model d_head"]: ...
+    @property
+    def W_O(self) -> Float[torch.Tensor, "n_heads d_head d_model"]: ...
+    @property
+    def b_Q(self) -> Float[torch.Tensor, "n_heads d_head"]: ...
+    @property
+    def b_K(self) -> Float[torch.Tensor, "n_heads d_head"]: ...
+    @property
+    def b_V(self) -> Float[torch.Tensor, "n_heads d_head"]: ...
+    @property
+    def b_O(self) -> Float[torch.Tensor, " d_model"]: ...
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block as analysis reads it."""
+
+    #: The attention layer's weights.
+    attn: AttentionWeights
+    #: The neuron-head layer (``W_Q``, ``W_V``, ``W_O``, ``W_in``, ``W_out``, ``b_O``, ...), or the
+    #: MLP of an unconverted model.
+    mlp: Any
+    #: The attention layer's input normalisation (``None``: none).
+    ln1: Norm | None
+    #: The MLP's input normalisation (``None``: none).
+    ln2: Norm | None
+
+
+class LayerRunner(Protocol):
+    """Runs of one token batch that start at a block, from a given residual stream."""
+
+    #: Whether :meth:`run` may skip unchanged leading positions (``first_pos``).
+    prefix_reuse: bool
+
+    def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
+        """Logits ``[copies_batch, pos, d_vocab]`` of ``resid`` ``[copies_batch, pos, d_model]``
+        (copies of the batch stacked on the batch axis) entering block ``layer`` (``n_layers``:
+        only the final norm and the unembedding), with the forward ``hooks``. ``resid`` equals the
+        batch's own residual stream before ``first_pos``, whose logits ``prefix``
+        ``[batch, pos, d_vocab]`` are (where :attr:`prefix_reuse` holds, only positions
+        ``first_pos..`` need to run)."""
+        ...
+
+
+@runtime_checkable
+class AttnOnlyModel(Protocol):
+    """What analysis reads of a model (converted, or not for the tools that need no
+    neuron-heads). Implemented by :class:`~tl_attnonly.hooked.adapter.HookedAdapter` and
+    :class:`~tl_attnonly.bridge.adapter.BridgeAdapter`."""
+
+    @property
+    def model(self) -> Any:
+        """The wrapped model (its ``run_with_cache`` makes the caches analysis reads)."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """``"HookedTransformer"`` or ``"TransformerBridge"`` (for messages only)."""
+        ...
+
+    @property
+    def cfg(self) -> ModelFacts: ...
+    @property
+    def blocks(self) -> Sequence[Block]: ...
+    @property
+    def ln_final(self) -> Norm | None: ...
+
+    @property
+    def is_encoder(self) -> bool:
+        """Whether the model is a BERT-style encoder (post-LN, bidirectional)."""
+        ...
+
+    @property
+    def can_resume(self) -> bool:
+        """Whether runs can start at a block (:meth:`layer_runs`)."""
+        ...
+
+    @property
+    def is_converted(self) -> bool: ...
+    @property
+    def neuron_heads(self) -> list[NeuronHeadLayer]: ...
+    @property
+    def n_heads_per_neuron(self) -> int: ...
+    @property
+    def n_neuron_heads(self) -> int: ...
+    @property
+    def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]: ...
+    @property
+    def W_U(self) -> Float[torch.Tensor, "d_model d_vocab_out"]: ...
+    @property
+    def b_U(self) -> Float[torch.Tensor, " d_vocab_out"]: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def hook_dict(self) -> dict[str, Any]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any: ...
+    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+    def to_tokens(self, *args: Any, **kwargs: Any) -> Any: ...
+    def to_str_tokens(self, *args: Any, **kwargs: Any) -> Any: ...
+    def to_single_token(self, string: str) -> int: ...
+    def parameters(self) -> Any: ...
+    def tokens_to_residual_directions(self, tokens: Any) -> torch.Tensor: ...
+    def set_use_neuron_result(self, use_neuron_result: bool) -> None: ...
+    def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> LayerRunner: ...
+
+
+#: What a public analysis function takes as its model: an :class:`~tl_attnonly.AttnOnlyTransformer`,
+#: an :class:`~tl_attnonly.AttnOnlyEncoder`, a ``TransformerBridge`` converted with
+#: :func:`tl_attnonly.convert`, or an :class:`AttnOnlyModel` (what
+#: :func:`tl_attnonly.adapt.analysis_model` makes of any of them).
+ModelLike = Any
+
+
+class AdapterBase:
+    """What both adapters share: the calls passed to the wrapped model as they are, and what
+    follows from the weights alone. Subclasses set :attr:`model`, :attr:`cfg`, :attr:`blocks`,
+    :attr:`ln_final` and the neuron-head properties."""
+
+    model: Any
+    kind: str
+    cfg: ModelFacts
+    blocks: list[Block]
+    ln_final: Norm | None
+
+    @property
+    def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:
+        return self.model.W_E
+
+    @property
+    def W_U(self) -> Float[torch.Tensor, "d_model d_vocab_out"]:
+        return self.model.W_U
+
+    @property
+    def b_U(self) -> Float[torch.Tensor, " d_vocab_out"]:
+        bias = self.model.b_U
+        if isinstance(bias, torch.Tensor):
+            return bias
+        return self.W_U.new_zeros(self.W_U.shape[-1])
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def hook_dict(self) -> dict[str, Any]:
+        return self.model.hook_dict
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.run_with_hooks(*args, **kwargs)
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.run_with_cache(*args, **kwargs)
+
+    def hooks(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.hooks(*args, **kwargs)
+
+    def to_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.to_tokens(*args, **kwargs)
+
+    def to_str_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.to_str_tokens(*args, **kwargs)
+
+    def to_single_token(self, string: str) -> int:
+        return self.model.to_single_token(string)
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def tokens_to_residual_directions(
+        self, tokens: Int[torch.Tensor, "..."]
+    ) -> Float[torch.Tensor, "... d_model"]:
+        """The unembedding columns of ``tokens``: ``W_U[:, tokens]`` moved to the last axis
+        (TransformerLens's ``tokens_to_residual_directions`` for a tensor of tokens)."""
+        tokens = torch.as_tensor(tokens, device=self.W_U.device)
+        return self.W_U[:, tokens].movedim(0, -1)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.model).__name__})"
+
+
+__all__ = [
+    "ModelLike",
+    "AdapterBase",
+    "AttentionWeights",
+    "AttnOnlyModel",
+    "Block",
+    "LayerRunner",
+    "ModelFacts",
+    "Norm",
+]
