@@ -488,3 +488,31 @@ def test_views_show_the_same_data(bundled_pair):
         assert ours[0] == theirs[0] and ours[2] == theirs[2] and ours[4] == theirs[4]
         close(ours[1], theirs[1], "float32", "pattern view")
         close(ours[3], theirs[3], "float32", "activity heatmap")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama_gqa", "neox"])
+def test_compatibility_mode_bridges_are_read_as_they_run(family):
+    """``enable_compatibility_mode()`` then ``convert``: the weights are the processed ones (folded
+    norms, centred weights), and the adapter reads those: norms and projections give the hooks'
+    values, the full circuit is the clean run, the decomposition sums to the residual stream."""
+    import tl_attnonly
+
+    bridge = make_bridge(family, convert=False)
+    bridge.enable_compatibility_mode()
+    tl_attnonly.convert(bridge)
+    model = analysis_model(bridge)
+    clean, corrupted = tokens()
+    _, cache = bridge.run_with_cache(clean)
+    for layer, block in enumerate(model.blocks):
+        x = block.ln1(cache[f"blocks.{layer}.hook_resid_pre"])
+        torch.testing.assert_close(x, cache[f"blocks.{layer}.ln1.hook_out"], rtol=0, atol=1e-12)
+        q = torch.einsum("bpd,hde->bphe", x, block.attn.W_Q) + block.attn.b_Q
+        torch.testing.assert_close(q, cache[f"blocks.{layer}.attn.hook_q"], rtol=0, atol=1e-12)
+    full = A.HeadGraph(bridge).full_mask()
+    with torch.no_grad():
+        m_clean = float(last_metric(bridge(clean), torch.arange(2)))
+    close(A.circuit_metric(bridge, full, clean, corrupted, last_metric), m_clean, "gpt2", "full")
+    _, cache = bridge.run_with_cache(clean, names_filter=decomposition_names_filter())
+    stack = A.stack_all_head_results(cache, layer=-1, incl_remainder=True)
+    resid = bridge.run_with_cache(clean)[1]["blocks.1.hook_resid_post"]
+    close(stack.sum(0), resid, "gpt2", "decomposition")
