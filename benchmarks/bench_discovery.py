@@ -29,9 +29,16 @@ time of each stage, the peak resident memory above the loaded model, and PASS/FA
 ``L{l}MLP``. With ``--stream N``, ``top_edges`` also streams the top ``N`` of all 1.26e9 edges
 (timed apart) and their circuit runs exactly on the restricted graph of their nodes.
 
+``--kind`` picks the model kind: ``hooked`` (an ``AttnOnlyTransformer``, TransformerLens 3.x, the
+default there), ``bridge`` (a converted ``TransformerBridge`` of the same weights, the default on
+4.x) or ``both`` (TransformerLens 3.x: both kinds in one run, the bridge after the
+``HookedTransformer``, then a line comparing them: the circuits' sizes and faithfulness, and the
+bridge's total time over the ``HookedTransformer``'s).
+
 Run: ``python benchmarks/bench_discovery.py [--threads 2] [--examples 112] [--batch-size B]
-[--smollm2 [--ioi-prompts 16]] [--progress]``; ``python benchmarks/bench_discovery.py --gpt2-small
-[--threads 2] [--n-nodes 400] [--top-n 200] [--stream 1000] [--mlp-rest]``.
+[--smollm2 [--ioi-prompts 16]] [--kind hooked|bridge|both] [--progress]``;
+``python benchmarks/bench_discovery.py --gpt2-small [--threads 2] [--n-nodes 400] [--top-n 200]
+[--stream 1000] [--mlp-rest]``.
 """
 
 from __future__ import annotations
@@ -44,10 +51,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 import tl_attnonly
-from tl_attnonly import convert
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
 from tl_attnonly.analysis import (
     HeadGraph,
     circuit_metric,
@@ -60,6 +66,9 @@ from tl_attnonly.analysis import (
 )
 
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+
+#: ``--kind`` -> the kinds measured, in order.
+KINDS = {"hooked": ("hooked",), "bridge": ("bridge",), "both": ("hooked", "bridge")}
 
 
 def _status(field: str) -> int:
@@ -109,6 +118,7 @@ def measure_default(
             model, clean, corrupted, metric, batch_size=batch_size, progress=progress
         )
     total = time.perf_counter() - t0
+    circuit.extra["total_seconds"] = total
     peak = _status("VmHWM") - base
     seconds = circuit.extra["seconds"]
     for stage, value in seconds.items():
@@ -146,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         "--progress", action="store_true", help="progress bars (stderr) during discover_circuit"
     )
     parser.add_argument(
+        "--kind", choices=sorted(KINDS), default=None,
+        help="hooked (AttnOnlyTransformer, TL 3 default), bridge (TL 4 default) or both (TL 3)",
+    )  # fmt: skip
+    parser.add_argument(
         "--gpt2-small", action="store_true",
         help="the earlier two-stage neuron-level measurement on a GPT-2-small-shaped model",
     )  # fmt: skip
@@ -175,42 +189,86 @@ def main(argv: list[str] | None = None) -> None:
             args.batch_size = 4
         two_stage(args)
         return
-    from tl_attnonly.bundled import load_bundled_model
-
-    model = tl_attnonly.convert(load_bundled_model())
-    clean, corrupted, metric = bracket_task(model, args.examples)
+    kinds = KINDS[args.kind or ("hooked" if HAS_HOOKED_TRANSFORMER else "bridge")]
+    if "hooked" in kinds and not HAS_HOOKED_TRANSFORMER:
+        parser.error("--kind hooked/both needs TransformerLens 3.x (HookedTransformer)")
     batch = "all" if args.batch_size is None else args.batch_size
-    config = (
-        f"bundled tiny-stdlib-silu fp32, bracket task {clean.shape[0]} prompts x "
-        f"{clean.shape[1]} tokens, batch {batch}, defaults, {torch.get_num_threads()} threads"
-    )
-    measure_default(model, clean, corrupted, metric, config, args.batch_size, args.progress)
-    if args.smollm2:
-        from tl_attnonly.analysis import make_ioi_dataset
-        from tl_attnonly.smollm2 import load_smollm2
-
-        original = load_smollm2()
-        data = make_ioi_dataset(original, args.ioi_prompts, corruption="abc", seed=1)
-        model = tl_attnonly.convert(original)
-        del original
+    found = {}
+    for kind in kinds:
+        model = tl_attnonly.convert(_bundled(kind))
+        clean, corrupted, metric = bracket_task(model, args.examples)
         config = (
-            f"SmolLM2-135M-Instruct fp32, IOI {len(data)} prompts x {data.tokens.shape[1]} "
-            f"tokens (abc, seed 1), batch {batch}, defaults, {torch.get_num_threads()} threads"
+            f"bundled tiny-stdlib-silu fp32{_suffix(kind, kinds)}, bracket task {clean.shape[0]} "
+            f"prompts x {clean.shape[1]} tokens, batch {batch}, defaults, "
+            f"{torch.get_num_threads()} threads"
         )
-        measure_default(
-            model, data.tokens, data.corrupted_tokens, data.additive_metric(), config,
-            args.batch_size, args.progress,
-        )  # fmt: skip
+        found[kind] = measure_default(
+            model, clean, corrupted, metric, config, args.batch_size, args.progress
+        )
+    _compare(found, "bundled tiny-stdlib-silu fp32, bracket task")
+    if args.smollm2:
+        found = {}
+        for kind in kinds:
+            found[kind] = _smollm2(kind, kinds, args, batch)
+        _compare(found, f"SmolLM2-135M-Instruct fp32, IOI {args.ioi_prompts} prompts")
+
+
+def _suffix(kind: str, kinds: tuple[str, ...]) -> str:
+    """The kind in a config line (only the bridge is named when one kind is measured)."""
+    if len(kinds) == 1 and kind == "hooked":
+        return ""
+    return ", AttnOnlyTransformer" if kind == "hooked" else ", converted TransformerBridge"
+
+
+def _bundled(kind: str):
+    from tl_attnonly.bundled import load_bundled_bridge, load_bundled_model
+
+    return load_bundled_model() if kind == "hooked" else load_bundled_bridge()
+
+
+def _smollm2(kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch):
+    from tl_attnonly.analysis import make_ioi_dataset
+    from tl_attnonly.smollm2 import load_smollm2, load_smollm2_bridge
+
+    original = load_smollm2() if kind == "hooked" else load_smollm2_bridge()
+    data = make_ioi_dataset(original, args.ioi_prompts, corruption="abc", seed=1)
+    model = tl_attnonly.convert(original)
+    del original
+    config = (
+        f"SmolLM2-135M-Instruct fp32{_suffix(kind, kinds)}, IOI {len(data)} prompts x "
+        f"{data.tokens.shape[1]} tokens (abc, seed 1), batch {batch}, defaults, "
+        f"{torch.get_num_threads()} threads"
+    )
+    return measure_default(
+        model, data.tokens, data.corrupted_tokens, data.additive_metric(), config,
+        args.batch_size, args.progress,
+    )  # fmt: skip
+
+
+def _compare(found: dict, config: str) -> None:
+    """One line comparing the two kinds' circuits and times (``--kind both``)."""
+    if set(found) != {"hooked", "bridge"}:
+        return
+    hooked, bridge = found["hooked"], found["bridge"]
+    ratio = bridge.extra["total_seconds"] / hooked.extra["total_seconds"]
+    print(
+        f"[{config}, bridge vs AttnOnlyTransformer, {torch.get_num_threads()} threads] circuit "
+        f"edges {mask_size(bridge.mask):,} vs {mask_size(hooked.mask):,}, faithfulness "
+        f"{bridge.faithfulness:.3f} vs {hooked.faithfulness:.3f} (difference "
+        f"{bridge.faithfulness - hooked.faithfulness:+.3f}); time {ratio:.2f}x"
+    )
 
 
 def two_stage(args: argparse.Namespace) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     """The ``--gpt2-small`` measurement (module docstring)."""
     cfg = HookedTransformerConfig(
         n_layers=args.layers, d_model=768, n_heads=12, d_head=64, d_mlp=args.d_mlp,
         d_vocab=args.vocab, n_ctx=max(64, args.pos), act_fn=args.act, normalization_type="LN",
         seed=0, device="cpu",
     )  # fmt: skip
-    model = convert(HookedTransformer(cfg).eval(), share_weights=True)
+    model = tl_attnonly.convert(HookedTransformer(cfg).eval(), share_weights=True)
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(0, args.vocab, (args.prompts, args.pos), generator=g)
     corrupted = clean.clone()

@@ -8,6 +8,10 @@ import re
 import runpy
 from pathlib import Path
 
+import pytest
+
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("edge scores", "sweep", "pruning", "neurons", "node patching", "gate/value")
 
@@ -19,7 +23,8 @@ def _bench():
 def test_default_discovery_prints_each_stage_and_the_peak_memory_with_its_config(capsys):
     _bench()["main"](["--examples", "4", "--threads", "1"])
     lines = capsys.readouterr().out.splitlines()
-    config = "[bundled tiny-stdlib-silu fp32, bracket task 4 prompts x 6 tokens, batch all, "
+    kind = "" if HAS_HOOKED_TRANSFORMER else ", converted TransformerBridge"  # the default kind
+    config = f"[bundled tiny-stdlib-silu fp32{kind}, bracket task 4 prompts x 6 tokens, batch all, "
     assert lines and all(line.startswith(config) for line in lines), lines
     seconds = {}
     for stage in STAGES:
@@ -36,6 +41,22 @@ def test_default_discovery_prints_each_stage_and_the_peak_memory_with_its_config
     assert re.search(r"\d+ exact sweep runs, [1-9]\d* pruning runs", circuit)
 
 
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="both kinds need HookedTransformer")
+def test_both_kinds_in_one_run_find_the_same_circuit(capsys):
+    """``--kind both``: the AttnOnlyTransformer and the converted bridge of the bundled model, one
+    after the other, then a line comparing the circuits and the times."""
+    _bench()["main"](["--examples", "8", "--threads", "1", "--kind", "both"])
+    lines = capsys.readouterr().out.splitlines()
+    hooked = [line for line in lines if ", AttnOnlyTransformer, bracket" in line]
+    bridge = [line for line in lines if ", converted TransformerBridge, bracket" in line]
+    assert len(hooked) == len(bridge) == len(STAGES) + 2
+    [compare] = [line for line in lines if "bridge vs AttnOnlyTransformer" in line]
+    edges = re.search(r"circuit edges (\d+) vs (\d+), faithfulness ([\d.]+) vs ([\d.]+)", compare)
+    assert edges.group(1) == edges.group(2) and edges.group(3) == edges.group(4)
+    assert re.search(r"time [\d.]+x$", compare)
+
+
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="a HookedTransformer-shaped random model")
 def test_gpt2_small_two_stage_measurement_runs_on_a_small_config(capsys):
     argv = ["--gpt2-small", "--layers", "1", "--d-mlp", "32", "--vocab", "50", "--prompts", "2",
             "--pos", "4", "--n-nodes", "10", "--top-n", "5", "--threads", "1"]  # fmt: skip
