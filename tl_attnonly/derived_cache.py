@@ -29,6 +29,7 @@ go over every value (``items``, ``values``, ``to`` is not one of them) derive wh
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
@@ -41,8 +42,19 @@ from transformer_lens.utilities import Slice
 from tl_attnonly.hooks import hook_kind, neuron_act_name
 
 #: Tuple-form activation names that, with ``"mlp"`` as the layer type, mean neuron-head hooks
-#: (TransformerLens's ``get_act_name`` sends them to the attention layer).
+#: (TransformerLens's ``get_act_name`` sends them to the attention layer), with its aliases.
 NEURON_TUPLE_KINDS = ("q", "k", "v", "attn_scores", "scores", "pattern", "z", "result")
+_TL_ALIASES = {
+    "attn": "pattern",
+    "attn_logits": "attn_scores",
+    "key": "k",
+    "query": "q",
+    "value": "v",
+}
+#: Layer types that name the MLP (``get_act_name``'s alias ``"m"`` included).
+MLP_LAYER_TYPES = ("mlp", "m")
+#: ``get_act_name``'s shorthand: ``"pattern0mlp"`` is ``("pattern", 0, "mlp")``.
+_SHORTHAND = re.compile(r"([a-z]+)(\d+)([a-z]?.*)")
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -159,22 +171,32 @@ class NeuronHeadActivationCache(ActivationCache):
         self._pending_batch_size = batch_size
 
     def __getitem__(self, key) -> torch.Tensor:
-        if (
-            isinstance(key, tuple)
-            and len(key) >= 3
-            and key[2] == "mlp"
-            and key[0] in NEURON_TUPLE_KINDS
-            and key[1] is not None
-        ):
-            layer = key[1] if key[1] >= 0 else self.model.cfg.n_layers + key[1]
-            name = neuron_act_name(key[0], layer)
-            if name not in self.cache_dict:
-                raise KeyError(
-                    f"{name} (= {key!r}, a neuron-head hook) is not in this cache: run "
-                    "run_with_cache with a names_filter that keeps it."
-                )
-            return self.cache_dict[name]
-        return super().__getitem__(key)
+        name = self._neuron_head_name(key)
+        if name is None:
+            return super().__getitem__(key)
+        if name not in self.cache_dict:
+            raise KeyError(
+                f"{name} (= {key!r}, a neuron-head hook) is not in this cache: run "
+                "run_with_cache with a names_filter that keeps it."
+            )
+        return self.cache_dict[name]
+
+    def _neuron_head_name(self, key: Any) -> str | None:
+        """The neuron-head hook an MLP-qualified key names (``("pattern", 0, "mlp")``, its
+        shorthand ``"pattern0mlp"``, ``"m"`` for ``"mlp"``), else None (TransformerLens's
+        resolution applies)."""
+        if isinstance(key, str):
+            match = None if key in self.cache_dict else _SHORTHAND.fullmatch(key)
+            if match is None:
+                return None
+            key = (match.group(1), int(match.group(2)), match.group(3))
+        if not (isinstance(key, tuple) and len(key) >= 3 and key[1] is not None):
+            return None
+        kind = _TL_ALIASES.get(key[0], key[0])
+        if key[2] not in MLP_LAYER_TYPES or kind not in NEURON_TUPLE_KINDS:
+            return None
+        layer = key[1] if key[1] >= 0 else self.model.cfg.n_layers + key[1]
+        return neuron_act_name(kind, layer)
 
     def __repr__(self) -> str:
         return f"NeuronHeadActivationCache with keys {list(self.cache_dict.keys())}"
@@ -194,12 +216,18 @@ class NeuronHeadActivationCache(ActivationCache):
         self.cache_dict = self.cache_dict.mapped(lambda t: t.to(device))
         return self
 
-    def remove_batch_dim(self) -> NeuronHeadActivationCache:
-        """Remove the batch dimension (batch size 1), lazily for entries not derived yet."""
+    def remove_batch_dim(self, batch_size: int | None = None) -> NeuronHeadActivationCache:
+        """Remove the batch dimension (batch size 1), lazily for entries not derived yet.
+
+        Args:
+            batch_size: The true batch size when the caller knows it (TransformerLens 4.x's
+                argument); by default inferred from the entries.
+        """
         if not self.has_batch_dim:
             super().remove_batch_dim()  # TL's: warns and returns self
             return self
-        batch_size = self._batch_size()
+        if batch_size is None:
+            batch_size = self._batch_size()
         if batch_size != 1:
             raise CacheBatchDimError(
                 f"Cannot remove batch dimension from cache with batch size {batch_size}: only a "
@@ -249,6 +277,48 @@ class NeuronHeadActivationCache(ActivationCache):
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
+
+
+def neuron_head_cache(cache: ActivationCache) -> NeuronHeadActivationCache:
+    """A converted model's cache in which MLP-qualified keys reach the neuron-heads.
+
+    ``cache["pattern", l, "mlp"]`` (and ``q, k, v, attn_scores, z, result``; ``"m"`` for
+    ``"mlp"``; the shorthand ``"pattern0mlp"``) is ``blocks.{l}.mlp.hook_pattern`` here, as in
+    the cache of :meth:`AttnOnlyTransformer.run_with_cache
+    <tl_attnonly.AttnOnlyTransformer.run_with_cache>`, which is returned as it is. A converted
+    ``TransformerBridge``'s ``run_with_cache`` is TransformerLens's own and returns a plain
+    :class:`~transformer_lens.ActivationCache`, whose ``get_act_name`` sends those keys to the
+    attention layer (``cache["pattern", l, "mlp"]`` is then the attention pattern
+    ``[batch, n_heads, pos, pos]``): wrap it with this. The wrapper shares the cache's tensors
+    (nothing is copied) and answers every other key, and every method, as TransformerLens does.
+
+    Args:
+        cache: The ``ActivationCache`` of a converted model's ``run_with_cache`` (a converted
+            bridge, or an :class:`~tl_attnonly.AttnOnlyTransformer`).
+
+    Returns:
+        A :class:`NeuronHeadActivationCache`.
+
+    Raises:
+        ValueError: For the cache of a model with no neuron-head hooks (not converted).
+
+    Example:
+        >>> logits, cache = bridge.run_with_cache(tokens)  # bridge = tl_attnonly.convert(bridge)
+        >>> tl_attnonly.neuron_head_cache(cache)["pattern", 0, "mlp"].shape
+        torch.Size([batch, n_neuron_heads, pos, 2])
+    """
+    if isinstance(cache, NeuronHeadActivationCache):
+        return cache
+    hook_dict = getattr(cache.model, "hook_dict", {})
+    if not any(name.endswith(".mlp.hook_pattern") for name in hook_dict):
+        raise ValueError(
+            f"neuron_head_cache: the cache's model ({type(cache.model).__name__}) has no "
+            "neuron-head hooks (blocks.0.mlp.hook_pattern). Convert it first: "
+            "model = tl_attnonly.convert(model), then run_with_cache."
+        )
+    return NeuronHeadActivationCache(
+        cache.cache_dict, cache.model, has_batch_dim=cache.has_batch_dim
+    )
 
 
 @dataclass(frozen=True)
@@ -459,5 +529,6 @@ __all__ = [
     "NeuronHeadActivationCache",
     "Transform",
     "as_names_filter",
+    "neuron_head_cache",
     "run_with_derived_cache",
 ]

@@ -133,6 +133,13 @@ def dense_neuron_pattern(
     weight on itself at ``1 + query_pos`` and its weight on the bias token at 0; every other entry
     is 0 (the mask of Theorem 3).
 
+    Not for circuitsvis: its rows are the ``query_pos`` real tokens but its keys are
+    ``1 + query_pos``, so every self weight lies above the diagonal, which circuitsvis's views mask
+    (they would draw no self weight, mislabelled, without an error). Draw neuron-heads with
+    :func:`tl_attnonly.vis.neuron_head_attention_view`, or pass
+    :func:`tl_attnonly.vis.circuitsvis_pattern_args` to circuitsvis's own views (square
+    ``[head, 1 + pos, 1 + pos]`` patterns with the bias token as a first query row too).
+
     Args:
         pattern: Compact pattern from ``blocks.{l}.mlp.hook_pattern``, last axis (self, bias).
         heads: Which neuron-heads to expand (indices, a slice, or a bool/long tensor); default all.

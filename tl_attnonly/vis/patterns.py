@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,6 +84,43 @@ def square_neuron_pattern(
     square[:, 1:, 0] = pattern[..., 1]
     square[:, 1:, 1:].diagonal(dim1=-2, dim2=-1).copy_(pattern[..., 0])
     return square
+
+
+def circuitsvis_pattern_args(
+    pattern: Float[torch.Tensor, "head query_pos 2"],
+    str_tokens: Sequence[str],
+) -> dict[str, Any]:
+    """Arguments for circuitsvis's own attention views that draw neuron-heads as they are.
+
+    ``circuitsvis.attention.attention_patterns(**circuitsvis_pattern_args(pattern, str_tokens))``
+    (or ``attention_heads``) draws each neuron-head as a square pattern with the bias token
+    ``"<bias>"`` as token 0: row ``1 + q`` has the weight on itself on the diagonal and the rest
+    in column 0 (:func:`square_neuron_pattern`), so circuitsvis's causal mask hides nothing.
+    (:func:`~tl_attnonly.hooks.dense_neuron_pattern` is not a circuitsvis input: its rows are
+    query positions and its key axis is one longer, so the self weight of every row lies above
+    the diagonal, which circuitsvis masks.) :func:`neuron_head_attention_view` draws these
+    squares, with head labels, ranking and pages.
+
+    Args:
+        pattern: ``blocks.{l}.mlp.hook_pattern`` of one prompt, chosen heads
+            (``cache[name][batch_index, heads]``: ``[head, query_pos, 2]``, last axis
+            (self, bias)).
+        str_tokens: The prompt's string tokens, one per query position.
+
+    Returns:
+        ``{"tokens": ["<bias>", *str_tokens], "attention": [head, 1 + pos, 1 + pos]}``.
+
+    Raises:
+        ValueError: For a pattern that is not one prompt's compact pattern, or tokens that are
+            not one per position.
+    """
+    square = square_neuron_pattern(pattern.detach().float().cpu())
+    if len(str_tokens) != pattern.shape[1]:
+        raise ValueError(
+            f"{len(str_tokens)} tokens given for a cache of {pattern.shape[1]} positions: pass the "
+            "prompt the cache was computed on."
+        )
+    return {"tokens": [BIAS_TOKEN, *str_tokens], "attention": square}
 
 
 def neuron_head_scores(
@@ -382,13 +420,9 @@ def neuron_head_attention_view(
     if not 0 <= page < n_pages:
         raise IndexError(f"page must be in [0, {n_pages}) for {len(ranked)} heads, got {page}.")
     shown = ranked[page * page_size : (page + 1) * page_size]
-    pattern = _cached(cache, "pattern", layer)[batch_index, shown]
-    if len(str_tokens) != pattern.shape[1]:
-        raise ValueError(
-            f"{len(str_tokens)} tokens given for a cache of {pattern.shape[1]} positions: pass the "
-            "prompt the cache was computed on."
-        )
-    square = square_neuron_pattern(pattern.detach().float().cpu())
+    drawn = circuitsvis_pattern_args(
+        _cached(cache, "pattern", layer)[batch_index, shown], str_tokens
+    )
     labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
     what = "neurons" if level == "neuron" and k_per_neuron > 1 else "heads"
     how = "chosen" if heads is not None else f"{what} ranked by {_RANK_DESCRIPTIONS[rank_by]}"
@@ -398,8 +432,8 @@ def neuron_head_attention_view(
         f"Column 0 is the bias token {BIAS_TOKEN}; the diagonal is each token's weight on itself."
     )
     props = {
-        "attention": np.round(square.double().numpy(), 4),
-        "tokens": [BIAS_TOKEN, *str_tokens],
+        "attention": np.round(drawn["attention"].double().numpy(), 4),
+        "tokens": drawn["tokens"],
         "attentionHeadNames": labels,
         "maxValue": 1.0,
         "minValue": 0.0,
@@ -409,7 +443,7 @@ def neuron_head_attention_view(
         layer=layer,
         heads=shown,
         labels=labels,
-        str_tokens=[BIAS_TOKEN, *str_tokens],
+        str_tokens=drawn["tokens"],
         page=page,
         n_pages=n_pages,
         n_selected=len(ranked),
@@ -432,6 +466,7 @@ __all__ = [
     "RANK_BY",
     "NeuronHeadView",
     "TokensLike",
+    "circuitsvis_pattern_args",
     "neuron_head_attention_view",
     "neuron_head_scores",
     "select_neuron_heads",
