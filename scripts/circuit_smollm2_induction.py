@@ -20,10 +20,16 @@ its MLP nodes) on the converted model, and prints the circuit's evidence
 (:meth:`~tl_attnonly.analysis.Circuit.report`, whose last line is the time of each stage,
 ``circuit.extra["seconds"]``), the whole call's time and the process's peak resident memory.
 
+The model is a ``HookedTransformer`` and its ``AttnOnlyTransformer`` on TransformerLens 3.x, and
+two ``TransformerBridge`` objects (one converted in place) on 4.x, which has no
+``HookedTransformer``; ``--bridge`` takes the bridge on 3.x too
+(:func:`tl_attnonly.smollm2.load_smollm2_pair`).
+
 Usage::
 
     python scripts/circuit_smollm2_induction.py [--threads 1] [--prompts 16] [--half-len 8]
         [--corruption first|second] [--target 0.8] [--neurons-per-mlp 8] [--batch-size N]
+        [--bridge]
 """
 
 from __future__ import annotations
@@ -34,14 +40,13 @@ import time
 
 import torch
 
-import tl_attnonly
 from tl_attnonly.analysis import (
     Circuit,
     InductionDataset,
     discover_circuit,
     make_induction_dataset,
 )
-from tl_attnonly.smollm2 import load_smollm2
+from tl_attnonly.smollm2 import load_smollm2_pair, use_bridge
 
 
 def stage_check(model, data: InductionDataset) -> None:
@@ -87,11 +92,12 @@ def main(argv: list[str] | None = None) -> None:
         help="neurons named in each MLP node of the circuit (discover_circuit's default: 8)",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")
     args = parser.parse_args(argv)
+    bridge = use_bridge(True if args.bridge else None)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model = load_smollm2()
-    converted = tl_attnonly.convert(model)
+    model, converted = load_smollm2_pair(bridge=bridge)
     data = make_induction_dataset(
         model, args.prompts, args.half_len, corruption=args.corruption, seed=args.seed
     )
@@ -99,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     assert tokenizer is not None
     print(
         f"SmolLM2-135M-Instruct ({model.cfg.n_layers} layers, {model.cfg.n_heads} heads, "
-        f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons), fp32, {args.threads} threads; "
-        f"{len(data)} prompts ({args.corruption} corruption, seed {args.seed}), e.g. "
+        f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons; "
+        f"{'TransformerBridge' if bridge else 'HookedTransformer'}), fp32, {args.threads} "
+        f"threads; {len(data)} prompts ({args.corruption} corruption, seed {args.seed}), e.g. "
         f"{tokenizer.decode(data.tokens[0])!r} / {tokenizer.decode(data.corrupted_tokens[0])!r}"
     )
     stage_check(model, data)

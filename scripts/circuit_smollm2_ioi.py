@@ -40,12 +40,17 @@ when ``roles`` runs too):
   the process's peak resident memory. ``--positions roles`` resolves the edges by position
   class (``data.position_classes()``: IO, S1, S1+1, S2, END and the other positions).
 
+The model is a ``HookedTransformer`` and its ``AttnOnlyTransformer`` on TransformerLens 3.x, and
+two ``TransformerBridge`` objects (one converted in place) on 4.x, which has no
+``HookedTransformer``; ``--bridge`` takes the bridge on 3.x too
+(:func:`tl_attnonly.smollm2.load_smollm2_pair`).
+
 Usage::
 
     python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes discover] [--threads 2]
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
-        [--ranking signed|absolute] [--prune-runs 30]
+        [--ranking signed|absolute] [--prune-runs 30] [--bridge]
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ import time
 
 import torch
 
-import tl_attnonly
 from tl_attnonly.analysis import (
     IOIHeadScores,
     circuit_gate_value_split,
@@ -78,7 +82,7 @@ from tl_attnonly.analysis.discovery.node_circuits import (
 )
 from tl_attnonly.analysis.discovery.runs import Circuit
 from tl_attnonly.analysis.ioi import ATTENTION_SCORES, IOI_TEMPLATES, IOI_TEMPLATES_HELDOUT, ROLES
-from tl_attnonly.smollm2 import load_smollm2
+from tl_attnonly.smollm2 import load_smollm2_pair, use_bridge
 
 
 def print_roles(scores: IOIHeadScores, max_heads: int = 8) -> None:
@@ -338,19 +342,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ig-steps", type=int, default=5, help="interpolation steps of --method eap-ig"
     )
+    parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")
     args = parser.parse_args(argv)
+    bridge = use_bridge(True if args.bridge else None)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    model = load_smollm2()
-    converted = tl_attnonly.convert(model)
+    model, converted = load_smollm2_pair(bridge=bridge)
     templates = IOI_TEMPLATES if args.templates == "package" else IOI_TEMPLATES_HELDOUT
     data = make_ioi_dataset(
         model, args.prompts, corruption=args.corruption, seed=args.seed + 1, templates=templates
     )
     print(
         f"SmolLM2-135M-Instruct ({model.cfg.n_layers} layers, {model.cfg.n_heads} heads, "
-        f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons), fp32, {args.threads} threads; "
-        f"circuit prompts: {len(data)} ({args.corruption}, seed {args.seed + 1}), e.g. "
+        f"{model.cfg.n_layers * model.cfg.d_mlp:,} gated neurons; "
+        f"{'TransformerBridge' if bridge else 'HookedTransformer'}), fp32, {args.threads} "
+        f"threads; circuit prompts: {len(data)} ({args.corruption}, seed {args.seed + 1}), e.g. "
         f"{data.prompts[0]!r} / {data.corrupted_prompts[0]!r}"
     )
     scores = None

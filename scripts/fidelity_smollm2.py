@@ -7,8 +7,14 @@ exact), and compares logits, converted against original, on the 300 bundled prom
 the float32 rounding floor: the unconverted model in float32 against float64. Then generation and
 an IOI prompt, original against converted.
 
+The models are ``HookedTransformer`` / ``AttnOnlyTransformer`` on TransformerLens 3.x and
+``TransformerBridge`` (converted in place) on 4.x, which has no ``HookedTransformer``; ``--bridge``
+takes the bridge on 3.x too (:func:`tl_attnonly.smollm2.smollm2_pair_from_hf`). The bridge runs
+the Hugging Face modules, which compute RMSNorm, the rotary angles and the softmax in float32 even
+in a float64 model, so its float64 rows are not float64-exact as the ``HookedTransformer``'s are.
+
 Usage:
-    python scripts/fidelity_smollm2.py [--threads 2] [--batch-size 16] [--max-prompts N]
+    python scripts/fidelity_smollm2.py [--threads 2] [--batch-size 16] [--max-prompts N] [--bridge]
 """
 
 from __future__ import annotations
@@ -19,10 +25,8 @@ import time
 import pandas as pd
 import torch
 
-from tl_attnonly import convert
-from tl_attnonly.fidelity import to_markdown
-from tl_attnonly.fidelity_lm import compare_lm_pairs, load_prompts
-from tl_attnonly.smollm2 import load_smollm2_hf, smollm2_from_hf
+from tl_attnonly.fidelity_lm import compare_lm_pairs, load_prompts, to_markdown
+from tl_attnonly.smollm2 import load_smollm2_hf, smollm2_pair_from_hf, use_bridge
 
 FORMATS = {
     "max_abs_dlogit": ".2e",
@@ -35,12 +39,14 @@ FORMATS = {
 IOI = "When Mary and John went to the store, John gave a drink to"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
-    args = parser.parse_args()
+    parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")
+    args = parser.parse_args(argv)
+    bridge = use_bridge(True if args.bridge else None)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     prompts = load_prompts()[: args.max_prompts]
@@ -50,8 +56,9 @@ def main() -> None:
     models = {}
     for dtype in (torch.float32, torch.float64):
         name = str(dtype).removeprefix("torch.")
-        models[f"original {name}"] = smollm2_from_hf(hf_model, tokenizer, dtype=dtype)
-        models[f"converted {name}"] = convert(models[f"original {name}"])
+        models[f"original {name}"], models[f"converted {name}"] = smollm2_pair_from_hf(
+            hf_model, tokenizer, dtype=dtype, bridge=bridge
+        )
     del hf_model
     build_s = time.perf_counter() - tick
     pairs = [
@@ -67,9 +74,12 @@ def main() -> None:
         [{"reference": ref, "compared": other, **results[(ref, other)]} for ref, other in pairs]
     )
     n_tokens = int(table["n_tokens"].iloc[0])
+    cfg = models["original float32"].cfg
+    kind = "TransformerBridge" if bridge else "HookedTransformer"
     print(
-        f"### SmolLM2-135M-Instruct (30 layers x 1536 SwiGLU neurons), {len(prompts)} prompts "
-        f"({n_tokens} tokens), logits over the 49,152-token vocabulary\n"
+        f"### SmolLM2-135M-Instruct ({cfg.n_layers} layers x {cfg.d_mlp} SwiGLU neurons; "
+        f"{kind}), {len(prompts)} prompts ({n_tokens} tokens), logits over the "
+        f"{cfg.d_vocab:,}-token vocabulary\n"
     )
     print(to_markdown(table.drop(columns=["n_tokens"]), FORMATS))
 
@@ -79,8 +89,13 @@ def main() -> None:
     mary, john = tokenizer(" Mary")["input_ids"][0], tokenizer(" John")["input_ids"][0]
     for name in ("original float32", "converted float32"):
         model = models[name]
+        # No key-value cache: a bridge's cached generation is wrong on LLaMA (docs/real-models.md)
         text = model.generate(
-            "The capital of France is", max_new_tokens=8, do_sample=False, verbose=False
+            "The capital of France is",
+            max_new_tokens=8,
+            do_sample=False,
+            verbose=False,
+            use_past_kv_cache=False,
         )
         with torch.no_grad():
             last = model(model.to_tokens(IOI))[0, -1]

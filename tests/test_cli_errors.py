@@ -14,13 +14,14 @@ import torch
 
 import tl_attnonly
 from tl_attnonly import _compat, cli
-from tl_attnonly.bundled import load_bundled_model
+from tl_attnonly.bundled import load_bundled_bridge, load_bundled_model, load_bundled_tokenizer
 from tl_attnonly.cli import EXIT_FAIL, EXIT_USAGE, build_parser, main
 
-#: convert and verify handle HookedTransformer models; on TransformerLens 4.x they refuse first,
-#: naming the bridge route (tests/bridge/test_bridge_demo.py).
+#: convert saves HookedTransformer models and refuses on TransformerLens 4.x, naming the bridge
+#: route; verify checks a bridge there (and with --bridge on 3.x), so these parts are 3.x only.
 TL3_ONLY = pytest.mark.skipif(
-    not _compat.HAS_HOOKED_TRANSFORMER, reason="convert / verify need TransformerLens 3.x"
+    not _compat.HAS_HOOKED_TRANSFORMER,
+    reason="HookedTransformer paths of convert / verify: TransformerLens 3.x",
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +173,6 @@ def test_convert_without_the_hub_fails_before_importing_transformer_lens(tmp_pat
 # ------------------------------------------------------------------------------------------------
 # verify: bad paths, PASS, FAIL
 # ------------------------------------------------------------------------------------------------
-@TL3_ONLY
 def test_verify_missing_path(tmp_path, capsys):
     missing = tmp_path / "no-such-dir"
     assert main(["verify", str(missing)]) == EXIT_USAGE
@@ -180,9 +180,8 @@ def test_verify_missing_path(tmp_path, capsys):
     assert f"No such directory: {str(missing)!r}" in err and len(err) < 400
 
 
-@TL3_ONLY
 def test_verify_unconverted_model_directory(tmp_path, capsys):
-    load_bundled_model().tokenizer.save_pretrained(str(tmp_path))
+    load_bundled_tokenizer().save_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert main(["verify", str(tmp_path)]) == EXIT_USAGE
     err = capsys.readouterr().err
@@ -239,6 +238,113 @@ def test_verify_fails_a_broken_conversion(monkeypatch, capsys):
     assert out.rstrip().endswith(
         "FAIL: the converted model does not compute what the original does."
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# verify a TransformerBridge (TransformerLens 4.x; --bridge on 3.x), and convert on 4.x
+# ------------------------------------------------------------------------------------------------
+#: How each line runs the bridge path: --bridge, and on 3.x also as 4.x does (no
+#: HookedTransformer, simulated).
+BRIDGE_ROUTES = ["--bridge", "no HookedTransformer"] if _compat.HAS_HOOKED_TRANSFORMER else [""]
+
+
+def _bridge_route(monkeypatch, route: str) -> list[str]:
+    if route == "no HookedTransformer":
+        monkeypatch.setattr(cli, "_has_hooked_transformer", lambda: False)
+    return ["--bridge"] if route == "--bridge" else []
+
+
+def _verdict_lines(out: str) -> list[list[str]]:
+    return [
+        line.split() for line in out.splitlines() if line.strip().startswith(("PASS ", "FAIL "))
+    ]
+
+
+@pytest.mark.parametrize("route", BRIDGE_ROUTES)
+def test_verify_a_local_model_as_a_bridge(monkeypatch, capsys, route):
+    argv = ["verify", "bundled", "--prompt", "x = [i for i in range(3)]\n"]
+    assert main(argv + _bridge_route(monkeypatch, route)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Verifying the converted bundled, ") and "as a TransformerBridge" in out
+    assert "2 layers, 512 neuron-heads/layer (silu, 1 head(s)/neuron, method 'exact')" in out
+    assert "float32: max |converted - unconverted bridge|" in out
+    lines = _verdict_lines(out)
+    assert [line[:2] for line in lines] == [["PASS", "float32"], ["PASS", "float64"]]
+    assert float(lines[1][5]) < 1e-12  # max |Δlogits| in float64: SiLU neuron-heads are exact
+    assert out.rstrip().endswith("PASS")
+
+
+def test_verify_a_bridge_fails_a_broken_conversion(monkeypatch, capsys):
+    from tl_attnonly.bridge import demo as bridge_demo
+
+    real_convert = bridge_demo.convert_bridge
+
+    def convert_then_perturb(bridge, *args, **kwargs):
+        converted = real_convert(bridge, *args, **kwargs)
+        with torch.no_grad():
+            bridge.blocks[0].mlp.out.weight[:, 0] *= 1.01  # one neuron's output, 1% off
+        return converted
+
+    monkeypatch.setattr(bridge_demo, "convert_bridge", convert_then_perturb)
+    argv = ["verify", "bundled"] + _bridge_route(monkeypatch, BRIDGE_ROUTES[0])
+    assert main(argv) == EXIT_FAIL
+    out = capsys.readouterr().out
+    assert [line[:2] for line in _verdict_lines(out)] == [["FAIL", "float32"], ["FAIL", "float64"]]
+    assert out.rstrip().endswith(
+        "FAIL: the converted model does not compute what the original does."
+    )
+
+
+def test_verify_a_bridge_by_model_name_boots_it_per_dtype(monkeypatch, capsys):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    calls = []
+
+    def boot(name, dtype=torch.float32, **kwargs):
+        calls.append((name, dtype))
+        return load_bundled_bridge(dtype=dtype)
+
+    monkeypatch.setattr(cli, "_hub_unreachable", lambda timeout=0: None)
+    monkeypatch.setattr(TransformerBridge, "boot_transformers", boot)
+    argv = ["verify", "GPT2"] + _bridge_route(monkeypatch, BRIDGE_ROUTES[0])
+    assert main(argv) == 0
+    assert {name for name, _ in calls} == {"gpt2"}  # TransformerLens's official name
+    assert {dtype for _, dtype in calls} == {torch.float32, torch.float64}
+    assert "gpt2, booted with TransformerBridge.boot_transformers" in capsys.readouterr().out
+
+
+def test_verify_a_bridge_refuses_a_saved_directory_before_loading(monkeypatch, tmp_path, capsys):
+    (tmp_path / "conversion.json").write_text("{}")
+    argv = ["verify", str(tmp_path)] + _bridge_route(monkeypatch, BRIDGE_ROUTES[0])
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "holds a saved AttnOnlyTransformer" in err and "tl-attnonly verify MODEL" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("route", BRIDGE_ROUTES)
+def test_verify_minilm_as_a_bridge_says_it_is_an_encoder(monkeypatch, capsys, route):
+    assert main(["verify", "minilm"] + _bridge_route(monkeypatch, route)) == EXIT_USAGE
+    assert "minilm is an encoder" in capsys.readouterr().err
+
+
+def test_convert_without_hooked_transformer_says_why_and_what_to_do(monkeypatch, tmp_path, capsys):
+    """What `convert` answers on TransformerLens 4.x (simulated on 3.x), before loading anything:
+    what it saves needs HookedTransformer, a converted bridge has nothing of its own to save, and
+    where to go instead."""
+    monkeypatch.setattr(cli, "_has_hooked_transformer", lambda: False)
+    monkeypatch.setattr(tl_attnonly.bundled, "load_bundled_bridge", None)  # never reached
+    assert main(["convert", "bundled", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    for text in (
+        "needs HookedTransformer",
+        "nothing to save beyond the original checkpoint",
+        "tl_attnonly.convert(bridge)",
+        "`tl-attnonly verify MODEL`",
+        "transformer-lens>=3,<4",
+    ):
+        assert text in err
+    assert not (tmp_path / "out").exists() and "Traceback" not in err
 
 
 def test_every_public_name_resolves_lazily():

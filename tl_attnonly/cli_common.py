@@ -51,7 +51,8 @@ def print_verdicts(verdicts: Sequence[Any]) -> bool:
             f"(tolerance {v.tolerance:.3g}, against the {v.reference})"
         )
         if v.reference not in ("original", "unconverted bridge"):
-            line += f"; against the original: {v.approximation_diff:.3g}"
+            unmodified = v.reference.split(" with ")[0]  # "original" / "unconverted bridge"
+            line += f"; against the {unmodified}: {v.approximation_diff:.3g}"
         print(line)
     return all(v.passed for v in verdicts)
 

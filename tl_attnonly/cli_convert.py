@@ -1,10 +1,18 @@
 """``tl-attnonly convert`` and ``tl-attnonly verify``: load a model (local, saved, or from the
-hub), convert it, save it or check it against its original."""
+hub), convert it, save it or check it against its original.
+
+``convert`` saves an :class:`~tl_attnonly.AttnOnlyTransformer` (or encoder), which needs
+TransformerLens 3.x's ``HookedTransformer``. ``verify`` also checks a ``TransformerBridge``
+(``--bridge`` on 3.x; the only kind on 4.x): a bridge converts in place, so the reference is a
+second, unconverted bridge of the same weights
+(:func:`tl_attnonly.bridge.demo.verify_bridge_conversion`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,22 +131,26 @@ def _is_local_name(name: str) -> bool:
     return name in LOCAL_MODELS and not Path(name).exists()
 
 
-def _require_hooked_transformer(command: str, probes: Probes) -> None:
-    """A CommandError for ``convert`` / ``verify`` on TransformerLens 4.x (no HookedTransformer),
-    before anything is loaded."""
+def _refuse_saving_a_bridge(probes: Probes) -> None:
+    """A CommandError for ``convert`` on TransformerLens 4.x (no HookedTransformer), before
+    anything is loaded: what it saves needs HookedTransformer, and a converted bridge holds
+    nothing to save beyond the original checkpoint."""
     if not probes.has_hooked_transformer():
         raise CommandError(
-            f"tl-attnonly {command} converts and saves HookedTransformer models, which "
-            "TransformerLens 4.x removed. On 4.x: `tl-attnonly demo` (the bundled model as a "
-            "TransformerBridge) or tl_attnonly.convert(bridge) in Python (docs/bridge.md); or "
-            "install transformer-lens>=3,<4."
+            "tl-attnonly convert saves an AttnOnlyTransformer (config, weights, conversion "
+            "record), which needs HookedTransformer, and TransformerLens 4.x removed it. On 4.x "
+            "a model is converted as a TransformerBridge, in place, over the Hugging Face weights "
+            "it wraps: there is nothing to save beyond the original checkpoint, so convert it when "
+            "you load it, in Python: tl_attnonly.convert(bridge) (docs/bridge.md). To check the "
+            "conversion: `tl-attnonly verify MODEL` (bundled, smollm2, or a model name). To save "
+            "a converted model, install transformer-lens>=3,<4."
         )
 
 
 def convert_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """Load a model by TransformerLens name, convert it, save it."""
     probes = probes or Probes()
-    _require_hooked_transformer("convert", probes)
+    _refuse_saving_a_bridge(probes)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"OUT_DIR {str(out)!r} exists and is not a directory.")
@@ -172,7 +184,7 @@ def convert_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
 # ------------------------------------------------------------------------------------------------
 # verify
 # ------------------------------------------------------------------------------------------------
-def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
+def _load_converted_dir(directory: Path, bridge: bool) -> tuple[Any, Any, str]:
     conversion = directory / CONVERSION_FILE
     if not conversion.is_file():
         raise CommandError(
@@ -180,6 +192,13 @@ def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
             f"{CONVERSION_FILE}. `verify` takes a directory written by `tl-attnonly convert` (or "
             "AttnOnlyTransformer.save_pretrained), or a TransformerLens model name. To convert a "
             "model: `tl-attnonly convert NAME OUT_DIR`."
+        )
+    if bridge:
+        raise CommandError(
+            f"{str(directory)!r} holds a saved AttnOnlyTransformer; loading it needs "
+            "HookedTransformer (TransformerLens 3.x: run `tl-attnonly verify DIR` there, without "
+            "--bridge). A TransformerBridge is verified by model: `tl-attnonly verify MODEL` "
+            "(bundled, smollm2, or a model name)."
         )
     from tl_attnonly.conversion_record import SavedModelError, read_json
 
@@ -207,10 +226,72 @@ def _load_converted_dir(directory: Path) -> tuple[Any, Any, str]:
     return original, converted, "the MLP model rebuilt from the saved weights"
 
 
+def _bridge_loader(name: str, local: bool) -> tuple[Callable[[Any], Any], str]:
+    """``(dtype -> unconverted TransformerBridge, what it is)`` for a local model or a
+    TransformerLens model name (boots from the hub or the Hugging Face cache; call
+    :func:`_require_hub` first)."""
+    if local and name == "smollm2":
+        from tl_attnonly.smollm2 import (
+            SMOLLM2_NAME,
+            load_smollm2_hf,
+            smollm2_bridge_from_hf,
+            smollm2_path,
+        )
+
+        try:
+            smollm2_path()  # fails fast, naming the extra, before anything heavy
+        except ImportError as err:
+            raise CommandError(f"{name}: {err}") from err
+        hf_model, tokenizer = load_smollm2_hf()  # read once; each bridge wraps a copy
+        return (
+            lambda dtype: smollm2_bridge_from_hf(hf_model, tokenizer, dtype=dtype),
+            f"{SMOLLM2_NAME}, a bridge around the Hugging Face model",
+        )
+    if local:
+        from tl_attnonly.bundled import load_bundled_bridge
+
+        return (lambda dtype: load_bundled_bridge(dtype=dtype)), LOCAL_MODELS[name]
+    from tl_attnonly._compat import boot_bridge
+
+    official = _official_name(name)  # an unknown name fails here, before any loading
+    return (
+        lambda dtype: _load_by_name(official, boot_bridge, dtype=dtype),
+        f"{official}, booted with TransformerBridge.boot_transformers",
+    )
+
+
+def _verify_bridge(args: argparse.Namespace, local: bool) -> int:
+    """``verify`` of a TransformerBridge: converted in place, against a second, unconverted
+    bridge of the same weights, per dtype."""
+    from tl_attnonly.bridge import is_converted_bridge
+    from tl_attnonly.bridge.demo import verify_bridge_conversion
+
+    load, what = _bridge_loader(args.model, local)
+    print(
+        f"Verifying the converted {args.model}, {what}, as a TransformerBridge against an "
+        "unconverted bridge of the same weights (a bridge converts in place)."
+    )
+    last: dict[str, Any] = {}
+
+    def load_and_keep(dtype: Any) -> Any:
+        last["bridge"] = load(dtype)
+        return last["bridge"]
+
+    verdicts = verify_bridge_conversion(load_and_keep, args.prompt, tolerance=args.tolerance)
+    converted = last["bridge"]
+    if not is_converted_bridge(converted):  # what the neuron-heads are, for the summary
+        from tl_attnonly import convert
+
+        converted = convert(converted)
+    description, coefs = _describe(converted, converted.to_tokens(args.prompt))
+    print(description)
+    return _print_verdicts(args, verdicts, coefs)
+
+
 def verify_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """Compare a converted model against its original (a TL model name or a saved directory)."""
     probes = probes or Probes()
-    _require_hooked_transformer("verify", probes)
+    bridge = bool(getattr(args, "bridge", False)) or not probes.has_hooked_transformer()
     target = Path(args.model).expanduser()
     looks_like_path = args.model.startswith((".", "/", "~", os.sep)) or args.model.endswith("/")
     if looks_like_path and not target.exists():
@@ -222,16 +303,18 @@ def verify_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
         if args.model == "minilm":
             raise CommandError(
                 "minilm is an encoder; `verify` compares decoder logits. Convert it with "
-                "`tl-attnonly convert minilm OUT_DIR`, and compare it in Python "
-                "(docs/saving.md). Decoders by name: bundled, smollm2."
+                "`tl-attnonly convert minilm OUT_DIR` (TransformerLens 3.x), and compare it in "
+                "Python (docs/saving.md). Decoders by name: bundled, smollm2."
             )
+        if bridge:
+            return _verify_bridge(args, local=True)
         from tl_attnonly import convert
 
         original = _load_local(args.model)
         converted = convert(original)
         what = f"the original ({LOCAL_MODELS[args.model]})"
     elif target.is_dir():
-        original, converted, what = _load_converted_dir(target)
+        original, converted, what = _load_converted_dir(target, bridge)
     elif target.exists():
         raise CommandError(
             f"{args.model!r} is a file; `verify` takes a directory written by "
@@ -239,6 +322,8 @@ def verify_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
         )
     else:
         _require_hub(args.model, probes)
+        if bridge:
+            return _verify_bridge(args, local=False)
         from transformer_lens import HookedTransformer
 
         from tl_attnonly import convert
@@ -250,22 +335,38 @@ def verify_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
         raise CommandError("The model has no tokenizer: verify it with token ids in Python.")
     from tl_attnonly.verify import verify_conversion
 
-    coefs = converted.coefficients
-    print(
-        f"Verifying the converted {args.model} against {what}: {converted.cfg.n_layers} layers, "
-        f"{converted.n_neuron_heads} neuron-heads/layer ({coefs.activation}, "
-        f"{coefs.n_heads} head(s)/neuron, method {coefs.method!r}), "
-        f"prompt of {original.to_tokens(args.prompt).shape[-1]} tokens."
-    )
+    description, coefs = _describe(converted, original.to_tokens(args.prompt))
+    print(f"Verifying the converted {args.model} against {what}: {description}")
     verdicts = verify_conversion(original, converted, args.prompt, tolerance=args.tolerance)
+    return _print_verdicts(args, verdicts, coefs)
+
+
+def _describe(converted: Any, tokens: Any) -> tuple[str, Any]:
+    """``"N layers, M neuron-heads/layer (activation, ...), prompt of T tokens."`` and the
+    neuron-heads' coefficients (layer 0's)."""
+    from tl_attnonly.adapt import analysis_model
+
+    model = analysis_model(converted)
+    coefs = model.neuron_heads[0].coefficients
+    text = (
+        f"{model.cfg.n_layers} layers, {model.n_neuron_heads} neuron-heads/layer "
+        f"({coefs.activation}, {coefs.n_heads} head(s)/neuron, method {coefs.method!r}), "
+        f"prompt of {tokens.shape[-1]} tokens."
+    )
+    return text, coefs
+
+
+def _print_verdicts(args: argparse.Namespace, verdicts: list[Any], coefs: Any) -> int:
+    """Each dtype's table and verdict, and the overall one; the exit code."""
+    reference = verdicts[0].reference.split(" with ")[0]  # "original" / "unconverted bridge"
     for v in verdicts:
-        print(f"\n{str(v.dtype).removeprefix('torch.')}: max |converted - original|")
+        print(f"\n{str(v.dtype).removeprefix('torch.')}: max |converted - {reference}|")
         print_table(v.table)
     if coefs.method != "exact":
         print(
             f"\n{coefs.activation} is approximated ({coefs.method}, max error per neuron "
-            f"{coefs.max_abs_error():.2g} on |x| <= 20): the verdict compares with the original "
-            "using the heads' activation, so it checks the conversion itself."
+            f"{coefs.max_abs_error():.2g} on |x| <= 20): the verdict compares with the "
+            f"{reference} using the heads' activation, so it checks the conversion itself."
         )
     tolerance = (
         "relative: 1e-4 (float32) / 1e-10 (float64) x max(1, max |logits|)"

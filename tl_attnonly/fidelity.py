@@ -35,6 +35,7 @@ from transformer_lens import HookedEncoder
 
 from tl_attnonly.corpora import load_sentences
 from tl_attnonly.encoder import convert_encoder
+from tl_attnonly.fidelity_lm import to_markdown
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.minilm import DEFAULT_MAX_LENGTH, encode_sentences, tokenize
 from tl_attnonly.options import ConversionOptions
@@ -306,31 +307,6 @@ def activation_error_at(
     coefficients = options.coefficients(act_fn)
     x = torch.tensor(list(xs), dtype=torch.float64)
     return [float(v) for v in (coefficients.evaluate(x) - coefficients.reference(x)).abs()]
-
-
-def to_markdown(df: pd.DataFrame, floatfmt: dict[str, str] | None = None) -> str:
-    """A GitHub markdown table of ``df`` (no ``tabulate`` needed); NaN cells are left empty.
-
-    Args:
-        df: The table.
-        floatfmt: Format spec per column (default ``".3g"`` for floats).
-    """
-    floatfmt = floatfmt or {}
-    header = "| " + " | ".join(str(c) for c in df.columns) + " |"
-    rule = "|" + "|".join("---" for _ in df.columns) + "|"
-    lines = [header, rule]
-    for _, row in df.iterrows():
-        cells = []
-        for col in df.columns:
-            value = row[col]
-            if isinstance(value, float) and value != value:  # NaN: not measured
-                cells.append("")
-            elif isinstance(value, float):
-                cells.append(format(value, floatfmt.get(col, ".3g")))
-            else:
-                cells.append(str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 __all__ = [

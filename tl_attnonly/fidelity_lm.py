@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
 import torch
 from jaxtyping import Int
 
@@ -159,10 +160,36 @@ def compare_lm_pairs(
     }
 
 
+def to_markdown(df: pd.DataFrame, floatfmt: dict[str, str] | None = None) -> str:
+    """A GitHub markdown table of ``df`` (no ``tabulate`` needed); NaN cells are left empty.
+
+    Args:
+        df: The table.
+        floatfmt: Format spec per column (default ``".3g"`` for floats).
+    """
+    floatfmt = floatfmt or {}
+    header = "| " + " | ".join(str(c) for c in df.columns) + " |"
+    rule = "|" + "|".join("---" for _ in df.columns) + "|"
+    lines = [header, rule]
+    for _, row in df.iterrows():
+        cells = []
+        for col in df.columns:
+            value = row[col]
+            if isinstance(value, float) and value != value:  # NaN: not measured
+                cells.append("")
+            elif isinstance(value, float):
+                cells.append(format(value, floatfmt.get(col, ".3g")))
+            else:
+                cells.append(str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 __all__ = [
     "LM_FIDELITY_COLUMNS",
     "compare_lm_pairs",
     "compare_lms",
     "load_prompts",
+    "to_markdown",
     "token_batches",
 ]

