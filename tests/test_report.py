@@ -1,4 +1,12 @@
-"""The demo command writes one self-contained report, with the right contents, fast."""
+"""The demo writes one self-contained report, the same for both model kinds, with the right
+contents, fast.
+
+Each test reads the rendered page (its HTML, the plotly figures' JSON, the circuitsvis props) of
+``tl-attnonly demo``: on TransformerLens 3.x for a ``HookedTransformer`` (the default) and a
+``TransformerBridge`` (``--bridge``), on 4.x for the bridge (the only kind there). Both kinds must
+give the same sections (:data:`EXPECTED_SECTIONS`, checked on each line) and, on 3.x, the same
+figures' data.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +18,36 @@ import subprocess
 import tempfile
 import time
 from html.parser import HTMLParser
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+from tl_attnonly.bundled import load_bundled_bridge
 from tl_attnonly.cli import DEFAULT_PROMPT, main
 from tl_attnonly.hooks import neuron_act_name
-from tl_attnonly.report import DEFERRED_TYPE, PACKED_TYPE
+from tl_attnonly.report import DEFERRED_TYPE, PACKED_TYPE, REPORT_SQUARE_K
 from tl_attnonly.vis import BIAS_TOKEN
+from tl_attnonly.vis.figures import tick_label
 
 #: The issue's budget for the whole demo on a 2-core machine.
 DEMO_SECONDS = 60
+#: Bytes of the TL 3 demo's report before the report served both kinds (commit fd1d890,
+#: ``tl-attnonly demo --no-progress --report x.html`` on TL 3.9, default prompt): the bound for
+#: both kinds (issue 28; the bridge report was 4,854,667 bytes then).
+TL3_REPORT_BYTES = 2_899_528
+#: The report's sections as (anchor, plotly figures, circuitsvis views, <h3> titles): the same
+#: for both model kinds, on both TransformerLens lines (the bundled model: 2 layers, SiLU).
+EXPECTED_SECTIONS = [
+    ("equivalence", 0, 0, ["float32", "float64"]),
+    ("patterns", 0, 2, ["Layer 0", "Layer 1"]),
+    ("activity", 2, 0, []),
+    ("patching", 2, 0, ["Largest neuron-heads"]),
+    ("gelu", 1, 0, ["Error per activation and K"]),
+]
+KINDS = ("hooked", "bridge")
 
 
 class _Tables(HTMLParser):
@@ -64,13 +91,68 @@ class _Tables(HTMLParser):
             self._cell.append(data)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "report.html"
-    start = time.perf_counter()
-    code = main(["demo", "--report", str(path)])
-    seconds = time.perf_counter() - start
-    return code, path, seconds
+_RUNS: dict[str, tuple[int, Any, float]] = {}
+
+
+def _run_demo(kind: str, tmp_path_factory) -> tuple[int, Any, float]:
+    """``(exit code, report path, seconds)`` of the demo on ``kind`` (run once a session)."""
+    if kind == "hooked" and not HAS_HOOKED_TRANSFORMER:
+        pytest.skip("HookedTransformer: TransformerLens 3.x")
+    if kind not in _RUNS:
+        path = tmp_path_factory.mktemp(f"demo-{kind}") / "report.html"
+        argv = ["demo", "--no-progress", "--report", str(path)]
+        start = time.perf_counter()
+        code = main(argv + (["--bridge"] if kind == "bridge" else []))
+        _RUNS[kind] = (code, path, time.perf_counter() - start)
+    return _RUNS[kind]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def demo(request, tmp_path_factory):
+    return _run_demo(request.param, tmp_path_factory)
+
+
+def _text(demo) -> str:
+    return demo[1].read_text(encoding="utf-8")
+
+
+def _sections(text: str) -> dict[str, str]:
+    return dict(re.findall(r'<section id="(\w+)">(.*?)</section>', text, flags=re.S))
+
+
+def _figures(html_text: str) -> list[tuple[list[dict], dict]]:
+    """``(data, layout)`` of every ``Plotly.newPlot`` call, as JSON."""
+    decoder, figures = json.JSONDecoder(), []
+    for match in re.finditer(r"Plotly\.newPlot\(", html_text):
+        pos, values = match.end(), []
+        for _ in range(3):  # the div id, the traces, the layout
+            while html_text[pos] in " \n\t,":
+                pos += 1
+            value, pos = decoder.raw_decode(html_text, pos)
+            values.append(value)
+        figures.append((values[1], values[2]))
+    return figures
+
+
+def _array(value: Any) -> np.ndarray:
+    """A plotly JSON array: a list, or ``{"dtype", "bdata"[, "shape"]}`` (plotly 6)."""
+    if isinstance(value, dict) and "bdata" in value:
+        array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+        shape = value.get("shape")
+        if shape is not None:
+            shape = (
+                [int(n) for n in str(shape).split(",")] if not isinstance(shape, list) else shape
+            )
+            array = array.reshape(shape)
+        return array.astype(np.float64)
+    return np.array(value, dtype=np.float64)
+
+
+def _views(text: str) -> list[tuple[int, dict]]:
+    calls = re.findall(
+        r'CircuitsVis\.render\("cv-layer-(\d+)", CircuitsVis\.AttentionHeads, (.*?)\);', text
+    )
+    return [(int(layer), json.loads(props)) for layer, props in calls]
 
 
 def test_demo_succeeds_fast(demo):
@@ -80,21 +162,22 @@ def test_demo_succeeds_fast(demo):
     assert seconds < DEMO_SECONDS, f"demo took {seconds:.1f} s"
 
 
-def test_report_is_self_contained(demo):
-    _, path, _ = demo
-    text = path.read_text(encoding="utf-8")
+def test_report_is_self_contained_and_no_larger_than_the_tl3_report(demo):
+    text = _text(demo)
     assert not re.search(r"<script[^>]*\ssrc=", text), "a script is loaded from elsewhere"
     assert "unpkg.com/circuitsvis" not in text
     libraries = _packed_libraries(text)  # plotly.js and circuitsvis, inlined once each, gzipped
     assert sorted(libraries) == ["CircuitsVis", "Plotly"]
     assert libraries["CircuitsVis"].count("var CircuitsVis=") == 1
     assert libraries["Plotly"].startswith("/**\n* plotly.js v")
+    assert "* plotly.js v" not in text  # ... and only there, packed
     deferred = re.findall(rf'<script type="{DEFERRED_TYPE}">(.*?)</script>', text, flags=re.S)
     assert sum("Plotly.newPlot(" in js for js in deferred) >= 4  # strips, patching, GELU curves
     assert sum("CircuitsVis.render(" in js for js in deferred) == 2  # one square view a layer
     # every inline script is a library, the unpacker, or deferred until the libraries are there
     assert len(re.findall(r"<script", text)) == len(libraries) + 1 + len(deferred)
-    assert len(text) < 3.5e6  # was 6.6 MB with the libraries as plain text
+    size = demo[1].stat().st_size
+    assert size <= TL3_REPORT_BYTES, f"{size:,} bytes"
 
 
 def _packed_libraries(text: str) -> dict[str, str]:
@@ -118,19 +201,34 @@ def test_report_draws_every_figure_in_chromium(demo):
              "--virtual-time-budget=20000", f"--user-data-dir={profile}", path.resolve().as_uri()],
             capture_output=True, text=True, timeout=180,
         ).stdout  # fmt: skip
-    text = path.read_text(encoding="utf-8")
-    n_figures = sum(
-        "Plotly.newPlot(" in js
-        for js in re.findall(rf'<script type="{DEFERRED_TYPE}">(.*?)</script>', text, flags=re.S)
-    )
+    n_figures = len(_figures(_text(demo)))
     assert dom.count('class="plot-container plotly"') == n_figures  # plotly drew each one
     assert dom.count("<canvas") >= 2  # circuitsvis drew its views
 
 
+def test_report_has_the_same_sections_for_both_kinds(demo):
+    """The same sections, figures and subsections, whichever kind (and TransformerLens line):
+    this list is checked for the HookedTransformer and the bridge on TL 3 and the bridge on
+    TL 4."""
+    text = _text(demo)
+    structure = [
+        (
+            anchor,
+            len(_figures(body)),
+            body.count("CircuitsVis.render("),
+            re.findall(r"<h3>(.*?)</h3>", body),
+        )
+        for anchor, body in _sections(text).items()
+    ]
+    assert structure == EXPECTED_SECTIONS
+    assert list(_sections(text)) == list(dict.fromkeys(a for a, *_ in EXPECTED_SECTIONS))
+    nav = re.findall(r"<nav>(.*?)</nav>", text, flags=re.S)[0]
+    assert re.findall(r'href="#(\w+)"', nav) == [a for a, *_ in EXPECTED_SECTIONS]
+
+
 def test_report_shows_equivalence_numbers(demo):
-    _, path, _ = demo
     parser = _Tables()
-    parser.feed(path.read_text(encoding="utf-8"))
+    parser.feed(_text(demo))
     for dtype, tolerance in (("float32", 1e-3), ("float64", 1e-9)):
         rows = parser.tables[dtype]
         header, body = rows[0], rows[1:]
@@ -143,19 +241,14 @@ def test_report_shows_equivalence_numbers(demo):
 
 
 def test_report_draws_the_models_neuron_heads_with_the_bias_token_first(demo):
-    from tl_attnonly.bundled import load_bundled_model
-
-    _, path, _ = demo
-    text = path.read_text(encoding="utf-8")
-    model = load_bundled_model()
-    calls = re.findall(
-        r'CircuitsVis\.render\("cv-layer-(\d+)", CircuitsVis\.AttentionHeads, (.*?)\);', text
-    )
-    assert [int(layer) for layer, _ in calls] == list(range(model.cfg.n_layers))
-    _, cache = model.run_with_cache(DEFAULT_PROMPT)
-    str_tokens = model.to_str_tokens(DEFAULT_PROMPT)
-    for layer, props_json in calls:
-        props = json.loads(props_json)
+    """The circuitsvis views hold the converted model's patterns: checked against the hooks of
+    the unconverted bundled bridge (an independent reference for both kinds)."""
+    reference = load_bundled_bridge()
+    _, cache = reference.run_with_cache(DEFAULT_PROMPT)
+    str_tokens = [str(t) for t in reference.to_str_tokens(DEFAULT_PROMPT)]
+    views = _views(_text(demo))
+    assert [layer for layer, _ in views] == list(range(reference.cfg.n_layers))
+    for layer, props in views:
         assert props["tokens"] == [BIAS_TOKEN, *str_tokens]
         attention = torch.tensor(props["attention"])
         n_heads = len(props["attentionHeadNames"])
@@ -163,34 +256,65 @@ def test_report_draws_the_models_neuron_heads_with_the_bias_token_first(demo):
         assert 0 < n_heads <= 64
         # SiLU neuron i = neuron-head i: its weight on self is sigmoid(pre) of the original model
         neurons = [int(name.split("N")[1]) for name in props["attentionHeadNames"]]
-        pre = cache[neuron_act_name("pre", int(layer))][0][:, neurons].T
+        pre = cache[neuron_act_name("pre", layer)][0][:, neurons].T
         diag = attention[:, 1:, 1:].diagonal(dim1=-2, dim2=-1)
         torch.testing.assert_close(diag, torch.sigmoid(pre), atol=2e-4, rtol=0)
         torch.testing.assert_close(attention[:, 1:, 0], 1 - torch.sigmoid(pre), atol=2e-4, rtol=0)
         # ... and they are the layer's most active neurons (largest |post|)
-        post = cache[neuron_act_name("post", int(layer))][0].abs().amax(0)
+        post = cache[neuron_act_name("post", layer)][0].abs().amax(0)
         assert post[neurons].min() >= post.topk(n_heads).values.min() - 1e-4
 
 
-def test_report_has_the_plotly_sections(demo):
-    _, path, _ = demo
-    text = path.read_text(encoding="utf-8")
-    for anchor in ("equivalence", "patterns", "activity", "patching", "gelu"):
-        assert f'<section id="{anchor}">' in text
-    assert "Neuron-head activity" in text and "GELU" in text and "Attribution patching" in text
+def test_token_labels_are_visible(demo):
+    """Every figure over the prompt's tokens labels them (the strips' x axis: every token, in
+    order), and no axis hides its labels."""
+    text = _text(demo)
+    str_tokens = [str(t) for t in load_bundled_bridge().to_str_tokens(DEFAULT_PROMPT)]
+    figures = _figures(text)
+    assert figures
+    for _, layout in figures:
+        axes = [v for k, v in layout.items() if k.startswith(("xaxis", "yaxis"))]
+        assert all(axis.get("showticklabels", True) for axis in axes)
+    strips = _figures(_sections(text)["activity"])
+    for data, layout in strips:
+        xaxis = layout["xaxis"]
+        assert xaxis["ticktext"] == [tick_label(t) for t in str_tokens]
+        assert list(_array(xaxis["tickvals"])) == list(range(len(str_tokens)))
+        assert all(len(_array(trace["z"])[0]) == len(str_tokens) for trace in data)
+    for _, props in _views(text):
+        assert props["tokens"][1:] == str_tokens
 
 
 def test_report_shows_few_squares_many_strips_and_only_the_errors_it_discusses(demo):
-    from tl_attnonly.report import REPORT_SQUARE_K
-
-    _, path, _ = demo
-    text = path.read_text(encoding="utf-8")
+    text = _text(demo)
     names = re.findall(r'"attentionHeadNames": (\[.*?\])', text)
     assert [len(json.loads(n)) for n in names] == [REPORT_SQUARE_K] * 2  # a few square views
-    activity = text.split('<section id="activity">')[1].split("</section>")[0]
+    activity = _sections(text)["activity"]
     assert activity.count("Plotly.newPlot(") == 2  # one strip figure per layer
     assert "weight on self (red) and on &lt;bias&gt; (grey)" in activity
     tables = _Tables()
     tables.feed(text)
     rows = tables.tables["Error per activation and K"][1:]
     assert {row[0] for row in rows} == {"silu", "gelu"}  # this model's activation and GELU
+
+
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="both kinds: TransformerLens 3.x")
+def test_both_kinds_draw_the_same_numbers(tmp_path_factory):
+    """The HookedTransformer's report and the bridge's draw the same heads with the same
+    weights, strips and attribution scores (the two kinds of the bundled model agree to float32
+    rounding)."""
+    texts = {kind: _run_demo(kind, tmp_path_factory)[1].read_text("utf-8") for kind in KINDS}
+    views = {kind: _views(text) for kind, text in texts.items()}
+    for (_, hooked), (_, bridge) in zip(views["hooked"], views["bridge"], strict=True):
+        assert hooked["attentionHeadNames"] == bridge["attentionHeadNames"]
+        assert hooked["tokens"] == bridge["tokens"]
+        np.testing.assert_allclose(hooked["attention"], bridge["attention"], atol=1e-4)
+    for anchor in ("activity", "patching"):
+        hooked_figs, bridge_figs = (_figures(_sections(t)[anchor]) for t in texts.values())
+        assert len(hooked_figs) == len(bridge_figs) > 0
+        for (hooked_data, _), (bridge_data, _) in zip(hooked_figs, bridge_figs, strict=True):
+            for a, b in zip(hooked_data, bridge_data, strict=True):
+                assert a["y"] == b["y"]  # the same heads, in the same order
+                za, zb = _array(a["z"]), _array(b["z"])
+                scale = np.nanmax(np.abs(za))
+                np.testing.assert_allclose(za, zb, atol=1e-3 * scale, equal_nan=True)

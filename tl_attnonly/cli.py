@@ -25,7 +25,7 @@ from tl_attnonly.cli_common import (
     hub_unreachable,
 )
 from tl_attnonly.cli_convert import convert_cmd, verify_cmd
-from tl_attnonly.cli_demo import DEMO_MODELS, SMOLLM2_PROMPT, demo, demo_bridge
+from tl_attnonly.cli_demo import DEMO_MODELS, SMOLLM2_PROMPT, demo
 
 
 def _has_hooked_transformer() -> bool:
@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bridge",
         action="store_true",
-        help="run the bundled model as a TransformerBridge (what the demo does on "
-        "TransformerLens 4.x, which has no HookedTransformer): converted in place, verified "
-        "against the unconverted bridge, a smaller report",
+        help="run the model as a TransformerBridge (what the demo does on TransformerLens 4.x, "
+        "which has no HookedTransformer): converted in place, verified against an unconverted "
+        "bridge, the same report",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.set_defaults(func=demo)
@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert a TransformerLens model (from the Hugging Face hub) and save it",
         description="Load MODEL (bundled, smollm2 or minilm: offline; any other name: with "
         "TransformerLens's from_pretrained, which needs the hub, or the model in the Hugging Face "
-        "cache), convert it, save it to OUT_DIR.",
+        "cache), convert it, save it to OUT_DIR. Needs TransformerLens 3.x (HookedTransformer); "
+        "on 4.x a bridge is converted in place when loaded: check it with `verify`.",
     )
     p.add_argument(
         "model",
@@ -148,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         metavar="MODEL_OR_DIR",
         help="a directory written by `convert` (checked offline against the MLP model rebuilt "
-        "from its weights), a local decoder (bundled, smollm2; offline), or a TransformerLens "
-        "model name (needs the hub)",
+        "from its weights; TransformerLens 3.x), a local decoder (bundled, smollm2; offline), or "
+        "a TransformerLens model name (needs the hub or the Hugging Face cache)",
     )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to run both models on")
     p.add_argument(
@@ -158,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bound on max |Δlogits| (default: 1e-4 in float32, 1e-10 in float64, times "
         "max(1, max |logits|))",
+    )
+    p.add_argument(
+        "--bridge",
+        action="store_true",
+        help="verify the model as a TransformerBridge (what verify does on TransformerLens 4.x, "
+        "which has no HookedTransformer): converted in place, against an unconverted bridge of "
+        "the same weights; takes a model, not a saved directory",
     )
     p.set_defaults(func=verify_cmd)
     return parser
@@ -199,7 +207,6 @@ __all__ = [
     "build_parser",
     "convert_cmd",
     "demo",
-    "demo_bridge",
     "main",
     "verify_cmd",
 ]

@@ -1,10 +1,20 @@
-"""``tl-attnonly demo``: convert a model offline, verify it, write the HTML report."""
+"""``tl-attnonly demo``: convert a model offline, verify it, write the HTML report.
+
+One path for both model kinds: a ``HookedTransformer`` (TransformerLens 3.x, the default there)
+or a ``TransformerBridge`` (``--bridge`` on 3.x; the only kind on 4.x). Either way the model is
+converted, checked against the model before conversion in float32 and float64
+(:func:`tl_attnonly.verify.verify_conversion`) and drawn in the full report
+(:func:`tl_attnonly.report.write_demo_report`). A bridge converts in place, so its reference is a
+second, unconverted bridge of the same weights.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +35,32 @@ SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 DEMO_MODELS = ("bundled", "smollm2", "minilm")
 
 
-def _load_demo_model(name: str) -> tuple[Any, str]:
-    """``(model, display name)`` for ``--model``; ImportError (with the extra) if not installed."""
+def _demo_loader(name: str, bridge: bool) -> tuple[Callable[[], Any], str]:
+    """``(load, display name)`` for ``--model``: ``load()`` gives a fresh, unconverted model of
+    the kind asked. ImportError (naming the extra) if the model's package is not installed."""
     if name == "smollm2":
-        from tl_attnonly.smollm2 import SMOLLM2_NAME, load_smollm2, smollm2_path
+        from tl_attnonly.smollm2 import SMOLLM2_NAME, smollm2_path
 
         smollm2_path()  # fails fast, naming the extra, before anything heavy
-        return load_smollm2(), SMOLLM2_NAME
-    from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_model
+        if bridge:
+            from tl_attnonly.smollm2 import load_smollm2_hf, smollm2_bridge_from_hf
 
-    return load_bundled_model(), BUNDLED_MODEL_NAME
+            hf_model, tokenizer = load_smollm2_hf()  # read once; each bridge wraps a copy
+            return lambda: smollm2_bridge_from_hf(hf_model, tokenizer), SMOLLM2_NAME
+        from tl_attnonly.smollm2 import load_smollm2
+
+        return load_smollm2, SMOLLM2_NAME
+    from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_bridge, load_bundled_model
+
+    return (load_bundled_bridge if bridge else load_bundled_model), BUNDLED_MODEL_NAME
 
 
 def demo(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """Convert a model offline (the bundled one or SmolLM2), verify it, write the HTML report.
 
-    With ``--bridge``, or on TransformerLens 4.x (no HookedTransformer), the bundled model runs as
-    a TransformerBridge instead (:func:`demo_bridge`)."""
+    The model is a ``HookedTransformer`` on TransformerLens 3.x, and a ``TransformerBridge`` with
+    ``--bridge`` or on TransformerLens 4.x (which has no ``HookedTransformer``); the rest is the
+    same path."""
     from tqdm.auto import tqdm
 
     if args.model == "minilm":
@@ -50,129 +69,74 @@ def demo(args: argparse.Namespace, probes: Probes | None = None) -> int:
             "minilm with `tl-attnonly convert minilm OUT_DIR`."
         )
     has_hooked_transformer = (probes or Probes()).has_hooked_transformer()
-    if args.bridge or not has_hooked_transformer:
-        return demo_bridge(args, tl4=not has_hooked_transformer)
+    bridge = args.bridge or not has_hooked_transformer
+    if not bridge:
+        why = ""
+    elif has_hooked_transformer:
+        why = "; --bridge"
+    else:
+        why = "; TransformerLens 4.x has no HookedTransformer"
     if args.prompt is None:
         args.prompt = SMOLLM2_PROMPT if args.model == "smollm2" else DEFAULT_PROMPT
     with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
         bar.set_postfix_str("importing torch and TransformerLens")
         from tl_attnonly import convert
-        from tl_attnonly.verify import verify_conversion
+        from tl_attnonly.adapt import analysis_model
+        from tl_attnonly.verify import REFERENCE_NAMES, verify_conversion
 
         bar.set_postfix_str(f"loading {args.model} (offline)")
         try:
-            model, model_name = _load_demo_model(args.model)
+            load, model_name = _demo_loader(args.model, bridge)
+            original = load()
         except ImportError as err:
             bar.close()
             print(f"tl-attnonly demo --model {args.model}: {err}", file=sys.stderr)
             return EXIT_USAGE
         bar.update(1)
         bar.set_postfix_str("converting")
-        converted = convert(model)
+        converted = convert(original)
+        if converted is original:  # converted in place (a bridge): the reference is a second one
+            original = load()
         bar.update(1)
         bar.set_postfix_str("verifying in float32 and float64")
-        verdicts = verify_conversion(model, converted, args.prompt)
+        verdicts = verify_conversion(original, converted, args.prompt)
         bar.update(1)
+    adapted = analysis_model(converted)
+    coefs = adapted.neuron_heads[0].coefficients
+    version = importlib.metadata.version("transformer-lens")
+    reference = REFERENCE_NAMES.get(adapted.kind, "original")
     print(
-        f"Model {model_name!r} converted: {model.cfg.n_layers} layers x "
-        f"{converted.n_neuron_heads} neuron-heads ({converted.coefficients.activation}, "
-        f"{converted.n_heads_per_neuron} head(s)/neuron, method "
-        f"{converted.coefficients.method!r}) + {model.cfg.n_heads} attention heads/layer."
+        f"Model {model_name!r} as a {adapted.kind} (TransformerLens {version}{why}) converted: "
+        f"{adapted.cfg.n_layers} layers x {adapted.n_neuron_heads} neuron-heads "
+        f"({coefs.activation}, {adapted.n_heads_per_neuron} head(s)/neuron, method "
+        f"{coefs.method!r}) + {adapted.cfg.n_heads} attention heads/layer."
     )
     tables = {str(v.dtype).removeprefix("torch."): v.table for v in verdicts}
     for name, table in tables.items():
-        print(f"\nEquivalence with the original on the prompt, {name}:")
+        print(f"\nEquivalence with the {reference} on the prompt, {name}:")
         print_table(table)
-    print("\nVerdict (logits, converted vs original):")
+    print(f"\nVerdict (logits, converted vs {reference}):")
     passed = print_verdicts(verdicts)
     if args.report is not None:
         from tl_attnonly.report import write_demo_report
 
         path = write_demo_report(
-            model,
+            original,
             converted,
             args.prompt,
             Path(args.report),
             equivalence=tables,
             top_k=args.top_k,
+            model_name=model_name,
             progress=not args.no_progress,
         )
-        print(f"\nReport written to {path} (self-contained: open it in a browser, offline).")
-    print(f"Done in {time.perf_counter() - START:.1f} s (imports included).")
-    return 0 if passed else EXIT_FAIL
-
-
-def demo_bridge(args: argparse.Namespace, tl4: bool) -> int:
-    """The demo on a TransformerBridge (TransformerLens 3.x with ``--bridge``, and 4.x): the
-    bundled model as a Hugging Face GPT-2 in a bridge, converted in place, verified in float32 and
-    float64 against the unconverted bridge, and a smaller HTML report
-    (:func:`tl_attnonly.bridge.demo.write_bridge_report`)."""
-    from tqdm.auto import tqdm
-
-    why = "TransformerLens 4.x has no HookedTransformer" if tl4 else "--bridge"
-    if args.model != "bundled":
+        size = path.stat().st_size / 1e6
         print(
-            f"tl-attnonly demo --model {args.model}: the TransformerBridge demo ({why}) runs the "
-            "bundled model only. On TransformerLens 4.x convert a bridge of your model in Python: "
-            "bridge = TransformerBridge.boot_transformers(name); tl_attnonly.convert(bridge) "
-            "(docs/bridge.md); --model smollm2 needs TransformerLens 3.x without --bridge.",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    if args.prompt is None:
-        args.prompt = DEFAULT_PROMPT
-    with tqdm(total=3, desc="demo", unit="step", disable=args.no_progress) as bar:
-        bar.set_postfix_str("importing torch and TransformerLens")
-        import importlib.metadata
-
-        from tl_attnonly import convert
-        from tl_attnonly.bridge.demo import verify_bridge_conversion
-        from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_bridge
-
-        bar.update(1)
-        bar.set_postfix_str("verifying a converted bridge in float32 and float64")
-        verdicts = verify_bridge_conversion(
-            lambda dtype: load_bundled_bridge(dtype=dtype), args.prompt
-        )
-        bar.update(1)
-        bar.set_postfix_str("converting (float32)")
-        bridge = convert(load_bundled_bridge())
-        bar.update(1)
-    from tl_attnonly.bridge import neuron_head_layers
-
-    layers = neuron_head_layers(bridge)
-    coefs = layers[0].coefficients
-    version = importlib.metadata.version("transformer-lens")
-    print(
-        f"Model {BUNDLED_MODEL_NAME!r} as a TransformerBridge (TransformerLens {version}; {why}) "
-        f"converted in place: {len(layers)} layers x {layers[0].n_neuron_heads} neuron-heads "
-        f"({coefs.activation}, {coefs.n_heads} head(s)/neuron, method {coefs.method!r}) + "
-        f"{bridge.cfg.n_heads} attention heads/layer."
-    )
-    tables = {str(v.dtype).removeprefix("torch."): v.table for v in verdicts}
-    for name, table in tables.items():
-        print(f"\nEquivalence with the unconverted bridge on the prompt, {name}:")
-        print_table(table)
-    print("\nVerdict (logits, converted vs unconverted bridge):")
-    passed = print_verdicts(verdicts)
-    if args.report is not None:
-        from tl_attnonly.bridge.demo import write_bridge_report
-
-        path = write_bridge_report(
-            bridge,
-            args.prompt,
-            Path(args.report),
-            equivalence=tables,
-            model_name=BUNDLED_MODEL_NAME,
-            top_k=args.top_k,
-        )
-        print(
-            f"\nReport written to {path} (self-contained, offline; the bridge report: equivalence "
-            "and neuron-head patterns. The circuitsvis views, attribution patching and GELU "
-            "curves need TransformerLens 3.x without --bridge)."
+            f"\nReport written to {path} ({size:.2f} MB, self-contained: open it in a browser, "
+            "offline)."
         )
     print(f"Done in {time.perf_counter() - START:.1f} s (imports included).")
     return 0 if passed else EXIT_FAIL
 
 
-__all__ = ["DEMO_MODELS", "SMOLLM2_PROMPT", "demo", "demo_bridge"]
+__all__ = ["DEMO_MODELS", "SMOLLM2_PROMPT", "demo"]

@@ -1,18 +1,18 @@
 """One self-contained HTML report of a converted model on one prompt (``tl-attnonly demo``).
 
 The page embeds its JavaScript (plotly.js and circuitsvis's bundle, once each), so it opens offline
-from a file. Sections: the equivalence table, the neuron-head attention patterns of each layer
-(circuitsvis, the bias token drawn as the first token ``<bias>``), the neuron-head activity
-heatmaps, an attribution-patching heatmap over every head, and the GELU-fit error curves.
+from a file. Sections (:data:`REPORT_SECTIONS`): the equivalence table, the neuron-head attention
+patterns of each layer (circuitsvis, the bias token drawn as the first token ``<bias>``), the
+neuron-head activity strips, an attribution-patching heatmap over every head, and the GELU-fit
+error curves.
+
+One report for both model kinds: an :class:`~tl_attnonly.AttnOnlyTransformer` (TransformerLens
+3.x) and a ``TransformerBridge`` converted with :func:`tl_attnonly.convert` (3.x and 4.x). The
+model is read through :func:`tl_attnonly.adapt.analysis_model`, and every figure comes from the
+analysis and vis tools, which take either kind.
 """
 
 from __future__ import annotations
-
-from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, NO_HOOKED_TRANSFORMER
-from tl_attnonly.adapt import analysis_model
-
-if not HAS_HOOKED_TRANSFORMER:  # TransformerLens 4.x: refuse at import, before any work
-    raise ImportError(f"{__name__} {NO_HOOKED_TRANSFORMER}")
 
 import base64
 import functools
@@ -22,21 +22,23 @@ import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 from plotly.offline import get_plotlyjs
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
+from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import (
     NEURON_HOOK_SHAPES,
     head_names_filter,
     neuron_act_name,
     neuron_head_label,
 )
+from tl_attnonly.protocol import AttnOnlyModel
+from tl_attnonly.verify import REFERENCE_NAMES
 from tl_attnonly.vis import (
     BIAS_TOKEN,
     NeuronHeadView,
@@ -47,9 +49,6 @@ from tl_attnonly.vis import (
     patching_heatmap,
     script_safe,
 )
-
-if TYPE_CHECKING:
-    from tl_attnonly.model import AttnOnlyTransformer
 
 #: Neuron-heads per layer in the report's (self, bias) strips.
 REPORT_TOP_K = 32
@@ -70,9 +69,13 @@ code { background: #f3f3f3; padding: 0 3px; }
 """
 
 
+#: The report's sections, in order (their ``<section id>``), the same for both model kinds.
+REPORT_SECTIONS = ("equivalence", "patterns", "activity", "patching", "gelu")
+
+
 def write_demo_report(
-    model: HookedTransformer,
-    converted: AttnOnlyTransformer,
+    model: Any,
+    converted: Any,
     prompt: str,
     path: str | Path,
     *,
@@ -80,52 +83,74 @@ def write_demo_report(
     top_k: int = REPORT_TOP_K,
     square_k: int = REPORT_SQUARE_K,
     corrupted_prompt: str | None = None,
+    model_name: str | None = None,
     progress: bool = True,
 ) -> Path:
     """Write one self-contained HTML report of ``converted`` on ``prompt``.
 
     Args:
-        model: The original model.
-        converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`.
-        prompt: Text to run both models on.
+        model: The model before conversion (a ``HookedTransformer``, or an unconverted
+            ``TransformerBridge`` of the same weights), for the equivalence table; may be
+            ``None`` when ``equivalence`` is given.
+        converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`, or the converted bridge.
+        prompt: Text to run the models on.
         path: Where to write the ``.html`` file (parent directories are created).
         equivalence: Equivalence tables already computed (title -> DataFrame of
-            :func:`tl_attnonly.verify.equivalence_table`); default: computed here in the models'
-            dtype.
-        top_k: Neuron-heads per layer in the per-token (self, bias) strips (most active first).
+            :func:`tl_attnonly.verify.equivalence_table`, e.g. each
+            :class:`~tl_attnonly.verify.Verdict`'s ``table``); default: computed here in the
+            models' dtype.
+        top_k: Neurons per layer in the per-token (self, bias) strips (most active first).
         square_k: Neuron-heads per layer in the square circuitsvis pattern views.
         corrupted_prompt: Corrupted run for the attribution-patching section; default: the
             prompt's tokens in reverse order (same length, BOS kept).
+        model_name: The title's model name; default: ``converted.cfg.model_name``.
         progress: Show a progress bar over the report's steps.
 
     Returns:
         The path written.
+
+    Raises:
+        TypeError: If ``converted`` has no neuron-heads (with directions).
+        ValueError: If ``converted`` has no tokenizer, or neither ``model`` nor ``equivalence``
+            is given.
     """
-    analysis_model(converted)  # refuses, with directions, a model without neuron-heads
-    if converted.tokenizer is None:
+    adapted = analysis_model(converted)  # refuses, with directions, a model without neuron-heads
+    if adapted.tokenizer is None:
         raise ValueError("The report needs a model with a tokenizer (to show the prompt's tokens).")
+    if model is None and equivalence is None:
+        raise ValueError(
+            "Pass the model before conversion (model=...) or the equivalence tables "
+            "(equivalence=...): the report's first section compares the two."
+        )
+    if model_name is None:
+        model_name = str(getattr(converted.cfg, "model_name", None) or type(converted).__name__)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    n_layers = converted.cfg.n_layers
+    n_layers = adapted.cfg.n_layers
     steps = _Steps(total=5 + n_layers, enabled=progress)
     sections: list[tuple[str, str, str]] = []  # (anchor, title, body html)
+    reference = REFERENCE_NAMES.get(adapted.kind, "original")
 
     with steps.step("equivalence table"):
         if equivalence is None:
             from tl_attnonly.verify import equivalence_table
 
-            dtype = str(converted.cfg.dtype).removeprefix("torch.")
+            dtype = str(adapted.cfg.dtype).removeprefix("torch.")
             equivalence = {dtype: equivalence_table(model, converted, prompt)}
         sections.append(
-            ("equivalence", "Equivalence with the original model", _equivalence(equivalence))
+            (
+                "equivalence",
+                f"Equivalence with the {reference}",
+                _equivalence(equivalence, reference),
+            )
         )
 
     with steps.step("run with cache"):
-        tokens = converted.to_tokens(prompt)
-        str_tokens = [str(t) for t in converted.to_str_tokens(prompt)]  # one prompt: strings
+        tokens = adapted.to_tokens(prompt)
+        str_tokens = [str(t) for t in adapted.to_str_tokens(prompt)]  # one prompt: strings
         names = {neuron_act_name(kind, lay) for kind in ("pattern", "z") for lay in range(n_layers)}
         with torch.inference_mode():
-            _, cache = converted.run_with_cache(tokens, names_filter=lambda n: n in names)
+            _, cache = adapted.run_with_cache(tokens, names_filter=lambda n: n in names)
 
     views: list[NeuronHeadView] = []
     for layer in range(n_layers):
@@ -136,7 +161,7 @@ def write_demo_report(
                 )
             )
     sections.append(
-        ("patterns", "Neuron-head attention patterns (circuitsvis)", _views(views, converted))
+        ("patterns", "Neuron-head attention patterns (circuitsvis)", _views(views, adapted))
     )
 
     with steps.step("activity strips"):
@@ -156,15 +181,15 @@ def write_demo_report(
             (
                 "patching",
                 "Attribution patching of every head",
-                _patching(converted, tokens, corrupted_prompt),
+                _patching(adapted, tokens, corrupted_prompt),
             )
         )
 
     with steps.step("GELU-fit curves"):
-        sections.append(("gelu", "GELU as neuron-heads: fit error", _gelu(converted)))
+        sections.append(("gelu", "GELU as neuron-heads: fit error", _gelu(adapted)))
     steps.close()
 
-    page = _page(converted, prompt, str_tokens, sections)
+    page = _page(adapted, model_name, prompt, str_tokens, sections)
     path.write_text(page, encoding="utf-8")
     return path
 
@@ -172,12 +197,13 @@ def write_demo_report(
 # ------------------------------------------------------------------------------------------------
 # sections
 # ------------------------------------------------------------------------------------------------
-def _equivalence(tables: dict[str, pd.DataFrame]) -> str:
+def _equivalence(tables: dict[str, pd.DataFrame], reference: str) -> str:
     parts = [
         '<p class="note">Maximum and mean absolute difference between the converted model and the '
-        "original, on the prompt, for the logits and every activation the two models share. The "
-        "converted model computes each MLP neuron as attention heads; the differences are "
-        "floating-point rounding.</p>"
+        f"{html.escape(reference)}, on the prompt, for the logits and every activation the two "
+        "models share. The converted model computes each MLP neuron as attention heads; the "
+        "differences are floating-point rounding (for an approximated activation, GELU or ReLU, "
+        "also the approximation's error).</p>"
     ]
     for title, df in tables.items():
         parts.append(f"<h3>{html.escape(str(title))}</h3>")
@@ -185,8 +211,8 @@ def _equivalence(tables: dict[str, pd.DataFrame]) -> str:
     return "\n".join(parts)
 
 
-def _views(views: Sequence[NeuronHeadView], converted: AttnOnlyTransformer) -> str:
-    k = converted.n_heads_per_neuron
+def _views(views: Sequence[NeuronHeadView], model: AttnOnlyModel) -> str:
+    k = model.n_heads_per_neuron
     labels = (
         "Heads are labelled <code>L{layer}N{neuron}</code>."
         if k == 1
@@ -225,18 +251,16 @@ def _activity_intro() -> str:
     )
 
 
-def _patching(
-    converted: AttnOnlyTransformer, tokens: torch.Tensor, corrupted_prompt: str | None
-) -> str:
+def _patching(model: AttnOnlyModel, tokens: torch.Tensor, corrupted_prompt: str | None) -> str:
     from tl_attnonly.analysis.patching.attribution import attribution_patch
 
     if corrupted_prompt is None:
         corrupted = tokens.clone()
-        start = 1 if converted.cfg.default_prepend_bos else 0
+        start = 1 if model.cfg.default_prepend_bos else 0
         corrupted[:, start:] = tokens[:, start:].flip(-1)
         how = "the prompt's tokens in reverse order"
     else:
-        corrupted = converted.to_tokens(corrupted_prompt)
+        corrupted = model.to_tokens(corrupted_prompt)
         how = "the corrupted prompt given"
         if corrupted.shape != tokens.shape:
             return (
@@ -249,15 +273,15 @@ def _patching(
         logprobs = logits[:, :-1].log_softmax(-1)
         return logprobs.gather(-1, clean_ids.unsqueeze(-1)).mean()
 
-    n_layers = converted.cfg.n_layers
-    z_names = set(head_names_filter("z").resolve(converted))
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    z_names = set(head_names_filter("z").resolve(model.model))
     with torch.inference_mode():
-        _, clean_cache = converted.run_with_cache(tokens, names_filter=lambda n: n in z_names)
-    scores, _ = attribution_patch(converted, clean_cache, corrupted, metric)
+        _, clean_cache = model.run_with_cache(tokens, names_filter=lambda n: n in z_names)
+    scores, _ = attribution_patch(model, clean_cache, corrupted, metric)
     scores = scores.detach().float().cpu()
-    n_attn = n_layers * converted.cfg.n_heads
-    attn = scores[:n_attn].reshape(n_layers, converted.cfg.n_heads)
-    neuron = scores[n_attn:].reshape(n_layers, converted.n_neuron_heads)
+    n_attn = n_layers * n_heads
+    attn = scores[:n_attn].reshape(n_layers, n_heads)
+    neuron = scores[n_attn:].reshape(n_layers, model.n_neuron_heads)
     name = "est. change of mean log p(clean next token)"
     attn_fig = patching_heatmap(attn, title="Attention heads", value_name="effect")
     neuron_fig = patching_heatmap(
@@ -265,10 +289,10 @@ def _patching(
     )
     neuron_fig.update_xaxes(type="linear")
     top = neuron.abs().flatten().topk(min(10, neuron.numel()))
-    k = converted.n_heads_per_neuron
+    k = model.n_heads_per_neuron
     rows = []
     for flat in top.indices.tolist():
-        layer, head = divmod(flat, converted.n_neuron_heads)
+        layer, head = divmod(flat, model.n_neuron_heads)
         label = neuron_head_label(layer, head, k)
         rows.append({"neuron-head": label, "effect": neuron[layer, head].item()})
     return (
@@ -284,15 +308,15 @@ def _patching(
     )
 
 
-def _gelu(converted: AttnOnlyTransformer) -> str:
+def _gelu(model: AttnOnlyModel) -> str:
     from tl_attnonly import activation_error_table
 
     ks = (1, 2, 3, 4)
     fig = gelu_fit_error_figure(ks=ks)
     # only the rows the page discusses: GELU at the K drawn, and this model's own activation
     gelu = activation_error_table("gelu", max_heads=max(ks))
-    act = converted.cfg.act_fn
-    coefs = converted.coefficients
+    coefs = model.neuron_heads[0].coefficients
+    act = coefs.activation  # identified by value on a bridge; the config's act_fn otherwise
     tables = [gelu] if act == "gelu" else [activation_error_table(act, max_heads=max(ks)), gelu]
     table = pd.concat(tables, ignore_index=True)
     return (
@@ -311,23 +335,25 @@ def _gelu(converted: AttnOnlyTransformer) -> str:
 # page
 # ------------------------------------------------------------------------------------------------
 def _page(
-    converted: AttnOnlyTransformer,
+    model: AttnOnlyModel,
+    model_name: str,
     prompt: str,
     str_tokens: list[str],
     sections: list[tuple[str, str, str]],
 ) -> str:
-    cfg = converted.cfg
+    cfg = model.cfg
+    act = model.neuron_heads[0].coefficients.activation
     hooks = "".join(
         f"<tr><td><code>blocks.{{l}}.mlp.hook_{html.escape(kind)}</code></td>"
         f"<td><code>{html.escape(shape)}</code></td></tr>"
         for kind, shape in NEURON_HOOK_SHAPES.items()
     )
     summary = (
-        f"<p>{cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} attention heads per "
-        "layer, "
-        f"d_mlp {cfg.d_mlp} neurons per layer ({html.escape(str(cfg.act_fn))}) = "
-        f"<b>{converted.n_neuron_heads} neuron-heads per layer</b> "
-        f"({converted.n_heads_per_neuron} per neuron). Prompt ({len(str_tokens)} tokens):</p>"
+        f"<p>A {html.escape(model.kind)}: {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"{cfg.n_heads} attention heads per layer, "
+        f"d_mlp {cfg.d_mlp} neurons per layer ({html.escape(str(act))}) = "
+        f"<b>{model.n_neuron_heads} neuron-heads per layer</b> "
+        f"({model.n_heads_per_neuron} per neuron). Prompt ({len(str_tokens)} tokens):</p>"
         f'<pre class="prompt">{html.escape(prompt)}</pre>'
         '<details><summary>Neuron-head hooks</summary><table class="df"><tr><th>hook</th>'
         f"<th>shape</th></tr>{hooks}</table></details>"
@@ -343,11 +369,11 @@ def _page(
     }
     return (
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8">\n'
-        f"<title>tl-attnonly report: {html.escape(cfg.model_name)}</title>\n"
+        f"<title>tl-attnonly report: {html.escape(model_name)}</title>\n"
         f"<style>{_CSS}</style>\n"
         "</head><body>\n"
         f"{_NO_DECOMPRESSION}\n"
-        f"<h1>Every MLP neuron as an attention head: {html.escape(cfg.model_name)}</h1>\n"
+        f"<h1>Every MLP neuron as an attention head: {html.escape(model_name)}</h1>\n"
         f"{summary}\n<nav>{nav}</nav>\n{_deferred(body)}\n"
         f'<p class="note">Generated by tl-attnonly on {generated}. After Huben &amp; Morris '
         "(2023), arXiv 2309.08593.</p>\n"
@@ -356,7 +382,7 @@ def _page(
 
 
 # ------------------------------------------------------------------------------------------------
-# packed JavaScript: plotly.js and circuitsvis are gzip-compressed (6.1 MB -> 1.7 MB as base64)
+# packed JavaScript: plotly.js and circuitsvis are gzip-compressed (6.1 MB -> 2.4 MB as base64)
 # and unpacked by the browser (DecompressionStream), then the page's own scripts run, in order.
 # ------------------------------------------------------------------------------------------------
 #: Type of the page's own scripts, run once the libraries are unpacked.
@@ -398,7 +424,7 @@ def _packed(libraries: dict[str, str]) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _gzip_base64(js: str) -> str:
-    return base64.b64encode(gzip.compress(js.encode("utf-8"), compresslevel=6, mtime=0)).decode()
+    return base64.b64encode(gzip.compress(js.encode("utf-8"), compresslevel=9, mtime=0)).decode()
 
 
 def _deferred(body: str) -> str:
@@ -447,6 +473,7 @@ class _Step:
 __all__ = [
     "DEFERRED_TYPE",
     "PACKED_TYPE",
+    "REPORT_SECTIONS",
     "REPORT_SQUARE_K",
     "REPORT_TOP_K",
     "write_demo_report",

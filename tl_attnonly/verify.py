@@ -1,19 +1,31 @@
-"""Equivalence checks: converted vs original, on logits and every shared activation."""
+"""Equivalence checks: converted vs original, on logits and every shared activation.
+
+One check serves both model kinds (TransformerLens 3.x and 4.x):
+
+* an :class:`~tl_attnonly.AttnOnlyTransformer` against the ``HookedTransformer`` it was converted
+  from;
+* a ``TransformerBridge`` converted with :func:`tl_attnonly.convert` against an unconverted bridge
+  of the same weights. A bridge converts in place, so the reference is a second bridge
+  (:func:`tl_attnonly.bridge.demo.verify_bridge_conversion` builds one per dtype from a loader).
+
+Both kinds have the same hook names; what differs (the reference's name in messages, whether the
+MLPs are gated, the coefficients per layer) is read through
+:func:`tl_attnonly.adapt.analysis_model`.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
 
 from tl_attnonly.activations import NeuronHeadCoefficients
-
-if TYPE_CHECKING:  # annotations only: Verdict also serves the bridge path on TL 4.x
-    from transformer_lens import HookedTransformer
+from tl_attnonly.adapt import analysis_model
+from tl_attnonly.protocol import AttnOnlyModel
 
 #: Shared hook groups reported by :func:`equivalence_table` (name -> regex on hook names).
 HOOK_GROUPS = {
@@ -25,18 +37,50 @@ HOOK_GROUPS = {
     "mlp_out": r"blocks\.\d+\.hook_mlp_out$",
     "resid_post": r"blocks\.\d+\.hook_resid_post$",
 }
+#: The neuron-head hook :func:`verify_conversion` hooks in the converted run (a mixture of
+#: experts: each expert's): with a hook on it a layer evaluates its heads one by one, and a layer
+#: whose hook does not fire did not run as neuron-heads.
+HEAD_HOOK = re.compile(r"blocks\.(\d+)\.mlp\.(?:experts\.\d+\.)?hook_z")
+#: What the reference is called in a :class:`Verdict`, by model kind.
+REFERENCE_NAMES = {"HookedTransformer": "original", "TransformerBridge": "unconverted bridge"}
 
 
-@torch.inference_mode()
+def _in_groups(name: str) -> bool:
+    return any(re.search(pattern, name) for pattern in HOOK_GROUPS.values())
+
+
+def _run_with_cache(
+    model: Any, tokens: torch.Tensor, hooks: Sequence[tuple[str, Callable[..., Any]]] = ()
+) -> tuple[torch.Tensor, Any]:
+    """``model.run_with_cache`` of the hook groups, with ``hooks`` attached during the run."""
+    with torch.inference_mode(), model.hooks(fwd_hooks=list(hooks)):
+        logits, cache = model.run_with_cache(tokens, names_filter=_in_groups)
+    return torch.as_tensor(logits), cache
+
+
+def _table(
+    reference: tuple[torch.Tensor, Any], converted: tuple[torch.Tensor, Any]
+) -> pd.DataFrame:
+    (logits_a, cache_a), (logits_b, cache_b) = reference, converted
+    rows = [_row("logits", [(logits_a, logits_b)])]
+    for group, pattern in HOOK_GROUPS.items():
+        pairs = [(cache_a[n], cache_b[n]) for n in cache_a.keys() if re.search(pattern, n)]
+        if pairs:
+            rows.append(_row(group, pairs))
+    return pd.DataFrame(rows)
+
+
 def equivalence_table(
-    original: HookedTransformer,
-    converted: HookedTransformer,
+    original: Any,
+    converted: Any,
     tokens: torch.Tensor | str | list[str],
 ) -> pd.DataFrame:
     """Max and mean absolute difference, converted vs original, per activation group.
 
     Args:
-        original: The model before conversion.
+        original: The model before conversion: a ``HookedTransformer``, or an unconverted
+            ``TransformerBridge`` (a second bridge of the same weights: a bridge converts in
+            place).
         converted: Its converted form (any model with the same hook names).
         tokens: Token ids ``[batch, pos]`` or text (tokenised by ``original``).
 
@@ -44,17 +88,8 @@ def equivalence_table(
         One row per group (logits first, then the shared hooks of :data:`HOOK_GROUPS`) with
         columns ``activation, n_hooks, max_abs_diff, mean_abs_diff, max_abs_value``.
     """
-    if not isinstance(tokens, torch.Tensor):
-        tokens = original.to_tokens(tokens)
-    names = lambda name: any(re.search(p, name) for p in HOOK_GROUPS.values())
-    logits_a, cache_a = original.run_with_cache(tokens, names_filter=names)
-    logits_b, cache_b = converted.run_with_cache(tokens, names_filter=names)
-    rows = [_row("logits", [(torch.as_tensor(logits_a), torch.as_tensor(logits_b))])]
-    for group, pattern in HOOK_GROUPS.items():
-        pairs = [(cache_a[n], cache_b[n]) for n in cache_a.keys() if re.search(pattern, n)]
-        if pairs:
-            rows.append(_row(group, pairs))
-    return pd.DataFrame(rows)
+    ids = tokens if isinstance(tokens, torch.Tensor) else original.to_tokens(tokens)
+    return _table(_run_with_cache(original, ids), _run_with_cache(converted, ids))
 
 
 def _row(name: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -79,14 +114,16 @@ class Verdict:
 
     Attributes:
         dtype: The dtype both models ran in.
-        max_abs_diff: ``max |converted logits - reference logits|``.
+        max_abs_diff: ``max |converted logits - reference logits|``, over the converted model's
+            plain forward and its run with the neuron-heads evaluated one by one.
         tolerance: The bound it was checked against.
-        reference: What the converted model was compared with: ``"original"`` (exact
-            activations), or ``"original with the heads' activation"`` (approximate ones: the
-            original with each neuron's activation replaced by the sum of its heads).
-        approximation_diff: ``max |Δlogits|`` against the unmodified original (the cost of the
+        reference: What the converted model was compared with: ``"original"`` (a
+            ``HookedTransformer``) or ``"unconverted bridge"`` (exact activations), or that
+            ``+ " with the heads' activation"`` (approximate ones: the reference with each
+            neuron's activation replaced by the sum of its heads).
+        approximation_diff: ``max |Δlogits|`` against the unmodified reference (the cost of the
             activation approximation; equals ``max_abs_diff`` for exact activations).
-        table: The full :func:`equivalence_table` against the unmodified original.
+        table: The full :func:`equivalence_table` against the unmodified reference.
     """
 
     dtype: torch.dtype
@@ -103,7 +140,7 @@ class Verdict:
 
 
 def verify_conversion(
-    original: HookedTransformer,
+    original: Any,
     converted: Any,
     tokens: torch.Tensor | str | list[str],
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
@@ -113,15 +150,22 @@ def verify_conversion(
 
     For an exact activation (SiLU) the reference is the original model. For an approximate one
     (ReLU, GELU) the reference is the original with each neuron's activation replaced by the sum
-    of its heads (``converted.coefficients.evaluate``): then the conversion itself must be exact,
-    and the approximation's own cost is reported beside it (``approximation_diff``; its bound
-    per neuron is ``converted.coefficients.max_abs_error()``).
+    of its heads (each layer's ``coefficients.evaluate``, added at ``hook_post``): then the
+    conversion itself must be exact, and the approximation's own cost is reported beside it
+    (``approximation_diff``; its bound per neuron is ``coefficients.max_abs_error()``).
+
+    The converted model runs twice per dtype: as it is (where no hook is attached a neuron-head
+    layer may take its fused path) and with a hook on every layer's ``hook_z`` (so the heads run
+    one by one, as the hooks see them); both runs' logits must be within the tolerance. A layer
+    whose ``hook_z`` does not fire did not run as neuron-heads: that raises instead of passing.
 
     Both models are cast to each dtype in turn and restored to their dtypes afterwards.
 
     Args:
-        original: The MLP model.
-        converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`.
+        original: The model before conversion: a ``HookedTransformer``, or an unconverted
+            ``TransformerBridge`` of the same weights (a bridge converts in place, so this is a
+            second bridge; see :func:`tl_attnonly.bridge.demo.verify_bridge_conversion`).
+        converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`, or the converted bridge.
         tokens: Token ids ``[batch, pos]`` or text (tokenised by ``original``).
         dtypes: The dtypes to check in.
         tolerance: Bound on ``max |Δlogits|``; default: ``RELATIVE_TOLERANCE[dtype] *
@@ -129,79 +173,153 @@ def verify_conversion(
 
     Returns:
         One :class:`Verdict` per dtype.
+
+    Raises:
+        TypeError: If ``converted`` is not converted, ``original`` is, or they are one object.
+        RuntimeError: If a layer of ``converted`` did not run as neuron-heads.
     """
-    if not hasattr(converted, "coefficients"):
-        raise TypeError(
-            f"converted must be a tl_attnonly.AttnOnlyTransformer, got {type(converted).__name__}; "
-            "build it with tl_attnonly.convert(model)."
-        )
-    if not isinstance(tokens, torch.Tensor):
-        tokens = original.to_tokens(tokens)
-    coefficients = converted.coefficients
-    exact = coefficients.method == "exact"
-    saved = (original.cfg.dtype, converted.cfg.dtype)
+    adapted = _converted(original, converted)
+    ids = tokens if isinstance(tokens, torch.Tensor) else original.to_tokens(tokens)
+    saved = (_dtype(original), adapted.cfg.dtype)
     verdicts = []
     try:
         for dtype in dtypes:
+            # (cast outside inference mode: the parameters must stay usable for autograd)
             original.to(dtype, print_details=False)
             converted.to(dtype, print_details=False)
-            table = equivalence_table(original, converted, tokens)
-            # (casting above stays outside inference mode: the parameters must remain usable
-            # for autograd afterwards)
-            with torch.inference_mode():
-                logits = converted(tokens)
-                if exact:
-                    reference, ref_logits = "original", original(tokens)
-                else:
-                    reference = "original with the heads' activation"
-                    ref_logits = original.run_with_hooks(
-                        tokens, fwd_hooks=_head_activation_hooks(original, coefficients)
-                    )
-            diff = (logits.double() - ref_logits.double()).abs().max().item()
-            if tolerance is None:
-                scale = max(1.0, ref_logits.abs().max().item())
-                bound = RELATIVE_TOLERANCE.get(dtype, 1e-2) * scale
-            else:
-                bound = float(tolerance)
-            approx = float(table.loc[table["activation"] == "logits", "max_abs_diff"].iloc[0])
-            verdicts.append(Verdict(dtype, diff, bound, reference, approx, table))
+            adapted = analysis_model(converted, neuron_heads=False)  # facts of this dtype
+            verdicts.append(_verdict(original, adapted, ids, dtype, tolerance))
     finally:
         original.to(saved[0], print_details=False)
         converted.to(saved[1], print_details=False)
     return verdicts
 
 
-def _head_activation_hooks(model: HookedTransformer, coefficients: NeuronHeadCoefficients) -> list:
-    """Hooks that make ``model``'s MLPs use the heads' activation instead of their own.
+def _converted(original: Any, converted: Any) -> AttnOnlyModel:
+    """``converted``'s adapter, after refusing what cannot be verified (before any work)."""
+    adapted = analysis_model(converted, neuron_heads=False)
+    if not adapted.is_converted:
+        raise TypeError(
+            f"converted must be converted (an AttnOnlyTransformer, or a TransformerBridge after "
+            f"tl_attnonly.convert(bridge)), got an unconverted {type(converted).__name__}; build "
+            "it with tl_attnonly.convert(model)."
+        )
+    if original is converted:
+        raise TypeError(
+            "original and converted are the same object: a bridge converts in place, so compare "
+            "it with a second, unconverted bridge of the same weights (or use "
+            "tl_attnonly.bridge.demo.verify_bridge_conversion(load, tokens), which loads one)."
+        )
+    if analysis_model(original, neuron_heads=False).is_converted:
+        raise TypeError(
+            f"original must be the model before conversion, got a converted "
+            f"{type(original).__name__}: comparing two converted models checks nothing."
+        )
+    return adapted
+
+
+def _dtype(model: Any) -> torch.dtype:
+    return analysis_model(model, neuron_heads=False).cfg.dtype
+
+
+def _verdict(
+    original: Any,
+    converted: AttnOnlyModel,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    tolerance: float | None,
+) -> Verdict:
+    n_layers = converted.cfg.n_layers
+    matches = ((name, HEAD_HOOK.fullmatch(name)) for name in converted.hook_dict)
+    head_hooks = [(name, match) for name, match in matches if match is not None]
+    fired: set[int] = set()
+
+    def record(layer: int) -> Callable[..., None]:
+        def hook(act: torch.Tensor, hook: Any) -> None:
+            fired.add(layer)
+
+        return hook
+
+    hooks = [(name, record(int(match[1]))) for name, match in head_hooks]
+    heads_run = _run_with_cache(converted.model, tokens, hooks)
+    missing = [f"blocks.{layer}.mlp" for layer in range(n_layers) if layer not in fired]
+    if missing:  # the neuron-heads did not run: never report a PASS for that
+        raise RuntimeError(
+            f"The converted model's neuron-head hooks (hook_z) did not fire in "
+            f"{', '.join(missing)}: those MLPs did not run as neuron-heads. Please report this."
+        )
+    reference_run = _run_with_cache(original, tokens)
+    table = _table(reference_run, heads_run)
+    layers = converted.neuron_heads
+    name = REFERENCE_NAMES.get(converted.kind, "original")
+    ref_logits = reference_run[0]
+    if any(layer.coefficients.method != "exact" for layer in layers):
+        name += " with the heads' activation"
+        coefficients = [layer.coefficients for layer in layers]
+        head_activation = _head_activation_hooks(coefficients, converted.cfg.gated_mlp)
+        with torch.inference_mode():
+            ref_logits = original.run_with_hooks(tokens, fwd_hooks=head_activation)
+    with torch.inference_mode():
+        plain = converted.model(tokens)
+    diff = max(
+        (logits.double() - ref_logits.double()).abs().max().item()
+        for logits in (heads_run[0], plain)
+    )
+    if tolerance is None:
+        scale = max(1.0, ref_logits.abs().max().item())
+        bound = RELATIVE_TOLERANCE.get(dtype, 1e-2) * scale
+    else:
+        bound = float(tolerance)
+    approx = float(table.loc[table["activation"] == "logits", "max_abs_diff"].iloc[0])
+    return Verdict(dtype, diff, bound, name, approx, table)
+
+
+def _head_activation_hooks(
+    coefficients: Sequence[NeuronHeadCoefficients], gated: bool
+) -> list[tuple[str, Callable[..., Any]]]:
+    """Hooks that make an unconverted model's MLPs use the heads' activation instead of their own.
 
     ``hook_post`` gains ``(heads(pre) - act(pre))``, times the linear branch for a gated MLP, so
-    whatever else the MLP adds there (a gated MLP's ``b_in``) is kept.
+    whatever else the MLP adds there (a gated MLP's ``b_in``) is kept. Each hook knows its layer by
+    closure (a bridge's aliased hooks carry their target's name, e.g. ``blocks.0.mlp.out.hook_in``
+    for ``blocks.0.mlp.hook_post`` on TransformerLens 4.x).
+
+    Args:
+        coefficients: Each layer's coefficients.
+        gated: Whether the MLPs are gated (``hook_pre_linear``: the linear branch).
     """
-    saved: dict[str, torch.Tensor] = {}
+    saved: dict[tuple[int, str], torch.Tensor] = {}
 
-    def save(act: torch.Tensor, hook: Any) -> None:
-        saved[hook.name] = act
+    def save(layer: int, kind: str) -> Callable[..., None]:
+        def hook(act: torch.Tensor, hook: Any) -> None:
+            saved[layer, kind] = act
 
-    def replace_post(post: torch.Tensor, hook: Any) -> torch.Tensor:
-        prefix = hook.name.removesuffix("hook_post")
-        pre = saved[prefix + "hook_pre"]
-        delta = coefficients.evaluate(pre) - coefficients.reference(pre)
-        if prefix + "hook_pre_linear" in saved:
-            delta = delta * saved[prefix + "hook_pre_linear"]
-        return post + delta
+        return hook
+
+    def replace_post(layer: int) -> Callable[..., torch.Tensor]:
+        def hook(post: torch.Tensor, hook: Any) -> torch.Tensor:
+            pre = saved[layer, "pre"]
+            delta = coefficients[layer].evaluate(pre) - coefficients[layer].reference(pre)
+            if gated:
+                delta = delta * saved[layer, "pre_linear"]
+            return post + delta
+
+        return hook
 
     hooks: list[tuple[str, Callable[..., Any]]] = []
-    for layer in range(model.cfg.n_layers):
+    for layer in range(len(coefficients)):
         mlp = f"blocks.{layer}.mlp."
-        hooks.append((mlp + "hook_pre", save))
-        if model.cfg.gated_mlp:
-            hooks.append((mlp + "hook_pre_linear", save))
-        hooks.append((mlp + "hook_post", replace_post))
+        hooks.append((mlp + "hook_pre", save(layer, "pre")))
+        if gated:
+            hooks.append((mlp + "hook_pre_linear", save(layer, "pre_linear")))
+        hooks.append((mlp + "hook_post", replace_post(layer)))
     return hooks
 
 
 __all__ = [
+    "HEAD_HOOK",
     "HOOK_GROUPS",
+    "REFERENCE_NAMES",
     "RELATIVE_TOLERANCE",
     "Verdict",
     "equivalence_table",
