@@ -1,4 +1,7 @@
-"""A zoo of small random TransformerLens models, built offline from HookedTransformerConfig."""
+"""A zoo of small random TransformerLens models, built offline from HookedTransformerConfig.
+
+The analysis and vis tests take these configs through ``tests/models.py``: the HookedTransformer
+made here on TransformerLens 3.x, a TransformerBridge of the same architecture on 4.x."""
 
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokens
+from conftest import make_tokens
+from models import BRIDGES, facts, make_converted, make_original
 from transformer_lens import FactoredMatrix
 from transformer_lens.utilities import composition_scores as tl_composition_scores
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     bias_token_homogeneous,
     composition_scores,
@@ -26,45 +26,46 @@ from tl_attnonly.hooks import HeadRef, neuron_act_name
 
 @pytest.fixture(scope="module")
 def silu():
-    return convert(make_model("silu", torch.float64, normalization_type="LN"))
+    return make_converted("silu", torch.float64, normalization_type="LN")
 
 
 @pytest.fixture(scope="module")
 def gelu():
-    model = convert(make_model("gelu", torch.float64, normalization_type="LN"))
-    assert model.n_heads_per_neuron > 1
+    model = make_converted("gelu", torch.float64, normalization_type="LN")
+    assert facts(model).n_heads_per_neuron > 1
     return model
 
 
 # ------------------------------------------------------------------------- OV / QK circuits
 def test_ov_circuit_is_rank_one_w_in_times_w_out(gelu):
-    K = gelu.n_heads_per_neuron
+    K, n_neuron_heads = facts(gelu).n_heads_per_neuron, facts(gelu).n_neuron_heads
     ov = neuron_ov_circuit(gelu, 1)
-    assert ov.shape == (gelu.n_neuron_heads, 16, 16) and ov.mdim == 1
-    mlp = gelu.blocks[1].mlp
-    f = torch.tensor(gelu.coefficients.f, dtype=torch.float64)
+    assert ov.shape == (n_neuron_heads, 16, 16) and ov.mdim == 1
+    mlp = facts(gelu).blocks[1].mlp
+    f = torch.tensor(mlp.coefficients.f, dtype=torch.float64)
     for h in [0, 1, 5 * K + K - 1]:
         neuron, k = divmod(h, K)
         expected = f[k] * torch.outer(mlp.W_in[:, neuron], mlp.W_out[neuron])
         torch.testing.assert_close(ov.AB[h], expected, rtol=0, atol=1e-12)
-    assert neuron_ov_circuit(gelu).shape == (2, gelu.n_neuron_heads, 16, 16)
+    assert neuron_ov_circuit(gelu).shape == (2, n_neuron_heads, 16, 16)
     assert torch.linalg.matrix_rank(ov.AB[3]) == 1
 
 
 @pytest.mark.parametrize("which", ["silu", "gelu"])
 def test_qk_circuit_in_homogeneous_coordinates_gives_the_scores(which, request):
     model = request.getfixturevalue(which)
+    blocks = facts(model).blocks
     _, cache = model.run_with_cache(make_tokens())
     for layer in range(model.cfg.n_layers):
-        x = model.blocks[layer].ln2(cache[f"blocks.{layer}.hook_resid_mid"])  # the MLP input
+        x = blocks[layer].ln2(cache[f"blocks.{layer}.hook_resid_mid"])  # the MLP input
         from_circuit = neuron_attn_scores_from_circuit(model, layer, x)
         scores = cache[neuron_act_name("attn_scores", layer)]
         torch.testing.assert_close(from_circuit, scores, rtol=0, atol=1e-10)
     qk = neuron_qk_circuit(model, 0)
-    assert qk.shape == (model.n_neuron_heads, 17, 17) and qk.mdim == 1
+    assert qk.shape == (facts(model).n_neuron_heads, 17, 17) and qk.mdim == 1
     # Score of query x on a key y does not depend on y; the bias token scores 0.
     x, y = homogeneous(torch.randn(2, 16, dtype=torch.float64)).unbind(0)
-    mlp = model.blocks[0].mlp
+    mlp = blocks[0].mlp
     expected = (x[:16] @ mlp.W_Q[:, :, 0].T) + mlp.b_Q[:, 0]
     torch.testing.assert_close(x @ qk.AB @ y, expected)
     torch.testing.assert_close(x @ qk.AB @ bias_token_homogeneous(model), 0 * expected)
@@ -74,11 +75,12 @@ def test_full_circuits(silu):
     layer = 1
     W_E, W_U = silu.W_E, silu.W_U
     ov = neuron_full_ov_circuit(silu, layer)
-    assert ov.shape == (silu.n_neuron_heads, 61, 61)
-    mlp = silu.blocks[layer].mlp
+    n_neuron_heads = facts(silu).n_neuron_heads
+    assert ov.shape == (n_neuron_heads, 61, 61)
+    mlp = facts(silu).blocks[layer].mlp
     torch.testing.assert_close(ov.AB[4], W_E @ mlp.W_V[4] @ mlp.W_O[4] @ W_U)
     qk = neuron_full_qk_circuit(silu, layer)
-    assert qk.shape == (silu.n_neuron_heads, 61, 62)
+    assert qk.shape == (n_neuron_heads, 61, 62)
     full = qk.AB[7]
     torch.testing.assert_close(full[:, 0], torch.zeros(61, dtype=torch.float64))  # bias token
     q = W_E @ mlp.W_Q[7, :, 0] + mlp.b_Q[7, 0]  # query of each token
@@ -114,12 +116,13 @@ def test_neuron_pairs_equal_transformer_lens_on_the_same_matrices(which, mode, r
     senders = [s for s, _ in pairs]
     receivers = [r for _, r in pairs]
     ours = composition_scores(model, mode, senders, receivers)
+    blocks = facts(model).blocks
     for i, (s, r) in enumerate(pairs):
         if s.kind == "attn":
-            left = FactoredMatrix(model.blocks[s.layer].attn.W_V, model.blocks[s.layer].attn.W_O)
+            left = FactoredMatrix(blocks[s.layer].attn.W_V, blocks[s.layer].attn.W_O)
         else:
             left = neuron_ov_circuit(model, s.layer)
-        right = _right_matrix(model, r.kind, r.layer, mode)
+        right = _right_matrix(facts(model), r.kind, r.layer, mode)
         expected = tl_composition_scores(left[s.head], right[r.head])
         assert ours.scores[i, i].item() == pytest.approx(expected.item(), rel=1e-6)
         assert ours.scores[i, i] > 0
@@ -127,11 +130,11 @@ def test_neuron_pairs_equal_transformer_lens_on_the_same_matrices(which, mode, r
 
 def test_neuron_composition_closed_forms(silu):
     """SiLU: W_Q = W_V = W_in column. Neuron -> neuron Q = V = |cos(W_out[i], W_in[:, j])|."""
-    n = silu.n_neuron_heads
+    n = facts(silu).n_neuron_heads
     senders = [HeadRef("neuron", 0, i) for i in range(n)]
     receivers = [HeadRef("neuron", 1, j) for j in range(n)]
-    w_out = silu.blocks[0].mlp.W_out
-    w_in = silu.blocks[1].mlp.W_in
+    w_out = facts(silu).blocks[0].mlp.W_out
+    w_in = facts(silu).blocks[1].mlp.W_in
     cos = (w_out / w_out.norm(dim=-1, keepdim=True)) @ (w_in / w_in.norm(dim=0, keepdim=True))
     for mode in ("Q", "V"):
         torch.testing.assert_close(
@@ -148,7 +151,7 @@ def test_neuron_composition_closed_forms(silu):
 
 
 def test_parallel_blocks_do_not_compose_within_a_layer():
-    model = convert(make_model("silu", torch.float64, parallel_attn_mlp=True))
+    model = make_converted("silu", torch.float64, parallel_attn_mlp=True)
     scores = composition_scores(model, "V", ["L0H0", "L0H1"], ["L0N0", "L1N0"]).scores
     assert (scores[:, 0] == 0).all() and (scores[:, 1] > 0).all()
 
@@ -179,13 +182,11 @@ def test_top_k_and_frames(silu):
 
 
 def test_literal_and_unconverted_models_are_refused_with_directions():
-    from conftest import make_model
-
-    from tl_attnonly import to_literal
-    from tl_attnonly.analysis import neuron_ov_circuit
-
-    model = make_model("silu")
+    model = make_original("silu")
     with pytest.raises(TypeError, match=r"tl_attnonly\.convert\(model\)"):
         neuron_ov_circuit(model, 0)
-    with pytest.raises(TypeError, match="structured form.*hooks"):
-        neuron_ov_circuit(to_literal(model), 0)
+    if not BRIDGES:  # the literal form is a HookedTransformer's (TL 3)
+        from tl_attnonly import to_literal
+
+        with pytest.raises(TypeError, match="structured form.*hooks"):
+            neuron_ov_circuit(to_literal(model), 0)

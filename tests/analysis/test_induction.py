@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformer_lens import HookedTransformer
+from models import BRIDGES
 
 import tl_attnonly
 from tl_attnonly.analysis import discover_circuit
@@ -19,12 +19,19 @@ from tl_attnonly.analysis.induction import (
     induction_token_pool,
     make_induction_dataset,
 )
-from tl_attnonly.bundled import load_bundled_model
+from tl_attnonly.bundled import load_bundled_bridge, load_bundled_model
 
 
 @pytest.fixture(scope="module")
-def bundled() -> HookedTransformer:
-    return load_bundled_model()
+def bundled():
+    """The bundled model: a HookedTransformer (TL 3), a bridge (TL 4)."""
+    return load_bundled_bridge() if BRIDGES else load_bundled_model()
+
+
+def converted_bundled(bundled):
+    """The bundled model converted (TL 4: another bridge, converted in place, so ``bundled``
+    stays the original)."""
+    return tl_attnonly.convert(load_bundled_bridge() if BRIDGES else bundled)
 
 
 def hand_metric(data: InductionDataset, logits: torch.Tensor) -> float:
@@ -51,9 +58,10 @@ def test_rows_repeat_and_corruptions_repeat_nothing(bundled, corruption, prepend
         assert torch.equal(data.tokens[:, 0], data.corrupted_tokens[:, 0])
     first, second = data.tokens[:, prefix : prefix + 5], data.tokens[:, prefix + 5 :]
     assert torch.equal(first, second)
-    c_first, c_second = data.corrupted_tokens[:, prefix : prefix + 5], data.corrupted_tokens[
-        :, prefix + 5 :
-    ]
+    c_first, c_second = (
+        data.corrupted_tokens[:, prefix : prefix + 5],
+        data.corrupted_tokens[:, prefix + 5 :],
+    )
     kept, changed = (c_second, c_first) if corruption == "first" else (c_first, c_second)
     assert torch.equal(kept, first)
     pool = set(induction_token_pool(bundled))
@@ -93,7 +101,7 @@ def test_bundled_model_copies_more_on_clean_rows(bundled, seed):
 
 
 def test_discover_circuit_accepts_the_additive_metric_in_batches(bundled):
-    converted = tl_attnonly.convert(bundled)
+    converted = converted_bundled(bundled)
     data = make_induction_dataset(bundled, 4, 3, seed=0)
     circuit = discover_circuit(
         converted, data.tokens, data.corrupted_tokens, data.additive_metric(), top_n=10,
@@ -147,7 +155,7 @@ def test_the_smollm2_induction_script_stages_run_on_the_bundled_model(bundled, c
         target=0.8, batch_size=2, neurons_per_mlp=2, corruption="first", half_len=3
     )
     script.stage_check(bundled, data)
-    circuit = script.stage_discover(tl_attnonly.convert(bundled), data, args)
+    circuit = script.stage_discover(converted_bundled(bundled), data, args)
     out = capsys.readouterr().out
     for text in ("top-1 accuracy", "## discover_circuit, defaults (induction", "peak resident"):
         assert text in out

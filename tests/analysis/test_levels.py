@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokens
+from conftest import make_tokens
+from models import BRIDGES, facts, make_converted
 
 import tl_attnonly.analysis.composition as composition
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     composition_scores,
     composition_top_k,
@@ -20,7 +20,7 @@ from tl_attnonly.hooks import all_head_refs, head_labels, neuron_act_name
 
 @pytest.fixture(scope="module")
 def gelu_k4():
-    return convert(make_model("gelu_new", torch.float64, normalization_type="LN"))
+    return make_converted("gelu_new", torch.float64, normalization_type="LN")
 
 
 @pytest.mark.parametrize("mode", ["Q", "V"])
@@ -79,7 +79,7 @@ def test_streaming_needs_no_budget_where_the_matrix_is_refused(gelu_k4):
 
 
 def test_neuron_level_sums_each_neurons_heads_exactly():
-    labels = head_labels(all_head_refs(make_model_k4()), 4)
+    labels = head_labels(all_head_refs(facts(make_model_k4())), 4)
     values = torch.arange(len(labels), dtype=torch.float64)  # integers: sums are exact
     summed, units = neuron_level(values, labels)
     assert units[0] == "L0H0" and "L0N0" in units and "L0N0.0" not in units
@@ -90,12 +90,13 @@ def test_neuron_level_sums_each_neurons_heads_exactly():
 
 
 def make_model_k4():
-    return convert(make_model("gelu_new", torch.float64, d_mlp=8))
+    return make_converted("gelu_new", torch.float64, d_mlp=8)
 
 
 def test_neuron_level_of_head_outputs_is_the_neurons_post(gelu_k4):
     """Summing a neuron's K heads' z gives its hook_post (the neuron's activation)."""
-    _, cache = gelu_k4.run_with_cache(make_tokens(), derive=False)
+    stored = {} if BRIDGES else dict(derive=False)  # every entry stored (AttnOnlyTransformer)
+    _, cache = gelu_k4.run_with_cache(make_tokens(), **stored)
     layer = 1
     z = cache[neuron_act_name("z", layer)][..., 0]  # [batch, pos, n_neuron_heads]
     labels = [f"L{layer}N{h // 4}.{h % 4}" for h in range(z.shape[-1])]
@@ -106,7 +107,7 @@ def test_neuron_level_of_head_outputs_is_the_neurons_post(gelu_k4):
 
 
 def test_top_k_ranks_neurons_by_default(gelu_k4):
-    labels = head_labels(all_head_refs(gelu_k4), 4)
+    labels = head_labels(all_head_refs(facts(gelu_k4)), 4)
     scores = torch.zeros(len(labels), dtype=torch.float64)
     for k, value in enumerate([0.4, 0.3, -0.2, 0.1]):  # neuron L0N2: 0.6 in all; heads <= 0.4
         scores[labels.index(f"L0N2.{k}")] = value

@@ -8,16 +8,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_model
+from models import make_converted
 
 import tl_attnonly.vis.export as export
-from tl_attnonly import convert
 from tl_attnonly.vis import neuron_head_attention_view, patching_heatmap, save_figure
 
 
 @pytest.fixture(scope="module")
 def cache():
-    converted = convert(make_model("silu", dtype=torch.float32))
+    converted = make_converted("silu", dtype=torch.float32)
     tokens = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(0))
     _, cache = converted.run_with_cache(tokens)
     return cache

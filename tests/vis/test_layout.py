@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_model
+from models import make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.vis import neuron_activity_heatmap, patching_heatmap
 from tl_attnonly.vis.figures import _LABEL_PX
 
@@ -24,7 +23,7 @@ def test_short_heatmaps_have_few_colorbar_ticks():
 
 
 def test_rotated_token_labels_have_room_between_panels():
-    converted = convert(make_model("silu", dtype=torch.float32))
+    converted = make_converted("silu", dtype=torch.float32)
     tokens = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(0))
     _, cache = converted.run_with_cache(tokens)
     fig = neuron_activity_heatmap(cache, None, [f"token{i}" for i in range(9)], top_k=12)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_model
+from models import make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.vis import (
     neuron_activity_heatmap,
@@ -22,7 +21,7 @@ N_POS = 7
 
 @pytest.fixture(scope="module")
 def cache():
-    converted = convert(make_model("gelu_new", dtype=torch.float32))  # K = 4 heads per neuron
+    converted = make_converted("gelu_new", dtype=torch.float32)  # K = 4 heads per neuron
     tokens = torch.randint(0, 61, (1, N_POS), generator=torch.Generator().manual_seed(1))
     _, cache = converted.run_with_cache(tokens)
     return cache

@@ -12,9 +12,8 @@ import plotly.graph_objects as go
 import pytest
 import torch
 from circuitsvis.utils.render import RenderedHTML
-from conftest import make_model
+from models import facts, make_converted, make_pair
 
-from tl_attnonly import convert
 from tl_attnonly.hooks import dense_neuron_pattern, neuron_act_name
 from tl_attnonly.vis import (
     BIAS_TOKEN,
@@ -37,8 +36,8 @@ N_POS = 9
 
 @pytest.fixture(scope="module")
 def silu():
-    model = make_model("silu", dtype=torch.float32)
-    return model, convert(model)
+    """(original, converted), float32 (TL 4: GPT-2 bridges)."""
+    return make_pair("silu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +93,8 @@ def test_scores_rank_by_neuron_activation_for_silu(silu):
     contrast = neuron_head_scores(converted_cache, 1, "contrast")
     assert torch.all(contrast >= 0) and torch.all(contrast <= 1)
     output = neuron_head_scores(converted_cache, 1, "output")
-    torch.testing.assert_close(output, expected * model.blocks[1].mlp.W_out.norm(dim=-1))
+    W_out = facts(silu[1]).blocks[1].mlp.W_out  # the original's (shared; a bridge's: its c_proj)
+    torch.testing.assert_close(output, expected * W_out.norm(dim=-1))
     with pytest.raises(ValueError, match="rank_by"):
         neuron_head_scores(converted_cache, 1, "loudest")
 
@@ -181,7 +181,7 @@ def test_selection_and_keywords_give_identical_views(cache, tokens, kw):
 
 def test_pages_cover_every_head_once_in_rank_order(silu, cache, tokens):
     _, converted = silu
-    n = converted.n_neuron_heads
+    n = facts(converted).n_neuron_heads
     first = neuron_head_attention_view(cache, 0, _str_tokens(tokens), page_size=10)
     assert first.n_pages == -(-n // 10) and first.n_selected == n
     seen = []
@@ -229,9 +229,8 @@ def test_view_needs_tokens_and_patterns(silu, tokens):
 
 
 def test_neurons_select_all_their_heads_when_k_is_more_than_one():
-    model = make_model("gelu", dtype=torch.float32)
-    converted = convert(model, n_heads_per_neuron=2)
-    assert converted.n_heads_per_neuron == 2
+    converted = make_converted("gelu", dtype=torch.float32, n_heads_per_neuron=2)
+    assert facts(converted).n_heads_per_neuron == 2
     tokens = torch.arange(5)[None]
     view = neuron_head_attention_view(converted, 0, tokens, neurons=[4, 0])
     assert view.heads == [8, 9, 0, 1]
@@ -281,7 +280,7 @@ def test_error_table_figure_shows_every_cell():
 
 def test_neuron_head_activation_matches_the_layer(silu):
     _, converted = silu
-    mlp = converted.blocks[0].mlp
+    mlp = facts(converted).blocks[0].mlp
     x = torch.linspace(-6, 6, 101)
     approx = neuron_head_activation(mlp.coefficients, x)
     expected = mlp._fused_post(x.double()[None, :, None].expand(1, 101, 1))[0, :, 0]

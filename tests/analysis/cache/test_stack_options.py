@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokens
+from conftest import make_tokens
+from models import facts, make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     StackOptions,
     decompose_resid_heads,
@@ -17,8 +17,8 @@ from tl_attnonly.analysis import (
 
 @pytest.fixture(scope="module")
 def cache():
-    model = convert(make_model("gelu", torch.float64, normalization_type="LN"))
-    assert model.n_heads_per_neuron > 1
+    model = make_converted("gelu", torch.float64, normalization_type="LN")
+    assert facts(model).n_heads_per_neuron > 1
     with torch.no_grad():
         _, cache = model.run_with_cache(make_tokens())
     return cache
@@ -51,9 +51,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "function, args, remainder", CASES, ids=[c[0].__name__ for c in CASES]
-)
+@pytest.mark.parametrize("function, args, remainder", CASES, ids=[c[0].__name__ for c in CASES])
 def test_options_and_keywords_give_identical_results(cache, function, args, remainder):
     kw = _keywords(cache, remainder)
     by_keyword, labels_kw = function(cache, return_labels=True, **args, **kw)
@@ -61,9 +59,7 @@ def test_options_and_keywords_give_identical_results(cache, function, args, rema
     torch.testing.assert_close(by_options, by_keyword, rtol=0, atol=0)
     assert labels_opt == labels_kw
     # A keyword replaces the option of the same name.
-    mixed = function(
-        cache, **args, options=StackOptions(**{**kw, "pos_slice": None}), pos_slice=-1
-    )
+    mixed = function(cache, **args, options=StackOptions(**{**kw, "pos_slice": None}), pos_slice=-1)
     torch.testing.assert_close(mixed, by_keyword, rtol=0, atol=0)
     # The options matter (the test can fail): without them the stack differs.
     plain = function(cache, **args)

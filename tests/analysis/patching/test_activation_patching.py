@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokens
+from conftest import make_tokens
 from conftest import patch_metric as metric
 from conftest import patch_token_pair as _tokens
+from models import BRIDGES, facts, make_converted, make_pair, tl3_only
 from transformer_lens.patching import generic_activation_patch, get_act_patch_attn_head_out_all_pos
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     attribution_patch,
     get_act_patch_all_heads,
@@ -33,8 +33,8 @@ from tl_attnonly.hooks import (
 
 @pytest.fixture(scope="module")
 def pair():
-    model = make_model("silu", torch.float64, normalization_type="LN")
-    return model, convert(model)
+    """(original, converted): SiLU, LayerNorm, learned positions (TL 4: GPT-2 bridges)."""
+    return make_pair("silu", torch.float64, normalization_type="LN")
 
 
 def _post_neuron_setter(corrupted, index, clean):
@@ -60,20 +60,22 @@ def test_z_patch_restores_what_the_original_neuron_patch_restores(pair):
     assert (theirs - baseline).abs().max() > 1e-3  # the patches matter
     torch.testing.assert_close(ours.flatten().to(theirs.dtype), theirs, rtol=1e-6, atol=1e-6)
     # In float64, logit by logit, for a few heads and positions.
+    # (a bridge's hook function sees its hook point's own name, not the alias it was added by)
     for layer, pos, head in [(0, 2, 5), (1, 6, 0), (1, 9, 23)]:
+        z_name, post_name = neuron_act_name("z", layer), neuron_act_name("post", layer)
 
-        def z_hook(z, hook, pos=pos, head=head):
+        def z_hook(z, hook, pos=pos, head=head, name=z_name):
             z = z.clone()
-            z[:, pos, head] = clean_cache[hook.name][:, pos, head]
+            z[:, pos, head] = clean_cache[name][:, pos, head]
             return z
 
-        def post_hook(post, hook, pos=pos, head=head):
+        def post_hook(post, hook, pos=pos, head=head, name=post_name):
             post = post.clone()
-            post[:, pos, head] = orig_cache[hook.name][:, pos, head]
+            post[:, pos, head] = orig_cache[name][:, pos, head]
             return post
 
-        a = converted.run_with_hooks(corrupted, fwd_hooks=[(neuron_act_name("z", layer), z_hook)])
-        b = model.run_with_hooks(corrupted, fwd_hooks=[(neuron_act_name("post", layer), post_hook)])
+        a = converted.run_with_hooks(corrupted, fwd_hooks=[(z_name, z_hook)])
+        b = model.run_with_hooks(corrupted, fwd_hooks=[(post_name, post_hook)])
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
@@ -104,7 +106,9 @@ def test_batched_mode_equals_one_patch_per_pass(pair, kind, per_position):
     }[(per_position, kind)]
     assert one.shape == many.shape == expected_shape
     torch.testing.assert_close(one, many, rtol=1e-6, atol=1e-7)
-    assert one.std() > 1e-4  # different patches give different results
+    # different patches give different results (well above the tolerance; the GPT-2 bridge's
+    # pattern patches at these positions differ by less than the HookedTransformer's)
+    assert one.std() > (1e-5 if BRIDGES else 1e-4)
 
 
 def test_pattern_and_value_patches_mean_what_they_say(pair):
@@ -147,8 +151,8 @@ def test_pattern_and_value_patches_mean_what_they_say(pair):
 
 
 def test_all_heads_of_a_multi_head_neuron_equal_its_post():
-    converted = convert(make_model("gelu", torch.float64, normalization_type="RMS"))
-    K = converted.n_heads_per_neuron
+    converted = make_converted("gelu", torch.float64, normalization_type="RMS", family="gpt2")
+    K = facts(converted).n_heads_per_neuron
     assert K > 1
     clean, corrupted = _tokens()
     _, cc = converted.run_with_cache(clean, names_filter=head_names_filter("z"))
@@ -215,9 +219,9 @@ def test_patch_index_and_errors(pair):
 
 
 def test_result_patch_equals_z_patch():
-    converted = convert(make_model("silu", torch.float64, normalization_type="LN"))
+    converted = make_converted("silu", torch.float64, normalization_type="LN")
     clean, corrupted = _tokens()
-    converted.set_use_neuron_result(True)
+    facts(converted).set_use_neuron_result(True)
     _, cc = converted.run_with_cache(clean, names_filter=neuron_names_filter("z", "result"))
     kwargs = dict(layers=[0], heads=[2, 9], patches_per_pass=2, progress=False)
     by_result = get_act_patch_neuron_heads(converted, corrupted, cc, metric, "result", **kwargs)
@@ -228,17 +232,22 @@ def test_result_patch_equals_z_patch():
 # ------------------------------------------------------------------------- path patching
 def _all_z_clean(model, clean, corrupted):
     _, cc = model.run_with_cache(clean, names_filter=head_names_filter("z"))
+    names = [
+        f"blocks.{li}.{sub}.hook_z" for li in range(model.cfg.n_layers) for sub in ("attn", "mlp")
+    ]
 
-    def set_z(z, hook):
-        return cc[hook.name]
+    def set_z(name):
+        return lambda z, hook: cc[name]
 
-    return metric(model.run_with_hooks(corrupted, fwd_hooks=[(head_names_filter("z"), set_z)]))
+    return metric(model.run_with_hooks(corrupted, fwd_hooks=[(n, set_z(n)) for n in names]))
 
 
 def test_path_patching_all_senders_equals_full_activation_patching(pair):
     _, converted = pair
     clean, corrupted = _tokens()
-    value = path_patch(converted, clean, corrupted, all_head_refs(converted), "logits", metric)
+    value = path_patch(
+        converted, clean, corrupted, all_head_refs(facts(converted)), "logits", metric
+    )
     expected = _all_z_clean(converted, clean, corrupted).item()
     assert value == pytest.approx(expected, rel=0, abs=1e-10)
     # Not trivially the clean or corrupted run (the corrupted embeddings stay).
@@ -248,17 +257,17 @@ def test_path_patching_all_senders_equals_full_activation_patching(pair):
 
 def test_path_patching_through_every_path_equals_activation_patching():
     """One layer: L0H0 reaches the logits directly or through the layer's neuron-heads only."""
-    converted = convert(make_model("silu", torch.float64, n_layers=1, normalization_type="LN"))
+    converted = make_converted("silu", torch.float64, n_layers=1, normalization_type="LN")
     clean, corrupted = _tokens()
     _, cc = converted.run_with_cache(clean, names_filter=head_names_filter("z"))
-    n = converted.n_neuron_heads
+    n = facts(converted).n_neuron_heads
     receivers = [f"L0N{i}" for i in range(n)] + ["logits"]
     for sender, hook_name in [("L0H0", "blocks.0.attn.hook_z"), ("L0N5", "blocks.0.mlp.hook_z")]:
         ref = HeadRef("attn", 0, 0) if sender == "L0H0" else HeadRef("neuron", 0, 5)
 
-        def patch_one(z, hook, ref=ref):
+        def patch_one(z, hook, ref=ref, name=hook_name):
             z = z.clone()
-            z[:, :, ref.head] = cc[hook.name][:, :, ref.head]
+            z[:, :, ref.head] = cc[name][:, :, ref.head]
             return z
 
         expected = metric(converted.run_with_hooks(corrupted, fwd_hooks=[(hook_name, patch_one)]))
@@ -311,9 +320,10 @@ def test_receiver_specs():
 
 
 # ------------------------------------------------------------------------- attribution patching
+@tl3_only("no normalisation")
 def test_attribution_is_exact_where_the_metric_is_linear():
     """No LayerNorm, last layer's neuron-heads, metric linear in the logits: first order is all."""
-    converted = convert(make_model("silu", torch.float64, normalization_type=None))
+    converted = make_converted("silu", torch.float64, normalization_type=None)
     clean, corrupted = _tokens()
     _, cc = converted.run_with_cache(clean, names_filter=head_names_filter("z"))
     estimate, labels = attribution_patch(converted, cc, corrupted, metric, kinds=("neuron",))
@@ -321,7 +331,7 @@ def test_attribution_is_exact_where_the_metric_is_linear():
         converted, corrupted, cc, metric, "z", layers=[1], patches_per_pass=24, progress=False
     )
     baseline = metric(converted(corrupted)).item()
-    n = converted.n_neuron_heads
+    n = facts(converted).n_neuron_heads
     assert labels[n] == "L1N0"
     torch.testing.assert_close(estimate[n:], actual[0] - baseline, rtol=1e-4, atol=1e-6)
     assert (actual[0] - baseline).abs().max() > 1e-3
@@ -356,7 +366,7 @@ def test_attribution_options(pair):
         torch.testing.assert_close(per_pos.sum(-1), total)
     for p in converted.parameters():  # gradients go to the activations, not the parameters
         assert p.grad is None
-    frozen = convert(make_model("silu", torch.float64, normalization_type="LN"))
+    frozen = make_converted("silu", torch.float64, normalization_type="LN")
     frozen.requires_grad_(False)
     a, _ = attribution_patch(frozen, cc, corrupted, metric)
     b, _ = attribution_patch(converted, cc, corrupted, metric)

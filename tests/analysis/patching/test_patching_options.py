@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
 from conftest import patch_metric as metric
 from conftest import patch_token_pair as _tokens
+from models import make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     PatchingOptions,
     attribute_then_patch,
@@ -22,7 +21,7 @@ from tl_attnonly.analysis import (
 
 @pytest.fixture(scope="module")
 def setup():
-    model = convert(make_model("gelu"), n_heads_per_neuron=2)
+    model = make_converted("gelu", n_heads_per_neuron=2)
     clean, corrupted = _tokens()
     _, cache = model.run_with_cache(clean)
     return model, clean, corrupted, cache

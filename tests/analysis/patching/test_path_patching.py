@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
 from conftest import patch_metric as _metric
 from conftest import patch_token_pair as _pair_of_runs
+from models import facts, make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.analysis import (
     path_patch,
     path_patch_grid,
@@ -54,8 +53,8 @@ def _receivers(K: int) -> list[str]:
     ],
 )
 def test_receiver_sweep_equals_one_path_patch_per_receiver(act, overrides):
-    model = convert(make_model(act, torch.float64, **overrides))
-    K = model.n_heads_per_neuron
+    model = make_converted(act, torch.float64, **overrides)
+    K = facts(model).n_heads_per_neuron
     receivers = _receivers(K)
     clean, corrupted = _pair_of_runs()
     senders = [
@@ -75,18 +74,20 @@ def test_receiver_sweep_equals_one_path_patch_per_receiver(act, overrides):
     )
     torch.testing.assert_close(swept, single, rtol=0, atol=1e-10)
     baseline = _metric(model(corrupted)).item()
-    assert swept[0].item() == pytest.approx(baseline, abs=1e-12)  # L0H1 reads before L0 writes
+    # L0H1 reads before L0 writes
+    assert swept[0].item() == pytest.approx(baseline, abs=1e-12)
     assert (swept[1:] - baseline).abs().min() > 1e-7  # every later receiver is reached
 
 
 def test_receiver_sweep_defaults_and_grid():
-    model = convert(make_model("silu", torch.float64, normalization_type="LN"))
+    model = make_converted("silu", torch.float64, normalization_type="LN")
     clean, corrupted = _pair_of_runs()
     swept, labels = path_patch_receiver_sweep(model, clean, corrupted, ["L0N4"], _metric,
                                               progress=False)  # fmt: skip
-    n_heads = model.cfg.n_layers * (model.cfg.n_heads + model.n_neuron_heads)
+    n_neuron_heads = facts(model).n_neuron_heads
+    n_heads = model.cfg.n_layers * (model.cfg.n_heads + n_neuron_heads)
     assert len(labels) == n_heads + 1 and labels[0] == "L0H0:qkv" and labels[-1] == "logits"
-    assert labels[n_heads - 1] == f"L1N{model.n_neuron_heads - 1}:qv"
+    assert labels[n_heads - 1] == f"L1N{n_neuron_heads - 1}:qv"
     senders, receivers = ["L0H1", "L0N4", "L1N0"], ["L1H0:q", "L1N3", "logits", "L0N2:v"]
     grid, rows, cols = path_patch_grid(
         model, clean, corrupted, senders, receivers, _metric, patches_per_pass=2, progress=False
@@ -104,7 +105,7 @@ def test_receiver_sweep_defaults_and_grid():
 
 
 def test_sweeps_refuse_beyond_their_memory_budget():
-    model = convert(make_model("silu", torch.float64, normalization_type="LN"))
+    model = make_converted("silu", torch.float64, normalization_type="LN")
     clean, corrupted = _pair_of_runs()
     for sweep in (path_patch_sweep, path_patch_receiver_sweep):
         args = (["L1N0"], _metric) if sweep is path_patch_sweep else (["L0N0"], _metric)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import D_VOCAB, make_model
+from conftest import D_VOCAB
+from models import facts, make_converted
 
-from tl_attnonly import convert
 from tl_attnonly.analysis.summaries import NeuronHeadSummaries, summarize_neuron_heads
 from tl_attnonly.vis.summaries import summary_html
 
@@ -40,13 +40,13 @@ def _brute_force(model, rows):
 
 @pytest.mark.parametrize("act_fn", ["silu", "gelu"])
 def test_summaries_equal_brute_force(act_fn):
-    model = convert(make_model(act_fn, normalization_type="LN", n_ctx=12))
+    model = make_converted(act_fn, normalization_type="LN", n_ctx=12)
     rows = _corpus()
     summary = summarize_neuron_heads(
         model, rows, k=K_TOP, before=BEFORE, after=AFTER, batch_size=3, progress=False
     )
     brute = _brute_force(model, rows)
-    L, H, N = model.cfg.n_layers, model.n_neuron_heads, model.cfg.d_mlp
+    L, H, N = model.cfg.n_layers, facts(model).n_neuron_heads, model.cfg.d_mlp
     n_pos = sum(len(r) for r in rows)
     assert summary.n_positions == n_pos and summary.n_rows == len(rows)
     counts = torch.bincount(torch.cat(rows), minlength=D_VOCAB)
@@ -102,7 +102,7 @@ def _row_pos(rows, flat):
 
 
 def test_summaries_round_trip_rank_and_render(tmp_path):
-    model = convert(make_model("silu", normalization_type="LN", n_ctx=12))
+    model = make_converted("silu", normalization_type="LN", n_ctx=12)
     summary = summarize_neuron_heads(model, _corpus(1), k=3, batch_size=4, progress=False)
     summary.save(tmp_path / "s")
     loaded = NeuronHeadSummaries.load(tmp_path / "s")
@@ -127,8 +127,8 @@ def test_summaries_round_trip_rank_and_render(tmp_path):
 
 
 def test_rank_lists_neurons_with_all_their_heads_by_default():
-    model = convert(make_model("gelu", normalization_type="LN", n_ctx=12))
-    K = model.n_heads_per_neuron
+    model = make_converted("gelu", normalization_type="LN", n_ctx=12)
+    K = facts(model).n_heads_per_neuron
     assert K == 4
     summary = summarize_neuron_heads(model, _corpus(1), k=2, batch_size=4, progress=False)
     fire = summary.firing_fraction()[1]
@@ -142,7 +142,7 @@ def test_rank_lists_neurons_with_all_their_heads_by_default():
 
 
 def test_summaries_refuse_over_budget_and_bad_items():
-    model = convert(make_model("silu", n_ctx=12))
+    model = make_converted("silu", n_ctx=12)
     with pytest.raises(MemoryError, match="token_stats=False"):
         summarize_neuron_heads(model, _corpus(), max_bytes=1000, progress=False)
     with pytest.raises(TypeError, match="strings or int tensors"):
@@ -152,7 +152,7 @@ def test_summaries_refuse_over_budget_and_bad_items():
 def test_summary_options_equal_keywords():
     from tl_attnonly.analysis import SummaryOptions
 
-    model = convert(make_model("gelu", normalization_type="LN", n_ctx=12))
+    model = make_converted("gelu", normalization_type="LN", n_ctx=12)
     kw = dict(k=K_TOP, before=BEFORE, after=AFTER, batch_size=3, progress=False)
     by_keyword = summarize_neuron_heads(model, _corpus(), **kw)
     by_options = summarize_neuron_heads(model, _corpus(), options=SummaryOptions(**kw))
