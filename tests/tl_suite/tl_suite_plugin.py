@@ -1,28 +1,48 @@
-"""pytest plugin: TransformerLens's tests with the attention-only classes in place of TL's.
+"""pytest plugin: TransformerLens's tests on the attention-only classes or converted bridges.
 
-Loaded by ``run.py`` (``-p tl_suite_plugin``). It
+Loaded by ``run.py`` (``-p tl_suite_plugin``). It imports the *installed* ``transformer_lens``
+first (the unpacked sdist beside the tests holds a copy of the package, which pytest's rootdir
+would otherwise put first on ``sys.path``), and
 
-* swaps the classes before any test module imports them: ``transformer_lens.HookedTransformer``
+* on TransformerLens 3.x, swaps the classes before any test module imports them:
+  ``transformer_lens.HookedTransformer``
   (the package attribute) and ``transformer_lens.HookedTransformer.HookedTransformer`` (the
   module attribute) become :class:`~tl_attnonly.AttnOnlyTransformer`; the same for
   ``HookedEncoder`` and :class:`~tl_attnonly.encoder.AttnOnlyEncoder`. ``HookedTransformer(cfg)``
   and ``HookedTransformer.from_pretrained(...)`` in TL's tests then build converted models.
   Module attributes only: no forward pass or method is patched. ``TL_SUITE_ORIGINAL=1`` leaves TL
   as it is (the baseline run);
+* on TransformerLens 4.x (no ``HookedTransformer``), converts every ``TransformerBridge`` the
+  tests build, right after it is built (``bridge_conversion.py``), and prints how many bridges
+  were converted and why the others were not. ``TL_SUITE_ORIGINAL=1`` converts none;
 * turns "needs the Hugging Face hub" errors into skips, at collection and in tests (the run is
   offline), so only what runs offline counts;
-* reports the failures listed in ``allowlist.py`` as expected failures (each entry says why the
-  converted model differs by design), and fails an allow-listed test that passes (a stale entry).
+* reports the failures listed in ``allowlist.py`` (``allowlist_tl4.py`` on 4.x) as expected
+  failures (each entry says why the converted model differs by design), and fails an
+  allow-listed test that passes (a stale entry).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
+import bridge_conversion
 import pytest
-from allowlist import ALLOWED_FAILURES
+import transformer_lens  # the installed package, before the sdist's copy can shadow it
+
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
+if HAS_HOOKED_TRANSFORMER:
+    from allowlist import ALLOWED_FAILURES
+
+    ALLOWLIST = "tests/tl_suite/allowlist.py"
+else:
+    from allowlist_tl4 import ALLOWED_FAILURES
+
+    ALLOWLIST = "tests/tl_suite/allowlist_tl4.py"
 
 SWAP = os.environ.get("TL_SUITE_ORIGINAL", "0") != "1"
 
@@ -43,8 +63,6 @@ HUB_TEXT = (
 
 
 def _swap() -> None:
-    import transformer_lens
-
     from tl_attnonly import AttnOnlyTransformer
     from tl_attnonly.encoder import AttnOnlyEncoder
 
@@ -55,19 +73,43 @@ def _swap() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if SWAP:
+    if not SWAP:
+        return
+    if HAS_HOOKED_TRANSFORMER:
         _swap()
+    else:
+        bridge_conversion.install()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    import transformer_lens
-
+    where = f"tl_suite: transformer_lens from {transformer_lens.__file__}"
+    if not HAS_HOOKED_TRANSFORMER:
+        what = "every TransformerBridge converted after it is built" if SWAP else "original"
+        return [f"tl_suite: {what}", where]
     names = ("HookedTransformer", "HookedEncoder")
     classes = ", ".join(
         f"{name} is {cls.__module__}.{cls.__qualname__}"
         for name, cls in [(name, getattr(transformer_lens, name)) for name in names]
     )
-    return [f"tl_suite: {classes}", f"tl_suite: transformer_lens from {transformer_lens.__file__}"]
+    return [f"tl_suite: {classes}", where]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.write_line(f"tl_suite: transformer_lens from {transformer_lens.__file__}")
+    if SWAP and not HAS_HOOKED_TRANSFORMER:
+        for line in bridge_conversion.summary():
+            terminalreporter.write_line(line)
+        record = os.environ.get("TL_SUITE_RECORD")
+        if record:
+            with open(record, "w", encoding="utf-8") as file:
+                json.dump(bridge_conversion.BY_TEST, file, indent=1, sort_keys=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any):
+    bridge_conversion.CURRENT[0] = item.nodeid
+    yield
+    bridge_conversion.CURRENT[0] = ""
 
 
 def needs_hub(error: BaseException | None) -> bool:
@@ -109,11 +151,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     reason = ALLOWED_FAILURES.get(item.nodeid)
     if reason is None:
         return
+    # An entry may fail in any phase (a teardown error too): it is stale only if no phase failed
+    # or skipped, which the teardown report, the last, can tell.
+    outcomes = _ALLOWED_OUTCOMES.setdefault(item.nodeid, set())
+    outcomes.add(report.outcome)
     if report.failed:
         report.outcome = "skipped"
         report.wasxfail = f"allow-listed: {reason}"
-    elif report.when == "call" and report.passed:
+    elif report.when == "teardown" and outcomes == {"passed"}:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} is in tests/tl_suite/allowlist.py but passed: remove the entry."
+            f"{item.nodeid} is in the tl_suite allow-list ({ALLOWLIST}) but passed: remove the "
+            "entry."
         )
+
+
+#: ``nodeid -> outcomes of its phases so far``, for the allow-listed tests.
+_ALLOWED_OUTCOMES: dict[str, set[str]] = {}

@@ -12,6 +12,9 @@ the component, so they are ``blocks.{l}.mlp.hook_pattern`` etc. in ``hook_dict``
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,8 +172,24 @@ def _build(plan: _Plan, options: ConversionOptions) -> BridgeNeuronHeadLayer:
         layer.add_module("dropout", dropout)
     layer.fused = options.fused
     layer.compiled = options.compiled
-    layer.train(plan.hf_mlp.training)
+    # the bridge component's mode, which train()/eval() keep current (the Hugging Face MLP is set
+    # aside at the first conversion, where eval() no longer reaches it)
+    layer.train(plan.mlp_bridge.training)
     return layer
+
+
+@contextlib.contextmanager
+def _eval_mode(*roots: nn.Module) -> Iterator[None]:
+    """Every module under ``roots`` in eval mode (no dropout) inside, each back in its own mode
+    after."""
+    modes = {module: module.training for root in roots for module in root.modules()}
+    for root in roots:
+        root.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 #: Neurons per block of the self-check's error bound (bounds its float64 scratch memory).
@@ -189,7 +208,8 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
     x = torch.randn(1, 5, layer.cfg.d_model, generator=generator, dtype=torch.float64)
     x = x.to(device=device, dtype=dtype)
     fused = layer.fused
-    with torch.no_grad():
+    # in eval mode: a bridge converted while training would otherwise compare two dropout draws
+    with torch.no_grad(), _eval_mode(plan.hf_mlp, layer):
         try:
             reference = plan.hf_mlp(x)
         except TypeError as err:  # e.g. MPT's MLP also takes the residual stream
@@ -227,24 +247,31 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
         )
 
 
-def _guard(mlp_bridge: Any, layer: BridgeNeuronHeadLayer, index: int) -> list[Any]:
+def _reset_ran(module: Any, args: Any) -> None:
+    """Forward pre-hook of a converted bridge MLP: its neuron-head layer has not run yet."""
+    module.original_component._ran = False
+
+
+def _check_ran(module: Any, args: Any, output: Any, *, index: int) -> None:
+    """Forward hook of a converted bridge MLP: raise if its neuron-head layer did not run."""
+    if not module.original_component._ran:
+        raise RuntimeError(
+            f"{_mlp_name(index)} ran without its neuron-heads: the bridge computed this MLP "
+            "itself (enable_compatibility_mode() after tl_attnonly.convert makes gated MLPs "
+            "use processed weights directly). Call tl_attnonly.convert(bridge) again after "
+            "enable_compatibility_mode()."
+        )
+
+
+def _guard(mlp_bridge: Any, index: int) -> list[Any]:
     """Torch hooks on the bridge component that raise if a forward pass bypassed the
     neuron-head layer (``enable_compatibility_mode()`` after conversion makes a gated bridge MLP
-    compute itself from processed weights)."""
-
-    def reset(module: nn.Module, args: Any) -> None:
-        layer._ran = False
-
-    def check(module: nn.Module, args: Any, output: Any) -> None:
-        if not layer._ran:
-            raise RuntimeError(
-                f"{_mlp_name(index)} ran without its neuron-heads: the bridge computed this MLP "
-                "itself (enable_compatibility_mode() after tl_attnonly.convert makes gated MLPs "
-                "use processed weights directly). Call tl_attnonly.convert(bridge) again after "
-                "enable_compatibility_mode()."
-            )
-
-    return [mlp_bridge.register_forward_pre_hook(reset), mlp_bridge.register_forward_hook(check)]
+    compute itself from processed weights). They read the layer from the component they are
+    called on (no closure over it), so a deep copy of the bridge guards its own layers."""
+    return [
+        mlp_bridge.register_forward_pre_hook(_reset_ran),
+        mlp_bridge.register_forward_hook(functools.partial(_check_ran, index=index)),
+    ]
 
 
 def _mount(bridge: Any, plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
@@ -256,7 +283,7 @@ def _mount(bridge: Any, plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
         setattr(mlp_bridge, f"hook_{name}", getattr(layer, f"hook_{name}"))
     if bridge_bypasses_original(mlp_bridge):
         route_through_original(mlp_bridge)
-    mlp_bridge.__dict__[_GUARD] = _guard(mlp_bridge, layer, plan.layer)
+    mlp_bridge.__dict__[_GUARD] = _guard(mlp_bridge, plan.layer)
 
 
 def _unmount(mlp_bridge: Any) -> Any:
@@ -269,6 +296,7 @@ def _unmount(mlp_bridge: Any) -> Any:
     for name in BRIDGE_NEURON_HEAD_HOOKS:
         hook_name = f"hook_{name}"
         unmount_component_hook(mlp_bridge, hook_name)
+    hf_mlp.train(mlp_bridge.training)  # set aside since conversion: eval() did not reach it
     mlp_bridge.set_original_component(hf_mlp)
     return hf_mlp
 
