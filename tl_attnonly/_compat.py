@@ -8,6 +8,8 @@ against the installed versions.
 ==================================  ==============================================================
 :func:`has_hooks`                   TL's public ``HookPoint.has_hooks()``, plus the hooks torch
                                     holds that TL does not know of (registered with torch directly)
+:func:`global_module_hooks`         whether torch holds a global module hook (its private
+                                    ``nn.modules.module._global_*_hooks``)
 :func:`rotary_base`                 TL's private ``AbstractAttention._rotary_base()``
 ``CanBeUsedAsMLP``                  the MLP extension point (``components/mlps/``)
 ``batch_addmm``                     TL's ``x @ W + b`` kernel (``utilities/addmm``)
@@ -233,6 +235,23 @@ _TORCH_HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+
+
+#: torch's global module hooks (private dictionaries of ``torch.nn.modules.module``, filled by
+#: ``register_module_forward_hook`` and its kin): they see every module's value, hook points'.
+_TORCH_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def global_module_hooks() -> bool:
+    """Whether a global module hook (``torch.nn.modules.module.register_module_forward_hook``
+    and its kin) is registered: it sees the value passed through every hook point, and may keep
+    it, so a neuron-head layer then gives each hooked quantity memory of its own."""
+    return any(getattr(nn.modules.module, name, None) for name in _TORCH_GLOBAL_HOOK_DICTS)
 
 
 def has_hooks(hook_point: HookPoint) -> bool:

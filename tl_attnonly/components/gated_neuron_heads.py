@@ -48,8 +48,7 @@ from jaxtyping import Float
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
-from tl_attnonly.components.neuron_head_base import NeuronHeadBase
-from tl_attnonly.components.neuron_heads import own_storage
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase, records_grad
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformerConfig
@@ -229,7 +228,7 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         if out is not None:
             return out
         activation = self._fused_activation(gate)
-        if torch.is_grad_enabled() and (activation.requires_grad or linear.requires_grad):
+        if records_grad(activation, linear):
             return activation * linear
         return activation.mul_(linear)  # a new tensor: no one else holds it
 
@@ -243,13 +242,14 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
         q, v = self._query_value(gate, linear)
         shape = (batch, pos, self.n_neuron_heads, 1)
         expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
-        # Each hook gets its own tensor (q may be a view of the gate).
-        q = self._hook("q", own_storage(q.expand(expanded).reshape(shape), gate))
+        # q may be a view of the gate: a hook that could hold or edit it gets its own copy.
+        q = self._hook("q", self._own("q", q.expand(expanded).reshape(shape), gate))
         k = self._keys(q)
         v = self._hook("v", v.expand(expanded).reshape(shape))
-        p = self._attend(q, k)  # [batch, pos, n_neuron_heads, 2]
-        # The bias token's value is 0: the bias column of the pattern contributes nothing.
-        return self._hook("z", p[..., 0:1] * v)  # [batch, pos, n_neuron_heads, 1]
+        # [2, batch, pos, n_neuron_heads]: (self, bias) planes; the bias value is 0
+        p = self._attend(q, k, bias_plane=False)
+        # The bias token's value is 0: the bias plane of the pattern contributes nothing.
+        return self._hook("z", self._mix_values(p, v))  # [batch, pos, n_neuron_heads, 1]
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"]

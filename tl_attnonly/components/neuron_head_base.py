@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from transformer_lens.hook_points import HookPoint
 
-from tl_attnonly._compat import CanBeUsedAsMLP, has_hooks
+from tl_attnonly._compat import CanBeUsedAsMLP, global_module_hooks, has_hooks
 from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
 from tl_attnonly.components._fused_kernel import compiled_kernel, kernel_failed
 
@@ -37,6 +37,11 @@ FUSED_CHUNK_ELEMENTS = 1 << 17
 #: Measured bound of the fused path against the head path, in units of the dtype's machine
 #: epsilon times ``sum_k (|f_k x| + |e_k| + 2 |g_k|)`` (see ``NeuronHeadBase._fused_activation``).
 FUSED_ERROR_ULPS = 4.0
+
+
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an operation on ``tensors`` (which then takes no ``out=``)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class NeuronHeadBase(CanBeUsedAsMLP):
@@ -146,7 +151,7 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         x = x.reshape(-1, self.d_mlp)
         b, d, f, ce = self._fused_coefs(x)
         g_sum = sum(self.coefficients.g)
-        if torch.is_grad_enabled() and x.requires_grad:
+        if records_grad(x):
             out = (torch.addcmul(ce, f, x) * torch.sigmoid(torch.addcmul(d, b, x))).sum(0)
             return (out + g_sum if g_sum != 0 else out).reshape(shape)
         out = torch.empty_like(x)
@@ -169,8 +174,7 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         """The compiled kernel on ``inputs`` (``x``, or gate and linear branch); ``None`` where it
         is not to be used (``compiled`` unset, exact SiLU heads, autograd) or cannot be built here
         (see :mod:`tl_attnonly.components._fused_kernel`)."""
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        if not self.compiled or self._exact_silu or grad:
+        if not self.compiled or self._exact_silu or records_grad(*inputs):
             return None
         device = inputs[0].device
         try:  # torch.compile may refuse at once (unsupported platform) or on the first call
@@ -285,6 +289,32 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         assert derived is not None
         return derived
 
+    def _held(self, name: str) -> bool:
+        """Whether the tensor passed through ``hook_{name}`` may be held or edited in place by
+        someone else: a hook is attached (to it, or to every module: torch's global hooks), or
+        the quantity is being derived (and recorded)."""
+        if self._deriving is not None or has_hooks(getattr(self, f"hook_{name}")):
+            return True
+        return global_module_hooks()
+
+    def _own(self, name: str, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """``tensor`` for ``hook_{name}``, copied if it shares memory with ``source`` and may be
+        held (:meth:`_held`): only then could an in-place edit leak into ``source`` or into
+        another hook's tensor."""
+        if not self._held(name):
+            return tensor
+        shared = tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        return tensor.clone() if shared else tensor
+
+    def _reusable(self, name: str, tensor: torch.Tensor, *inputs: torch.Tensor) -> bool:
+        """Whether ``tensor``, our own buffer just passed through ``hook_{name}``, may take the
+        next step's result (computed from it and ``inputs``): nobody holds it (:meth:`_held`),
+        and no autograd graph records any of them. That saves a fresh allocation, whose first
+        touch costs about as much as the arithmetic."""
+        if self._held(name) or records_grad(tensor, *inputs):
+            return False
+        return all(t.dtype == tensor.dtype for t in inputs)
+
     def _keys(
         self, q: Float[torch.Tensor, "batch pos n_neuron_heads 1"]
     ) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"] | None:
@@ -293,34 +323,99 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         Hooked (or derived), the keys get their own memory, so an edit made in place takes effect
         exactly like a returned one; with no hook the product ``q * 1 = q`` is skipped.
         """
-        if self._deriving == "k" or (self._deriving is None and has_hooks(self.hook_k)):
+        if self._deriving == "k" or (self._deriving is None and self._held("k")):
             return self._hook("k", q.new_ones(q.shape))
         return None
+
+    @staticmethod
+    def _head_view(
+        planes: Float[torch.Tensor, "2 batch pos n_neuron_heads"],
+    ) -> Float[torch.Tensor, "batch n_neuron_heads query_pos 2"]:
+        """The TransformerLens-ordered view of (self, bias) planes (no copy)."""
+        return planes.permute(1, 3, 2, 0)
+
+    @staticmethod
+    def _planes(
+        view: Float[torch.Tensor, "batch n_neuron_heads query_pos 2"],
+    ) -> Float[torch.Tensor, "2 batch pos n_neuron_heads"]:
+        """The (self, bias) planes of a TransformerLens-ordered view (no copy)."""
+        return view.permute(3, 0, 2, 1)
 
     def _attend(
         self,
         q: Float[torch.Tensor, "batch pos n_neuron_heads 1"],
         k: Float[torch.Tensor, "batch pos n_neuron_heads 1"] | None,
-    ) -> Float[torch.Tensor, "batch pos n_neuron_heads 2"]:
+        bias_plane: bool = True,
+    ) -> Float[torch.Tensor, "2 batch pos n_neuron_heads"]:
         """Scores and the softmax over (self, bias) of hooked queries and keys, through the hooks.
 
         ``k is None`` (from :meth:`_keys`): every key is 1, so ``q * 1 = q`` is skipped. The bias
         token's key is 0 and not a hook point, so its score is 0 whatever the query (even an
-        infinite one). Returns the (hooked) pattern in ``[batch, pos, head, 2]`` memory order; the
-        hooks see the TransformerLens-ordered view ``[batch, head, query_pos, 2]`` (no
-        transposing copies).
+        infinite one). Scores and pattern are held as two contiguous planes, the self column
+        and the bias column, ``[2, batch, pos, head]`` (so every step below is one contiguous
+        pass); the hooks see the TransformerLens-ordered view ``[batch, head, query_pos, 2]`` of
+        them (no transposing copies), and the (hooked) pattern is returned as planes.
+
+        ``bias_plane=False`` (the caller reads only the self plane: the bias token's value is 0):
+        where no hook sees the scores or the pattern (:meth:`_held`) and autograd records
+        nothing, the bias planes are left unwritten, since no one reads them.
         """
         batch, pos, n_heads, _ = q.shape
-        scores = q.new_empty(batch, pos, n_heads, 2)
-        scores[..., 0] = q.squeeze(-1) if k is None else (q * k).squeeze(-1)
-        scores[..., 1] = 0
+        scores = q.new_empty(2, batch, pos, n_heads)
+        scores[0].copy_(q.squeeze(-1) if k is None else (q * k).squeeze(-1))
+        unseen = not (bias_plane or records_grad(q) or self._held("attn_scores"))
+        if not unseen:
+            scores[1].zero_()
         # [batch, n_neuron_heads, query_pos, 2]
-        scores = self._hook("attn_scores", scores.transpose(1, 2)).transpose(1, 2)
-        # softmax over two keys, written as sigmoids of the score differences
-        diff = scores[..., 0] - scores[..., 1]  # and -diff == scores[..., 1] - scores[..., 0]
-        pattern = torch.stack((diff, diff.neg()), dim=-1).sigmoid_()
+        scores = self._planes(self._hook("attn_scores", self._head_view(scores)))
+        # softmax over two keys, written as sigmoids of the score differences:
+        # pattern = sigmoid((s_self - s_bias, s_bias - s_self)), the second the first negated
+        if records_grad(scores):  # autograd: no out= arguments
+            diff = scores[0] - scores[1]
+            pattern = torch.stack((diff.sigmoid(), diff.neg().sigmoid()))  # plane by plane
+        else:
+            if self._reusable("attn_scores", scores):
+                # Our own scores, unseen and unedited: the bias plane is 0 and s - 0 is s
+                # exactly, so the self plane already holds the difference; the pattern
+                # overwrites the scores.
+                pattern = scores
+            else:
+                pattern = scores.new_empty(scores.shape)
+                if unseen:  # the bias plane of the scores is unwritten, and would be 0
+                    pattern[0].copy_(scores[0])
+                else:
+                    torch.sub(scores[0], scores[1], out=pattern[0])
+            # One sigmoid per plane, whether or not the bias plane is computed: the vector
+            # kernel rounds its tail elements differently, so the self plane's values must
+            # not depend on whether a hook sees the pattern.
+            if not unseen or self._held("pattern"):
+                torch.neg(pattern[0], out=pattern[1])
+                pattern[1].sigmoid_()
+            pattern[0].sigmoid_()  # (unseen: the bias plane stays unread, unwritten)
         # [batch, n_neuron_heads, query_pos, 2]
-        return self._hook("pattern", pattern.transpose(1, 2)).transpose(1, 2)
+        return self._planes(self._hook("pattern", self._head_view(pattern)))
+
+    def _mix_values(
+        self,
+        pattern: Float[torch.Tensor, "2 batch pos n_neuron_heads"],
+        v: Float[torch.Tensor, "batch pos n_neuron_heads 1"],
+        bias_value: Float[torch.Tensor, "n_neuron_heads 1"] | None = None,
+    ) -> Float[torch.Tensor, "batch pos n_neuron_heads 1"]:
+        """``z = pattern_self * v + pattern_bias * bias_value`` (the bias token's value; ``None``
+        where it is 0), before ``hook_z``.
+
+        Written into the pattern's own memory when nobody holds the pattern
+        (:meth:`_reusable`); the same products and sum either way, so the same bits.
+        """
+        p_self, p_bias = pattern[0].unsqueeze(-1), pattern[1].unsqueeze(-1)
+        inputs = (v,) if bias_value is None else (v, bias_value)
+        if not self._reusable("pattern", pattern, *inputs) or p_self.shape != v.shape:
+            z = p_self * v
+            return z if bias_value is None else z.add_(p_bias * bias_value)
+        z = torch.mul(p_self, v, out=p_self)
+        if bias_value is None:
+            return z
+        return z.add_(torch.mul(p_bias, bias_value, out=p_bias))
 
     def _post_correction(
         self, post: Float[torch.Tensor, "batch pos d_mlp"]

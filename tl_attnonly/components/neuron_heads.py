@@ -61,15 +61,6 @@ __all__ = [
 NEURON_HEAD_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z", "result")
 
 
-def _shares_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
-    return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
-
-
-def own_storage(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``tensor``, copied if it shares memory with ``other``."""
-    return tensor.clone() if _shares_storage(tensor, other) else tensor
-
-
 class NeuronHeadMLP(NeuronHeadBase):
     """An MLP layer whose every neuron is ``K`` attention heads of internal dimension 1.
 
@@ -176,16 +167,15 @@ class NeuronHeadMLP(NeuronHeadBase):
         g = self._coefs(pre)[4]
         shape = (batch, pos, self.n_neuron_heads, 1)
         expanded = (batch, pos, self.d_mlp, self.n_heads_per_neuron)
-        # Each hook gets its own tensor: with trivial coefficients q and v would be views of pre,
-        # and an in-place edit in one hook would leak into the others.
-        q = self._hook("q", own_storage(q.expand(expanded).reshape(shape), pre))
+        # With trivial coefficients q and v are views of pre: a hook that could hold or edit
+        # them gets its own copy, so an in-place edit in one hook cannot leak into the others.
+        q = self._hook("q", self._own("q", q.expand(expanded).reshape(shape), pre))
         k = self._keys(q)
-        v = self._hook("v", own_storage(v.expand(expanded).reshape(shape), pre))
-        p = self._attend(q, k)  # [batch, pos, n_neuron_heads, 2]
-        z = v * p[..., 0:1]
-        if any(val != 0 for val in self.coefficients.g):
-            z += p[..., 1:2] * g.repeat(self.d_mlp).unsqueeze(-1)
-        return self._hook("z", z)  # [batch, pos, n_neuron_heads, 1]
+        v = self._hook("v", self._own("v", v.expand(expanded).reshape(shape), pre))
+        bias_value = g.repeat(self.d_mlp).unsqueeze(-1) if any(self.coefficients.g) else None
+        # [2, batch, pos, n_neuron_heads]: (self, bias) planes
+        p = self._attend(q, k, bias_plane=bias_value is not None)
+        return self._hook("z", self._mix_values(p, v, bias_value))  # [b, pos, n_neuron_heads, 1]
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"]
