@@ -198,7 +198,9 @@ def get_act_patch_neuron_heads(
             replacing the one in ``options``.
 
     Returns:
-        The metric after each patch (float64), shaped ``[n_layers, n_heads]``,
+        The metric after each patch as a float64 tensor (with ``patches_per_pass=1`` its values
+        pass through :func:`generic_activation_patch`'s float32 result tensor, so they are
+        rounded to float32 first), shaped ``[n_layers, n_heads]``,
         ``[n_layers, pos, n_heads]`` (vectors per position) or ``[n_layers, n_heads, dest_pos]``
         (patterns per position), with the sizes of the subsets given; and the index frame if
         ``return_index_df``.
