@@ -10,6 +10,7 @@ Four rooms, each one idea:
 :mod:`.composition`             composition scores, streamed composition top-k
 :mod:`.levels`                  top_k of labelled scores, neuron-level aggregation
 :mod:`.ioi`                     IOI prompts, head roles (name mover, S-inhibition, ...)
+:mod:`.sva`                     subject-verb agreement prompts (attractors), their metric
 :mod:`.induction`               induction prompts: random tokens repeated, corrupted twins
 :mod:`.summaries`               dataset-level neuron-head summaries (top contexts, firing, tokens)
 ==============================  ==================================================================
@@ -50,7 +51,9 @@ from tl_attnonly.analysis.composition import (
     composition_top_k,
 )
 from tl_attnonly.analysis.discovery import (
+    MIB_FRACTIONS,
     Circuit,
+    CurveScores,
     DiscoveryOptions,
     EdgeScores,
     HeadGraph,
@@ -62,10 +65,12 @@ from tl_attnonly.analysis.discovery import (
     circuit_gate_value_split,
     circuit_metric,
     circuit_metrics,
+    compare_rankings,
     discover_circuit,
     discover_node_circuit,
     edge_attribution_scores,
     faithfulness,
+    faithfulness_curve,
     logit_diff_metric,
     mask_size,
     node_attribution_scores,
@@ -74,6 +79,7 @@ from tl_attnonly.analysis.discovery import (
     pair_cosine_metric,
     path_gate_value_split,
     prune,
+    score_curve,
     top_edges,
     top_nodes,
 )
@@ -124,6 +130,15 @@ from tl_attnonly.analysis.summaries import (
     stdlib_corpus,
     summarize_neuron_heads,
 )
+from tl_attnonly.analysis.sva import (
+    SVA_TEMPLATES,
+    SVA_TEMPLATES_HELDOUT,
+    SVADataset,
+    SVAWords,
+    aligned_pairs,
+    make_sva_dataset,
+    sva_word_lists,
+)
 
 __all__ = [
     # cache
@@ -163,15 +178,19 @@ __all__ = [
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
+    "compare_rankings",
+    "CurveScores",
     "discover_circuit",
     "DiscoveryOptions",
     "discover_node_circuit",
     "edge_attribution_scores",
     "EdgeScores",
     "faithfulness",
+    "faithfulness_curve",
     "HeadGraph",
     "logit_diff_metric",
     "mask_size",
+    "MIB_FRACTIONS",
     "ModelInputs",
     "node_attribution_scores",
     "node_circuit_metrics",
@@ -182,6 +201,7 @@ __all__ = [
     "path_gate_value_split",
     "PositionClasses",
     "prune",
+    "score_curve",
     "top_edges",
     "top_nodes",
     "TopEdges",
@@ -210,6 +230,14 @@ __all__ = [
     "IOIWords",
     "IOIHeadScores",
     "make_ioi_dataset",
+    # sva
+    "aligned_pairs",
+    "make_sva_dataset",
+    "SVA_TEMPLATES",
+    "SVA_TEMPLATES_HELDOUT",
+    "SVADataset",
+    "SVAWords",
+    "sva_word_lists",
     # summaries
     "NeuronHeadSummaries",
     "SummaryOptions",

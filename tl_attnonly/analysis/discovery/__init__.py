@@ -13,6 +13,8 @@
 :mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
 :mod:`.sweep`            the sweep: exact runs of top-n circuits up to the faithfulness target
 :mod:`.refine`           pruning by exact runs: the sweep's circuit less what it does not need
+:mod:`.neuron_stage`     neurons_per_mlp="auto": named neurons per MLP node chosen by exact runs
+:mod:`.scoring`          CPR / CMD side by side, MIB's areas, signed vs absolute ranking
 =======================  ======================================================================
 """
 
@@ -58,6 +60,13 @@ from tl_attnonly.analysis.discovery.runs import (
     faithfulness,
     path_gate_value_split,
 )
+from tl_attnonly.analysis.discovery.scoring import (
+    MIB_FRACTIONS,
+    CurveScores,
+    compare_rankings,
+    faithfulness_curve,
+    score_curve,
+)
 from tl_attnonly.analysis.discovery.search import (
     coarse_nodes,
     discover_circuit,
@@ -78,6 +87,8 @@ __all__ = [
     "circuit_metric",
     "circuit_metrics",
     "coarse_nodes",
+    "compare_rankings",
+    "CurveScores",
     "discover_circuit",
     "DiscoveryOptions",
     "expand_mask",
@@ -89,11 +100,13 @@ __all__ = [
     "EdgeScores",
     "EMBED",
     "faithfulness",
+    "faithfulness_curve",
     "HeadGraph",
     "InputGroup",
     "logit_diff_metric",
     "LOGITS",
     "mask_size",
+    "MIB_FRACTIONS",
     "MLP_REST",
     "mlp_rest_label",
     "ModelInputs",
@@ -108,6 +121,7 @@ __all__ = [
     "path_gate_value_split",
     "PositionClasses",
     "prune",
+    "score_curve",
     "SourceGroup",
     "top_edges",
     "top_nodes",

@@ -172,6 +172,12 @@ class Circuit:
                 "MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)",
                 table(self.mlp_split),
             ]
+        if "neuron_stage" in self.extra:
+            lines += [
+                'neurons_per_mlp="auto": named per MLP node, remainder kept and its share, '
+                "faithfulness after each layer, exact runs",
+                table(self.extra["neuron_stage"]),
+            ]
         if self.gate_value is not None:
             lines += [
                 "gate/value split (metric units; NaN: no edge of that kind kept)",

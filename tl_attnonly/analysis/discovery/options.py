@@ -45,7 +45,11 @@ class DiscoveryOptions:
             (:func:`~tl_attnonly.analysis.top_nodes`, :class:`~.graph.HeadGraph`).
         neurons_per_mlp: ``graph="coarse"``: neurons named in each MLP node of the circuit (the
             largest node attribution ``|score|``; the rest of the layer stays one node
-            ``L{l}MLP``); 0 names none.
+            ``L{l}MLP``); 0 names none. ``"auto"``: per MLP node as few as keep the exact
+            faithfulness at ``min(target, coarse faithfulness)`` with the rest of the layer cut
+            (:mod:`~.neuron_stage`: doubling, then bisection, by exact runs), the remainder kept
+            only where ``max_neurons_per_mlp`` do not suffice (``circuit.extra["neuron_stage"]``).
+        max_neurons_per_mlp: ``neurons_per_mlp="auto"``: most neurons named per MLP node.
         neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
             gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
             expanded, with its exact faithfulness).
@@ -77,7 +81,8 @@ class DiscoveryOptions:
     nodes: Collection[str] | None = None
     n_nodes: int | None = None
     mlp_rest: bool = False
-    neurons_per_mlp: int = 8
+    neurons_per_mlp: int | str = 8
+    max_neurons_per_mlp: int = 256
     neuron_method: str = "eap"
     batch_size: int | None = None
     metric_reduction: str = "sum"
@@ -112,8 +117,15 @@ class DiscoveryOptions:
             raise ValueError(
                 f"prune_runs must be >= 0 (0: no pruning pass), got {self.prune_runs}."
             )
-        if self.neurons_per_mlp < 0:
+        if isinstance(self.neurons_per_mlp, str) or isinstance(self.neurons_per_mlp, bool):
+            if self.neurons_per_mlp != "auto":
+                raise ValueError(
+                    f"neurons_per_mlp must be an int >= 0 or 'auto', got {self.neurons_per_mlp!r}."
+                )
+        elif self.neurons_per_mlp < 0:
             raise ValueError(f"neurons_per_mlp must be >= 0, got {self.neurons_per_mlp}.")
+        if self.max_neurons_per_mlp < 1:
+            raise ValueError(f"max_neurons_per_mlp must be >= 1, got {self.max_neurons_per_mlp}.")
         if self.graph == "coarse" and (
             self.nodes is not None or self.n_nodes is not None or self.mlp_rest
         ):

@@ -19,6 +19,7 @@ from tl_attnonly.hooks import attn_head_label
 if TYPE_CHECKING:
     from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 
+
 def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
     """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on it)."""
     if dst.kind == LOGITS:

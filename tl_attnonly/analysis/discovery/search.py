@@ -27,6 +27,9 @@ fine:
    (``neuron_method``, plain EAP by default: one gradient pass; the named neurons' gate and value
    edges apart) and the gate/value split
    (:func:`~.runs.circuit_gate_value_split`) is run for the named neurons.
+   With ``neurons_per_mlp="auto"`` the count is chosen per MLP node by exact runs instead
+   (:mod:`.neuron_stage`): as few as keep the faithfulness at the target with the rest of the
+   layer cut, the remainder kept (its share stated) only where ``max_neurons_per_mlp`` do not.
 4. **What the names carry.** For each MLP node, ``Circuit.mlp_split``: the exact effect
    (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both.
 
@@ -70,6 +73,7 @@ from tl_attnonly.analysis.discovery.edge_scores import (
     mask_size,
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
+from tl_attnonly.analysis.discovery.neuron_stage import resolve_neurons
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import prune_ranked
@@ -317,7 +321,8 @@ def discover_circuit(
         A :class:`~tl_attnonly.analysis.Circuit` with ``ceiling``, ``curve``, ``node_patching``,
         ``warnings``, ``gate_value`` and (coarse graph, named neurons) ``mlp_split``;
         ``circuit.extra`` holds ``"coarse"`` (the coarse circuit before neurons were named),
-        ``"named"`` (layer -> named neurons), ``"seconds"`` (time per stage), after a pruning
+        ``"named"`` (layer -> named neurons), with ``neurons_per_mlp="auto"``
+        ``"neuron_stage"`` (:mod:`.neuron_stage`), ``"seconds"`` (time per stage), after a pruning
         pass ``"swept"`` (the sweep's circuit: edges, faithfulness) and ``"pruning"`` (one row per
         exact run: round, removed, edges, faithfulness, accepted) and, with ``n_nodes``,
         ``"nodes"`` and ``"node_scores"``.
@@ -434,7 +439,7 @@ def discover_circuit(
         extra=extra, ceiling=ceiling, curve=curve, warnings=notes,
     )  # fmt: skip
     fine_nodes = nodes
-    if opts.graph == "coarse" and opts.neurons_per_mlp > 0:
+    if opts.graph == "coarse" and opts.neurons_per_mlp != 0:
         t = time.perf_counter()
         circuit, fine_nodes = _name_neurons(
             model, circuit, clean_tokens, corrupted_tokens, metric, opts, positions
@@ -502,18 +507,30 @@ def _name_neurons(
     _, node_scores = top_nodes(
         model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
     )
+    auto = opts.neurons_per_mlp == "auto"
+    count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
     named: dict[int, list[str]] = {}
     for li in layers:
         prefix = f"L{li}N"
         layer = node_scores[[i for i in node_scores.index if i.startswith(prefix)]]
         ranked = layer.abs().sort_values(ascending=False, kind="stable")
-        named[li] = list(ranked.index[: opts.neurons_per_mlp])
+        named[li] = list(ranked.index[:count])
+    stage = {}
+    cut: set[int] = set()
+    if auto:
+        named, cut, table = resolve_neurons(
+            model, coarse, expand_mask, named, clean, corrupted, metric, opts,
+            coarse_nodes(model), positions,
+        )  # fmt: skip
+        stage = {"neuron_stage": table}
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
         nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress, positions=positions,
     )  # fmt: skip
-    mask = expand_mask(coarse.graph, coarse.mask, scores.graph)
+    mask = _without_sources(
+        expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
+    )
     masks = [mask]
     for li in layers:
         masks += [
@@ -545,7 +562,7 @@ def _name_neurons(
     split = pd.DataFrame(rows, columns=columns)
     fine = Circuit(
         scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
-        extra={**coarse.extra, "named": named,
+        extra={**coarse.extra, "named": named, **stage,
                "faithfulness_named_only": faithfulness(values[-1], m_clean, m_corr)},
         ceiling=coarse.ceiling, curve=coarse.curve, warnings=list(coarse.warnings),
         mlp_split=split,
