@@ -35,8 +35,15 @@ default there), ``bridge`` (a converted ``TransformerBridge`` of the same weight
 ``HookedTransformer``, then a line comparing them: the circuits' sizes and faithfulness, and the
 bridge's total time over the ``HookedTransformer``'s).
 
+``--repeats N`` (N > 1) makes the times robust to the machine's load: every kind measured is
+loaded, run once untimed (warm-up), then run ``N`` times, the kinds alternating round by round in
+ABBA order, and each line prints medians (the total line also the range of the runs and the
+process's CPU time). With ``--kind both`` the comparison line prints the ratio of the median
+totals, the range of the ratios within a round, and the ratio of the median CPU times, which with
+one thread hardly depends on what else runs on the machine.
+
 Run: ``python benchmarks/bench_discovery.py [--threads 2] [--examples 112] [--batch-size B]
-[--smollm2 [--ioi-prompts 16]] [--kind hooked|bridge|both] [--progress]``;
+[--smollm2 [--ioi-prompts 16]] [--kind hooked|bridge|both] [--repeats N] [--progress]``;
 ``python benchmarks/bench_discovery.py --gpt2-small [--threads 2] [--n-nodes 400] [--top-n 200]
 [--stream 1000] [--mlp-rest]``.
 """
@@ -46,6 +53,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -104,40 +112,95 @@ def bracket_task(model, n_examples: int | None):
     return module.bracket_task(model, n_examples)
 
 
-def measure_default(
-    model, clean, corrupted, metric, config: str, batch_size: int | None, progress: bool = False
-):
-    """``discover_circuit`` with its defaults: each stage's time, the total, the peak memory
-    above the loaded model and the circuit found, every line prefixed with ``config``."""
+def _run(model, clean, corrupted, metric, batch_size: int | None, progress: bool = False):
+    """One default ``discover_circuit``; its total time, the process's CPU time over it, its peak
+    memory above the loaded model and its warnings in ``circuit.extra`` (``total_seconds``,
+    ``cpu_seconds``, ``peak_bytes``, ``n_warnings``)."""
     _reset_peak()
     base = _status("VmRSS")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         circuit = discover_circuit(
             model, clean, corrupted, metric, batch_size=batch_size, progress=progress
         )
-    total = time.perf_counter() - t0
-    circuit.extra["total_seconds"] = total
-    peak = _status("VmHWM") - base
-    seconds = circuit.extra["seconds"]
-    for stage, value in seconds.items():
+    circuit.extra["total_seconds"] = time.perf_counter() - t0
+    circuit.extra["cpu_seconds"] = time.process_time() - c0
+    # (the kernel's RSS counters lag by up to a few pages: a run that allocates nothing can read
+    # a peak a little below the base)
+    circuit.extra["peak_bytes"] = max(0, _status("VmHWM") - base)
+    circuit.extra["n_warnings"] = len(caught)
+    return circuit
+
+
+def _report(config: str, runs: list):
+    """Print the runs of one model (each stage's median time, the median total and CPU time, the
+    largest peak memory, the circuit and whether every run found it) and return the last run's
+    circuit, its ``extra["total_seconds"]`` and ``extra["cpu_seconds"]`` the medians and
+    ``extra["totals"]`` every run's total."""
+    circuit = runs[-1]
+    for stage in circuit.extra["seconds"]:
+        value = statistics.median(run.extra["seconds"][stage] for run in runs)
         print(f"[{config}] {stage}: {value:.1f} s")
+    stages = statistics.median(sum(run.extra["seconds"].values()) for run in runs)
+    totals = [run.extra["total_seconds"] for run in runs]
+    total = statistics.median(totals)
+    cpu = statistics.median(run.extra["cpu_seconds"] for run in runs)
+    peak = max(run.extra["peak_bytes"] for run in runs)
+    spread = f", runs {min(totals):.2f}-{max(totals):.2f} s" if len(runs) > 1 else ""
     print(
-        f"[{config}] total: {total:.1f} s (stages {sum(seconds.values()):.1f} s); peak memory "
-        f"above the loaded model {peak / 2**20:.0f} MiB"
+        f"[{config}] total: {total:.1f} s (stages {stages:.1f} s){spread}, CPU {cpu:.1f} s; "
+        f"peak memory above the loaded model {peak / 2**20:.0f} MiB"
     )
     coarse = circuit.extra.get("coarse", circuit)
     curve = circuit.curve
+    same = {(mask_size(run.mask), run.faithfulness) for run in runs}
     print(
         f"[{config}] circuit: coarse {mask_size(coarse.mask):,} of {coarse.graph.n_edges():,} "
         f"edges, faithfulness {circuit.faithfulness:.3f} (ceiling {circuit.ceiling:.3f}, node "
         f"patching {circuit.node_patching:.3f}); {len(curve) if curve is not None else 0} exact "
         f"sweep runs, {len(circuit.extra.get('pruning', ()))} pruning runs; with named neurons "
         f"{mask_size(circuit.mask):,} edges; "
-        f"{len(caught)} warning(s)"
-    )
+        f"{circuit.extra['n_warnings']} warning(s)"
+        + ("" if len(runs) == 1 else "; the same in every run" if len(same) == 1 else
+           "; DIFFERENT across runs")
+    )  # fmt: skip
+    circuit.extra["total_seconds"] = total
+    circuit.extra["totals"] = totals
+    circuit.extra["cpu_seconds"] = cpu
     return circuit
+
+
+def measure_kinds(kinds: tuple[str, ...], load, repeats: int, batch_size, progress: bool) -> dict:
+    """The default ``discover_circuit`` on each kind; ``load(kind, note)`` gives ``(model, clean,
+    corrupted, metric, config)``, ``note`` the words the config adds for repeats.
+
+    One run (``repeats`` 1): each kind loaded, run and dropped in turn. More: all kinds loaded,
+    one untimed warm-up run each, then ``repeats`` rounds, each running every kind once,
+    alternating the order (hooked, bridge, bridge, hooked, ...) so that a change of the
+    machine's load over the rounds falls on both kinds alike; medians per kind."""
+    if repeats == 1:
+        found = {}
+        for kind in kinds:
+            model, clean, corrupted, metric, config = load(kind, "")
+            found[kind] = _report(
+                config, [_run(model, clean, corrupted, metric, batch_size, progress)]
+            )
+            del model
+        return found
+    note = (
+        f", median of {repeats} runs"
+        + (" interleaved with the other kind" if len(kinds) > 1 else "")
+        + " after a warm-up run"
+    )
+    tasks = {kind: load(kind, note) for kind in kinds}
+    for kind in kinds:
+        _run(*tasks[kind][:4], batch_size, progress)
+    runs: dict[str, list] = {kind: [] for kind in kinds}
+    for round_ in range(repeats):
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
+            runs[kind].append(_run(*tasks[kind][:4], batch_size, progress))
+    return {kind: _report(tasks[kind][4], runs[kind]) for kind in kinds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,6 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         "--smollm2", action="store_true", help="also SmolLM2-135M IOI (the [smollm2] extra; slow)"
     )
     parser.add_argument("--ioi-prompts", type=int, default=16, help="with --smollm2")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs per kind: with more than 1, a warm-up run each, then the kinds alternate "
+        "round by round and medians are printed (the ratio robust to the machine's load)",
+    )  # fmt: skip
     parser.add_argument(
         "--progress", action="store_true", help="progress bars (stderr) during discover_circuit"
     )
@@ -183,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         help="also stream the top N edges of the full graph (top_edges), timed apart",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     torch.set_num_threads(args.threads)
     if args.gpt2_small:
         if args.batch_size is None:
@@ -193,24 +263,25 @@ def main(argv: list[str] | None = None) -> None:
     if "hooked" in kinds and not HAS_HOOKED_TRANSFORMER:
         parser.error("--kind hooked/both needs TransformerLens 3.x (HookedTransformer)")
     batch = "all" if args.batch_size is None else args.batch_size
-    found = {}
-    for kind in kinds:
+
+    def bundled(kind: str, note: str):
         model = tl_attnonly.convert(_bundled(kind))
         clean, corrupted, metric = bracket_task(model, args.examples)
         config = (
             f"bundled tiny-stdlib-silu fp32{_suffix(kind, kinds)}, bracket task {clean.shape[0]} "
             f"prompts x {clean.shape[1]} tokens, batch {batch}, defaults, "
-            f"{torch.get_num_threads()} threads"
+            f"{torch.get_num_threads()} threads{note}"
         )
-        found[kind] = measure_default(
-            model, clean, corrupted, metric, config, args.batch_size, args.progress
-        )
-    _compare(found, "bundled tiny-stdlib-silu fp32, bracket task")
+        return model, clean, corrupted, metric, config
+
+    found = measure_kinds(kinds, bundled, args.repeats, args.batch_size, args.progress)
+    _compare(found, "bundled tiny-stdlib-silu fp32, bracket task", args.repeats)
     if args.smollm2:
-        found = {}
-        for kind in kinds:
-            found[kind] = _smollm2(kind, kinds, args, batch)
-        _compare(found, f"SmolLM2-135M-Instruct fp32, IOI {args.ioi_prompts} prompts")
+        found = measure_kinds(
+            kinds, lambda kind, note: _smollm2(kind, kinds, args, batch, note), args.repeats,
+            args.batch_size, args.progress,
+        )  # fmt: skip
+        _compare(found, f"SmolLM2-135M-Instruct fp32, IOI {args.ioi_prompts} prompts", args.repeats)
 
 
 def _suffix(kind: str, kinds: tuple[str, ...]) -> str:
@@ -226,7 +297,7 @@ def _bundled(kind: str):
     return load_bundled_model() if kind == "hooked" else load_bundled_bridge()
 
 
-def _smollm2(kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch):
+def _smollm2(kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch, note: str):
     from tl_attnonly.analysis import make_ioi_dataset
     from tl_attnonly.smollm2 import load_smollm2, load_smollm2_bridge
 
@@ -237,25 +308,34 @@ def _smollm2(kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch)
     config = (
         f"SmolLM2-135M-Instruct fp32{_suffix(kind, kinds)}, IOI {len(data)} prompts x "
         f"{data.tokens.shape[1]} tokens (abc, seed 1), batch {batch}, defaults, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads{note}"
     )
-    return measure_default(
-        model, data.tokens, data.corrupted_tokens, data.additive_metric(), config,
-        args.batch_size, args.progress,
-    )  # fmt: skip
+    return model, data.tokens, data.corrupted_tokens, data.additive_metric(), config
 
 
-def _compare(found: dict, config: str) -> None:
-    """One line comparing the two kinds' circuits and times (``--kind both``)."""
+def _compare(found: dict, config: str, repeats: int = 1) -> None:
+    """One line comparing the two kinds' circuits and times (``--kind both``): the bridge's
+    median CPU time and median total (wall-clock) time over the ``HookedTransformer``'s, and with
+    repeats the range of the wall-clock ratios of the runs made in the same round. With one
+    thread the CPU time hardly depends on what else runs on the machine."""
     if set(found) != {"hooked", "bridge"}:
         return
     hooked, bridge = found["hooked"], found["bridge"]
     ratio = bridge.extra["total_seconds"] / hooked.extra["total_seconds"]
+    cpu = bridge.extra["cpu_seconds"] / hooked.extra["cpu_seconds"]
+    rounds = ""
+    if repeats > 1:
+        paired = [b / h for b, h in zip(bridge.extra["totals"], hooked.extra["totals"])]
+        rounds = (
+            f"; medians of {repeats} interleaved runs, ratio per round "
+            f"{min(paired):.2f}-{max(paired):.2f}"
+        )
     print(
         f"[{config}, bridge vs AttnOnlyTransformer, {torch.get_num_threads()} threads] circuit "
         f"edges {mask_size(bridge.mask):,} vs {mask_size(hooked.mask):,}, faithfulness "
         f"{bridge.faithfulness:.3f} vs {hooked.faithfulness:.3f} (difference "
-        f"{bridge.faithfulness - hooked.faithfulness:+.3f}); time {ratio:.2f}x"
+        f"{bridge.faithfulness - hooked.faithfulness:+.3f}){rounds}; CPU time {cpu:.2f}x; "
+        f"time {ratio:.2f}x"
     )
 
 

@@ -65,3 +65,60 @@ def test_gpt2_small_two_stage_measurement_runs_on_a_small_config(capsys):
     tag = "[GPT-2-small-shaped 1L d_mlp 32 gelu, 2x4, batch 4, N=10 T=5, 1 threads]"
     assert out.startswith("config: 1 layers")
     assert f"{tag} restricted graph: " in out and f"{tag} two-stage total " in out
+
+
+def test_repeats_print_medians_of_the_default_kind(capsys):
+    """``--repeats``: a warm-up run, then medians; the lines keep their shape."""
+    _bench()["main"](["--examples", "4", "--threads", "1", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(STAGES) + 2
+    assert all(
+        line.split("] ")[0].endswith(", median of 2 runs after a warm-up run") for line in lines
+    )
+    [total] = [line for line in lines if "] total: " in line]
+    assert re.search(r"\(stages [\d.]+ s\), runs [\d.]+-[\d.]+ s, CPU [\d.]+ s; peak", total)
+    assert lines[-1].endswith("; the same in every run")
+
+
+def test_repeats_alternate_the_kinds_round_by_round(monkeypatch):
+    """Both kinds loaded, one warm-up run each, then rounds in alternating order (a drift of the
+    machine's load falls on both kinds alike); each kind's runs reported together."""
+    measure = _bench()["measure_kinds"]
+    order: list[str] = []
+    monkeypatch.setitem(measure.__globals__, "_run", lambda kind, *rest: order.append(kind) or kind)
+    monkeypatch.setitem(measure.__globals__, "_report", lambda config, runs: (config, runs))
+    found = measure(
+        ("hooked", "bridge"), lambda kind, note: (kind, 0, 0, 0, kind + note), 3, None, False
+    )
+    assert order == ["hooked", "bridge"] + [
+        "hooked",
+        "bridge",
+        "bridge",
+        "hooked",
+        "hooked",
+        "bridge",
+    ]
+    note = ", median of 3 runs interleaved with the other kind after a warm-up run"
+    assert found == {kind: (kind + note, [kind] * 3) for kind in ("hooked", "bridge")}
+    order.clear()
+    found = measure(
+        ("hooked", "bridge"), lambda kind, note: (kind, 0, 0, 0, kind + note), 1, None, False
+    )
+    assert order == ["hooked", "bridge"]  # one run: no warm-up, each kind in turn
+    assert found == {kind: (kind, [kind]) for kind in ("hooked", "bridge")}
+
+
+@pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="both kinds need HookedTransformer")
+def test_both_kinds_interleaved_print_the_ratio_of_medians(capsys):
+    _bench()["main"](["--examples", "4", "--threads", "1", "--kind", "both", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    note = ", median of 2 runs interleaved with the other kind after a warm-up run] "
+    assert sum(note in line for line in lines) == 2 * (len(STAGES) + 2)
+    [compare] = [line for line in lines if "bridge vs AttnOnlyTransformer" in line]
+    assert re.search(
+        r"medians of 2 interleaved runs, ratio per round [\d.]+-[\d.]+; CPU time [\d.]+x; "
+        r"time [\d.]+x$",
+        compare,
+    )
+    edges = re.search(r"circuit edges (\d+) vs (\d+), faithfulness ([\d.]+) vs ([\d.]+)", compare)
+    assert edges.group(1) == edges.group(2) and edges.group(3) == edges.group(4)

@@ -37,6 +37,8 @@ against the installed versions.
                                     put a given tensor itself at a dotted name
 :func:`build_bridge_from_module`    TL's bridge over a Hugging Face model in memory (offline)
 :func:`boot_bridge`                 TL's ``TransformerBridge.boot_transformers`` (the hub)
+:func:`hook_alias_generation`       TL's count of bridge hook-alias rebinds (``model_bridge.
+                                    generalized_components.base.alias_generation``)
 ==================================  ==============================================================
 """
 
@@ -218,6 +220,17 @@ def boot_bridge(name: str, **kwargs: Any) -> Any:
     from transformer_lens.model_bridge import TransformerBridge as Bridge
 
     return Bridge.boot_transformers(name, **kwargs)
+
+
+def hook_alias_generation() -> int:
+    """TransformerLens's count of the times a bridge component rebound its hook aliases
+    (``model_bridge.generalized_components.base.alias_generation``, 3.9 and 4.x; 0 where there
+    is none): a bridge's alias resolution read while it had one value holds while it has it."""
+    try:
+        from transformer_lens.model_bridge.generalized_components.base import alias_generation
+    except ImportError:
+        return 0
+    return int(alias_generation())
 
 
 def build_bridge_from_module(*args: Any, **kwargs: Any) -> Any:

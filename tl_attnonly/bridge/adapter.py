@@ -16,6 +16,10 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
   the tokens whose residual stream entering block ``l`` is replaced (same result, more compute).
   Passes never skip leading positions (``prefix_reuse`` is false): the bridge has no frozen
   key-value cache.
+* **Hooks by name.** ``run_with_hooks`` and ``hooks`` resolve hook names once
+  (:class:`BridgeHooks`) instead of once per hook as the bridge's own ``run_with_hooks`` does on
+  TransformerLens 3.x (each read of a bridge's ``hook_dict`` rebuilds every alias), then call the
+  bridge's ``forward``; hook functions see ``hook.name`` as the name they were added by.
 * **Raw and compatibility mode.** Everything is read live from the components, so both work;
   in compatibility mode the weights are the processed ones (folded norms), exactly as the bridge
   runs them.
@@ -23,14 +27,21 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
 
-from tl_attnonly._compat import BRIDGE_STARTS_AT_LAYER, child_module
+from tl_attnonly._compat import (
+    BRIDGE_STARTS_AT_LAYER,
+    HAS_HOOKED_TRANSFORMER,
+    child_module,
+    hook_alias_generation,
+)
 from tl_attnonly.protocol import AdapterBase, Block, Hooks, ModelFacts, Tensor
 
 
@@ -194,10 +205,14 @@ def _facts(bridge: Any) -> ModelFacts:
     blocks = list(bridge.blocks)
     first = blocks[0]
     attn: Any = child_module(first, "attn")
-    post_norm = bool(getattr(cfg, "use_normalization_before_and_after", False)) or any(
-        child_module(block, name) is not None
-        for block in blocks
-        for name in ("ln1_post", "ln2_post")
+    post_norm = (
+        bool(getattr(cfg, "use_normalization_before_and_after", False))
+        or getattr(cfg, "do_layer_norm_before", True) is False  # OPT's post-LN (opt-350m)
+        or any(
+            child_module(block, name) is not None
+            for block in blocks
+            for name in ("ln1_post", "ln2_post")
+        )
     )
     qk_norm = bool(getattr(cfg, "use_qk_norm", False)) or any(
         child_module(cast(nn.Module, child_module(block, "attn")), name) is not None
@@ -245,12 +260,17 @@ class BridgeAdapter(AdapterBase):
     """
 
     kind = "TransformerBridge"
-    is_encoder = False
-    can_resume = True
 
     def __init__(self, bridge: Any):
         self.model = bridge
         self.cfg = _facts(bridge)
+        #: A BERT-style encoder (post-LN, bidirectional): TL 4 says ``attention_dir``; TL 3.9's
+        #: BERT bridge does not, but its Hugging Face model cannot generate (a masked LM).
+        self.is_encoder = self.cfg.attention_dir == "bidirectional" or not bool(
+            getattr(bridge.original_model, "can_generate", lambda: True)()
+        )
+        #: Runs from a block (output deltas, exact circuit runs) are decoder runs.
+        self.can_resume = not self.is_encoder
         eps = float(getattr(bridge.cfg, "eps", 1e-5))
         self.blocks: list[Block] = []
         for block in bridge.blocks:
@@ -266,6 +286,7 @@ class BridgeAdapter(AdapterBase):
                 )
             )
         self.ln_final = _norm(getattr(bridge, "ln_final", None), eps)
+        self._hooks = BridgeHooks(bridge)
 
     # ------------------------------------------------------------------ neuron-heads
     @property
@@ -296,18 +317,37 @@ class BridgeAdapter(AdapterBase):
         set_use_neuron_result(self.model, use_neuron_result)
 
     # ------------------------------------------------------------------ hooks by the names asked
+    @property
+    def hook_dict(self) -> dict[str, Any]:
+        return dict(self._hooks.points())
+
     def run_with_hooks(self, *args: Any, fwd_hooks: Any = (), bwd_hooks: Any = (), **kwargs: Any):
-        return self.model.run_with_hooks(
-            *args, fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
-        )
+        """The bridge's ``run_with_hooks``, its hooks added by :class:`BridgeHooks` (names resolved
+        once, not once per hook): the hooks on, then the bridge's ``forward``, then the hooks off.
+        Options only TransformerLens's ``run_with_hooks`` takes (``stop_at_layer``,
+        ``reset_hooks_end``, ...) go to it as they are."""
+        if kwargs.keys() & _RUN_OPTIONS:
+            return self.model.run_with_hooks(
+                *args, fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
+            )
+        with self._hooks.added(fwd_hooks, bwd_hooks, kwargs.get("start_at_layer")):
+            return self.model.forward(*args, **kwargs)
 
     def hooks(self, fwd_hooks: Any = (), bwd_hooks: Any = (), **kwargs: Any) -> Any:
-        return self.model.hooks(
-            fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
-        )
+        if kwargs:  # reset_hooks_end / clear_contexts: TransformerLens's own context manager
+            return self.model.hooks(
+                fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
+            )
+        return self._hooks.added(fwd_hooks, bwd_hooks)
 
     def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> BridgeLayerRunner:
-        return BridgeLayerRunner(self, tokens, self.cfg.n_layers)
+        if not self.can_resume:
+            raise TypeError("An encoder bridge cannot start a forward pass at a layer.")
+        # A 4.x bridge's start_at_layer recomputes rotary and learned positions but not
+        # position biases given to every block (ALiBi: BLOOM, MPT, Falcon), which then differ
+        # from the full pass: those run full passes with the entering residual replaced.
+        starts = BRIDGE_STARTS_AT_LAYER and self.cfg.positional_embedding_type in RESUMABLE
+        return BridgeLayerRunner(self, tokens, self.cfg.n_layers, starts_at_layer=starts)
 
 
 class HookAs:
@@ -327,20 +367,179 @@ class HookAs:
         return getattr(self._hook, attribute)
 
 
+def _seen_as(fn: Callable, name: str) -> Callable:
+    """``fn`` as a hook function that sees ``hook.name`` as ``name`` (:class:`HookAs`)."""
+
+    def as_named(tensor: Any, hook: Any) -> Any:
+        return fn(tensor, hook=HookAs(hook, name))
+
+    return as_named
+
+
 def named_hooks(hooks: Any) -> list[tuple[Any, Callable]]:
     """``(name, fn)`` hooks whose functions see ``hook.name`` as ``name`` (:class:`HookAs`);
     hooks added by a filter function are passed as they are."""
-    out: list[tuple[Any, Callable]] = []
-    for name, fn in hooks or ():
-        if isinstance(name, str):
+    return [(name, _seen_as(fn, name) if isinstance(name, str) else fn) for name, fn in hooks or ()]
 
-            def as_named(tensor: Any, hook: Any, _fn: Callable = fn, _name: str = name) -> Any:
-                return _fn(tensor, hook=HookAs(hook, _name))
 
-            out.append((name, as_named))
+#: Options of TransformerLens's ``run_with_hooks`` that its ``forward`` does not take: a run given
+#: one goes through the bridge's own ``run_with_hooks``.
+_RUN_OPTIONS = frozenset(
+    ("reset_hooks_end", "clear_contexts", "names_filter", "stop_at_layer", "remove_batch_dim")
+)
+
+
+def _embedding_stage(name: str) -> bool:
+    """A hook of the embedding stage, which a run from a block skips (as TransformerLens 4's
+    ``run_with_hooks(..., start_at_layer=l)`` does)."""
+    return name in ("hook_embed", "hook_pos_embed", "hook_tokens") or name.startswith(
+        ("embed.", "pos_embed.")
+    )
+
+
+class BridgeHooks:
+    """Hooks added to a bridge's hook points by name, each name resolved as the bridge's
+    ``run_with_hooks`` resolves it (``hook_dict`` and its aliases), but not once per hook.
+
+    A bridge's ``hook_dict`` rebuilds every alias on each read, and TransformerLens 3.x's
+    ``run_with_hooks`` reads it once per hook: milliseconds per hook on a 30-layer model, more
+    than the forward pass for the hundreds of hooks of an exact circuit run. The resolution
+    here is read once and kept while the bridge's hook points are the same objects, TL's alias
+    generation is the same and compatibility mode is unchanged (the hook points are kept alive
+    by the table, so their identities cannot be reused while it holds them).
+
+    What the bridge's ``run_with_hooks`` does with a hook is done here the same way: a name it
+    refuses (``check_hooks_to_add``) is refused, a filter's gated-off matches are skipped with a
+    warning, a hook is added at a new context level (an alias in compatibility mode with both
+    names) and removed at that level afterwards, and a run from a block skips the hooks of the
+    embedding stage and of earlier blocks. A name the bridge does not have raises ``KeyError``.
+
+    Args:
+        bridge: The ``TransformerBridge``.
+    """
+
+    def __init__(self, bridge: Any):
+        self.bridge = bridge
+        self._state: tuple[Any, ...] | None = None
+        self._points: dict[str, Any] = {}
+        self._canonical: dict[str, str] = {}
+
+    def _current(self) -> tuple[Any, ...]:
+        hook_points = getattr(self.bridge, "hook_points", None)
+        if hook_points is None:  # no registry to check against: read it every time
+            return (object(),)
+        compatible = bool(getattr(self.bridge, "compatibility_mode", False))
+        return (tuple(map(id, hook_points())), hook_alias_generation(), compatible)
+
+    def points(self) -> dict[str, Any]:
+        """The bridge's ``hook_dict`` (every name, aliases included -> its hook point), read
+        again only when the bridge's hook points or aliases changed."""
+        state = self._current()
+        if state != self._state:
+            hook_dict = self.bridge.hook_dict
+            self._points = dict(hook_dict)
+            # run_with_hooks: an alias is the name of its hook point (build_alias_to_canonical_map)
+            self._canonical = {name: point.name or name for name, point in hook_dict.items()}
+            self._state = state
+        return self._points
+
+    def resolve(self, name: str, points: dict[str, Any] | None = None) -> tuple[str, Any]:
+        """``(canonical name, hook point)`` of the hook point ``name`` (or an alias) names.
+
+        Args:
+            name: The name.
+            points: :meth:`points`, if just read (it checks the bridge's hook points).
+
+        Raises:
+            KeyError: If the bridge has no hook point of that name.
+        """
+        points = self.points() if points is None else points
+        canonical = self._canonical.get(name, name)
+        if canonical not in points:
+            raise KeyError(f"Hook name {name!r} does not exist on this model.")
+        return canonical, points[canonical]
+
+    def _refusal(self, point: Any, name: str, fn: Callable, direction: str) -> None:
+        """The bridge's own check of a hook before it is added (raises ``ValueError`` for a
+        gated-off hook point; its signature changed in TransformerLens 4)."""
+        if HAS_HOOKED_TRANSFORMER:  # TransformerLens 3.x
+            self.bridge.check_hooks_to_add(name)
         else:
-            out.append((name, fn))
-    return out
+            self.bridge.check_hooks_to_add(point, name, fn, dir=direction)
+
+    @contextmanager
+    def added(
+        self, fwd_hooks: Any = (), bwd_hooks: Any = (), start_at_layer: int | None = None
+    ) -> Iterator[Any]:
+        """The hooks on for the ``with`` block (their functions see ``hook.name`` as the name
+        they were added by, :class:`HookAs`), off after it; the hooks added before stay."""
+        bridge = self.bridge
+        start = start_at_layer
+        if start is not None and start < 0:
+            start += len(bridge.blocks)
+        level = getattr(bridge, "context_level", 0) + 1
+        compatible = bool(getattr(bridge, "compatibility_mode", False))
+        added: list[tuple[Any, str]] = []
+
+        def add(point: Any, fn: Callable, name: str, direction: str) -> None:
+            if start is not None:
+                if _embedding_stage(name):
+                    return
+                parts = name.split(".")
+                if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+                    if int(parts[1]) < start:
+                        return
+            if compatible and name != point.name:
+                aliases = ([point.name] if point.name is not None else []) + [name]
+                point.add_hook(fn, dir=direction, level=level, alias_names=aliases)
+            else:
+                point.add_hook(fn, dir=direction, level=level)
+            added.append((point, direction))
+
+        points = self.points()
+
+        def apply(hooks: Any, direction: str) -> None:
+            for name, fn in hooks or ():
+                if isinstance(name, str):
+                    canonical, point = self.resolve(name, points)
+                    fn = _seen_as(fn, name)
+                    self._refusal(point, canonical, fn, direction)
+                    add(point, fn, canonical, direction)
+                    continue
+                seen: set[int] = set()
+                skipped: list[str] = []
+                for key, point in points.items():
+                    if not name(key) or id(point) in seen:
+                        continue
+                    seen.add(id(point))
+                    try:
+                        self._refusal(point, point.name or key, fn, direction)
+                    except ValueError:
+                        skipped.append(key)
+                        continue
+                    add(point, fn, point.name or key, direction)
+                if skipped:
+                    warnings.warn(
+                        f"run_with_hooks: skipped {len(skipped)} gated-off hook name(s) that "
+                        f"would never fire: {skipped}. Call the relevant set_use_*(True) setter "
+                        "first to enable them.",
+                        stacklevel=4,
+                    )
+
+        try:
+            bridge.context_level = level
+            apply(fwd_hooks, "fwd")
+            apply(bwd_hooks, "bwd")
+            yield bridge
+        finally:
+            for point, direction in added:
+                point.remove_hooks(dir=direction, level=level)
+            bridge.context_level = level - 1
+
+
+#: Positional embeddings with which a 4.x bridge's ``start_at_layer`` run equals the full pass
+#: from that block (tested in ``tests/bridge/test_layouts_bridge.py`` and the analysis suites).
+RESUMABLE = ("standard", "rotary")
 
 
 class BridgeLayerRunner:
@@ -350,15 +549,26 @@ class BridgeLayerRunner:
         bridge: The bridge's adapter.
         tokens: The batch the residual streams given to :meth:`run` are copies of.
         n_layers: Its blocks.
+        starts_at_layer: Run from the block with TransformerLens 4's ``start_at_layer``; else
+            (TL 3.9, or positions that a run from a block would not see) a full pass from the
+            tokens with the block's entering residual replaced.
     """
 
     prefix_reuse = False
 
-    def __init__(self, bridge: Any, tokens: Int[torch.Tensor, "batch pos"], n_layers: int):
+    def __init__(
+        self,
+        bridge: Any,
+        tokens: Int[torch.Tensor, "batch pos"],
+        n_layers: int,
+        *,
+        starts_at_layer: bool = BRIDGE_STARTS_AT_LAYER,
+    ):
         self.model = bridge  # the adapter: hooks see the names they were added by
         self.tokens = tokens
         self.batch = tokens.shape[0]
         self.n_layers = n_layers
+        self.starts_at_layer = starts_at_layer
 
     def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
         copies = resid.shape[0] // self.batch
@@ -372,7 +582,7 @@ class BridgeLayerRunner:
             return resid
 
         with torch.no_grad():
-            if BRIDGE_STARTS_AT_LAYER:
+            if self.starts_at_layer:
                 if layer < self.n_layers:
                     return self.model.run_with_hooks(resid, start_at_layer=layer, fwd_hooks=hooks)
                 # the last block runs, its output replaced
@@ -387,6 +597,7 @@ class BridgeLayerRunner:
 __all__ = [
     "BridgeAdapter",
     "BridgeAttention",
+    "BridgeHooks",
     "BridgeLayerRunner",
     "BridgeNorm",
     "HookAs",
