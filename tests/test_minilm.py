@@ -128,13 +128,22 @@ def test_loader_matches_hf_bert_model(any_minilm, sentences, bert_hidden):
     assert torch.allclose(pooled.norm(dim=-1), torch.ones(24), atol=1e-6)
 
 
-def test_bridge_conversion_is_refused_naming_the_layer(minilm_bridge, sentences):
-    """tl_attnonly.convert refuses a BERT bridge (its MLP projections are not the MLP's own
-    submodules) before changing anything: the hidden states stay the same."""
+def test_bridge_converts_in_place_and_unconverts(minilm_bridge, sentences):
+    """tl_attnonly.convert converts a BERT bridge in place (a containerless bridge MLP: the
+    neuron-heads run in ``intermediate_act_fn``'s slot): the hidden states move by no more than
+    the GELU heads' error allows, and ``unconvert_bridge`` gives them back bit for bit. (The
+    pooled-cosine test: tests/bridge/test_layouts_bridge.py.)"""
+    from tl_attnonly.bridge import unconvert_bridge
+
     bridge, tokenizer = minilm_bridge
-    before, _, _ = encode_sentences(bridge, tokenizer, sentences[:4])
-    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp: .*intermediate\.dense"):
-        tl_attnonly.convert(bridge)
+    before, _, mask = encode_sentences(bridge, tokenizer, sentences[:4])
+    try:
+        assert tl_attnonly.convert(bridge) is bridge
+        converted, _, _ = encode_sentences(bridge, tokenizer, sentences[:4])
+    finally:
+        unconvert_bridge(bridge)
+    diff = (converted - before)[mask.bool()].abs().max().item()
+    assert 0 < diff <= 1e-3, diff
     after, _, _ = encode_sentences(bridge, tokenizer, sentences[:4])
     assert torch.equal(before, after)
 

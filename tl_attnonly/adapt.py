@@ -41,6 +41,8 @@ def analysis_model(model: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
             "run_with_cache / run_with_hooks and the tl_attnonly.hooks presets."
         )
     elif _is_transformer_bridge(model):
+        if neuron_heads:  # before the adapter reads the attention (DeepSeek's MLA has no W_K)
+            _refuse_experts(_bridge_layers(model))
         adapted = BridgeAdapter(model)
     elif _is_hooked_root(model):
         adapted = HookedAdapter(model)
@@ -77,14 +79,28 @@ def _require_neuron_heads(model: AttnOnlyModel) -> None:
             + (", in place for a bridge" if model.kind == "TransformerBridge" else "")
             + ") and use the converted model (and its caches)."
         )
-    for index, layer in enumerate(model.neuron_heads):
+    _refuse_experts(model.neuron_heads)
+
+
+def _bridge_layers(bridge: Any) -> list[Any]:
+    """A converted bridge's neuron-head layers (none for an unconverted one)."""
+    from tl_attnonly.bridge.convert import is_converted_bridge, neuron_head_layers
+
+    return list(neuron_head_layers(bridge)) if is_converted_bridge(bridge) else []
+
+
+def _refuse_experts(layers: list[Any]) -> None:
+    """Refuse the first mixture-of-experts layer (``NeuronHeadMoE``, a bridge's
+    ``BridgeNeuronHeadExperts``), by name."""
+    for index, layer in enumerate(layers):
         if getattr(layer, "is_mixture_of_experts", False):
             raise NotImplementedError(
-                f"blocks.{index}.mlp is a mixture of experts (NeuronHeadMoE): the analysis tools "
-                "work on dense neuron-head layers, and an expert sees only the tokens routed to "
-                "it. Use the experts' hooks directly (blocks.{l}.mlp.experts.{e}.hook_pattern, "
-                "hook_z, ...; router: blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) "
-                "with run_with_cache / run_with_hooks."
+                f"blocks.{index}.mlp is a mixture of experts ({type(layer).__name__}): the "
+                "analysis tools work on dense neuron-head layers, and an expert sees only the "
+                "tokens routed to it. Use the experts' hooks directly "
+                "(blocks.{l}.mlp.experts.{e}.hook_pattern, hook_z, ...; router: "
+                "blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) with run_with_cache / "
+                "run_with_hooks."
             )
 
 

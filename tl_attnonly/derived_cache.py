@@ -310,7 +310,8 @@ def neuron_head_cache(cache: ActivationCache) -> NeuronHeadActivationCache:
     if isinstance(cache, NeuronHeadActivationCache):
         return cache
     hook_dict = getattr(cache.model, "hook_dict", {})
-    if not any(name.endswith(".mlp.hook_pattern") for name in hook_dict):
+    # (a mixture of experts: blocks.{l}.mlp.experts.{e}.hook_pattern)
+    if not any(".mlp." in name and name.endswith(".hook_pattern") for name in hook_dict):
         raise ValueError(
             f"neuron_head_cache: the cache's model ({type(cache.model).__name__}) has no "
             "neuron-head hooks (blocks.0.mlp.hook_pattern). Convert it first: "

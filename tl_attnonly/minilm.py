@@ -14,9 +14,10 @@ exactly as sentence-transformers does, from either form of the model:
   ``convert_bert_weights``; :func:`tl_attnonly.convert_encoder` converts it.
 * :func:`load_minilm_bridge` (TransformerLens 3.x and 4.x): a ``TransformerBridge`` around the
   Hugging Face ``BertForMaskedLM`` (TransformerLens's BERT adapter, built offline). Its hooks
-  and sentence embeddings work; :func:`tl_attnonly.convert` refuses it (a BERT bridge's MLP
-  projections live in two modules, ``intermediate.dense`` and ``output.dense``, which the bridge
-  conversion does not rewrite), so converting MiniLM needs TransformerLens 3.x.
+  and sentence embeddings work, and :func:`tl_attnonly.convert` converts it in place (BERT's MLP
+  is a containerless bridge MLP: the neuron-heads run in the slot of ``intermediate_act_fn``, see
+  :mod:`tl_attnonly.bridge.containerless`); pooled embeddings keep cosine >= 0.99999 with the
+  unconverted bridge's (``tests/bridge/test_layouts_bridge.py``).
 
 Example:
     >>> model, tokenizer = load_minilm()  # or load_minilm_bridge()
@@ -66,9 +67,8 @@ def _require_hooked_encoder(what: str) -> None:
             f"{what} needs TransformerLens's HookedTransformer / HookedEncoder, which "
             "TransformerLens 4.x removed. On 4.x, all-MiniLM-L6-v2 as a TransformerBridge, "
             "offline: bridge, tokenizer = tl_attnonly.minilm.load_minilm_bridge() (hooks, hidden "
-            "states and sentence embeddings: encode_sentences(bridge, tokenizer, sentences)); "
-            "converting it (convert_encoder) needs transformer-lens>=3,<4: tl_attnonly.convert "
-            "refuses a BERT bridge."
+            "states and sentence embeddings: encode_sentences(bridge, tokenizer, sentences)), "
+            "which tl_attnonly.convert(bridge) converts in place."
         )
 
 
@@ -224,7 +224,7 @@ def load_minilm_bridge(
     The checkpoint has no MLM head: its transform is set to zero (deterministic, and visibly not
     trained; the unembedding is tied to the token embedding) -- use the hidden states
     (:func:`encode_sentences`, or ``blocks.5.hook_out`` with the attention mask passed), not the
-    logits. ``tl_attnonly.convert`` refuses the bridge (see the module docstring).
+    logits. ``tl_attnonly.convert(bridge)`` converts it in place (see the module docstring).
 
     Args:
         dtype: Parameter dtype (``torch.float32`` or ``torch.float64``).

@@ -303,21 +303,23 @@ def test_compatibility_mode_after_convert_refuses_then_reconvert_works(tokens):
 # ---------------------------------------------------------------- refusals
 
 
-def test_refuses_mixture_of_experts_naming_the_layer():
+def test_refuses_unsupported_experts_naming_the_layer():
+    """Mixtures of experts convert (tests/bridge/test_moe_bridge.py); experts with an activation
+    no neuron-head represents are refused before any change, naming the experts."""
     import transformers
     from bridge_models import build_bridge_from_module
 
     config = transformers.MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-    )
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, hidden_act="relu2",
+    )  # fmt: skip
     bridge = build_bridge_from_module(
         transformers.MixtralForCausalLM(config).eval(), "MixtralForCausalLM", hf_config=config
     )
-    original = bridge.blocks[0].mlp.original_component
-    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp is a mixture of experts"):
+    experts = bridge.blocks[0].mlp.original_component.experts
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.experts .*not one neuron-heads can"):
         tl_attnonly.convert(bridge)
-    assert bridge.blocks[0].mlp.original_component is original
+    assert bridge.blocks[0].mlp.original_component.experts is experts
 
 
 @pytest.mark.parametrize("act", ["tanh", "relu2"])

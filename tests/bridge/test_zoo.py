@@ -12,6 +12,7 @@ from zoo import (
     build_bridge,
     build_hf_model,
     convert_zoo_bridge,
+    dtype_params,
     tokens,
 )
 
@@ -21,19 +22,7 @@ BROKEN = [name for name in ZOO if ZOO[name].broken]
 DTYPES = [torch.float32, torch.float64]
 
 
-def _dtype_params(names: list[str]) -> list:
-    """(name, dtype) pairs, skipping float64 where the model cannot run in it."""
-    out = []
-    for name in names:
-        for dtype in DTYPES:
-            marks = []
-            if dtype == torch.float64 and ZOO[name].no_fp64:
-                marks = [pytest.mark.skip(reason=ZOO[name].no_fp64)]
-            out.append(pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}", marks=marks))
-    return out
-
-
-@pytest.mark.parametrize(("name", "dtype"), _dtype_params(WORKING))
+@pytest.mark.parametrize(("name", "dtype"), dtype_params(WORKING))
 def test_unconverted_bridge_matches_hf_model(name, dtype):
     """The bridge's logits are the wrapped HF model's, and its hooks fire."""
     bridge = build_bridge(name, dtype)
@@ -69,26 +58,15 @@ needs_convert = pytest.mark.skipif(
 #: What the conversion must do with each zoo model: "exact", "approximate", or a substring of
 #: the refusal's message. Derived from the MLP kind and the activation; the overrides are the
 #: bridge components with no neuron-head form (yet).
-_REFUSED_COMPONENTS = {
-    "phi3": "JointGateUpMLPBridge",
-    "glm": "JointGateUpMLPBridge",
-    "glm4": "JointGateUpMLPBridge",
-    "bloom": "BloomMLPBridge",
-    "bert": "intermediate.dense",
-    "mpt": "MptMLP",
-    # TL's bridge maps these MLPs onto the whole decoder layer (fc1/fc2 are the layer's own
-    # attributes): the conversion's self-check sees a layer, not out(act(in x)), and refuses.
-    "opt": "OPTDecoderLayer",
-    "xglm": "XGLMDecoderLayer",
-}
+_REFUSED_COMPONENTS: dict[str, str] = {}
 
 
 def expected(name: str) -> str:
     spec = ZOO[name]
     if name in _REFUSED_COMPONENTS:
         return _REFUSED_COMPONENTS[name]
-    if spec.mlp == "moe":
-        return "mixture of experts"
+    if name == "gpt_oss":  # its experts clamp gate and up before the product (test_moe_bridge)
+        return "clamp"
     if spec.act in ("relu2", "xielu"):
         return {"relu2": "ReLUSquared", "xielu": "XIELU"}[spec.act]
     return "exact" if spec.act == "silu" else "approximate"
@@ -108,7 +86,7 @@ LOGIT_FACTOR = 100
 
 
 @needs_convert
-@pytest.mark.parametrize(("name", "dtype"), _dtype_params(CONVERTIBLE))
+@pytest.mark.parametrize(("name", "dtype"), dtype_params(CONVERTIBLE))
 def test_converted_bridge_matches_unconverted(name, dtype):
     """Head path (``fused=False``: every neuron's heads are evaluated): the logits, and layer 0's
     ``hook_post`` per neuron (same input in both), within the activation's bound."""
@@ -119,7 +97,10 @@ def test_converted_bridge_matches_unconverted(name, dtype):
     converted = convert_zoo_bridge(bridge, fused=False)
     with torch.no_grad():
         logits, conv_cache = converted.run_with_cache(toks)
-    assert "blocks.0.mlp.hook_pattern" in conv_cache, "the MLPs must run as neuron-heads"
+    # (a mixture of experts: blocks.0.mlp.experts.{e}.hook_pattern, see test_moe_bridge.py)
+    assert any(
+        k.startswith("blocks.0.mlp.") and k.endswith("hook_pattern") for k in conv_cache.keys()
+    ), "the MLPs must run as neuron-heads"
     dlogit = (logits - reference).abs().max().item()
     post_err = (conv_cache["blocks.0.mlp.hook_post"] - cache["blocks.0.mlp.hook_post"]).abs()
     if expected(name) == "exact":
@@ -128,7 +109,9 @@ def test_converted_bridge_matches_unconverted(name, dtype):
         return
     from tl_attnonly.bridge import neuron_head_layers
 
-    act_error = neuron_head_layers(converted)[0].coefficients.max_abs_error()
+    layer = neuron_head_layers(converted)[0]
+    # (plus the activation's distance from the one the heads fit: BLOOM's GELU, 2.5e-10)
+    act_error = layer.coefficients.max_abs_error() + getattr(layer, "activation_deviation", 0)
     assert act_error > 0
     pre = cache["blocks.0.mlp.hook_pre"]
     assert pre.abs().max() < 20, "test inputs must stay in the fitted range"

@@ -343,6 +343,19 @@ ZOO_LIST: list[ZooModel] = [
         "silu",
     ),
     ZooModel(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(
+            _MOE,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "moe",
+        "silu",
+    ),
+    ZooModel(
         "xglm",
         "XGLMForCausalLM",
         "XGLMConfig",
@@ -470,6 +483,21 @@ def build_bridge(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -
         warnings.simplefilter("ignore")
         bridge = build_bridge_from_module(model, spec.architecture, hf_config=config, dtype=dtype)
     return bridge
+
+
+def dtype_params(names: list[str]) -> list[Any]:
+    """``pytest.param(name, dtype)`` for float32 and float64, float64 skipped where the model
+    cannot run in it (``no_fp64``)."""
+    import pytest
+
+    out = []
+    for name in names:
+        for dtype in (torch.float32, torch.float64):
+            marks = []
+            if dtype == torch.float64 and ZOO[name].no_fp64:
+                marks = [pytest.mark.skip(reason=ZOO[name].no_fp64)]
+            out.append(pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}", marks=marks))
+    return out
 
 
 def tokens(batch: int = 2, pos: int = 9, seed: int = 1) -> torch.Tensor:

@@ -168,6 +168,6 @@ def test_moe_layer_sets_compiled_on_every_expert():
         make_model("gelu_new", torch.float64, **moe), conversion=ConversionOptions(compiled=True)
     )
     layer = converted.blocks[0].mlp
-    assert layer.compiled and all(expert.compiled for expert in layer._expert_list())
+    assert layer.compiled and all(expert.compiled for expert in layer.expert_list())
     layer.compiled = False
-    assert not any(expert.compiled for expert in layer._expert_list())
+    assert not any(expert.compiled for expert in layer.expert_list())

@@ -12,10 +12,9 @@ the component, so they are ``blocks.{l}.mlp.hook_pattern`` etc. in ``hook_dict``
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,7 +22,6 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from tl_attnonly._compat import (
-    TL_ACTIVATIONS,
     bridge_bypasses_original,
     child_module,
     mlp_config,
@@ -33,6 +31,21 @@ from tl_attnonly._compat import (
     unregister_bridge_hooks,
 )
 from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.bridge.experts import (
+    BridgeNeuronHeadExperts,
+    ExpertsPlan,
+    SharedGatedNeuronHeadMLP,
+    SharedNeuronHeadMLP,
+    build_experts,
+    check_experts,
+    dense_moe_keys,
+    is_bridge_component,
+    mount_experts,
+    mounted_experts,
+    plan_experts,
+    unmount_experts,
+)
+from tl_attnonly.bridge.layouts import Layout, plan_layout
 from tl_attnonly.bridge.modules import (
     BRIDGE_NEURON_HEAD_HOOKS,
     BridgeGatedNeuronHeadMLP,
@@ -40,17 +53,12 @@ from tl_attnonly.bridge.modules import (
     BridgeNeuronHeadMLP,
     tl_matrix,
 )
+from tl_attnonly.bridge.sites import ACTIVATION_ATTRIBUTES, eval_mode, identify_activation
 from tl_attnonly.options import ConversionOptions
 
 #: Bridge MLP components (class names) that are converted, and their projections.
 PLAIN_BRIDGES = ("MLPBridge",)
 GATED_BRIDGES = ("GatedMLPBridge",)
-
-#: Attribute names under which Hugging Face MLPs keep their activation function.
-_ACTIVATION_ATTRIBUTES = ("act_fn", "act", "activation_fn", "activation", "act_func")
-
-#: TransformerLens ``act_fn`` names tried, in this order, against an MLP's activation function.
-_CANDIDATE_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
 #: Attribute under which the component keeps the Hugging Face module it wrapped before
 #: conversion (restored by :func:`unconvert_bridge`).
@@ -69,6 +77,28 @@ class _Plan:
     gated: bool
     projections: dict[str, str]
     act_fn: str
+    #: The bridge component's child of each role where it is not named by the role (a dense
+    #: layer of an interleaved MoE stack: ``dense_gate``, ``dense_in``, ``dense_out``).
+    keys: dict[str, str] = field(default_factory=dict)
+    #: A layout other than a module whose projections are its attributes (a fused gate/up, a
+    #: containerless MLP, one that adds the residual): :mod:`tl_attnonly.bridge.layouts`.
+    layout: Layout | None = None
+
+    def projection(self, role: str) -> Any:
+        """The bridge's projection component of ``role`` (``gate``, ``in``, ``out``)."""
+        return self.mlp_bridge.get_submodule(self.keys.get(role, role))
+
+
+@dataclass
+class _MoEPlan:
+    """What one mixture-of-experts layer's conversion will do: its routed experts
+    (:mod:`tl_attnonly.bridge.experts`) and its shared experts (bridge MLPs inside the
+    ``MoEBridge``, by their names there)."""
+
+    layer: int
+    mlp_bridge: Any
+    experts: ExpertsPlan
+    shared: dict[str, _Plan]
 
 
 def _mlp_name(layer: int) -> str:
@@ -76,55 +106,44 @@ def _mlp_name(layer: int) -> str:
 
 
 def _hf_activation(hf_mlp: Any, layer: int) -> tuple[Any, str]:
-    for name in _ACTIVATION_ATTRIBUTES:
+    for name in ACTIVATION_ATTRIBUTES:
         fn = getattr(hf_mlp, name, None)
         if callable(fn):
             return fn, name
     raise NotImplementedError(
         f"{_mlp_name(layer)} ({type(hf_mlp).__name__}) has no activation attribute "
-        f"({', '.join(_ACTIVATION_ATTRIBUTES)}); cannot tell which activation to rewrite."
+        f"({', '.join(ACTIVATION_ATTRIBUTES)}); cannot tell which activation to rewrite."
     )
 
 
-def identify_activation(fn: Any, what: str) -> str:
-    """The TransformerLens ``act_fn`` name of a Hugging Face activation function, by value.
-
-    The function is evaluated in float64 on ``[-20, 20]`` and compared with TransformerLens's
-    functions (``silu``, ``gelu``, ``gelu_new``, ...); the first within ``1e-12`` is its name. So a
-    renamed class or a config that names one activation and runs another cannot mislead the
-    conversion.
-
-    Raises:
-        ValueError: For an activation that is none of the supported ones (named).
-    """
-    x = torch.linspace(-20, 20, 4001, dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            y = fn(x)
-    except Exception as error:  # e.g. a module with float32 parameters
-        raise ValueError(f"{what}: could not evaluate its activation {fn!r}: {error}") from error
-    for name in _CANDIDATE_ACTIVATIONS:
-        reference = TL_ACTIVATIONS[name](x)
-        if torch.allclose(y, reference, rtol=0, atol=1e-12):
-            return name
-    raise ValueError(
-        f"{what}: its activation {type(fn).__name__} is not one neuron-heads can represent. "
-        f"Supported: SiLU (exact), ReLU, and the GELU family ({', '.join(_CANDIDATE_ACTIVATIONS)})."
-    )
+def _layout(layer: int, mlp_bridge: Any) -> Layout | None:
+    """The layout of a bridge MLP converted by :mod:`tl_attnonly.bridge.layouts` (``None`` for
+    the standard ones)."""
+    hf_mlp = mlp_bridge.__dict__.get(_ORIGINAL, mlp_bridge.original_component)
+    return plan_layout(layer, mlp_bridge, hf_mlp)
 
 
-def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Plan:
+def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Plan | _MoEPlan:
     """Check one layer and say how it will be converted (nothing is changed)."""
     kind = type(mlp_bridge).__name__
     name = _mlp_name(layer)
+    keys: dict[str, str] = {}
     if kind == "MoEBridge":
-        raise NotImplementedError(
-            f"{name} is a mixture of experts (MoEBridge): converting a bridge's experts is not "
-            "supported yet. Supported bridge MLPs: plain (MLPBridge, e.g. GPT-2) and gated "
-            "(GatedMLPBridge, e.g. Llama, Qwen2, Gemma). For MoE models use TransformerLens 3.x's "
-            "HookedTransformer and tl_attnonly.convert(model) (experts as neuron-heads)."
+        if not getattr(mlp_bridge, "bound_dense", False):
+            return _plan_moe(layer, mlp_bridge, options)
+        keys = dense_moe_keys(mlp_bridge)  # a dense layer of an interleaved MoE stack
+    elif (layout := _layout(layer, mlp_bridge)) is not None:
+        options.coefficients(layout.act_fn)  # refuses options that do not fit the activation
+        return _Plan(
+            layer,
+            mlp_bridge,
+            layout.hf_mlp,
+            layout.gated,
+            layout.projections,
+            layout.act_fn,
+            layout=layout,
         )
-    if kind not in PLAIN_BRIDGES + GATED_BRIDGES:
+    elif kind not in PLAIN_BRIDGES + GATED_BRIDGES:
         raise NotImplementedError(
             f"{name} is a {kind}, which has no neuron-head form on a bridge yet. Supported bridge "
             "MLPs: MLPBridge (plain, e.g. GPT-2) and GatedMLPBridge (gated, e.g. Llama, Qwen2, "
@@ -135,11 +154,11 @@ def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Pla
         hf_mlp = mlp_bridge.original_component
     if hf_mlp is None:
         raise NotImplementedError(f"{name} ({kind}) wraps no module (containerless MLP).")
-    gated = kind in GATED_BRIDGES
+    gated = kind in GATED_BRIDGES or "gate" in keys
     roles = ("gate", "in", "out") if gated else ("in", "out")
     projections: dict[str, str] = {}
     for role in roles:
-        projection = child_module(mlp_bridge, role)
+        projection = child_module(mlp_bridge, keys.get(role, role))
         if projection is None or getattr(projection, "name", None) is None:
             raise NotImplementedError(f"{name} ({kind}) has no '{role}' projection component.")
         remote = str(projection.name)
@@ -157,18 +176,72 @@ def _plan_layer(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _Pla
     fn, _ = _hf_activation(hf_mlp, layer)
     act_fn = identify_activation(fn, f"{name} ({type(hf_mlp).__name__})")
     options.coefficients(act_fn)  # refuses options that do not fit the activation
-    return _Plan(layer, mlp_bridge, hf_mlp, gated, projections, act_fn)
+    return _Plan(layer, mlp_bridge, hf_mlp, gated, projections, act_fn, keys)
 
 
-def _build(plan: _Plan, options: ConversionOptions) -> BridgeNeuronHeadLayer:
-    out = plan.mlp_bridge.get_submodule("out")
-    W_out = tl_matrix(out, "out")
+def _plan_moe(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _MoEPlan:
+    """Check a sparse mixture-of-experts layer: its routed experts, every MLP of the block that
+    the bridge wraps (a shared expert), and that no other MLP would stay unconverted."""
+    name = _mlp_name(layer)
+    hf_block = mlp_bridge.original_component
+    experts = plan_experts(name, layer, hf_block)
+    fn, _ = _hf_activation(experts.hf_experts, layer)
+    experts.act_fn = identify_activation(
+        fn, f"{experts.name} ({type(experts.hf_experts).__name__})"
+    )
+    options.coefficients(experts.act_fn)  # refuses options that do not fit the activation
+    shared: dict[str, _Plan] = {}
+    for key, component in mlp_bridge.named_children():
+        if not type(component).__name__.endswith("MLPBridge"):
+            continue  # the router, the shared expert's gate, hook points, the block itself
+        try:
+            plan = _plan_layer(layer, component, options)
+        except (NotImplementedError, ValueError) as err:
+            raise type(err)(f"{name}.{key} (a shared expert): {err}") from err
+        assert isinstance(plan, _Plan)
+        shared[key] = plan
+    wrapped = {type(p.hf_mlp).__name__ for p in shared.values()}
+    for key, child in hf_block.named_children():
+        if key == "experts" or is_bridge_component(child):
+            continue
+        if any(callable(getattr(child, a, None)) for a in ACTIVATION_ATTRIBUTES):
+            raise NotImplementedError(
+                f"{name} ({type(hf_block).__name__}): its submodule '{key}' "
+                f"({type(child).__name__}) has an activation but is not wrapped by the bridge, "
+                "so it would stay an MLP. Supported: the routed experts and the MLPs the bridge "
+                f"wraps in the block ({', '.join(sorted(wrapped)) or 'none here'})."
+            )
+    return _MoEPlan(layer, mlp_bridge, experts, shared)
+
+
+def _build(
+    plan: _Plan | _MoEPlan, options: ConversionOptions, *, shared: bool = False
+) -> BridgeNeuronHeadLayer | BridgeNeuronHeadExperts:
+    """The neuron-head layer of ``plan`` (``shared``: a MoE block's shared expert, which may be
+    called on the block's flattened tokens)."""
+    if isinstance(plan, _MoEPlan):
+        coefs = options.coefficients(plan.experts.act_fn)
+        experts = build_experts(plan.experts, coefs, fused=options.fused, compiled=options.compiled)
+        experts.shared = {k: _build(p, options, shared=True) for k, p in plan.shared.items()}
+        return experts
+    W_out = tl_matrix(plan.projection("out"), "out")
     cfg = mlp_config(int(W_out.shape[1]), int(W_out.shape[0]), plan.act_fn, W_out.dtype)
     coefficients: NeuronHeadCoefficients = options.coefficients(plan.act_fn)
     cls = BridgeGatedNeuronHeadMLP if plan.gated else BridgeNeuronHeadMLP
-    layer = cls(plan.mlp_bridge, plan.projections, cfg, coefficients)
+    if shared:
+        cls = SharedGatedNeuronHeadMLP if plan.gated else SharedNeuronHeadMLP
+    source: Any = plan.mlp_bridge
+    if plan.keys:  # the projections by role (the layer reads source.gate, .in, .out)
+        source = SimpleNamespace(**{role: plan.projection(role) for role in plan.projections})
+    layer: Any
+    if plan.layout is not None:
+        layer = plan.layout.build(cfg, coefficients)
+    else:
+        layer = cls(source, plan.projections, cfg, coefficients)
     dropout = getattr(plan.hf_mlp, "dropout", None)
-    if isinstance(dropout, nn.Dropout):  # GPT-2: dropout(c_proj(...)), kept as it is
+    if plan.layout is None and isinstance(
+        dropout, nn.Dropout
+    ):  # GPT-2: dropout(c_proj(...)), kept as it is
         layer.add_module("dropout", dropout)
     layer.fused = options.fused
     layer.compiled = options.compiled
@@ -178,28 +251,20 @@ def _build(plan: _Plan, options: ConversionOptions) -> BridgeNeuronHeadLayer:
     return layer
 
 
-@contextlib.contextmanager
-def _eval_mode(*roots: nn.Module) -> Iterator[None]:
-    """Every module under ``roots`` in eval mode (no dropout) inside, each back in its own mode
-    after."""
-    modes = {module: module.training for root in roots for module in root.modules()}
-    for root in roots:
-        root.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes.items():
-            module.training = training
-
-
 #: Neurons per block of the self-check's error bound (bounds its float64 scratch memory).
 _SELF_CHECK_BLOCK = 256
 
 
-def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
+def _self_check(plan: _Plan | _MoEPlan, layer: Any) -> None:
     """Refuse a layer whose Hugging Face forward is not ``out(act(in x))`` / ``down(act(gate x)
     * up x)``: both run on a small random input, and must agree within the neuron-heads' error
-    bound plus rounding (a structural difference is far outside it)."""
+    bound plus rounding (a structural difference is far outside it). A mixture of experts: its
+    routed experts (:func:`~tl_attnonly.bridge.experts.check_experts`) and its shared ones."""
+    if isinstance(plan, _MoEPlan):
+        check_experts(plan.experts, layer)
+        for key, sub in plan.shared.items():
+            _self_check(sub, layer.shared[key])
+        return
     W_out = layer.W_out
     if W_out.is_meta:
         return  # no values to compare (the meta device stands in for another device in tests)
@@ -209,9 +274,10 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
     x = x.to(device=device, dtype=dtype)
     fused = layer.fused
     # in eval mode: a bridge converted while training would otherwise compare two dropout draws
-    with torch.no_grad(), _eval_mode(plan.hf_mlp, layer):
+    args = (x,) if plan.layout is None else plan.layout.check_inputs(x)
+    with torch.no_grad(), eval_mode(plan.hf_mlp, layer):
         try:
-            reference = plan.hf_mlp(x)
+            reference = plan.hf_mlp(x) if plan.layout is None else plan.layout.reference(*args)
         except TypeError as err:  # e.g. MPT's MLP also takes the residual stream
             raise NotImplementedError(
                 f"{_mlp_name(plan.layer)} ({type(plan.hf_mlp).__name__}): its forward does not "
@@ -220,11 +286,11 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
                 "not supported; please report the architecture."
             ) from err
         layer.fused = True
-        ours = layer(x)
+        ours = layer(*args)
         layer.fused = fused
         # The bound: |act_K - act| <= max_err per neuron (times |u| when gated), through W_out.
         if plan.gated:
-            u = plan.mlp_bridge.get_submodule("in")(x).abs().to(torch.float64)
+            u = plan.projection("in")(x).abs().to(torch.float64)
         else:
             u = torch.ones(*x.shape[:-1], layer.d_mlp, dtype=torch.float64, device=device)
         # sum_i u_i |W_out[i]| in float64, a block of neurons at a time: no float64 copy of the
@@ -234,7 +300,8 @@ def _self_check(plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
             rows = slice(start, start + _SELF_CHECK_BLOCK)
             scale += u[..., rows] @ W_out[rows].abs().to(torch.float64)
         eps = torch.finfo(dtype).eps
-        max_err = layer.coefficients.max_abs_error()
+        # (plus the activation's distance from the one the heads fit: BLOOM's GELU)
+        max_err = layer.coefficients.max_abs_error() + getattr(layer, "activation_deviation", 0)
         bound = max_err * scale + 64 * eps * (scale + reference.abs().to(torch.float64) + 1)
     error = (ours.to(torch.float64) - reference.to(torch.float64)).abs()
     if not bool((error <= bound).all()):
@@ -274,20 +341,34 @@ def _guard(mlp_bridge: Any, index: int) -> list[Any]:
     ]
 
 
-def _mount(bridge: Any, plan: _Plan, layer: BridgeNeuronHeadLayer) -> None:
+def _mount(bridge: Any, plan: _Plan | _MoEPlan, layer: Any) -> None:
     mlp_bridge = plan.mlp_bridge
     _unmount(mlp_bridge)
+    if isinstance(plan, _MoEPlan):  # the experts in the block; the block and router stay
+        mount_experts(mlp_bridge, plan.experts, layer)
+        for key, sub in plan.shared.items():
+            _mount(bridge, sub, layer.shared[key])
+        return
     mlp_bridge.__dict__[_ORIGINAL] = plan.hf_mlp
-    mlp_bridge.set_original_component(layer)
+    mount_in = getattr(layer, "mount_in", None)  # a layout that runs elsewhere (layouts.py)
+    handles = [] if mount_in is None else mount_in(mlp_bridge, plan.hf_mlp, plan.layer)
+    if mount_in is None:
+        mlp_bridge.set_original_component(layer)
     for name in BRIDGE_NEURON_HEAD_HOOKS:
         setattr(mlp_bridge, f"hook_{name}", getattr(layer, f"hook_{name}"))
     if bridge_bypasses_original(mlp_bridge):
         route_through_original(mlp_bridge)
-    mlp_bridge.__dict__[_GUARD] = _guard(mlp_bridge, plan.layer)
+    mlp_bridge.__dict__[_GUARD] = _guard(mlp_bridge, plan.layer) + handles
 
 
 def _unmount(mlp_bridge: Any) -> Any:
-    """Put the Hugging Face module back; returns it (``None`` if nothing was mounted)."""
+    """Put the Hugging Face module back; returns it (``None`` if nothing was mounted). A
+    mixture of experts: its experts and shared experts; returns the experts taken out."""
+    experts = unmount_experts(mlp_bridge)
+    if experts is not None:
+        for key in experts.shared:
+            _unmount(child_module(mlp_bridge, key))
+        return experts
     hf_mlp = mlp_bridge.__dict__.pop(_ORIGINAL, None)
     if hf_mlp is None:
         return None
@@ -297,8 +378,28 @@ def _unmount(mlp_bridge: Any) -> Any:
         hook_name = f"hook_{name}"
         unmount_component_hook(mlp_bridge, hook_name)
     hf_mlp.train(mlp_bridge.training)  # set aside since conversion: eval() did not reach it
-    mlp_bridge.set_original_component(hf_mlp)
+    unmount_from = getattr(mlp_bridge.original_component, "unmount_from", None)
+    if unmount_from is not None:
+        unmount_from(mlp_bridge, hf_mlp)
+    else:
+        mlp_bridge.set_original_component(hf_mlp)
     return hf_mlp
+
+
+def _hook_names(index: int, mlp_bridge: Any) -> list[str]:
+    """The neuron-head hook names mounted on one block's MLP (none where it is not converted):
+    ``blocks.{l}.mlp.hook_*``, or a mixture of experts' ``blocks.{l}.mlp.experts.{e}.hook_*``
+    and its shared experts' ``blocks.{l}.mlp.{name}.hook_*``."""
+    name = _mlp_name(index)
+    experts = mounted_experts(mlp_bridge)
+    if experts is not None:
+        shared = [
+            f"{name}.{key}.hook_{n}" for key in experts.shared for n in BRIDGE_NEURON_HEAD_HOOKS
+        ]
+        return experts.hook_names(f"{name}.experts") + shared
+    if _ORIGINAL not in mlp_bridge.__dict__:
+        return []
+    return [f"{name}.hook_{n}" for n in BRIDGE_NEURON_HEAD_HOOKS]
 
 
 def _mlp_bridges(bridge: Any) -> list[Any]:
@@ -362,7 +463,7 @@ def convert_bridge(
         list(zip(plans, layers)), desc="neuron-heads", disable=not progress or len(plans) < 8
     ):
         _mount(bridge, plan, layer)
-    names = [f"{_mlp_name(p.layer)}.hook_{n}" for p in plans for n in BRIDGE_NEURON_HEAD_HOOKS]
+    names = [name for plan in plans for name in _hook_names(plan.layer, plan.mlp_bridge)]
     register_bridge_hooks(bridge, names)
     return bridge
 
@@ -372,20 +473,25 @@ def unconvert_bridge(bridge: Any) -> Any:
     neuron-head hooks are gone. Returns ``bridge``."""
     names = []
     for index, mlp in enumerate(_mlp_bridges(bridge)):
-        if _unmount(mlp) is not None:
-            names += [f"{_mlp_name(index)}.hook_{n}" for n in BRIDGE_NEURON_HEAD_HOOKS]
+        names += _hook_names(index, mlp)
+        _unmount(mlp)
     unregister_bridge_hooks(bridge, names)
     return bridge
 
 
-def neuron_head_layers(bridge: Any) -> list[BridgeNeuronHeadLayer]:
-    """The neuron-head layer of every block of a converted bridge, in order.
+def neuron_head_layers(bridge: Any) -> list[BridgeNeuronHeadLayer | BridgeNeuronHeadExperts]:
+    """The neuron-head layer of every block of a converted bridge, in order (a mixture of
+    experts: its :class:`~tl_attnonly.bridge.experts.BridgeNeuronHeadExperts`).
 
     Raises:
         TypeError: If some MLP of ``bridge`` is not converted.
     """
-    layers = []
+    layers: list[BridgeNeuronHeadLayer | BridgeNeuronHeadExperts] = []
     for index, mlp in enumerate(_mlp_bridges(bridge)):
+        experts = mounted_experts(mlp)
+        if experts is not None:
+            layers.append(experts)
+            continue
         layer = mlp.original_component
         if not isinstance(layer, (BridgeNeuronHeadMLP, BridgeGatedNeuronHeadMLP)):
             raise TypeError(

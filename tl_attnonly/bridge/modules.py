@@ -195,7 +195,25 @@ class BridgeNeuronHeadMLP(_BridgeLayer, NeuronHeadMLP):
         return self._output(self._sum_heads(z), z)
 
 
-class BridgeGatedNeuronHeadMLP(_BridgeLayer, GatedNeuronHeadMLP):
+class GatedWeightViews:
+    """``W_gate``, ``W_in`` and ``W_out`` of a gated neuron-head layer whose weights live
+    elsewhere (a bridge's projections, a grouped experts module): the subclass's
+    ``_gate_matrix``, ``_linear_matrix`` and ``_out_matrix``, read on each access (no copy)."""
+
+    @property
+    def W_gate(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        return self._gate_matrix  # type: ignore[attr-defined]
+
+    @property
+    def W_in(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        return self._linear_matrix  # type: ignore[attr-defined]
+
+    @property
+    def W_out(self) -> Float[torch.Tensor, "d_mlp d_model"]:
+        return self._out_matrix  # type: ignore[attr-defined]
+
+
+class BridgeGatedNeuronHeadMLP(GatedWeightViews, _BridgeLayer, GatedNeuronHeadMLP):  # type: ignore[misc,override]
     """A gated Hugging Face MLP (``down(act(gate(x)) * up(x))``: Llama, Qwen2, Gemma, ...) as
     gated neuron-heads.
 
@@ -239,18 +257,6 @@ class BridgeGatedNeuronHeadMLP(_BridgeLayer, GatedNeuronHeadMLP):
     @property
     def _out_matrix(self) -> Float[torch.Tensor, "d_mlp d_model"]:
         return tl_matrix(self._projection("out"), "out")
-
-    @property
-    def W_gate(self) -> Float[torch.Tensor, "d_model d_mlp"]:  # type: ignore[override]
-        return self._gate_matrix
-
-    @property
-    def W_in(self) -> Float[torch.Tensor, "d_model d_mlp"]:  # type: ignore[override]
-        return self._linear_matrix
-
-    @property
-    def W_out(self) -> Float[torch.Tensor, "d_mlp d_model"]:  # type: ignore[override]
-        return self._out_matrix
 
     @property
     def b_in(self) -> Float[torch.Tensor, " d_mlp"]:  # type: ignore[override]

@@ -18,37 +18,20 @@ tokens routed to it, so its "positions" are those tokens, in the order TL's ``Mo
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, cast
+from typing import ClassVar, Dict, cast
 
 import torch
 import torch.nn as nn
 from jaxtyping import Float
 from transformer_lens import HookedTransformerConfig
 from transformer_lens.components import MoE
-from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.components.expert_facts import ExpertFacts, ExpertHookPoints
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 
 
-class _ExpertFlag:
-    """A flag of :class:`NeuronHeadMoE` that is every expert's flag of the same name: reading
-    gives the first expert's, setting sets all."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, moe: NeuronHeadMoE | None, owner: type) -> Any:
-        if moe is None:
-            return self
-        return getattr(moe._expert_list()[0], self.name)
-
-    def __set__(self, moe: NeuronHeadMoE, value: bool) -> None:
-        for expert in moe._expert_list():
-            setattr(expert, self.name, value)
-
-
-class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
+class GatedNeuronHeadExpert(ExpertHookPoints, GatedNeuronHeadMLP):
     """One expert of TL's ``MoE`` (``MoEGatedMLP``: no biases) as gated neuron-heads.
 
     Same parameters (``W_gate, W_in, W_out`` as ``nn.Linear`` without bias) and hooks
@@ -66,16 +49,7 @@ class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
         self.W_out = nn.Linear(self.d_mlp, d_model, bias=False, dtype=dtype)  # type: ignore[assignment]
         self.W_gate = nn.Linear(d_model, self.d_mlp, bias=False, dtype=dtype)  # type: ignore[assignment]
 
-        self.hook_gate = HookPoint()  # [pos, d_mlp] (gate g; TL's name in MoE experts)
-        self.hook_pre = HookPoint()  # [pos, d_mlp] (linear branch u; TL's name in MoE experts)
-        self.hook_q = HookPoint()  # [1, pos, n_neuron_heads, 1]
-        self.hook_k = HookPoint()  # [1, pos, n_neuron_heads, 1] (keys of the real tokens)
-        self.hook_v = HookPoint()  # [1, pos, n_neuron_heads, 1] (values of the real tokens)
-        self.hook_attn_scores = HookPoint()  # [1, n_neuron_heads, query_pos, 2] (self, bias)
-        self.hook_pattern = HookPoint()  # [1, n_neuron_heads, query_pos, 2] (self, bias)
-        self.hook_z = HookPoint()  # [1, pos, n_neuron_heads, 1]
-        self.hook_result = HookPoint()  # [1, pos, n_neuron_heads, d_model]
-        self.hook_post = HookPoint()  # [pos, d_mlp]
+        self.add_expert_hook_points()  # hook_gate, hook_pre, the heads' hooks, hook_post
 
     @property
     def _gate_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
@@ -118,7 +92,7 @@ class GatedNeuronHeadExpert(GatedNeuronHeadMLP):
         return self._out_matrix.new_zeros(self.cfg.d_model)
 
 
-class NeuronHeadMoE(MoE):
+class NeuronHeadMoE(ExpertFacts, MoE):
     """TransformerLens's ``MoE`` with every expert's neurons as gated neuron-heads.
 
     The router and the combination of the experts are TL's ``MoE.forward``, unchanged; only the
@@ -148,30 +122,9 @@ class NeuronHeadMoE(MoE):
             GatedNeuronHeadExpert(self.cfg, coefficients) for _ in range(self.num_experts)
         )
 
-    def _expert_list(self) -> list[GatedNeuronHeadExpert]:
+    def expert_list(self) -> list[GatedNeuronHeadExpert]:
+        """The experts, in order."""
         return list(self.experts)  # type: ignore[arg-type]
-
-    @property
-    def coefficients(self) -> NeuronHeadCoefficients:
-        """The per-head coefficients every expert's neurons use."""
-        return self._expert_list()[0].coefficients
-
-    @property
-    def n_heads_per_neuron(self) -> int:
-        """Heads per neuron (K)."""
-        return self._expert_list()[0].n_heads_per_neuron
-
-    @property
-    def n_neuron_heads(self) -> int:
-        """Neuron-heads per expert: ``d_mlp * K``."""
-        return self._expert_list()[0].n_neuron_heads
-
-    #: Whether the experts compute and hook per-neuron-head results.
-    use_neuron_result = _ExpertFlag("use_neuron_result")
-    #: Whether the experts may use the fused (hook-free) path.
-    fused = _ExpertFlag("fused")
-    #: Whether the experts' fused path uses the compiled kernel (see ``NeuronHeadBase``).
-    compiled = _ExpertFlag("compiled")
 
 
 __all__ = [
