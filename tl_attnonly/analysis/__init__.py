@@ -13,6 +13,7 @@ Four rooms, each one idea:
 :mod:`.sva`                     subject-verb agreement prompts (attractors), their metric
 :mod:`.induction`               induction prompts: random tokens repeated, corrupted twins
 :mod:`.summaries`               dataset-level neuron-head summaries (top contexts, firing, tokens)
+:mod:`.discovery.profiles`      a circuit's named neurons: gate/value, top contexts, sign quadrants
 ==============================  ==================================================================
 
 The derived cache (what ``run_with_cache`` derives rather than stores) lives beside the model, in
@@ -82,6 +83,11 @@ from tl_attnonly.analysis.discovery import (
     score_curve,
     top_edges,
     top_nodes,
+)
+from tl_attnonly.analysis.discovery.profiles import (
+    NeuronProfiles,
+    named_neurons,
+    neuron_profiles,
 )
 from tl_attnonly.analysis.induction import (
     InductionDataset,
@@ -238,6 +244,10 @@ __all__ = [
     "SVADataset",
     "SVAWords",
     "sva_word_lists",
+    # neuron profiles
+    "named_neurons",
+    "neuron_profiles",
+    "NeuronProfiles",
     # summaries
     "NeuronHeadSummaries",
     "SummaryOptions",

@@ -14,8 +14,9 @@ fires", "attends to the bias token" means "the neuron is off".
 Modules: :mod:`~tl_attnonly.vis.patterns` (square patterns, head selection, circuitsvis views:
 best for a few heads), :mod:`~tl_attnonly.vis.strips` (per-token (self, bias) strips: many heads
 at a glance), :mod:`~tl_attnonly.vis.figures` (plotly figures), :mod:`~tl_attnonly.vis.circuit`
-(circuits over attention heads and neuron-heads), :mod:`~tl_attnonly.vis.summaries` (dataset
-summaries) and :mod:`~tl_attnonly.vis.export`
+(circuits over attention heads and neuron-heads), :mod:`~tl_attnonly.vis.neuron_circuit` (a
+circuit's heads and named neurons by layer, with their profiles),
+:mod:`~tl_attnonly.vis.summaries` (dataset summaries) and :mod:`~tl_attnonly.vis.export`
 (:func:`save_figure`, standalone HTML, text safe inside ``<script>``).
 
 Example:
@@ -41,6 +42,7 @@ from tl_attnonly.vis.figures import (
     omega_error_figure,
     patching_heatmap,
 )
+from tl_attnonly.vis.neuron_circuit import neuron_circuit_figure
 from tl_attnonly.vis.patterns import (
     BIAS_TOKEN,
     DEFAULT_PAGE_SIZE,
@@ -77,6 +79,7 @@ __all__ = [
     "find_chromium",
     "gelu_fit_error_figure",
     "neuron_activity_heatmap",
+    "neuron_circuit_figure",
     "neuron_head_activation",
     "neuron_head_attention_view",
     "neuron_head_scores",

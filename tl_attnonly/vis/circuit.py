@@ -27,7 +27,8 @@ EDGE_STYLES = {
     "value": ("#ff7f0e", "solid"),
     "": ("#444444", "solid"),
 }
-_INPUT_NAMES = {
+#: Legend name of each input kind.
+INPUT_NAMES = {
     "q": "attention q",
     "k": "attention k",
     "v": "attention v",
@@ -51,13 +52,50 @@ def _column(label: str, kind: str, layer: int, n_layers: int) -> int:
     return 2 * layer + (1 if kind == "attn" else 2)
 
 
-def _kind_layer(label: str) -> tuple[str, int]:
+def kind_layer(label: str) -> tuple[str, int]:
+    """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}``,
+    ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP``, ``(label, -1)`` for the embeddings and
+    logits."""
     if label in (EMBED, LOGITS):
         return label, -1
     match = re.match(r"^L(\d+)(H|KV|N|MLP)", label)
     if match is None:
         raise ValueError(f"Not a node label: {label!r}.")
     return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
+
+
+def node_trace(
+    x: list[float],
+    y: list[float],
+    text: list[str],
+    symbol: str,
+    colour: str,
+    name: str,
+    hovertext: list[str] | None = None,
+    **extra: Any,
+) -> go.Scatter:
+    """One marker trace of circuit nodes, labelled above (the circuit figures' shared style).
+
+    Args:
+        x, y: Node positions.
+        text: Labels drawn above the markers (and the hover text unless ``hovertext``).
+        symbol, colour: Plotly marker symbol and colour.
+        name: Legend entry.
+        hovertext: Hover text per node; default ``text``.
+        **extra: More ``go.Scatter`` properties (``customdata``, ...).
+    """
+    return go.Scatter(
+        x=x,
+        y=y,
+        mode="markers+text",
+        marker=dict(symbol=symbol, size=14, color=colour, line=dict(width=1, color="black")),
+        text=text,
+        textposition="top center",
+        name=name,
+        hovertext=text if hovertext is None else hovertext,
+        hoverinfo="text",
+        **extra,
+    )
 
 
 def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None) -> go.Figure:
@@ -80,7 +118,7 @@ def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None)
     columns: dict[int, list[str]] = {}
     kinds = {}
     for label in labels:
-        kind, layer = _kind_layer(label)
+        kind, layer = kind_layer(label)
         kinds[label] = kind
         columns.setdefault(_column(label, kind, layer, n_layers), []).append(label)
     pos = {}
@@ -94,7 +132,7 @@ def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None)
     for row in edges.itertuples():
         (x0, y0), (x1, y1) = pos[row.source], pos[row.target]
         colour, dash = EDGE_STYLES[row.input]
-        name = _INPUT_NAMES[row.input]
+        name = INPUT_NAMES[row.input]
         fig.add_trace(
             go.Scatter(
                 x=[x0, x1],
@@ -122,18 +160,13 @@ def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None)
             else:
                 text.append(label)
         fig.add_trace(
-            go.Scatter(
-                x=[pos[m][0] for m in members],
-                y=[pos[m][1] for m in members],
-                mode="markers+text",
-                marker=dict(
-                    symbol=symbol, size=14, color=colour, line=dict(width=1, color="black")
-                ),
-                text=text,
-                textposition="top center",
-                name={"attn": "attention head", "neuron": "neuron-head"}.get(kind, kind),
-                hovertext=text,
-                hoverinfo="text",
+            node_trace(
+                [pos[m][0] for m in members],
+                [pos[m][1] for m in members],
+                text,
+                symbol,
+                colour,
+                {"attn": "attention head", "neuron": "neuron-head"}.get(kind, kind),
             )
         )
     ticks = (
@@ -158,4 +191,11 @@ def circuit_figure(circuit: Any, max_edges: int = 150, title: str | None = None)
 # Circuit.figure() draws with this (analysis/ imports nothing from vis/; vis/ plugs in here).
 register_figure_builder(circuit_figure)
 
-__all__ = ["EDGE_STYLES", "NODE_STYLES", "circuit_figure"]
+__all__ = [
+    "EDGE_STYLES",
+    "INPUT_NAMES",
+    "NODE_STYLES",
+    "circuit_figure",
+    "kind_layer",
+    "node_trace",
+]

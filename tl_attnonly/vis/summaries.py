@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tl_attnonly.analysis.summaries import RANKINGS, NeuronHeadSummaries
+from tl_attnonly.analysis.summaries.collect import token_text as _token_text
 
 
 class SummaryView:
@@ -38,15 +39,6 @@ class SummaryView:
             f"<!DOCTYPE html><html><meta charset='utf-8'><body>{self.html}</body></html>"
         )
         return path
-
-
-def _token_text(tokenizer: Any, token: int) -> str:
-    if token < 0:
-        return ""
-    if tokenizer is None:
-        return f"[{token}]"
-    text = tokenizer.decode([token])
-    return text if text else f"[{token}]"
 
 
 def _shade(weight: float) -> str:

@@ -26,8 +26,7 @@ from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries
 from tl_attnonly.hooks import neuron_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.encoder import AttnOnlyEncoder
-    from tl_attnonly.model import AttnOnlyTransformer
+    from tl_attnonly.protocol import AttnOnlyModel
 
 
 #: Modules read by :func:`stdlib_corpus` by default (small, stable, present in every CPython).
@@ -65,10 +64,9 @@ def stdlib_corpus(
         )
 
 
-def _token_rows(
-    model: AttnOnlyTransformer | AttnOnlyEncoder, corpus: Iterable, max_len: int
-) -> Iterator[torch.Tensor]:
-    """1-d token tensors of at most ``max_len`` tokens (strings tokenised with BOS)."""
+def token_rows(model: AttnOnlyModel, corpus: Iterable, max_len: int) -> Iterator[torch.Tensor]:
+    """1-d token tensors of at most ``max_len`` tokens (strings tokenised with BOS; an encoder's
+    with its tokenizer's ``[CLS] .. [SEP]``; token tensors split every ``max_len``)."""
     for item in corpus:
         if isinstance(item, str) and model.is_encoder:  # BERT-style: [CLS] .. [SEP]
             tokens = model.tokenizer(item, return_tensors="pt")["input_ids"][0]
@@ -99,7 +97,42 @@ def _batched(rows: Iterator[torch.Tensor], batch_size: int) -> Iterator[list[tor
         yield batch
 
 
-def _merge_top(
+def padded_batches(
+    rows: Iterator[torch.Tensor], batch_size: int, max_rows: int | None = None
+) -> Iterator[tuple[Int[torch.Tensor, "batch pos"], torch.Tensor, torch.Tensor]]:
+    """Batches of at most ``batch_size`` token rows (``max_rows`` in all), right-padded with 0.
+
+    Yields:
+        ``(tokens [batch, pos], lengths [batch], valid [batch, pos])``: ``valid`` marks the
+        positions inside each row (padding is never counted).
+    """
+    n_rows = 0
+    for batch in _batched(rows, batch_size):
+        if max_rows is not None and n_rows >= max_rows:
+            return
+        if max_rows is not None:
+            batch = batch[: max_rows - n_rows]
+        lengths = torch.tensor([row.shape[0] for row in batch])
+        pad = int(lengths.max())
+        tokens = torch.zeros(len(batch), pad, dtype=torch.long)
+        for i, row in enumerate(batch):
+            tokens[i, : row.shape[0]] = row.cpu()
+        n_rows += len(batch)
+        yield tokens, lengths, torch.arange(pad)[None, :] < lengths[:, None]
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """A token as text (``tokenizer.decode``; ``"[id]"`` without a tokenizer or for an empty
+    decode; ``""`` for ``-1``, a context window's outside)."""
+    if token < 0:
+        return ""
+    if tokenizer is None:
+        return f"[{token}]"
+    text = tokenizer.decode([token])
+    return text if text else f"[{token}]"
+
+
+def merge_top(
     top: TopContexts,
     values: Float[torch.Tensor, "batch pos n"],
     tokens: Int[torch.Tensor, "batch pos"],
@@ -254,19 +287,9 @@ def summarize_neuron_heads(
     names = {neuron_act_name(kind, li) for li in range(L) for kind in ("pattern", "z", "post")}
     n_positions = n_rows = 0
     device = cfg.device
-    rows = _token_rows(model, corpus, max_len)
+    rows = token_rows(model, corpus, max_len)
     bar = tqdm(desc="summaries (rows)", disable=not progress, unit="row")
-    for batch in _batched(rows, batch_size):
-        if max_rows is not None and n_rows >= max_rows:
-            break
-        if max_rows is not None:
-            batch = batch[: max_rows - n_rows]
-        lengths = torch.tensor([row.shape[0] for row in batch])
-        pad = int(lengths.max())
-        tokens = torch.zeros(len(batch), pad, dtype=torch.long)
-        for i, row in enumerate(batch):
-            tokens[i, : row.shape[0]] = row.cpu()
-        valid = torch.arange(pad)[None, :] < lengths[:, None]  # [batch, pos]
+    for tokens, lengths, valid in padded_batches(rows, batch_size, max_rows):
         kwargs: dict[str, Any] = {}
         if model.is_encoder:  # bidirectional: padding must be masked out
             kwargs["one_zero_attention_mask"] = valid.long().to(device)
@@ -286,12 +309,12 @@ def summarize_neuron_heads(
                 post_sum[li].index_add_(1, flat_tokens, post[valid].T)
                 fire_tok[li].index_add_(1, flat_tokens, fires[valid].T.long())
             for ranking, values in (("self", self_w), ("abs_z", z.abs())):
-                top[ranking][li] = _merge_top(
+                top[ranking][li] = merge_top(
                     top[ranking][li], values, tokens, self_w, z, lengths, n_rows, before, after
                 )
         n_positions += int(valid.sum())
-        n_rows += len(batch)
-        bar.update(len(batch))
+        n_rows += tokens.shape[0]
+        bar.update(tokens.shape[0])
     bar.close()
     return NeuronHeadSummaries(
         n_layers=L,
@@ -314,6 +337,10 @@ def summarize_neuron_heads(
 __all__ = [
     "STDLIB_MODULES",
     "SummaryOptions",
+    "merge_top",
+    "padded_batches",
     "stdlib_corpus",
     "summarize_neuron_heads",
+    "token_rows",
+    "token_text",
 ]

@@ -1,0 +1,598 @@
+"""Profiles of a circuit's named neurons: gate/value split, top dataset contexts, sign quadrants.
+
+:func:`neuron_profiles` takes a :class:`~tl_attnonly.analysis.Circuit` (from
+:func:`~tl_attnonly.analysis.discover_circuit`) and, for each neuron named in it
+(:func:`named_neurons`: the ``L{l}N{i}`` nodes, in the order the neuron stage named them), puts
+in one table (:attr:`NeuronProfiles.table`):
+
+a. **gate/value split**: the circuit's own exact split (``circuit.gate_value``:
+   :func:`~tl_attnonly.analysis.circuit_gate_value_split`); neurons it left out
+   (``max_gate_value_neurons``) are split here when the clean and corrupted tokens and the metric
+   are given, else their cells are NaN and ``gate_value_from`` says ``"not measured"``;
+b. **top dataset contexts** over a corpus (default the bundled prompts,
+   :func:`tl_attnonly.corpora.load_prompts`), streamed as
+   :func:`~tl_attnonly.analysis.summarize_neuron_heads` streams it (the same row splitting and
+   top-k merge), ranked by ``|output|``, the neuron's product ``o = sum_k z_k`` (what it writes
+   along ``W_out[i]``: ``act_K(pre)`` for a plain MLP, ``act_K(g) * u`` for a gated one, its
+   bias excluded); also its firing fraction (the mean of its heads' weight on themselves above
+   1/2), its mean output and the tokens it writes most on;
+c. **sign quadrants** for gated neurons (GLUScope): every corpus position falls in one of
+   :data:`QUADRANTS` by the sign of the gate pre-activation ``g`` (``hook_pre``) and of the
+   linear branch ``u`` (``hook_pre_linear``), ``+`` meaning ``> 0`` and ``-`` ``<= 0``; per
+   quadrant the share of positions (``share_*``), its part of the mean output (``output_*``:
+   the quadrant's sum of ``o`` over all positions, so the four add up to ``mean_output``), its
+   share of ``sum |o|`` (``abs_share_*``) and its top contexts (:meth:`NeuronProfiles.contexts`).
+
+:meth:`NeuronProfiles.figure` draws the neuron circuit
+(:func:`tl_attnonly.vis.neuron_circuit.neuron_circuit_figure`, registered when
+:mod:`tl_attnonly.vis` is imported, as :meth:`Circuit.figure` is).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from tqdm.auto import tqdm
+
+from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.graph import HeadGraph
+from tl_attnonly.analysis.discovery.runs import Circuit, circuit_gate_value_split
+from tl_attnonly.analysis.summaries.collect import (
+    merge_top,
+    padded_batches,
+    token_rows,
+    token_text,
+)
+from tl_attnonly.analysis.summaries.results import TopContexts
+from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
+from tl_attnonly.hooks import neuron_act_name
+
+if TYPE_CHECKING:
+    from tl_attnonly.analysis.discovery.positions import PositionClasses
+    from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
+    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
+
+#: Sign quadrants of a gated neuron: sign of the gate ``g``, sign of the linear branch ``u``.
+QUADRANTS = ("g+u+", "g+u-", "g-u+", "g-u-")
+
+#: The ranking of :meth:`NeuronProfiles.contexts` over every position (not one quadrant).
+ALL = "all"
+
+#: The columns of the gate/value split copied from ``circuit.gate_value``.
+GATE_VALUE_COLUMNS = ("gate", "value", "both", "interaction", "n_gate_edges", "n_value_edges")
+
+_NEURON = re.compile(r"^L(\d+)N(\d+)$")
+
+#: What :meth:`NeuronProfiles.figure` calls: set by :mod:`tl_attnonly.vis.neuron_circuit`.
+_figure_builder: Callable[..., Any] | None = None
+
+
+def register_profiles_figure_builder(builder: Callable[..., Any]) -> None:
+    """Set what :meth:`NeuronProfiles.figure` calls, ``builder(profiles, **kwargs)`` (done by
+    :mod:`tl_attnonly.vis.neuron_circuit` on import)."""
+    global _figure_builder
+    _figure_builder = builder
+
+
+def parse_neuron_label(label: str) -> tuple[int, int]:
+    """``"L3N17"`` -> ``(3, 17)``.
+
+    Raises:
+        ValueError: For anything but a neuron label (a neuron-head ``"L3N17.1"`` included).
+    """
+    match = _NEURON.match(label)
+    if match is None:
+        raise ValueError(f"Not a neuron label 'L{{layer}}N{{index}}': {label!r}.")
+    return int(match.group(1)), int(match.group(2))
+
+
+def named_neurons(circuit: Circuit) -> list[str]:
+    """The neurons named as nodes of ``circuit``: the neuron stage's (``circuit.extra["named"]``,
+    lowest layer first, each layer in its ranking order), then any other neuron with a circuit
+    edge (a neuron-level graph's), by layer and index."""
+    named = circuit.extra.get("named") or {}
+    out = [label for layer in sorted(named) for label in named[layer]]
+    seen = set(out)
+    others = [n for n in circuit.nodes() if _NEURON.match(n) and n not in seen]
+    return out + sorted(others, key=parse_neuron_label)
+
+
+@dataclass
+class NeuronProfiles:
+    """What :func:`neuron_profiles` returns.
+
+    Attributes:
+        table: One row per named neuron (module docstring): ``neuron, layer, index, gated``, the
+            gate/value split (:data:`GATE_VALUE_COLUMNS`, ``gate_value_from``),
+            ``firing_fraction, mean_output, max_abs_output, top_tokens, top_contexts`` and, per
+            quadrant ``q`` of :data:`QUADRANTS`, ``share_q, output_q, abs_share_q`` (NaN for a
+            neuron of a plain MLP).
+        examples: Every kept context: ``neuron, ranking`` (:data:`ALL` or a quadrant), ``rank,
+            output`` (``o`` at the centre), ``self_weight`` (its heads' mean weight on
+            themselves there), ``document`` (token row, streaming order), ``position, token,
+            text`` (the window, centre in brackets ``⟦ ⟧``).
+        circuit: The circuit profiled.
+        n_positions, n_rows: Corpus positions and token rows seen.
+        notes: What limits the reading (neurons whose split was not measured, ...).
+    """
+
+    table: pd.DataFrame
+    examples: pd.DataFrame
+    circuit: Circuit
+    n_positions: int
+    n_rows: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def neurons(self) -> list[str]:
+        return list(self.table.neuron)
+
+    def row(self, neuron: str) -> pd.Series:
+        """The table's row of ``neuron``."""
+        rows = self.table[self.table.neuron == neuron]
+        if rows.empty:
+            raise KeyError(f"{neuron!r} is not profiled; the profiled neurons are {self.neurons}.")
+        return rows.iloc[0]
+
+    def contexts(self, neuron: str, ranking: str = ALL) -> pd.DataFrame:
+        """Top contexts of ``neuron``: over every position (``ranking="all"``) or in a quadrant."""
+        if ranking != ALL and ranking not in QUADRANTS:
+            raise ValueError(f"ranking must be {ALL!r} or one of {QUADRANTS}, got {ranking!r}.")
+        self.row(neuron)
+        picked = self.examples[
+            (self.examples.neuron == neuron) & (self.examples.ranking == ranking)
+        ]
+        return picked.reset_index(drop=True)
+
+    def quadrants(self, neuron: str) -> pd.DataFrame:
+        """One row per quadrant of a gated neuron: ``quadrant, share, output, abs_share``.
+
+        Raises:
+            ValueError: For a neuron of a plain MLP (one pre-activation, no quadrants).
+        """
+        row = self.row(neuron)
+        if not row.gated:
+            raise ValueError(
+                f"{neuron} is a neuron of a plain MLP (one pre-activation): sign quadrants are "
+                "defined for gated MLPs only (gate g and linear branch u)."
+            )
+        return pd.DataFrame(
+            [
+                dict(
+                    quadrant=q,
+                    share=row[f"share_{q}"],
+                    output=row[f"output_{q}"],
+                    abs_share=row[f"abs_share_{q}"],
+                )
+                for q in QUADRANTS
+            ]
+        )
+
+    def figure(self, **kwargs: Any) -> Any:
+        """Plotly figure of the neuron circuit
+        (:func:`tl_attnonly.vis.neuron_circuit.neuron_circuit_figure`; same keywords)."""
+        if _figure_builder is None:
+            raise RuntimeError(
+                "NeuronProfiles.figure() draws with tl_attnonly.vis, which is not imported yet: "
+                "run `import tl_attnonly.vis` and call figure() again, or call "
+                "tl_attnonly.vis.neuron_circuit_figure(profiles) directly."
+            )
+        return _figure_builder(self, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"NeuronProfiles({len(self.table)} neurons, {self.n_positions} positions in "
+            f"{self.n_rows} rows" + (f", {len(self.notes)} note(s)" if self.notes else "") + ")"
+        )
+
+
+@dataclass
+class _LayerStats:
+    """Running statistics of one layer's profiled neurons (``n`` of them)."""
+
+    index: torch.Tensor  # [n] neuron indices
+    labels: list[str]
+    gated: bool
+    top: dict[str, TopContexts]
+    fire: torch.Tensor  # [n]
+    out_sum: torch.Tensor  # [n] float64
+    max_abs: torch.Tensor  # [n] float64
+    quad_count: torch.Tensor  # [n, 4]
+    quad_sum: torch.Tensor  # [n, 4] float64
+    quad_abs: torch.Tensor  # [n, 4] float64
+    token_sum: torch.Tensor | None  # [n, d_vocab] float64
+    token_count: torch.Tensor | None  # [d_vocab]
+
+
+def _empty_top(n: int, k: int, window: int) -> TopContexts:
+    """Empty top contexts whose windows keep ``o`` and the self weight in float64 (the ranked
+    values are float32, as in the summaries)."""
+    top = TopContexts.empty(n, k, window)
+    return replace(top, self_weight=top.self_weight.double(), z=top.z.double())
+
+
+def _gated(model: AttnOnlyModel, layer: int) -> bool:
+    return isinstance(model.blocks[layer].mlp, GatedNeuronHeadMLP)
+
+
+def _collect(
+    model: AttnOnlyModel,
+    neurons: Sequence[str],
+    corpus: Iterable[str | torch.Tensor],
+    *,
+    k: int,
+    before: int,
+    after: int,
+    max_len: int,
+    batch_size: int,
+    max_rows: int | None,
+    token_stats: bool,
+    progress: bool,
+) -> tuple[dict[int, _LayerStats], int, int]:
+    """Stream ``corpus`` once; every statistic of the module docstring's (b) and (c)."""
+    K = model.n_heads_per_neuron
+    V = model.cfg.d_vocab
+    by_layer: dict[int, list[tuple[int, str]]] = {}
+    for label in neurons:
+        layer, index = parse_neuron_label(label)
+        by_layer.setdefault(layer, []).append((index, label))
+    window = before + after + 1
+    stats: dict[int, _LayerStats] = {}
+    for layer, members in by_layer.items():
+        n = len(members)
+        gated = _gated(model, layer)
+        rankings = (ALL, *QUADRANTS) if gated else (ALL,)
+        stats[layer] = _LayerStats(
+            index=torch.tensor([i for i, _ in members]),
+            labels=[label for _, label in members],
+            gated=gated,
+            top={r: _empty_top(n, k, window) for r in rankings},
+            fire=torch.zeros(n, dtype=torch.long),
+            out_sum=torch.zeros(n, dtype=torch.float64),
+            max_abs=torch.zeros(n, dtype=torch.float64),
+            quad_count=torch.zeros(n, 4, dtype=torch.long),
+            quad_sum=torch.zeros(n, 4, dtype=torch.float64),
+            quad_abs=torch.zeros(n, 4, dtype=torch.float64),
+            token_sum=torch.zeros(n, V, dtype=torch.float64) if token_stats else None,
+            token_count=torch.zeros(V, dtype=torch.long) if token_stats else None,
+        )
+    names = set()
+    for layer, st in stats.items():
+        names |= {neuron_act_name("pattern", layer), neuron_act_name("z", layer)}
+        if st.gated:
+            names |= {neuron_act_name("pre", layer), neuron_act_name("pre_linear", layer)}
+    n_positions = n_rows = 0
+    bar = tqdm(desc="neuron profiles (rows)", disable=not progress, unit="row")
+    rows = token_rows(model, corpus, max_len)
+    for tokens, lengths, valid in padded_batches(rows, batch_size, max_rows):
+        n_batch, pad = tokens.shape
+        with torch.no_grad():
+            _, cache = model.run_with_cache(
+                tokens.to(model.cfg.device), names_filter=lambda name: name in names
+            )
+        for layer, st in stats.items():
+            n = len(st.labels)
+            heads = (st.index[:, None] * K + torch.arange(K)).flatten()  # [n * K]
+            z = cache[neuron_act_name("z", layer)][..., heads, 0].double().cpu()
+            out = z.reshape(n_batch, pad, n, K).sum(-1)  # [batch, pos, n]: sum_k z_k
+            pattern = cache[neuron_act_name("pattern", layer)][:, heads, :, 0].double().cpu()
+            self_w = pattern.reshape(n_batch, n, K, pad).mean(2).transpose(1, 2)  # [b, pos, n]
+            out = out.masked_fill(~valid[..., None], 0.0)
+            st.fire += ((self_w > 0.5) & valid[..., None]).sum((0, 1))
+            st.out_sum += out.sum((0, 1))
+            st.max_abs = torch.maximum(st.max_abs, out.abs().amax((0, 1)))
+            if st.token_sum is not None and st.token_count is not None:
+                flat = tokens[valid]
+                st.token_sum.index_add_(1, flat, out[valid].T)
+                st.token_count += torch.bincount(flat, minlength=V)
+            ranked = {ALL: out.abs()}
+            if st.gated:
+                g = cache[neuron_act_name("pre", layer)][..., st.index].cpu()
+                u = cache[neuron_act_name("pre_linear", layer)][..., st.index].cpu()
+                for j, q in enumerate(QUADRANTS):
+                    inside = ((g > 0) if q[1] == "+" else ~(g > 0)) & (
+                        (u > 0) if q[3] == "+" else ~(u > 0)
+                    )
+                    inside &= valid[..., None]
+                    st.quad_count[:, j] += inside.sum((0, 1))
+                    st.quad_sum[:, j] += out.masked_fill(~inside, 0.0).sum((0, 1))
+                    st.quad_abs[:, j] += out.abs().masked_fill(~inside, 0.0).sum((0, 1))
+                    ranked[q] = out.abs().masked_fill(~inside, -math.inf)
+            for ranking, values in ranked.items():
+                st.top[ranking] = merge_top(
+                    st.top[ranking], values, tokens, self_w, out, lengths, n_rows, before, after
+                )
+        n_positions += int(valid.sum())
+        n_rows += n_batch
+        bar.update(n_batch)
+    bar.close()
+    return stats, n_positions, n_rows
+
+
+def _examples(
+    stats: dict[int, _LayerStats], tokenizer: Any, before: int
+) -> tuple[pd.DataFrame, dict[str, list[str]]]:
+    """Every kept context as a row; and per neuron its best contexts' texts (ranking ``all``)."""
+    rows = []
+    best: dict[str, list[str]] = {}
+    for st in stats.values():
+        for ranking, top in st.top.items():
+            for j, label in enumerate(st.labels):
+                for r in range(top.values.shape[1]):
+                    if top.values[j, r] == -math.inf:
+                        break
+                    window = top.tokens[j, r].tolist()
+                    pieces = [
+                        (
+                            f"⟦{token_text(tokenizer, t)}⟧"
+                            if i == before
+                            else token_text(tokenizer, t)
+                        )
+                        for i, t in enumerate(window)
+                        if t >= 0
+                    ]
+                    text = "".join(pieces)
+                    rows.append(
+                        dict(
+                            neuron=label,
+                            ranking=ranking,
+                            rank=r,
+                            output=float(top.z[j, r, before]),
+                            self_weight=float(top.self_weight[j, r, before]),
+                            document=int(top.document[j, r]),
+                            position=int(top.position[j, r]),
+                            token=token_text(tokenizer, window[before]),
+                            text=text,
+                        )
+                    )
+                    if ranking == ALL:
+                        best.setdefault(label, []).append(text)
+    columns = ["neuron", "ranking", "rank", "output", "self_weight", "document", "position"]
+    return pd.DataFrame(rows, columns=[*columns, "token", "text"]), best
+
+
+def _gate_value(
+    model: AttnOnlyModel,
+    circuit: Circuit,
+    neurons: Sequence[str],
+    clean_tokens: torch.Tensor | None,
+    corrupted_tokens: torch.Tensor | None,
+    metric: DiscoveryMetric | None,
+    positions: PositionClasses | None,
+    batch_size: int | None,
+    progress: bool,
+    notes: list[str],
+) -> pd.DataFrame:
+    """The split of every neuron: the circuit's rows, the others measured here (or NaN)."""
+    parts = []
+    if circuit.gate_value is not None:
+        have = circuit.gate_value[circuit.gate_value.node.isin(neurons)]
+        parts.append(have.assign(gate_value_from="circuit"))
+    done = set(parts[0].node) if parts else set()
+    missing = [n for n in neurons if n not in done]
+    if missing and clean_tokens is not None and corrupted_tokens is not None and metric is not None:
+        graph = circuit.graph
+        nodes = graph.node_labels() if graph.restricted else None
+        again = HeadGraph(model, nodes=nodes, positions=graph.positions)
+        if again.block_keys() != graph.block_keys():  # pragma: no cover - a guard, not a path
+            raise RuntimeError("The circuit's graph could not be rebuilt from its node labels.")
+        measured = circuit_gate_value_split(
+            model, circuit.mask, clean_tokens, corrupted_tokens, metric, neurons=missing,
+            nodes=nodes, batch_size=batch_size, progress=progress, positions=positions,
+        )  # fmt: skip
+        parts.append(measured.assign(gate_value_from="measured here"))
+    elif missing:
+        why = (
+            "the circuit has no split (discover_circuit(..., gate_value=False))"
+            if circuit.gate_value is None
+            else "the circuit's split covers max_gate_value_neurons neurons"
+        )
+        notes.append(
+            f"gate/value split not measured for {len(missing)} neuron(s) ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): {why}; pass clean_tokens, "
+            "corrupted_tokens and metric to measure them (NaN in the table)."
+        )
+        nan = {c: [math.nan] * len(missing) for c in GATE_VALUE_COLUMNS}
+        parts.append(pd.DataFrame({"node": missing, **nan, "gate_value_from": "not measured"}))
+    parts = [part for part in parts if len(part)]
+    return pd.concat(parts).set_index("node")
+
+
+def neuron_profiles(
+    model: ModelLike,
+    circuit: Circuit,
+    corpus: Iterable[str | torch.Tensor] | None = None,
+    *,
+    neurons: Sequence[str] | None = None,
+    clean_tokens: Int[torch.Tensor, "batch pos"] | None = None,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"] | None = None,
+    metric: DiscoveryMetric | None = None,
+    positions: PositionClasses | None = None,
+    run_batch_size: int | None = None,
+    k: int = 5,
+    before: int = 8,
+    after: int = 2,
+    max_len: int | None = None,
+    batch_size: int = 16,
+    max_rows: int | None = None,
+    token_stats: bool = True,
+    n_top_tokens: int = 3,
+    min_token_count: int = 3,
+    max_bytes: int = 2**30,
+    progress: bool = False,
+) -> NeuronProfiles:
+    """Profile every named neuron of ``circuit`` (module docstring): one table, one figure.
+
+    Args:
+        model: The model the circuit was found on (an :class:`~tl_attnonly.AttnOnlyTransformer`
+            or a converted ``TransformerBridge``).
+        circuit: From :func:`~tl_attnonly.analysis.discover_circuit` (neuron level).
+        corpus: Strings and/or int token tensors (``[pos]`` or ``[batch, pos]``), as for
+            :func:`~tl_attnonly.analysis.summarize_neuron_heads`; default the bundled prompts
+            (:func:`tl_attnonly.corpora.load_prompts`).
+        neurons: Which neurons (``"L3N17"``); default :func:`named_neurons` of the circuit.
+        clean_tokens, corrupted_tokens, metric, positions: The circuit's data, to measure the
+            gate/value split of neurons ``circuit.gate_value`` lacks (else NaN, with a note).
+        run_batch_size: Examples per exact run of that split (``discover_circuit``'s
+            ``batch_size``); default all at once.
+        k: Top contexts kept per neuron and ranking (every position, each quadrant).
+        before, after: Context tokens kept around each top position.
+        max_len: Longest token row (longer rows are split); default ``model.cfg.n_ctx``.
+        batch_size: Corpus rows per forward pass.
+        max_rows: Stop after this many rows.
+        token_stats: Record each neuron's mean output per token (``top_tokens``).
+        n_top_tokens: Tokens listed in ``top_tokens`` (largest mean ``|output|``).
+        min_token_count: Tokens seen fewer times are not listed.
+        max_bytes: Refuse, before any work, when the per-token statistics would need more.
+        progress: Progress bar over corpus rows.
+
+    Returns:
+        :class:`NeuronProfiles`.
+
+    Raises:
+        TypeError: If ``circuit`` is not a :class:`~tl_attnonly.analysis.Circuit`.
+        ValueError: For a head-level circuit, a circuit with no named neuron, a neuron the model
+            lacks, a position-resolved circuit whose split must be measured without
+            ``positions``, ``k`` or ``batch_size`` below 1, or ``before`` / ``after`` below 0.
+        MemoryError: When the per-token statistics would need more than ``max_bytes``.
+    """
+    model = analysis_model(model)
+    if not isinstance(circuit, Circuit):
+        raise TypeError(
+            f"neuron_profiles profiles a Circuit from discover_circuit, got "
+            f"{type(circuit).__name__}."
+        )
+    if not circuit.graph.neuron_level:
+        raise ValueError(
+            "neuron_profiles reads neuron-level circuits (neuron_level=True, the default); this "
+            "circuit's graph has neuron-heads 'L{l}N{i}.{k}' as nodes."
+        )
+    if k < 1 or batch_size < 1 or before < 0 or after < 0:
+        raise ValueError(
+            f"k and batch_size must be >= 1 and before, after >= 0; got k={k}, "
+            f"batch_size={batch_size}, before={before}, after={after}."
+        )
+    chosen = list(neurons) if neurons is not None else named_neurons(circuit)
+    if not chosen:
+        raise ValueError(
+            "The circuit names no neuron (no 'L{l}N{i}' node): run discover_circuit with "
+            "neurons_per_mlp > 0 or 'auto' (the default names 8 per MLP node), or pass neurons=."
+        )
+    d_mlp = int(model.cfg.d_mlp or 0)
+    bad = [
+        n
+        for n in chosen
+        if not _NEURON.match(n)
+        or not (parse_neuron_label(n)[0] < model.cfg.n_layers and parse_neuron_label(n)[1] < d_mlp)
+    ]
+    if bad:
+        raise ValueError(
+            f"neurons must be neuron labels 'L{{layer}}N{{index}}' of this model "
+            f"({model.cfg.n_layers} layers, d_mlp {d_mlp}); got {bad[:5]}."
+        )
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"neurons lists a neuron twice: {chosen}.")
+    need = len(chosen) * model.cfg.d_vocab * 8 if token_stats else 0
+    if need > max_bytes:
+        raise MemoryError(
+            f"The per-token statistics need {need / 2**30:.2f} GiB (budget "
+            f"{max_bytes / 2**30:.2f} GiB): {len(chosen)} neurons x {model.cfg.d_vocab} tokens. "
+            "Pass token_stats=False, fewer neurons=, or max_bytes=... to raise the budget."
+        )
+    gate_value_needed = circuit.gate_value is None or not set(chosen) <= set(
+        circuit.gate_value.node
+    )
+    if (
+        gate_value_needed
+        and clean_tokens is not None
+        and circuit.graph.positions is not None
+        and positions is None
+    ):
+        raise ValueError(
+            "This circuit's edges are resolved by position class "
+            f"({list(circuit.graph.positions)}): pass positions= (the PositionClasses it was "
+            "found with) to measure the gate/value split of the neurons it lacks."
+        )
+    if corpus is None:
+        from tl_attnonly.corpora import load_prompts
+
+        corpus = load_prompts()
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = _gate_value(
+            model, circuit, chosen, clean_tokens, corrupted_tokens, metric, positions,
+            run_batch_size, progress, notes,
+        )  # fmt: skip
+    notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    stats, n_positions, n_rows = _collect(
+        model, chosen, corpus, k=k, before=before, after=after,
+        max_len=max_len or model.cfg.n_ctx, batch_size=batch_size, max_rows=max_rows,
+        token_stats=token_stats, progress=progress,
+    )  # fmt: skip
+    if n_positions == 0:
+        raise ValueError("The corpus gave no token (an empty corpus, or max_rows=0).")
+    tokenizer = getattr(model, "tokenizer", None)
+    examples, best = _examples(stats, tokenizer, before)
+    rows = {}
+    for layer, st in stats.items():
+        for j, label in enumerate(st.labels):
+            row: dict[str, Any] = dict(
+                neuron=label, layer=layer, index=int(st.index[j]), gated=st.gated
+            )
+            for column in GATE_VALUE_COLUMNS:
+                row[column] = split.loc[label, column]
+            row["gate_value_from"] = split.loc[label, "gate_value_from"]
+            row["firing_fraction"] = float(st.fire[j]) / n_positions
+            row["mean_output"] = float(st.out_sum[j]) / n_positions
+            row["max_abs_output"] = float(st.max_abs[j])
+            row["top_tokens"] = _top_tokens(st, j, tokenizer, n_top_tokens, min_token_count)
+            row["top_contexts"] = " | ".join(best.get(label, [])[:3])
+            for q_i, q in enumerate(QUADRANTS):
+                if st.gated:
+                    total_abs = float(st.quad_abs[j].sum())
+                    row[f"share_{q}"] = float(st.quad_count[j, q_i]) / n_positions
+                    row[f"output_{q}"] = float(st.quad_sum[j, q_i]) / n_positions
+                    row[f"abs_share_{q}"] = (
+                        float(st.quad_abs[j, q_i]) / total_abs if total_abs > 0 else math.nan
+                    )
+                else:
+                    row[f"share_{q}"] = row[f"output_{q}"] = row[f"abs_share_{q}"] = math.nan
+            rows[label] = row
+    table = pd.DataFrame([rows[label] for label in chosen])
+    return NeuronProfiles(table, examples, circuit, n_positions, n_rows, notes)
+
+
+def _top_tokens(st: _LayerStats, j: int, tokenizer: Any, n: int, min_count: int) -> str:
+    """``"' the' +0.53 (n=12), ..."``: the tokens with the largest mean ``|output|``."""
+    if st.token_sum is None or st.token_count is None or n <= 0:
+        return ""
+    count = st.token_count.double()
+    mean = st.token_sum[j] / count.clamp(min=1)
+    score = mean.abs().masked_fill(count < max(min_count, 1), -1.0)
+    values, idx = score.topk(min(n, score.numel()))
+    return ", ".join(
+        f"{token_text(tokenizer, int(t))!r} {float(mean[t]):+.3g} (n={int(count[t])})"
+        for v, t in zip(values, idx, strict=True)
+        if v >= 0
+    )
+
+
+__all__ = [
+    "ALL",
+    "GATE_VALUE_COLUMNS",
+    "QUADRANTS",
+    "NeuronProfiles",
+    "named_neurons",
+    "neuron_profiles",
+    "parse_neuron_label",
+    "register_profiles_figure_builder",
+]
