@@ -15,7 +15,9 @@ from tl_attnonly.hooked.adapter import HookedAdapter
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 
-def analysis_model(model: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
+def analysis_model(
+    model: Any, *, neuron_heads: bool = True, allow_experts: bool = False
+) -> AttnOnlyModel:
     """``model`` as the analysis tools read it: an :class:`AttnOnlyModel`.
 
     Accepts an adapter (returned as is), an :class:`~tl_attnonly.AttnOnlyTransformer` /
@@ -26,10 +28,13 @@ def analysis_model(model: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
     Args:
         model: The model (or an adapter).
         neuron_heads: Refuse a model without structured neuron-heads (the default).
+        allow_experts: Accept mixtures of experts (only for the tools that read experts:
+            :mod:`tl_attnonly.analysis.experts`).
 
     Raises:
         TypeError: For anything else, or a model that is not converted, saying what to do.
-        NotImplementedError: For mixtures of experts (by layer) where neuron-heads are needed.
+        NotImplementedError: For mixtures of experts (by layer) where neuron-heads are needed
+            and ``allow_experts`` is false.
     """
     if isinstance(model, (HookedAdapter, BridgeAdapter)):
         adapted: AttnOnlyModel = model
@@ -41,7 +46,7 @@ def analysis_model(model: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
             "run_with_cache / run_with_hooks and the tl_attnonly.hooks presets."
         )
     elif _is_transformer_bridge(model):
-        if neuron_heads:  # before the adapter reads the attention (DeepSeek's MLA has no W_K)
+        if neuron_heads and not allow_experts:  # before the adapter reads the attention
             _refuse_experts(_bridge_layers(model))
         adapted = BridgeAdapter(model)
     elif _is_hooked_root(model):
@@ -53,11 +58,13 @@ def analysis_model(model: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
             f"got {type(model).__name__}."
         )
     if neuron_heads:
-        _require_neuron_heads(adapted)
+        _require_neuron_heads(adapted, allow_experts)
     return adapted
 
 
-def model_of_cache(cache: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
+def model_of_cache(
+    cache: Any, *, neuron_heads: bool = True, allow_experts: bool = False
+) -> AttnOnlyModel:
     """The :func:`analysis_model` of the model whose ``run_with_cache`` made ``cache``.
 
     Raises:
@@ -69,17 +76,18 @@ def model_of_cache(cache: Any, *, neuron_heads: bool = True) -> AttnOnlyModel:
             f"Expected a transformer_lens ActivationCache from run_with_cache, got "
             f"{type(cache).__name__}."
         )
-    return analysis_model(model, neuron_heads=neuron_heads)
+    return analysis_model(model, neuron_heads=neuron_heads, allow_experts=allow_experts)
 
 
-def _require_neuron_heads(model: AttnOnlyModel) -> None:
+def _require_neuron_heads(model: AttnOnlyModel, allow_experts: bool = False) -> None:
     if not model.is_converted:
         raise TypeError(
             f"This {model.kind} has no neuron-heads: convert it first (tl_attnonly.convert(model)"
             + (", in place for a bridge" if model.kind == "TransformerBridge" else "")
             + ") and use the converted model (and its caches)."
         )
-    _refuse_experts(model.neuron_heads)
+    if not allow_experts:
+        _refuse_experts(model.neuron_heads)
 
 
 def _bridge_layers(bridge: Any) -> list[Any]:
@@ -97,7 +105,8 @@ def _refuse_experts(layers: list[Any]) -> None:
             raise NotImplementedError(
                 f"blocks.{index}.mlp is a mixture of experts ({type(layer).__name__}): the "
                 "analysis tools work on dense neuron-head layers, and an expert sees only the "
-                "tokens routed to it. Use the experts' hooks directly "
+                "tokens routed to it. For experts use tl_attnonly.analysis.experts "
+                "(expert_activation, get_act_patch_expert_neuron_heads), or the experts' hooks "
                 "(blocks.{l}.mlp.experts.{e}.hook_pattern, hook_z, ...; router: "
                 "blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) with run_with_cache / "
                 "run_with_hooks."

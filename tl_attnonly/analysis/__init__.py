@@ -89,6 +89,10 @@ from tl_attnonly.analysis.discovery.profiles import (
     named_neurons,
     neuron_profiles,
 )
+from tl_attnonly.analysis.experts import (
+    expert_activation,
+    get_act_patch_expert_neuron_heads,
+)
 from tl_attnonly.analysis.induction import (
     InductionDataset,
     induction_token_pool,
@@ -247,6 +251,8 @@ __all__ = [
     # neuron profiles
     "named_neurons",
     "neuron_profiles",
+    "expert_activation",
+    "get_act_patch_expert_neuron_heads",
     "NeuronProfiles",
     # summaries
     "NeuronHeadSummaries",

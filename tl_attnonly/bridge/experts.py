@@ -49,8 +49,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jaxtyping import Float, Int
+from transformer_lens.hook_points import HookPoint
 
-from tl_attnonly._compat import child_module, mlp_config
+from tl_attnonly._compat import child_module, mlp_config, unmount_component_hook
 from tl_attnonly.activations import NeuronHeadCoefficients
 from tl_attnonly.bridge.modules import (
     BRIDGE_NEURON_HEAD_HOOKS,
@@ -97,6 +98,12 @@ _SUPPORTED = (
 #: Attribute of a converted ``MoEBridge`` (in its ``__dict__``) that keeps where the experts
 #: were mounted and what: ``(slot, experts)``.
 _MOUNTED = "_tl_attnonly_experts"
+
+#: The router's top-k expert indices, ``blocks.{l}.mlp.hook_expert_indices`` ``[tokens, top_k]``
+#: (tokens: the flattened ``[batch * pos]``): TransformerLens's name on ``HookedTransformer``'s
+#: ``MoE`` and on TL 4.x bridges (an alias of the router's hook); where a bridge has none (TL 3.9),
+#: conversion mounts a hook point of that name on the ``MoEBridge``, fired by the experts.
+ROUTING_HOOK = "hook_expert_indices"
 
 
 def is_bridge_component(module: object) -> bool:
@@ -292,6 +299,9 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         #: The block's shared experts' neuron-head layers, by the bridge's name (converted and
         #: mounted on their own bridge components, so not submodules here).
         self.shared: dict[str, nn.Module] = {}
+        #: The routing hook point this module fires (:data:`ROUTING_HOOK`, mounted on the
+        #: ``MoEBridge`` where TransformerLens has none), else ``None`` (not a submodule).
+        self.__dict__["routing_hook"] = None
         cfg = mlp_config(int(d_model), int(d_mlp), act_fn, self.down_proj.dtype)
         self.extend(
             BridgeNeuronHeadExpert(self, e, cfg, coefficients) for e in range(self.num_experts)
@@ -316,8 +326,12 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         return self.expert_list()[0].d_mlp
 
     def hook_names(self, prefix: str) -> list[str]:
-        """The experts' hook names under ``prefix`` (``blocks.{l}.mlp.experts``)."""
-        return [f"{prefix}.{e}.hook_{n}" for e in range(len(self)) for n in EXPERT_HOOKS]
+        """The experts' hook names under ``prefix`` (``blocks.{l}.mlp.experts``), and the routing
+        hook this module mounted (``blocks.{l}.mlp.hook_expert_indices``), if any."""
+        names = [f"{prefix}.{e}.hook_{n}" for e in range(len(self)) for n in EXPERT_HOOKS]
+        if self.__dict__["routing_hook"] is not None:
+            names.append(f"{prefix.rpartition('.')[0]}.{ROUTING_HOOK}")
+        return names
 
     def forward(
         self,
@@ -326,6 +340,9 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         top_k_weights: Float[torch.Tensor, "tokens top_k"],
     ) -> Float[torch.Tensor, "tokens d_model"]:
         """Hugging Face's eager experts loop, each expert as neuron-heads; every expert runs."""
+        routing_hook = self.__dict__["routing_hook"]
+        if routing_hook is not None:
+            top_k_index = routing_hook(top_k_index)  # [tokens, top_k]
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # [num_experts + 1, top_k, tokens]; index num_experts marks a masked slot
@@ -534,6 +551,12 @@ def mount_experts(mlp_bridge: nn.Module, plan: ExpertsPlan, experts: BridgeNeuro
     else:
         plan.slot.experts = experts
     mlp_bridge.__dict__[_MOUNTED] = (plan.slot, experts)
+    if ROUTING_HOOK not in getattr(mlp_bridge, "hook_aliases", {}):  # TL 3.9: no routing hook
+        hook_point = child_module(mlp_bridge, ROUTING_HOOK)
+        if hook_point is None:
+            hook_point = HookPoint()  # [tokens, top_k]
+            mlp_bridge.add_module(ROUTING_HOOK, hook_point)
+        experts.__dict__["routing_hook"] = hook_point
 
 
 def mounted_experts(mlp_bridge: nn.Module) -> BridgeNeuronHeadExperts | None:
@@ -549,6 +572,9 @@ def unmount_experts(mlp_bridge: nn.Module) -> BridgeNeuronHeadExperts | None:
     if mounted is None:
         return None
     slot, experts = mounted
+    if experts.__dict__["routing_hook"] is not None:
+        unmount_component_hook(mlp_bridge, ROUTING_HOOK)
+        experts.__dict__["routing_hook"] = None
     hf_experts = experts.__dict__["hf_experts"]
     for name in GROUPED_PARAMETERS:  # the same objects, unless a cast made new ones
         setattr(hf_experts, name, getattr(experts, name))
@@ -570,6 +596,7 @@ def dense_moe_keys(mlp_bridge: nn.Module) -> dict[str, str]:
 
 __all__ = [
     "EXPERT_HOOKS",
+    "ROUTING_HOOK",
     "BridgeNeuronHeadExpert",
     "BridgeNeuronHeadExperts",
     "ExpertsPlan",

@@ -1,0 +1,208 @@
+"""Expert neuron-heads in token space and their activation patching (tl_attnonly.analysis.experts).
+
+Tiny random Mixtral (``tests/bridge/zoo.py``), converted bridge on TransformerLens 3.9 and 4.x in
+float32 (Hugging Face's experts kernel has no float64); on TL 3.9 also an ``AttnOnlyTransformer``
+Mixtral of the same weights. References are written here independently: the expert's gate from
+the MoE block's input and the expert's weights, and patches made with plain ``run_with_hooks``
+that read the corrupted routing in the same pass.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bridge"))
+
+from zoo import build_bridge, build_hf_model, convert_zoo_bridge, tokens  # noqa: E402
+
+from tl_attnonly.analysis.experts import (  # noqa: E402
+    expert_activation,
+    get_act_patch_expert_neuron_heads,
+    routing_hook_name,
+)
+
+LAYER = 1
+N_EXPERTS = 4  # the zoo Mixtral's
+#: float32: the bridge and the AttnOnlyTransformer differ by Hugging Face's RMSNorm rounding.
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def bridge() -> Any:
+    return convert_zoo_bridge(build_bridge("mixtral", torch.float32))
+
+
+def _block_input(model: Any, cache: Any, layer: int) -> torch.Tensor:
+    """The MoE block's input ``[batch, pos, d_model]`` (the normalised residual stream)."""
+    name = f"blocks.{layer}.mlp.hook_in"  # a bridge's
+    if name in cache.cache_dict:
+        return cache[name]
+    # an AttnOnlyTransformer's RMSNorm: hook_normalized is before the weight
+    return cache[f"blocks.{layer}.ln2.hook_normalized"] * model.blocks[layer].ln2.w
+
+
+def _experts(model: Any, layer: int) -> list[Any]:
+    from tl_attnonly.adapt import analysis_model
+
+    return analysis_model(model, allow_experts=True).neuron_heads[layer].expert_list()
+
+
+def _check_token_space(model: Any, toks: torch.Tensor) -> None:
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks)
+    x = _block_input(model, cache, LAYER)
+    top_k = cache[routing_hook_name(LAYER)].reshape(*toks.shape, -1)  # [batch, pos, top_k]
+    seen = torch.zeros(toks.shape, dtype=torch.long)
+    for e, expert in enumerate(_experts(model, LAYER)):
+        routed = (top_k == e).any(-1)  # [batch, pos]
+        seen += routed.long()
+        gate = expert_activation(cache, LAYER, e, "gate")
+        expected = x @ expert._gate_matrix  # [batch, pos, d_mlp], every token
+        assert torch.isnan(gate[~routed]).all()
+        torch.testing.assert_close(gate[routed], expected[routed], rtol=TOL, atol=TOL)
+        # the neuron-heads of each neuron sum to its post-activation, token by token
+        z = expert_activation(cache, LAYER, e, "z", fill=0.0)  # [batch, pos, n_neuron_heads]
+        post = expert_activation(cache, LAYER, e, "post", fill=0.0)
+        k = expert.n_heads_per_neuron
+        summed = z.reshape(*z.shape[:2], -1, k).sum(-1)
+        torch.testing.assert_close(summed, post, rtol=TOL, atol=TOL)
+        assert z.shape[-1] == expert.n_neuron_heads
+        assert bool((z[~routed] == 0).all()) and bool((z[routed] != 0).any())
+    assert bool((seen == top_k.shape[-1]).all()), "every token reaches top_k experts"
+
+
+def test_expert_activation_in_token_space_bridge(bridge):
+    """A converted bridge (TL 3.9 and 4.x): each expert's activations land on the tokens the
+    router sent to it (gate = block input @ the expert's gate weights there), NaN elsewhere."""
+    _check_token_space(bridge, tokens())
+
+
+def _patch_by_hand(
+    model: Any, corrupted: torch.Tensor, clean_cache: Any, expert: int, head: int
+) -> tuple[torch.Tensor, int]:
+    """Patch ``head`` of ``expert`` with plain hooks: the corrupted routing is read in the same
+    pass; a position is patched where its token was routed to the expert in the clean run too."""
+    clean_index = clean_cache[routing_hook_name(LAYER)]
+    clean_order = [t for s in range(clean_index.shape[1]) for t in range(clean_index.shape[0])
+                   if int(clean_index[t, s]) == expert]  # fmt: skip
+    clean_z = clean_cache[f"blocks.{LAYER}.mlp.experts.{expert}.hook_z"]
+    seen: dict[str, Any] = {}
+    patched = []
+
+    def read_routing(index: torch.Tensor, hook: Any) -> None:
+        seen["order"] = [t for s in range(index.shape[1]) for t in range(index.shape[0])
+                         if int(index[t, s]) == expert]  # fmt: skip
+
+    def patch(z: torch.Tensor, hook: Any) -> torch.Tensor:
+        z = z.clone()
+        for i, token in enumerate(seen["order"]):
+            if token in clean_order:
+                z[0, i, head] = clean_z[0, clean_order.index(token), head]
+                patched.append(token)
+        return z
+
+    with torch.no_grad():
+        logits = model.run_with_hooks(
+            corrupted,
+            fwd_hooks=[
+                (routing_hook_name(LAYER), read_routing),
+                (f"blocks.{LAYER}.mlp.experts.{expert}.hook_z", patch),
+            ],
+        )
+    return logits, len(patched)
+
+
+def _metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, 3].sum() - logits[:, -1, 5].sum()
+
+
+def _patch_table(model: Any, clean: torch.Tensor, corrupted: torch.Tensor) -> Any:
+    with torch.no_grad():
+        _, clean_cache = model.run_with_cache(clean)
+    table = get_act_patch_expert_neuron_heads(
+        model, corrupted, clean_cache, _metric, layer=LAYER, heads=[0, 7, 20]
+    )
+    assert len(table) == N_EXPERTS * 3
+    with torch.no_grad():
+        baseline = float(_metric(model(corrupted)))
+    for row in table.itertuples():
+        logits, n_patched = _patch_by_hand(model, corrupted, clean_cache, row.expert, row.head)
+        assert row.patched_tokens == n_patched
+        assert row.metric == pytest.approx(float(_metric(logits)), abs=1e-6)
+        assert row.label == f"L{LAYER}E{row.expert}N{row.head}"
+    assert (table.only_clean + table.only_corrupted).sum() > 0, "routing differs somewhere"
+    assert (table.metric - baseline).abs().max() > 1e-4, "some patch moves the metric"
+    return table
+
+
+def test_expert_patching_against_plain_hooks_bridge(bridge):
+    """Patches of expert neuron-heads' z equal hand-written run_with_hooks patches; tokens
+    routed in one run only are counted and not patched."""
+    clean = tokens(seed=1)
+    corrupted = clean.clone()
+    corrupted[:, :4] = tokens(seed=2)[:, :4]  # a different prefix: some routing changes
+    _patch_table(bridge, clean, corrupted)
+
+
+def test_other_tools_still_refuse_experts_and_expert_tools_refuse_bad_arguments(bridge):
+    """Dataset summaries and discovery refuse MoE by layer (tests/bridge/test_moe_bridge.py);
+    the expert tools refuse an unknown expert, kind or head before any patch."""
+    from tl_attnonly.analysis import summarize_neuron_heads
+
+    toks = tokens()
+    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp is a mixture of experts"):
+        summarize_neuron_heads(bridge, [toks[0]])
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(toks)
+    with pytest.raises(ValueError, match="has 4 experts"):
+        expert_activation(cache, LAYER, 4)
+    with pytest.raises(ValueError, match="pattern"):
+        expert_activation(cache, LAYER, 0, "pattern")
+    with pytest.raises(ValueError, match="neuron-heads"):
+        get_act_patch_expert_neuron_heads(bridge, toks, cache, _metric, layer=LAYER, heads=[10**6])
+
+
+def test_both_kinds_agree_on_experts():
+    """TL 3.x: an AttnOnlyTransformer Mixtral of the same weights gives the same token-space
+    activations and the same patching table as the converted bridge (float32 rounding of
+    Hugging Face's RMSNorm)."""
+    from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
+    if not HAS_HOOKED_TRANSFORMER:
+        pytest.skip("TransformerLens 4.x has no HookedTransformer")
+    from test_moe_bridge import _hooked_mixtral
+    from transformer_lens.model_bridge.sources import build_bridge_from_module
+
+    import tl_attnonly
+
+    hf, config = build_hf_model("mixtral", torch.float64)
+    hooked = tl_attnonly.convert(_hooked_mixtral(hf, config, torch.float64))
+    bridge = convert_zoo_bridge(
+        build_bridge_from_module(hf, "MixtralForCausalLM", hf_config=config)
+    )
+    clean = tokens(seed=1)
+    corrupted = clean.clone()
+    corrupted[:, :4] = tokens(seed=2)[:, :4]
+    _check_token_space(hooked, clean)
+    with torch.no_grad():
+        _, cache_h = hooked.run_with_cache(clean)
+        _, cache_b = bridge.run_with_cache(clean)
+    for e in range(N_EXPERTS):
+        torch.testing.assert_close(
+            expert_activation(cache_b, LAYER, e, "z"),
+            expert_activation(cache_h, LAYER, e, "z"),
+            rtol=TOL, atol=TOL, equal_nan=True,
+        )  # fmt: skip
+    table_h = _patch_table(hooked, clean, corrupted)
+    table_b = _patch_table(bridge, clean, corrupted)
+    counts = ["expert", "head", "patched_tokens", "only_clean", "only_corrupted"]
+    assert table_h[counts].equals(table_b[counts])
+    torch.testing.assert_close(
+        torch.tensor(table_b.metric.values), torch.tensor(table_h.metric.values),
+        rtol=TOL, atol=TOL,
+    )  # fmt: skip
