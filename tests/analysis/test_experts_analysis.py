@@ -24,6 +24,7 @@ from tl_attnonly.analysis.experts import (  # noqa: E402
     expert_activation,
     get_act_patch_expert_neuron_heads,
     routing_hook_name,
+    summarize_expert_neuron_heads,
 )
 
 LAYER = 1
@@ -150,13 +151,21 @@ def test_expert_patching_against_plain_hooks_bridge(bridge):
 
 
 def test_other_tools_still_refuse_experts_and_expert_tools_refuse_bad_arguments(bridge):
-    """Dataset summaries and discovery refuse MoE by layer (tests/bridge/test_moe_bridge.py);
-    the expert tools refuse an unknown expert, kind or head before any patch."""
+    """The dense summaries and discovery refuse MoE by layer (tests/bridge/test_moe_bridge.py),
+    pointing to the expert summaries; the expert tools refuse an unknown expert, kind, head or
+    option before any work."""
     from tl_attnonly.analysis import summarize_neuron_heads
 
     toks = tokens()
-    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp is a mixture of experts"):
+    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp is a mixture of experts.*"
+                       r"summarize_expert_neuron_heads"):  # fmt: skip
         summarize_neuron_heads(bridge, [toks[0]])
+    with pytest.raises(ValueError, match="has 4 experts"):
+        summarize_expert_neuron_heads(bridge, [toks[0]], layer=LAYER, experts=[4])
+    with pytest.raises(NotImplementedError, match="token_stats"):
+        summarize_expert_neuron_heads(bridge, [toks[0]], layer=LAYER, token_stats=True)
+    with pytest.raises(MemoryError, match="4 experts"):
+        summarize_expert_neuron_heads(bridge, [toks[0]], layer=LAYER, max_bytes=1)
     with torch.no_grad():
         _, cache = bridge.run_with_cache(toks)
     with pytest.raises(ValueError, match="has 4 experts"):
@@ -198,6 +207,16 @@ def test_both_kinds_agree_on_experts():
             expert_activation(cache_h, LAYER, e, "z"),
             rtol=TOL, atol=TOL, equal_nan=True,
         )  # fmt: skip
+    summ_h, summary_h = _check_summaries(hooked)
+    summ_b, summary_b = _check_summaries(bridge)
+    assert summary_h[["expert", "head", "label", "routed"]].equals(
+        summary_b[["expert", "head", "label", "routed"]]
+    )
+    for ranking in ("self", "abs_z"):
+        for e in range(N_EXPERTS):
+            top_h, top_b = summ_h.top[ranking][e], summ_b.top[ranking][e]
+            assert torch.equal(top_h.document, top_b.document)
+            assert torch.equal(top_h.position, top_b.position)
     table_h = _patch_table(hooked, clean, corrupted)
     table_b = _patch_table(bridge, clean, corrupted)
     counts = ["expert", "head", "patched_tokens", "only_clean", "only_corrupted"]
@@ -206,3 +225,96 @@ def test_both_kinds_agree_on_experts():
         torch.tensor(table_b.metric.values), torch.tensor(table_h.metric.values),
         rtol=TOL, atol=TOL,
     )  # fmt: skip
+
+
+#: A corpus of rows of several lengths: batches of 2 are right-padded.
+def _corpus() -> list[torch.Tensor]:
+    return [tokens(batch=1, pos=n, seed=10 + i)[0] for i, n in enumerate((9, 4, 7, 9, 3))]
+
+
+def _reference(model: Any, corpus: list[torch.Tensor]) -> dict[int, list[tuple]]:
+    """Per expert, ``(row, pos, self [H], z [H])`` of every token routed to it: one plain
+    ``run_with_hooks`` per row, the expert's hook positions mapped to tokens by hand from the
+    routing indices read in the same pass."""
+    found: dict[int, list[tuple]] = {e: [] for e in range(N_EXPERTS)}
+    for r, row in enumerate(corpus):
+        seen: dict[str, Any] = {}
+
+        def keeper(name: str, seen: dict[str, Any] = seen) -> Any:
+            def keep(act: torch.Tensor, hook: Any) -> None:
+                seen[name] = act.detach().clone()
+
+            return keep
+
+        names = [routing_hook_name(LAYER)] + [
+            f"blocks.{LAYER}.mlp.experts.{e}.hook_{kind}"
+            for e in range(N_EXPERTS) for kind in ("pattern", "z")
+        ]  # fmt: skip
+        with torch.no_grad():
+            model.run_with_hooks(row[None], fwd_hooks=[(name, keeper(name)) for name in names])
+        index = seen[routing_hook_name(LAYER)]  # [pos, top_k]
+        for e in range(N_EXPERTS):
+            order = [t for s in range(index.shape[1]) for t in range(index.shape[0])
+                     if int(index[t, s]) == e]  # fmt: skip
+            pattern = seen[f"blocks.{LAYER}.mlp.experts.{e}.hook_pattern"]  # [1, H, routed, 2]
+            z = seen[f"blocks.{LAYER}.mlp.experts.{e}.hook_z"]  # [1, routed, H, 1]
+            for i, t in enumerate(order):
+                found[e].append((r, t, pattern[0, :, i, 0].double(), z[0, i, :, 0].double()))
+    return found
+
+
+def _check_summaries(model: Any) -> Any:
+    corpus = _corpus()
+    k, before, after = 3, 2, 1
+    summ = summarize_expert_neuron_heads(
+        model, corpus, layer=LAYER, k=k, before=before, after=after, batch_size=2, progress=False
+    )
+    ref = _reference(model, corpus)
+    n_tokens = sum(len(row) for row in corpus)
+    assert summ.n_positions == n_tokens and summ.n_rows == len(corpus)
+    assert int(summ.routed_count.sum()) == 2 * n_tokens  # top_k = 2: padding never counted
+    table = summ.table()
+    H = summ.n_neuron_heads
+    assert len(table) == N_EXPERTS * H
+    for e in range(N_EXPERTS):
+        routed = ref[e]
+        assert int(summ.routed_count[e]) == len(routed)
+        self_w = torch.stack([s for _, _, s, _ in routed])  # [routed, H]
+        z = torch.stack([z for _, _, _, z in routed])
+        rows = table[table.expert == e]
+        assert list(rows.routed) == [len(routed)] * H
+        assert list(rows.label[:2]) == [f"L{LAYER}E{e}N0", f"L{LAYER}E{e}N1"]
+        for column, expected in (
+            ("firing_fraction", (self_w > 0.5).double().mean(0)),
+            ("mean_self", self_w.mean(0)),
+            ("mean_z", z.mean(0)),
+            ("max_z", z.max(0).values),
+        ):
+            torch.testing.assert_close(
+                torch.tensor(rows[column].values), expected, rtol=TOL, atol=TOL
+            )
+        for ranking, score in (("self", self_w), ("abs_z", z.abs())):
+            top = summ.top[ranking][e]
+            best = score.topk(k, dim=0)  # [k, H]
+            torch.testing.assert_close(top.values.double(), best.values.T, rtol=TOL, atol=TOL)
+            for h in (0, H - 1):
+                r, t, _, _ = routed[int(best.indices[0, h])]
+                assert (int(top.document[h, 0]), int(top.position[h, 0])) == (r, t)
+                # the context window: the row's tokens, the head's self weight where routed
+                by_pos = {p: s[h] for rr, p, s, _ in routed if rr == r}
+                for j, p in enumerate(range(t - before, t + after + 1)):
+                    inside = 0 <= p < len(corpus[r])
+                    assert int(top.tokens[h, 0, j]) == (int(corpus[r][p]) if inside else -1)
+                    got = float(top.self_weight[h, 0, j])
+                    if p in by_pos:
+                        assert got == pytest.approx(float(by_pos[p]), abs=TOL)
+                    else:  # not routed to the expert, or outside the row
+                        assert (got != got) if inside else got == 0.0
+    return summ, table
+
+
+def test_expert_summaries_against_plain_hooks_bridge(bridge):
+    """Expert summaries (TL 3.9 and 4.x bridge) equal statistics gathered by hand from plain
+    run_with_hooks per row: each expert's hooks mapped to tokens through the routing indices,
+    padding excluded."""
+    _check_summaries(bridge)

@@ -90,8 +90,10 @@ from tl_attnonly.analysis.discovery.profiles import (
     neuron_profiles,
 )
 from tl_attnonly.analysis.experts import (
+    ExpertNeuronHeadSummaries,
     expert_activation,
     get_act_patch_expert_neuron_heads,
+    summarize_expert_neuron_heads,
 )
 from tl_attnonly.analysis.induction import (
     InductionDataset,
@@ -195,6 +197,7 @@ __all__ = [
     "discover_node_circuit",
     "edge_attribution_scores",
     "EdgeScores",
+    "ExpertNeuronHeadSummaries",
     "faithfulness",
     "faithfulness_curve",
     "HeadGraph",
@@ -253,6 +256,7 @@ __all__ = [
     "neuron_profiles",
     "expert_activation",
     "get_act_patch_expert_neuron_heads",
+    "summarize_expert_neuron_heads",
     "NeuronProfiles",
     # summaries
     "NeuronHeadSummaries",

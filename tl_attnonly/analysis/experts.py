@@ -17,14 +17,21 @@ hook on both kinds, mounted by the conversion on a TL 3.9 bridge) give that orde
   neuron-heads' ``z``, at the tokens routed to the expert in both runs; tokens routed in only one
   run are counted in the result and left unpatched.
 
+* :func:`summarize_expert_neuron_heads`: dataset summaries of a layer's expert neuron-heads
+  (the streaming pass of :func:`~tl_attnonly.analysis.summarize_neuron_heads`), each over the
+  tokens routed to its expert: routed count, firing fraction, mean self weight and ``z``,
+  largest ``z``, top contexts by self weight and by ``|z|``.
+
 Shared experts (Qwen2-MoE, DeepSeek) are dense neuron-head layers at ``blocks.{l}.mlp.{name}``,
-not covered here. Dataset summaries, circuit discovery and the residual decomposition refuse
-mixtures of experts before any work, naming the layer.
+not covered here. :func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers), circuit
+discovery and the residual decomposition refuse mixtures of experts before any work, naming the
+layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -33,6 +40,13 @@ from jaxtyping import Float, Int
 
 from tl_attnonly._types import Metric
 from tl_attnonly.adapt import analysis_model, model_of_cache
+from tl_attnonly.analysis.summaries.collect import (
+    SummaryOptions,
+    cached_batches,
+    merge_top,
+    summary_options,
+)
+from tl_attnonly.analysis.summaries.results import RANKINGS, TopContexts
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: The router's top-k expert indices under ``blocks.{l}.mlp``: ``[batch * pos, top_k]``.
@@ -151,8 +165,19 @@ def expert_activation(
         act = act.squeeze(0)  # [routed, heads, d_head or d_model]
         if kind != "result":
             act = act.squeeze(-1)  # d_head = 1: [routed, heads]
+    return _scatter(act, routed_tokens(top_k_index, expert), batch, pos, fill)
+
+
+def _scatter(
+    act: Float[torch.Tensor, "routed ..."],
+    routed: Int[torch.Tensor, " routed"],
+    batch: int,
+    pos: int,
+    fill: float,
+) -> Float[torch.Tensor, "batch pos ..."]:
+    """Rows of ``act`` (the expert's routed tokens, in gather order) at their tokens."""
     out = act.new_full((batch * pos, *act.shape[1:]), fill)
-    out[routed_tokens(top_k_index, expert)] = act
+    out[routed] = act
     return out.reshape(batch, pos, *act.shape[1:])
 
 
@@ -276,8 +301,197 @@ def get_act_patch_expert_neuron_heads(
     return pd.DataFrame(rows)
 
 
+@dataclass
+class ExpertNeuronHeadSummaries:
+    """Dataset statistics of a layer's expert neuron-heads, each over the tokens routed to it.
+
+    Row ``i`` of every tensor is expert ``experts[i]``. Statistics count only the (non-padding)
+    positions routed to the expert; "fires" is as in :class:`~tl_attnonly.analysis.
+    NeuronHeadSummaries`: the head's weight on itself (``hook_pattern[..., 0]``) exceeds 1/2.
+
+    Attributes:
+        layer: The mixture-of-experts layer.
+        experts: The experts summarised.
+        n_neuron_heads, n_heads_per_neuron: Neuron-heads per expert and per neuron.
+        before, after: Context tokens kept before and after each top position.
+        top: ``top[ranking][i]``: :class:`~tl_attnonly.analysis.TopContexts` of expert
+            ``experts[i]`` (``ranking`` in ``("self", "abs_z")``), ranked over its routed tokens
+            only; context tokens not routed to the expert have self weight and ``z`` NaN.
+        routed_count: ``[n_experts]`` positions routed to each expert.
+        fire_count: ``[n_experts, n_neuron_heads]`` routed positions where the head fires.
+        self_sum: ``[n_experts, n_neuron_heads]`` sum of the self weight over routed positions.
+        z_sum: ``[n_experts, n_neuron_heads]`` sum of ``z`` over routed positions.
+        z_max: ``[n_experts, n_neuron_heads]`` largest ``z`` (``-inf``: never routed).
+        n_positions: Positions seen (routed or not).
+        n_rows: Token rows seen.
+    """
+
+    layer: int
+    experts: list[int]
+    n_neuron_heads: int
+    n_heads_per_neuron: int
+    before: int
+    after: int
+    n_positions: int
+    n_rows: int
+    routed_count: torch.Tensor
+    fire_count: torch.Tensor
+    self_sum: torch.Tensor
+    z_sum: torch.Tensor
+    z_max: torch.Tensor
+    top: dict[str, list[TopContexts]]
+    meta: dict = field(default_factory=dict)
+
+    def _per_routed(self, sums: torch.Tensor) -> Float[torch.Tensor, "n_experts n_neuron_heads"]:
+        """``sums / routed_count`` (NaN for an expert no token was routed to)."""
+        routed = self.routed_count.double()[:, None]
+        return (sums.double() / routed.clamp(min=1)).masked_fill(routed == 0, float("nan"))
+
+    def firing_fraction(self) -> Float[torch.Tensor, "n_experts n_neuron_heads"]:
+        """Share of the tokens routed to each expert where its neuron-head fires."""
+        return self._per_routed(self.fire_count)
+
+    def mean_self(self) -> Float[torch.Tensor, "n_experts n_neuron_heads"]:
+        """Mean self weight over the routed tokens."""
+        return self._per_routed(self.self_sum)
+
+    def mean_z(self) -> Float[torch.Tensor, "n_experts n_neuron_heads"]:
+        """Mean ``z`` over the routed tokens."""
+        return self._per_routed(self.z_sum)
+
+    def table(self) -> pd.DataFrame:
+        """One row per ``(expert, head)``: ``layer, expert, head, label`` (``L{l}E{e}N{n}``),
+        ``routed`` (tokens routed to the expert), ``firing_fraction``, ``mean_self``,
+        ``mean_z``, ``max_z``, ``max_self`` and ``max_abs_z`` (the best top context's value)."""
+        H, K = self.n_neuron_heads, self.n_heads_per_neuron
+        stats = {
+            "firing_fraction": self.firing_fraction(),
+            "mean_self": self.mean_self(),
+            "mean_z": self.mean_z(),
+            "max_z": self.z_max.double(),
+            "max_self": torch.stack([t.values[:, 0] for t in self.top["self"]]).double(),
+            "max_abs_z": torch.stack([t.values[:, 0] for t in self.top["abs_z"]]).double(),
+        }
+        rows = [
+            {
+                "layer": self.layer,
+                "expert": expert,
+                "head": head,
+                "label": expert_neuron_head_label(self.layer, expert, head, K),
+                "routed": int(self.routed_count[i]),
+                **{name: float(value[i, head]) for name, value in stats.items()},
+            }
+            for i, expert in enumerate(self.experts)
+            for head in range(H)
+        ]
+        return pd.DataFrame(rows)
+
+
+def summarize_expert_neuron_heads(
+    model: ModelLike,
+    corpus: Iterable[str | torch.Tensor] | None = None,
+    *,
+    layer: int,
+    experts: Sequence[int] | None = None,
+    options: SummaryOptions | None = None,
+    **overrides: Any,
+) -> ExpertNeuronHeadSummaries:
+    """Stream ``corpus`` through ``model`` and summarise the expert neuron-heads of ``layer``.
+
+    The streaming pass of :func:`~tl_attnonly.analysis.summarize_neuron_heads` (same corpus
+    handling, batching and padding), caching each expert's ``hook_pattern`` and ``hook_z`` and the
+    router's ``blocks.{layer}.mlp.hook_expert_indices``; each expert's values are mapped to the
+    tokens routed to it (:func:`routed_tokens`) and every statistic is taken over those tokens.
+
+    Args:
+        model: A converted model with mixtures of experts (either kind).
+        corpus: Strings and/or int token tensors, as for ``summarize_neuron_heads``.
+        layer: The MoE layer.
+        experts: The routed experts to summarise (default: all).
+        options: A :class:`~tl_attnonly.analysis.SummaryOptions`; its ``k``, ``before``,
+            ``after``, ``max_len``, ``batch_size``, ``max_rows``, ``max_bytes`` and ``progress``
+            apply (each also by keyword). Per-token statistics are not recorded for experts.
+
+    Returns:
+        :class:`ExpertNeuronHeadSummaries` (:meth:`~ExpertNeuronHeadSummaries.table` for a
+        table).
+
+    Raises:
+        ValueError: For a layer that is not a mixture of experts or an unknown expert.
+        NotImplementedError: For ``token_stats=True`` (not recorded for experts).
+        MemoryError: When the top contexts would need more than ``max_bytes``.
+    """
+    opts = summary_options("summarize_expert_neuron_heads", options, overrides)
+    if overrides.get("token_stats"):
+        raise NotImplementedError(
+            "summarize_expert_neuron_heads does not record per-token statistics "
+            "(token_stats=True); supported: token_stats=False (the default here)."
+        )
+    adapted = analysis_model(model, allow_experts=True)
+    moe = moe_layer(adapted, layer)
+    expert_ids = list(range(len(moe.expert_list()))) if experts is None else list(experts)
+    for expert in expert_ids:
+        _check_expert(moe, layer, expert)
+    E, H, k = len(expert_ids), moe.n_neuron_heads, opts.k
+    window = opts.before + opts.after + 1
+    need = E * H * (k * (2 + 3 * window) * len(RANKINGS) + 4) * 8
+    if need > opts.max_bytes:
+        raise MemoryError(
+            f"The expert summaries need {need / 2**30:.2f} GiB (budget "
+            f"{opts.max_bytes / 2**30:.2f} GiB): {E} experts x {H} neuron-heads. Pass fewer "
+            "experts, a smaller k, or max_bytes=... to raise the budget."
+        )
+    routing = routing_hook_name(layer)
+    names = {routing} | {
+        expert_hook_name(layer, e, kind) for e in expert_ids for kind in ("pattern", "z")
+    }
+    top = {r: [TopContexts.empty(H, k, window) for _ in expert_ids] for r in RANKINGS}
+    routed_count = torch.zeros(E, dtype=torch.long)
+    fire = torch.zeros(E, H, dtype=torch.long)
+    self_sum = torch.zeros(E, H, dtype=torch.float64)
+    z_sum = torch.zeros(E, H, dtype=torch.float64)
+    z_max = torch.full((E, H), -torch.inf)
+    n_positions = n_rows = 0
+    for tokens, lengths, valid, cache in cached_batches(adapted, corpus, names, opts):
+        batch, pos = tokens.shape
+        top_k_index = cache[routing].cpu()  # [batch * pos, top_k]
+        for i, expert in enumerate(expert_ids):
+            routed = routed_tokens(top_k_index, expert)
+            pattern = cache[expert_hook_name(layer, expert, "pattern")]  # [1, H, routed, 2]
+            z_routed = cache[expert_hook_name(layer, expert, "z")]  # [1, routed, H, 1]
+            nan = float("nan")
+            self_w = _scatter(pattern[0, ..., 0].T.float().cpu(), routed, batch, pos, nan)
+            z = _scatter(z_routed[0, ..., 0].float().cpu(), routed, batch, pos, nan)
+            here = valid[..., None] & ~self_w.isnan()  # [batch, pos, H]: routed, not padding
+            routed_count[i] += int(here[..., 0].sum())
+            fire[i] += (here & (self_w > 0.5)).sum((0, 1))
+            self_sum[i] += self_w.masked_fill(~here, 0.0).double().sum((0, 1))
+            z_sum[i] += z.masked_fill(~here, 0.0).double().sum((0, 1))
+            z_max[i] = torch.maximum(z_max[i], z.masked_fill(~here, -torch.inf).amax((0, 1)))
+            for ranking, values in (("self", self_w), ("abs_z", z.abs())):
+                top[ranking][i] = merge_top(
+                    top[ranking][i],
+                    values.masked_fill(~here, -torch.inf),
+                    tokens,
+                    self_w,
+                    z,
+                    lengths,
+                    n_rows,
+                    opts.before,
+                    opts.after,
+                )
+        n_positions += int(valid.sum())
+        n_rows += tokens.shape[0]
+    return ExpertNeuronHeadSummaries(
+        layer, expert_ids, H, moe.n_heads_per_neuron, opts.before, opts.after,
+        n_positions, n_rows, routed_count, fire, self_sum, z_sum, z_max, top,
+        meta={"k": k, "max_len": opts.max_len or adapted.cfg.n_ctx},
+    )  # fmt: skip
+
+
 __all__ = [
     "ROUTING_HOOK",
+    "ExpertNeuronHeadSummaries",
     "expert_activation",
     "expert_hook_name",
     "expert_neuron_head_label",
@@ -285,4 +499,5 @@ __all__ = [
     "moe_layer",
     "routed_tokens",
     "routing_hook_name",
+    "summarize_expert_neuron_heads",
 ]

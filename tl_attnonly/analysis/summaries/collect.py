@@ -220,6 +220,58 @@ class SummaryOptions:
         )
 
 
+def summary_options(
+    caller: str, options: SummaryOptions | None, overrides: dict[str, Any]
+) -> SummaryOptions:
+    """``options`` (default :class:`SummaryOptions`) with ``overrides`` replaced.
+
+    Raises:
+        TypeError: If ``options`` is not a :class:`SummaryOptions`, or for an unknown option.
+    """
+    if options is not None and not isinstance(options, SummaryOptions):
+        raise TypeError(
+            f"{caller}(..., options=...) takes a tl_attnonly.analysis.SummaryOptions, got "
+            f"{type(options).__name__}."
+        )
+    return (options or SummaryOptions()).with_overrides(**overrides)
+
+
+def cached_batches(
+    model: AttnOnlyModel,
+    corpus: Iterable[str | torch.Tensor] | None,
+    names: set[str],
+    opts: SummaryOptions,
+) -> Iterator[tuple[Int[torch.Tensor, "batch pos"], torch.Tensor, torch.Tensor, Any]]:
+    """The streaming pass of the summaries: ``corpus`` in padded batches, each run once.
+
+    Args:
+        model: An adapted model (:func:`~tl_attnonly.adapt.analysis_model`).
+        corpus: As :func:`summarize_neuron_heads`'s (``None``: :func:`stdlib_corpus`).
+        names: The hooks to cache.
+        opts: ``max_len`` (default ``model.cfg.n_ctx``), ``batch_size``, ``max_rows``,
+            ``progress``.
+
+    Yields:
+        ``(tokens [batch, pos], lengths [batch], valid [batch, pos], cache)``: the cache of
+        ``names`` for the batch (an encoder's padding masked out of its attention).
+    """
+    device = model.cfg.device
+    rows = token_rows(model, stdlib_corpus() if corpus is None else corpus,
+                      opts.max_len or model.cfg.n_ctx)  # fmt: skip
+    bar = tqdm(desc="summaries (rows)", disable=not opts.progress, unit="row")
+    for tokens, lengths, valid in padded_batches(rows, opts.batch_size, opts.max_rows):
+        kwargs: dict[str, Any] = {}
+        if model.is_encoder:  # bidirectional: padding must be masked out
+            kwargs["one_zero_attention_mask"] = valid.long().to(device)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(
+                tokens.to(device), names_filter=lambda n: n in names, **kwargs
+            )
+        yield tokens, lengths, valid, cache
+        bar.update(tokens.shape[0])
+    bar.close()
+
+
 def summarize_neuron_heads(
     model: ModelLike,
     corpus: Iterable[str | torch.Tensor] | None = None,
@@ -252,15 +304,9 @@ def summarize_neuron_heads(
     Raises:
         TypeError: For a keyword that is not an option (naming :class:`SummaryOptions`).
     """
-    if options is not None and not isinstance(options, SummaryOptions):
-        raise TypeError(
-            "summarize_neuron_heads(..., options=...) takes a "
-            f"tl_attnonly.analysis.SummaryOptions, got {type(options).__name__}."
-        )
-    opts = (options or SummaryOptions()).with_overrides(**overrides)
+    opts = summary_options("summarize_neuron_heads", options, overrides)
     k, before, after, max_len = opts.k, opts.before, opts.after, opts.max_len
-    batch_size, max_rows, token_stats = opts.batch_size, opts.max_rows, opts.token_stats
-    max_bytes, progress = opts.max_bytes, opts.progress
+    token_stats, max_bytes = opts.token_stats, opts.max_bytes
     model = analysis_model(model)
     cfg = model.cfg
     assert cfg.d_mlp is not None  # a converted model has MLPs
@@ -276,8 +322,6 @@ def summarize_neuron_heads(
             f"{L} layers x {H} neuron-heads{' x ' + str(V) + ' tokens' if token_stats else ''}. "
             "Pass token_stats=False, a smaller k, or max_bytes=... to raise the budget."
         )
-    if corpus is None:
-        corpus = stdlib_corpus()
     max_len = max_len or cfg.n_ctx
     top = {r: [TopContexts.empty(H, k, window) for _ in range(L)] for r in RANKINGS}
     fire = torch.zeros(L, H, dtype=torch.long)
@@ -286,17 +330,7 @@ def summarize_neuron_heads(
     fire_tok = torch.zeros(L, H, V, dtype=torch.long) if token_stats else None
     names = {neuron_act_name(kind, li) for li in range(L) for kind in ("pattern", "z", "post")}
     n_positions = n_rows = 0
-    device = cfg.device
-    rows = token_rows(model, corpus, max_len)
-    bar = tqdm(desc="summaries (rows)", disable=not progress, unit="row")
-    for tokens, lengths, valid in padded_batches(rows, batch_size, max_rows):
-        kwargs: dict[str, Any] = {}
-        if model.is_encoder:  # bidirectional: padding must be masked out
-            kwargs["one_zero_attention_mask"] = valid.long().to(device)
-        with torch.no_grad():
-            _, cache = model.run_with_cache(
-                tokens.to(device), names_filter=lambda n: n in names, **kwargs
-            )
+    for tokens, lengths, valid, cache in cached_batches(model, corpus, names, opts):
         flat_tokens = tokens[valid]  # [n_valid]
         token_count += torch.bincount(flat_tokens, minlength=V)
         for li in range(L):
@@ -314,8 +348,6 @@ def summarize_neuron_heads(
                 )
         n_positions += int(valid.sum())
         n_rows += tokens.shape[0]
-        bar.update(tokens.shape[0])
-    bar.close()
     return NeuronHeadSummaries(
         n_layers=L,
         d_mlp=N,
@@ -337,7 +369,9 @@ def summarize_neuron_heads(
 __all__ = [
     "STDLIB_MODULES",
     "SummaryOptions",
+    "cached_batches",
     "merge_top",
+    "summary_options",
     "padded_batches",
     "stdlib_corpus",
     "summarize_neuron_heads",
