@@ -141,6 +141,23 @@ def test_rank_lists_neurons_with_all_their_heads_by_default():
         summary.rank(1, level="layer")
 
 
+def test_top_slots_beyond_the_counted_positions_stay_empty():
+    """With fewer counted positions than k (rows of 3 and 1 tokens, one batch padded to 3: 4
+    counted, 2 padding), the slots left over keep value -inf, document and position -1 and tokens
+    -1 (before, they held the document and position of a padding token)."""
+    model = make_converted("silu", n_ctx=12)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, D_VOCAB, (n,), generator=g) for n in (3, 1)]
+    summary = summarize_neuron_heads(model, rows, k=6, batch_size=2, progress=False)
+    for ranking in summary.top.values():
+        for top in ranking:
+            empty = torch.isneginf(top.values)
+            assert empty[:, 4:].all() and not empty[:, :4].any()
+            assert (top.document[empty] == -1).all() and (top.position[empty] == -1).all()
+            assert (top.tokens[empty] == -1).all()
+            assert set(top.document[~empty].tolist()) == {0, 1}
+
+
 def test_summaries_refuse_over_budget_and_bad_items():
     model = make_converted("silu", n_ctx=12)
     with pytest.raises(MemoryError, match="token_stats=False"):

@@ -158,6 +158,11 @@ def merge_top(
     ctx_clamped = ctx_pos.clamp(0, pos - 1)
     b_exp = b_idx[..., None].expand_as(ctx_pos)
     head = torch.arange(n)[:, None, None].expand_as(ctx_pos)
+    # A candidate of value -inf is no context (padding, or a token not counted): it stays empty
+    # as TopContexts.empty has it (document and position -1, tokens -1), where fewer than k
+    # positions were counted.
+    empty = torch.isneginf(cand_vals)  # [n, kk]
+    inside = inside & ~empty[..., None]
     ctx_tokens = tokens[b_exp, ctx_clamped].masked_fill(~inside, -1)
     ctx_self = self_weight[b_exp, ctx_clamped, head].masked_fill(~inside, 0.0)
     ctx_z = z[b_exp, ctx_clamped, head].masked_fill(~inside, 0.0)
@@ -176,8 +181,8 @@ def merge_top(
         pick(top.tokens, ctx_tokens),
         pick(top.self_weight, ctx_self),
         pick(top.z, ctx_z),
-        pick(top.document, b_idx + row_offset),
-        pick(top.position, p_idx),
+        pick(top.document, (b_idx + row_offset).masked_fill(empty, -1)),
+        pick(top.position, p_idx.masked_fill(empty, -1)),
     )
 
 
