@@ -1,6 +1,7 @@
 """What every dataset of clean prompts with corrupted twins shares (:class:`PromptPairs`).
 
-A task dataset (:class:`~tl_attnonly.analysis.sva.SVADataset`) is a frozen dataclass whose
+A task dataset (:class:`~tl_attnonly.analysis.IOIDataset`,
+:class:`~tl_attnonly.analysis.sva.SVADataset`) is a frozen dataclass whose
 tensor fields have one row per example and whose tuple fields (texts, labels) one entry per
 example or none; it names its positions (:meth:`PromptPairs.positions`) and defines its per-row
 :meth:`PromptPairs.logit_diff`. From those this base gives row selection, position classes for a
@@ -24,13 +25,38 @@ AdditiveMetric = Callable[
 ]
 
 
+def padding_id(tokenizer: Any) -> int:
+    """The token id that right-pads a dataset's rows: the tokenizer's pad token, else its
+    end-of-sequence token, else 0."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return 0 if pad is None else int(pad)
+
+
 class PromptPairs:
     """Base of the task datasets (a frozen dataclass with ``tokens [batch, pos]``)."""
 
     tokens: Int[torch.Tensor, "batch pos"]
 
+    corrupted_tokens: Int[torch.Tensor, "batch pos"]
+
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def _check_rows(self, per_row: Sequence[str]) -> None:
+        """Refuse tokens and corrupted tokens that are not ``[batch, pos]`` of one shape, or a
+        field of ``per_row`` that is not ``[batch]``."""
+        if self.tokens.ndim != 2 or self.corrupted_tokens.shape != self.tokens.shape:
+            raise ValueError(
+                f"tokens {tuple(self.tokens.shape)} and corrupted_tokens "
+                f"{tuple(self.corrupted_tokens.shape)} must be [batch, pos] of one shape."
+            )
+        n = self.tokens.shape[0]
+        for name in per_row:
+            value = getattr(self, name)
+            if value.shape != (n,):
+                raise ValueError(
+                    f"{name} must have shape [batch] = ({n},), got {tuple(value.shape)}."
+                )
 
     def positions(self, name: str) -> Int[torch.Tensor, " batch"]:
         """``[batch]`` positions of the role ``name``."""
@@ -89,4 +115,4 @@ class PromptPairs:
         return metric
 
 
-__all__ = ["AdditiveMetric", "PromptPairs"]
+__all__ = ["AdditiveMetric", "PromptPairs", "padding_id"]

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ from jaxtyping import Float, Int
 from tl_attnonly._types import replace_options
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.prompt_pairs import PromptPairs, padding_id
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
@@ -77,7 +78,7 @@ CORRUPTIONS = ("abc", "swap", "s2")
 
 
 @dataclass(frozen=True)
-class IOIDataset:
+class IOIDataset(PromptPairs):
     """IOI prompts as tokens, with their corrupted twins and the positions of IO, S1, S2, END.
 
     Rows are right-padded to one length; ``end_pos`` is each row's last real token (for causal
@@ -105,18 +106,8 @@ class IOIDataset:
     orders: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.tokens.ndim != 2 or self.corrupted_tokens.shape != self.tokens.shape:
-            raise ValueError(
-                f"tokens {tuple(self.tokens.shape)} and corrupted_tokens "
-                f"{tuple(self.corrupted_tokens.shape)} must be [batch, pos] of one shape."
-            )
-        n, pos = self.tokens.shape
-        for name in ("io_token", "s_token", "io_pos", "s1_pos", "s2_pos", "end_pos"):
-            value = getattr(self, name)
-            if value.shape != (n,):
-                raise ValueError(
-                    f"{name} must have shape [batch] = ({n},), got {tuple(value.shape)}."
-                )
+        self._check_rows(("io_token", "s_token", "io_pos", "s1_pos", "s2_pos", "end_pos"))
+        pos = self.tokens.shape[1]
         if ((self.end_pos >= pos) | (self.io_pos < 0) | (self.s1_pos < 0)).any():
             raise ValueError(f"Positions must lie in [0, {pos}) (the tokens' length).")
         if not (self.s1_pos + 1 < self.s2_pos).all() or not (self.s2_pos < self.end_pos).all():
@@ -156,28 +147,6 @@ class IOIDataset:
             raise ValueError("The IO token must differ from the subject's.")
         return cls(tokens, corrupted_tokens, io_token, s_token, io_pos, s1_pos, s2_pos, end_pos)
 
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def select(self, index: slice | Sequence[int] | torch.Tensor) -> IOIDataset:
-        """The rows ``index`` (a slice, a list of rows or a tensor of them), as a dataset."""
-        rows = torch.arange(len(self))[index]
-        texts = [
-            tuple(values[i] for i in rows.tolist()) if values else ()
-            for values in (self.prompts, self.corrupted_prompts, self.orders)
-        ]
-        return IOIDataset(
-            self.tokens[rows],
-            self.corrupted_tokens[rows],
-            self.io_token[rows],
-            self.s_token[rows],
-            self.io_pos[rows],
-            self.s1_pos[rows],
-            self.s2_pos[rows],
-            self.end_pos[rows],
-            *texts,
-        )
-
     def positions(self, name: str) -> Int[torch.Tensor, " batch"]:
         """``"io"``, ``"s1"``, ``"s2"``, ``"end"``, ``"s1_plus1"`` or ``"first"`` (position 0):
         ``[batch]`` positions."""
@@ -204,49 +173,20 @@ class IOIDataset:
         Returns:
             :class:`~tl_attnonly.analysis.discovery.positions.PositionClasses` over ``tokens``.
         """
-        return PositionClasses.from_positions(
-            (self.tokens.shape[0], self.tokens.shape[1]),
-            {name: self.positions(name) for name in names},
-        )
+        return super().position_classes(names)
 
     def logit_diff(self, logits: Float[torch.Tensor, "batch pos d_vocab"]) -> torch.Tensor:
-        """``logit(IO) - logit(S)`` at END, per row: ``[batch]``."""
-        if logits.shape[:2] != self.tokens.shape:
-            raise ValueError(
-                f"logits {tuple(logits.shape)} do not match the dataset's tokens "
-                f"{tuple(self.tokens.shape)}: run the model on dataset.tokens (or a select())."
-            )
+        """``logit(IO) - logit(S)`` at END, per row: ``[batch]``.
+
+        :meth:`~PromptPairs.metric` is its mean (a scalar patching or circuit metric) and
+        :meth:`~PromptPairs.additive_metric` the same mean as a batch-additive
+        ``metric(logits, indices)`` for ``discover_circuit(..., batch_size=...)``.
+        """
+        last = self._at_end(logits, self.end_pos)
         rows = torch.arange(len(self), device=logits.device)
-        last = logits[rows, self.end_pos.to(logits.device)]
         return (
             last[rows, self.io_token.to(logits.device)] - last[rows, self.s_token.to(logits.device)]
         )
-
-    def metric(self, logits: Float[torch.Tensor, "batch pos d_vocab"], *_: object) -> torch.Tensor:
-        """Mean ``logit(IO) - logit(S)`` at END: a scalar (a patching or circuit metric).
-
-        Extra arguments (a node-circuit metric's inputs) are ignored.
-        """
-        return self.logit_diff(logits).mean()
-
-    def additive_metric(
-        self,
-    ) -> Callable[
-        [Float[torch.Tensor, "batch pos d_vocab"], Int[torch.Tensor, " batch"]], torch.Tensor
-    ]:
-        """The mean ``logit(IO) - logit(S)`` at END as a batch-additive ``metric(logits, indices)``.
-
-        For circuit discovery in batches (:func:`~tl_attnonly.analysis.discover_circuit`,
-        ``batch_size=``): ``logits`` are those of the rows ``indices`` of this dataset, and the
-        metric is their summed logit difference divided by ``len(self)``, so the sum over batches
-        is the dataset mean.
-        """
-        n = len(self)
-
-        def metric(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-            return self.select(indices.cpu()).logit_diff(logits).sum() / n
-
-        return metric
 
 
 def _single_token(model: HookedTransformer, word: str) -> int:
@@ -405,8 +345,7 @@ def make_ioi_dataset(
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("make_ioi_dataset needs a model with a tokenizer (model.tokenizer).")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pad = 0 if pad is None else int(pad)
+    pad = padding_id(tokenizer)
     tokens = torch.full((n_prompts, length), pad, dtype=torch.long)
     corrupted_tokens = tokens.clone()
     for i, (clean_ids, corrupted_ids, *_) in enumerate(rows):

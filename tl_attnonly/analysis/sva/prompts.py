@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tl_attnonly._types import replace_options
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.prompt_pairs import PromptPairs
+from tl_attnonly.analysis.prompt_pairs import PromptPairs, padding_id
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -133,15 +133,10 @@ class SVADataset(PromptPairs):
     attractor_numbers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.tokens.ndim != 2 or self.corrupted_tokens.shape != self.tokens.shape:
-            raise ValueError(
-                f"tokens {tuple(self.tokens.shape)} and corrupted_tokens "
-                f"{tuple(self.corrupted_tokens.shape)} must be [batch, pos] of one shape."
-            )
-        n, pos = self.tokens.shape
-        for name in ("correct_token", "wrong_token", "subject_pos", "attractor_pos", "end_pos"):
-            if getattr(self, name).shape != (n,):
-                raise ValueError(f"{name} must have shape [batch] = ({n},).")
+        self._check_rows(
+            ("correct_token", "wrong_token", "subject_pos", "attractor_pos", "end_pos")
+        )
+        pos = self.tokens.shape[1]
         if not ((0 <= self.subject_pos) & (self.subject_pos < self.attractor_pos)).all():
             raise ValueError("Each row needs 0 <= subject_pos < attractor_pos.")
         if not ((self.attractor_pos <= self.end_pos) & (self.end_pos < pos)).all():
@@ -331,8 +326,7 @@ def make_sva_dataset(
             (clean_ids, corr_ids, verb_ids[verb[number]], verb_ids[verb[1 - number]], subj_pos,
              attr_pos, prompt, corrupted, NUMBERS[number], NUMBERS[a_num])
         )  # fmt: skip
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    fill_id = 0 if pad is None else int(pad)
+    fill_id = padding_id(tokenizer)
     clean_rows, corr_rows, correct, wrong, subj, attr, texts, corr_texts, nums, attr_nums = zip(
         *rows
     )
