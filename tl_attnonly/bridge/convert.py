@@ -227,22 +227,22 @@ def _build(
     W_out = tl_matrix(plan.projection("out"), "out")
     cfg = mlp_config(int(W_out.shape[1]), int(W_out.shape[0]), plan.act_fn, W_out.dtype)
     coefficients: NeuronHeadCoefficients = options.coefficients(plan.act_fn)
-    cls = BridgeGatedNeuronHeadMLP if plan.gated else BridgeNeuronHeadMLP
-    if shared:
-        cls = SharedGatedNeuronHeadMLP if plan.gated else SharedNeuronHeadMLP
-    source: Any = plan.mlp_bridge
-    if plan.keys:  # the projections by role (the layer reads source.gate, .in, .out)
-        source = SimpleNamespace(**{role: plan.projection(role) for role in plan.projections})
     layer: Any
-    if plan.layout is not None:
+    if plan.layout is not None:  # a layout of its own (layouts.py) builds its layer
         layer = plan.layout.build(cfg, coefficients)
     else:
+        cls: type[BridgeNeuronHeadLayer]
+        if shared:
+            cls = SharedGatedNeuronHeadMLP if plan.gated else SharedNeuronHeadMLP
+        else:
+            cls = BridgeGatedNeuronHeadMLP if plan.gated else BridgeNeuronHeadMLP
+        source: Any = plan.mlp_bridge
+        if plan.keys:  # the projections by role (the layer reads source.gate, .in, .out)
+            source = SimpleNamespace(**{role: plan.projection(role) for role in plan.projections})
         layer = cls(source, plan.projections, cfg, coefficients)
-    dropout = getattr(plan.hf_mlp, "dropout", None)
-    if plan.layout is None and isinstance(
-        dropout, nn.Dropout
-    ):  # GPT-2: dropout(c_proj(...)), kept as it is
-        layer.add_module("dropout", dropout)
+        dropout = getattr(plan.hf_mlp, "dropout", None)
+        if isinstance(dropout, nn.Dropout):  # GPT-2: dropout(c_proj(...)), kept as it is
+            layer.add_module("dropout", dropout)
     layer.fused = options.fused
     layer.compiled = options.compiled
     # the bridge component's mode, which train()/eval() keep current (the Hugging Face MLP is set
