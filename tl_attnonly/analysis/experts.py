@@ -47,6 +47,7 @@ from tl_attnonly.analysis.summaries.collect import (
     summary_options,
 )
 from tl_attnonly.analysis.summaries.results import RANKINGS, TopContexts
+from tl_attnonly.components.expert_facts import routed_slots
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: The router's top-k expert indices under ``blocks.{l}.mlp``: ``[batch * pos, top_k]``.
@@ -83,8 +84,7 @@ def routed_tokens(
     slot, then by token; position ``i`` of the expert's hooks is token ``routed_tokens(...)[i]``
     (``batch = token // pos``, ``pos = token % pos``).
     """
-    _, token = torch.where(top_k_index.T == expert)
-    return token
+    return routed_slots(top_k_index, expert)[1]
 
 
 def moe_layer(model: AttnOnlyModel, layer: int) -> Any:

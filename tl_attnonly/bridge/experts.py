@@ -59,7 +59,7 @@ from tl_attnonly.bridge.modules import (
     BridgeNeuronHeadMLP,
     GatedWeightViews,
 )
-from tl_attnonly.components.expert_facts import ExpertFacts, ExpertHookPoints
+from tl_attnonly.components.expert_facts import ExpertFacts, ExpertHookPoints, routed_slots
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 
 #: The hook points of every expert (``blocks.{l}.mlp.experts.{e}.hook_{name}``): those of
@@ -344,11 +344,8 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         if routing_hook is not None:
             top_k_index = routing_hook(top_k_index)  # [tokens, top_k]
         out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # [num_experts + 1, top_k, tokens]; index num_experts marks a masked slot
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
         for index, expert in enumerate(self.expert_list()):
-            slot, token = torch.where(mask[index])  # the routed tokens, by slot then token
+            slot, token = routed_slots(top_k_index, index)  # by slot, then token
             routed = expert(hidden_states[token]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, routed.to(out.dtype))
         return out
@@ -525,7 +522,7 @@ def check_experts(plan: ExpertsPlan, experts: BridgeNeuronHeadExperts) -> None:
         # |act_K - act| <= max_err per neuron, times |u|, through W_out, times the weight
         scale = torch.zeros(n_tokens, d_model, dtype=torch.float64, device=device)
         for e in range(n_experts):
-            slot, rows = torch.where(index.T == e)
+            slot, rows = routed_slots(index, e)
             u = (x[rows] @ gate_up[e, d_mlp:].T).abs().to(torch.float64)
             w = weights[rows, slot, None].abs().to(torch.float64)
             scale.index_add_(0, rows, w * (u @ down[e].T.abs().to(torch.float64)))

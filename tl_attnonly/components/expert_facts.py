@@ -12,9 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from jaxtyping import Int
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly.activations import NeuronHeadCoefficients
+
+
+def routed_slots(
+    top_k_index: Int[torch.Tensor, "tokens top_k"], expert: int
+) -> tuple[Int[torch.Tensor, " routed"], Int[torch.Tensor, " routed"]]:
+    """``(slot, token)`` of every routing of a token to ``expert``, in the order experts gather
+    them: by top-k slot, then by token (Hugging Face's eager loop, ``torch.where`` over the
+    one-hot routing mask). Position ``i`` of the expert's hooks is token ``token[i]`` of the
+    flattened ``[batch * pos]``, weighted by ``top_k_weights[token[i], slot[i]]``; a masked slot
+    (index ``num_experts``) matches no expert."""
+    slot, token = torch.where(top_k_index.T == expert)
+    return slot, token
 
 
 class ExpertHookPoints:
@@ -93,4 +107,4 @@ class ExpertFacts:
     compiled = ExpertFlag("compiled")
 
 
-__all__ = ["ExpertFacts", "ExpertFlag", "ExpertHookPoints"]
+__all__ = ["ExpertFacts", "ExpertFlag", "ExpertHookPoints", "routed_slots"]
