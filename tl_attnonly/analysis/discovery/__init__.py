@@ -9,6 +9,7 @@
 :mod:`.runs`             exact circuit runs (full or restricted graphs), gate/value splits
 :mod:`.circuit`          Circuit (a found circuit, its evidence and report), faithfulness
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
+:mod:`.relevance`        neuron relevance: RelP / attribution patching / EAP-IG, gate and value
 :mod:`.options`          DiscoveryOptions: how discover_circuit searches
 :mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
 :mod:`.sweep`            the sweep: exact runs of top-n circuits up to the faithfulness target
@@ -52,6 +53,11 @@ from tl_attnonly.analysis.discovery.node_circuits import (
 )
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.discovery.relevance import (
+    RELEVANCE_RULES,
+    neuron_relevance,
+    relp_hooks,
+)
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     circuit_gate_value_split,
@@ -111,6 +117,7 @@ __all__ = [
     "mlp_rest_label",
     "ModelInputs",
     "NEURON_INPUTS",
+    "neuron_relevance",
     "node_attribution_scores",
     "node_circuit_metrics",
     "node_patching_metric",
@@ -121,6 +128,8 @@ __all__ = [
     "path_gate_value_split",
     "PositionClasses",
     "prune",
+    "RELEVANCE_RULES",
+    "relp_hooks",
     "score_curve",
     "SourceGroup",
     "top_edges",
