@@ -115,6 +115,21 @@ class BridgeNorm:
         return h.to(dtype)
 
 
+def n_key_value_heads(component: Any, n_heads: int) -> int:
+    """Key/value heads of a bridge attention component (``W_K``'s first axis).
+
+    TransformerLens's multi-head latent attention (DeepSeek-V2/V3's ``MLAAttentionBridge``) has
+    no ``W_K``: reading it raises ``NotImplementedError``. Its keys and values are per query head
+    (decompressed from a shared latent), so it has ``n_heads``; its weights stay unavailable
+    (a tool that reads them gets TransformerLens's error), while the tools that only run the
+    model and read its hooks (the expert tools) work.
+    """
+    try:
+        return int(component.W_K.shape[0])
+    except NotImplementedError:  # multi-head latent attention
+        return n_heads
+
+
 class BridgeAttention:
     """A bridge attention component's weights in TransformerLens's shapes
     (:class:`~tl_attnonly.protocol.AttentionWeights`).
@@ -129,7 +144,7 @@ class BridgeAttention:
         self.component = component
         self.n_heads = n_heads
         self.d_model = d_model
-        self.n_kv_heads = int(component.W_K.shape[0])
+        self.n_kv_heads = n_key_value_heads(component, n_heads)
         if self.n_kv_heads != n_heads:  # grouped-query attention: TL's per-kv-head names
             self._W_K = self._kv("W_K")
             self._W_V = self._kv("W_V")
@@ -220,7 +235,7 @@ def _facts(bridge: Any) -> ModelFacts:
         for name in ("q_norm", "k_norm")
     )
     mlp_layers = [getattr(child_module(b, "mlp"), "original_component", None) for b in blocks]
-    n_kv = int(attn.W_K.shape[0]) if attn is not None else cfg.n_heads
+    n_kv = n_key_value_heads(attn, cfg.n_heads) if attn is not None else cfg.n_heads
     W_E = bridge.W_E
     return ModelFacts(
         n_layers=len(blocks),

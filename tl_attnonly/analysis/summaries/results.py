@@ -7,18 +7,15 @@ to and loaded from a directory (safetensors + JSON); heads ranked by dataset sta
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from jaxtyping import Float
 
 from tl_attnonly.hooks import neuron_head_label
-
-if TYPE_CHECKING:
-    pass
-
 
 #: Rankings kept per neuron-head: by weight on self, and by |z|.
 RANKINGS = ("self", "abs_z")
@@ -59,6 +56,108 @@ class TopContexts:
             torch.full((n, k), -1, dtype=torch.long),
             torch.full((n, k), -1, dtype=torch.long),
         )
+
+
+#: The tensors of a :class:`TopContexts`, in its field order (the saved names).
+_TOP_FIELDS = ("values", "tokens", "self_weight", "z", "document", "position")
+
+
+def rank_heads(
+    scores: Mapping[str, Callable[[], torch.Tensor]],
+    by: str,
+    n_heads_per_neuron: int,
+    top: int | None,
+    level: str,
+) -> list[int]:
+    """Neuron-heads of one group (a layer, an expert) ranked by a statistic, largest first.
+
+    The ranking of :meth:`NeuronHeadSummaries.rank` and :meth:`~tl_attnonly.analysis.
+    ExpertNeuronHeadSummaries.rank`. A NaN score (no position counted) ranks last.
+
+    Args:
+        scores: The statistics ``by`` may name, each a function giving ``[n_neuron_heads]``.
+        by: The statistic.
+        n_heads_per_neuron: ``K``: a neuron's heads are ``n * K`` to ``n * K + K - 1``.
+        top: How many neurons (``level="head"``: heads); ``None``: all.
+        level: ``"neuron"``: neurons by the largest score of their heads, each listed with all
+            its heads (consecutively); ``"head"``: heads one by one. The same for ``K = 1``.
+
+    Raises:
+        ValueError: For an unknown ``level`` or ``by``.
+    """
+    if level not in ("neuron", "head"):
+        raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
+    if by not in scores:
+        names = [repr(name) for name in scores]
+        raise ValueError(f"by must be {', '.join(names[:-1])} or {names[-1]}, got {by!r}.")
+    score = scores[by]().double().nan_to_num(nan=-torch.inf)
+    K = n_heads_per_neuron
+    if level == "neuron" and K > 1:
+        neurons = score.reshape(-1, K).amax(-1).argsort(descending=True, stable=True)
+        chosen = neurons[: top or len(neurons)].tolist()
+        return [n * K + k for n in chosen for k in range(K)]
+    order = score.argsort(descending=True)
+    return order[: top or len(order)].tolist()
+
+
+def top_tensors(top: Mapping[str, list[TopContexts]]) -> dict[str, torch.Tensor]:
+    """The tensors of ``top[ranking][group]`` under ``top.{ranking}.{group}.{field}``."""
+    return {
+        f"top.{ranking}.{group}.{name}": getattr(contexts, name)
+        for ranking, groups in top.items()
+        for group, contexts in enumerate(groups)
+        for name in _TOP_FIELDS
+    }
+
+
+def read_top(tensors: Mapping[str, torch.Tensor], n_groups: int) -> dict[str, list[TopContexts]]:
+    """``top[ranking][group]`` back from :func:`top_tensors`' tensors (every ranking)."""
+    return {
+        ranking: [
+            TopContexts(*(tensors[f"top.{ranking}.{group}.{name}"] for name in _TOP_FIELDS))
+            for group in range(n_groups)
+        ]
+        for ranking in RANKINGS
+    }
+
+
+def write_summaries(
+    directory: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    meta: dict[str, Any],
+    files: tuple[str, str] = (SUMMARY_FILE, META_FILE),
+) -> Path:
+    """Write ``tensors`` (safetensors) and ``meta`` (JSON) to ``directory`` under ``files``
+    (tensors, meta); :func:`read_summaries` reads them."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensor_file, meta_file = files
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / tensor_file))
+    (directory / meta_file).write_text(json.dumps(meta, indent=2))
+    return directory
+
+
+def read_summaries(
+    directory: str | Path, writer: str, files: tuple[str, str] = (SUMMARY_FILE, META_FILE)
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` written by :func:`write_summaries`.
+
+    Raises:
+        FileNotFoundError: If ``directory`` has no meta file (naming ``writer``, the ``save``
+            that writes one).
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    tensor_file, meta_file = files
+    if not (directory / meta_file).is_file():
+        raise FileNotFoundError(
+            f"No {meta_file} in {directory}: expected a directory written by {writer}."
+        )
+    meta = json.loads((directory / meta_file).read_text())
+    return meta, load_file(str(directory / tensor_file))
 
 
 @dataclass
@@ -166,36 +265,19 @@ class NeuronHeadSummaries:
         Returns:
             Head indices, usable as ``heads=`` in the views of :mod:`tl_attnonly.vis`.
         """
-        if level not in ("neuron", "head"):
-            raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
-        if by == "firing_fraction":
-            score = self.firing_fraction()[layer]
-        elif by == "max_self":
-            score = self.top["self"][layer].values[:, 0]
-        elif by == "max_abs_z":
-            score = self.top["abs_z"][layer].values[:, 0]
-        elif by == "selectivity":
-            score = self.firing_auc_by_token(min_count=5)[layer].nan_to_num(0.0).max(-1).values
-        else:
-            raise ValueError(
-                "by must be 'firing_fraction', 'max_self', 'max_abs_z' or 'selectivity', got "
-                f"{by!r}."
-            )
-        K = self.n_heads_per_neuron
-        if level == "neuron" and K > 1:
-            neurons = score.double().reshape(-1, K).amax(-1).argsort(descending=True, stable=True)
-            chosen = neurons[: top or len(neurons)].tolist()
-            return [n * K + k for n in chosen for k in range(K)]
-        order = score.double().argsort(descending=True)
-        return order[: top or len(order)].tolist()
+        scores = {
+            "firing_fraction": lambda: self.firing_fraction()[layer],
+            "max_self": lambda: self.top["self"][layer].values[:, 0],
+            "max_abs_z": lambda: self.top["abs_z"][layer].values[:, 0],
+            "selectivity": lambda: (
+                self.firing_auc_by_token(min_count=5)[layer].nan_to_num(0.0).max(-1).values
+            ),
+        }
+        return rank_heads(scores, by, self.n_heads_per_neuron, top, level)
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | Path) -> Path:
         """Write the summaries to ``directory`` (safetensors + JSON); :meth:`load` reads them."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         tensors = {
             "fire_count": self.fire_count,
             "token_count": self.token_count,
@@ -204,11 +286,7 @@ class NeuronHeadSummaries:
             tensors["post_sum_by_token"] = self.post_sum_by_token
         if self.fire_count_by_token is not None:
             tensors["fire_count_by_token"] = self.fire_count_by_token
-        for ranking, layers in self.top.items():
-            for li, tc in enumerate(layers):
-                for name in ("values", "tokens", "self_weight", "z", "document", "position"):
-                    tensors[f"top.{ranking}.{li}.{name}"] = getattr(tc, name)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / SUMMARY_FILE))
+        tensors.update(top_tensors(self.top))
         meta = dict(
             n_layers=self.n_layers,
             d_mlp=self.d_mlp,
@@ -220,34 +298,12 @@ class NeuronHeadSummaries:
             n_rows=self.n_rows,
             meta=self.meta,
         )
-        (directory / META_FILE).write_text(json.dumps(meta, indent=2))
-        return directory
+        return write_summaries(directory, tensors, meta)
 
     @classmethod
     def load(cls, directory: str | Path) -> NeuronHeadSummaries:
         """Read summaries written by :meth:`save`."""
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        if not (directory / META_FILE).is_file():
-            raise FileNotFoundError(
-                f"No {META_FILE} in {directory}: expected a directory written by "
-                "NeuronHeadSummaries.save()."
-            )
-        meta = json.loads((directory / META_FILE).read_text())
-        tensors = load_file(str(directory / SUMMARY_FILE))
-        top = {
-            ranking: [
-                TopContexts(
-                    *(
-                        tensors[f"top.{ranking}.{li}.{name}"]
-                        for name in ("values", "tokens", "self_weight", "z", "document", "position")
-                    )
-                )
-                for li in range(meta["n_layers"])
-            ]
-            for ranking in RANKINGS
-        }
+        meta, tensors = read_summaries(directory, "NeuronHeadSummaries.save()")
         return cls(
             n_layers=meta["n_layers"],
             d_mlp=meta["d_mlp"],
@@ -255,7 +311,7 @@ class NeuronHeadSummaries:
             d_vocab=meta["d_vocab"],
             before=meta["before"],
             after=meta["after"],
-            top=top,
+            top=read_top(tensors, meta["n_layers"]),
             fire_count=tensors["fire_count"],
             token_count=tensors["token_count"],
             post_sum_by_token=tensors.get("post_sum_by_token"),
@@ -272,4 +328,9 @@ __all__ = [
     "SUMMARY_FILE",
     "NeuronHeadSummaries",
     "TopContexts",
+    "rank_heads",
+    "read_summaries",
+    "read_top",
+    "top_tensors",
+    "write_summaries",
 ]
