@@ -153,12 +153,20 @@ def test_unconvertible_models_refused_before_any_work():
 
 
 def test_gpt_oss_moe_refused():
-    """TL's MoE converts (tests/components/test_moe_neuron_heads.py); GPT-OSS's is refused."""
+    """TL's MoE converts (tests/components/test_moe_neuron_heads.py); GPT-OSS's ``GptOssMoE`` is
+    refused on a HookedTransformer, with or without ``clamp="check"``, naming the clamp and the
+    route that converts it (a TransformerBridge with ``clamp="check"``,
+    tests/bridge/test_moe_bridge.py)."""
     cfg = make_config(
         "silu", num_experts=2, experts_per_token=1, original_architecture="GptOssForCausalLM"
     )
-    with pytest.raises(NotImplementedError, match="GptOssMoE.*clamp"):
+    from tl_attnonly.options import check_convertible
+
+    with pytest.raises(NotImplementedError, match="GptOssMoE.*clamp") as info:
         AttnOnlyTransformer(cfg)
+    assert "TransformerBridge" in str(info.value) and "clamp='check'" in str(info.value)
+    with pytest.raises(NotImplementedError, match="GptOssMoE.*clamp"):
+        check_convertible(cfg, ConversionOptions(clamp="check"), form="structured")
 
 
 def test_constructor_is_substitutable_for_hooked_transformer(tokens):

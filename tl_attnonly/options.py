@@ -26,6 +26,7 @@ from tl_attnonly.activations import (
     head_coefficients,
     max_score_magnitude,
 )
+from tl_attnonly.components.clamped_gating import CLAMP_OPTIONS
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformerConfig
@@ -55,6 +56,14 @@ class ConversionOptions:
             one warning, then the eager fused path. The first forward pass per shape family
             pays for compiling (seconds). Not used under autograd, nor for exact SiLU heads
             (already TransformerLens's own ``F.silu``).
+        clamp: Experts whose gated activation clamps (GPT-OSS's clamped SwiGLU, ``(clamp(u, -7,
+            7) + 1) * g' sigmoid(1.702 g')``, ``g' = min(g, 7)``; a clamp is not an attention
+            head). ``"refuse"`` (default): refused before any work. ``"check"``: converted
+            (TransformerBridge only) to neuron-heads of the unclamped activation, exact wherever
+            the clamp is inactive; every forward pass counts where it would have acted,
+            records it on the expert (``clamp_count``, ``clamp_max_change``) and warns
+            (:class:`~tl_attnonly.components.clamped_gating.ClampActiveWarning`) with the
+            layer, the count and the largest change of the activation there.
     """
 
     n_heads_per_neuron: int | None = None
@@ -62,6 +71,7 @@ class ConversionOptions:
     gelu_method: str = "fit"
     fused: bool = True
     compiled: bool = False
+    clamp: str = "refuse"
 
     def __post_init__(self) -> None:
         """Refuse invalid options at once, whatever the activation they will be used with."""
@@ -82,6 +92,11 @@ class ConversionOptions:
             raise ValueError(f"fused must be True or False, got {self.fused!r}.")
         if not isinstance(self.compiled, bool):
             raise ValueError(f"compiled must be True or False, got {self.compiled!r}.")
+        if self.clamp not in CLAMP_OPTIONS:
+            raise ValueError(
+                f"clamp must be one of {', '.join(map(repr, CLAMP_OPTIONS))} (what to do with "
+                f"experts that clamp their gated activation, GPT-OSS's), got {self.clamp!r}."
+            )
 
     def coefficients(self, act_fn: str | None) -> NeuronHeadCoefficients:
         """The per-head coefficients for a model whose MLP activation is ``act_fn``.
@@ -106,6 +121,7 @@ class ConversionOptions:
         gelu_method: str | None = None,
         fused: bool | None = None,
         compiled: bool | None = None,
+        clamp: str | None = None,
     ) -> ConversionOptions:
         """A copy with the options that are given (not ``None``) replaced.
 
@@ -123,6 +139,7 @@ class ConversionOptions:
             "gelu_method": gelu_method,
             "fused": fused,
             "compiled": compiled,
+            "clamp": clamp,
         }
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
@@ -280,10 +297,12 @@ def check_convertible(
         )
     if mlp_class == "GptOssMoE":
         raise NotImplementedError(
-            "GPT-OSS mixture-of-experts MLPs (TL's GptOssMoE) are not supported: each expert "
-            "clamps its gate to <= 7 and its linear branch to [-7, 7] before the product, and a "
-            "clamp is not an attention head. Supported: dense MLPs, gated MLPs and TL's MoE "
-            "(Mixtral/OLMoE style)."
+            "GPT-OSS mixture-of-experts MLPs (TL's GptOssMoE) are not supported on a "
+            "HookedTransformer: each expert clamps its gate to <= 7 and its linear branch to "
+            "[-7, 7] before the product, and a clamp is not an attention head. Supported: dense "
+            "MLPs, gated MLPs and TL's MoE (Mixtral/OLMoE style). A GPT-OSS TransformerBridge "
+            "converts with ConversionOptions(clamp='check'): exact where the clamp is inactive, "
+            "checked and warned on every forward pass (docs/bridge.md)."
         )
     if form == "literal" and mlp_class == "MoE":
         raise NotImplementedError(

@@ -2,14 +2,16 @@
 neuron-heads, against the unconverted bridge of the same weights (TransformerLens 3.x and 4.x).
 
 Zoo models (``zoo.py``): Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE, Granite-MoE,
-PhiMoE, DeepSeek-V3 (a dense first layer, then a MoE layer with shared experts); GPT-OSS is
-refused, naming its clamped SwiGLU. Each check compares with an independent reference: the
-unconverted bridge's own hooks and logits, or a Hugging Face expert whose ``down_proj`` column was
-zeroed.
+PhiMoE, DeepSeek-V3 (a dense first layer, then a MoE layer with shared experts); GPT-OSS (its
+clamped SwiGLU, interleaved, transposed and biased) is refused by default, naming the option,
+and with ``clamp="check"`` is exact where the clamp is inactive and warned where it acts. Each
+check compares with an independent reference: the unconverted bridge's own hooks and logits, or
+a Hugging Face expert whose ``down_proj`` column was zeroed.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from zoo import REFUSALS, ZOO, build_bridge, build_hf_model, convert_zoo_bridge,
 
 from tl_attnonly.bridge import neuron_head_layers, unconvert_bridge
 from tl_attnonly.bridge.experts import EXPERT_HOOKS, BridgeNeuronHeadExperts
+from tl_attnonly.components.clamped_gating import ClampActiveWarning
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "deepseek_v3"]
 #: The MoE blocks' shared experts (bridge MLPs inside the block), by their name there.
@@ -268,9 +271,12 @@ def test_a_perturbed_head_fails_the_comparison():
 
 
 def test_gpt_oss_clamped_experts_refused_naming_the_clamp():
-    """GPT-OSS's experts clamp the gate (<= 7) and the linear branch ([-7, 7]) before the product:
-    refused before any change, naming the clamp and the layer (as TL 3.x's ``HookedTransformer``
-    route refuses ``GptOssMoE``: tests/test_convert.py::test_gpt_oss_moe_refused)."""
+    """Without ``clamp="check"``, GPT-OSS's experts (they clamp the gate (<= 7) and the linear
+    branch ([-7, 7]) before the product) are refused before any change, naming the clamp, the
+    layer and the option (as TL 3.x's ``HookedTransformer`` route refuses ``GptOssMoE``:
+    tests/test_convert.py::test_gpt_oss_moe_refused)."""
+    from tl_attnonly import ConversionOptions, convert
+
     assert ZOO["gpt_oss"].mlp == "moe"
     bridge = build_bridge("gpt_oss", torch.float64)
     toks = tokens()
@@ -278,17 +284,21 @@ def test_gpt_oss_clamped_experts_refused_naming_the_clamp():
     with torch.no_grad():
         reference = bridge(toks)
     with pytest.raises(REFUSALS) as info:
-        convert_zoo_bridge(bridge)
+        convert(bridge, ConversionOptions())  # the default: clamp="refuse"
     message = str(info.value)
     assert "blocks.0.mlp.experts" in message and "clamp" in message, message
-    assert "Supported" in message
+    assert "ConversionOptions(clamp='check')" in message and "Supported" in message
     assert set(bridge.hook_dict) == hooks
     with torch.no_grad():
         assert torch.equal(bridge(toks), reference)
+    with pytest.raises(ValueError, match="1 head per neuron"):  # its exact head is one head
+        convert(bridge, ConversionOptions(clamp="check", n_heads_per_neuron=4))
+    with pytest.raises(ValueError, match="clamp must be one of"):
+        ConversionOptions(clamp="ignore")
 
 
 def test_gpt_oss_clamp_is_active_on_the_zoo_model():
-    """The refusal is needed: on the zoo model the clamp changes some expert outputs (an
+    """The check is needed: on the zoo model the clamp changes some expert outputs (an
     unclamped SwiGLU would not be GPT-OSS)."""
     bridge = build_bridge("gpt_oss", torch.float64)
     experts = bridge.original_model.model.layers[0].mlp.experts
@@ -298,6 +308,123 @@ def test_gpt_oss_clamp_is_active_on_the_zoo_model():
     gate_up = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
     gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     assert bool((gate > experts.limit).any() or (up.abs() > experts.limit).any())
+
+
+def _hf_gate_up(bridge: Any, layer: int, x: torch.Tensor, expert: int) -> tuple[Any, Any]:
+    """Gate and up of a GPT-OSS expert of the *unconverted* Hugging Face module, in float64 (its
+    own interleaved layout and biases, not the converted module's views)."""
+    hf = _experts_module(bridge, layer)
+    hf = hf.__dict__.get("hf_experts", hf)
+    with torch.no_grad():
+        w = hf.gate_up_proj[expert].to(torch.float64)
+        gate_up = x.to(torch.float64) @ w + hf.gate_up_proj_bias[expert].to(torch.float64)
+    return gate_up[..., ::2], gate_up[..., 1::2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_gpt_oss_exact_where_the_clamp_is_inactive(dtype):
+    """``clamp="check"``: on the zoo input the clamp is inactive, so the converted experts are
+    the unconverted bridge's. Head path: logits and every hook of the unconverted bridge within
+    the exact tolerance; each expert's ``hook_gate``/``hook_pre`` are Hugging Face's gate and up
+    (its interleaved, biased, transposed layout, recomputed in float64), its pattern is
+    ``sigmoid(1.702 g)``, nothing recorded, no warning. Fused path: bit for bit."""
+    toks = tokens()
+    bridge = build_bridge("gpt_oss", dtype)
+    with torch.no_grad():
+        reference, ref_cache = bridge.run_with_cache(toks)
+    convert_zoo_bridge(bridge, fused=False, clamp="check")
+    moe = _moe_layers(bridge)
+    assert sorted(moe) == [0, 1]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", ClampActiveWarning)
+        logits, cache = bridge.run_with_cache(toks)
+    assert _close(logits, reference, dtype), (logits - reference).abs().max().item()
+    for key in ref_cache.keys():
+        assert _close(cache[key], ref_cache[key], dtype), key
+    for layer, experts in moe.items():
+        assert experts.clamp is not None and experts.clamp_count == 0
+        x = cache[f"blocks.{layer}.mlp.hook_in"].flatten(0, 1)
+        indices = cache[f"blocks.{layer}.mlp.hook_expert_indices"]
+        for e in range(experts.num_experts):
+            prefix = f"blocks.{layer}.mlp.experts.{e}"
+            _, token = torch.where(indices.T == e)
+            gate, up = _hf_gate_up(bridge, layer, x[token], e)
+            assert _close(cache[f"{prefix}.hook_gate"].to(torch.float64), gate, dtype)
+            assert _close(cache[f"{prefix}.hook_pre"].to(torch.float64), up, dtype)
+            pattern = cache[f"{prefix}.hook_pattern"][0, :, :, 0].T
+            assert _close(pattern, torch.sigmoid(1.702 * cache[f"{prefix}.hook_gate"]), dtype)
+    fused = build_bridge("gpt_oss", dtype)
+    with torch.no_grad():
+        assert torch.equal(convert_zoo_bridge(fused)(toks), reference)
+
+
+def test_gpt_oss_clamp_acting_is_warned_counted_and_measured():
+    """Inputs large enough for the clamp to act: every forward pass warns
+    (:class:`ClampActiveWarning`, naming the layer), and the count and the largest activation
+    change recorded on the experts are those recomputed from the unconverted Hugging Face
+    experts; the logits differ from the unconverted bridge's (never silently equal)."""
+    toks = tokens()
+    bridge = build_bridge("gpt_oss", torch.float64)
+    with torch.no_grad():  # layer 0's MoE input six times larger
+        bridge.original_model.model.layers[0].post_attention_layernorm.weight.mul_(6)
+        reference, ref_cache = bridge.run_with_cache(toks)
+    limit, alpha = 7.0, 1.702
+    count, change = 0, 0.0
+    x = ref_cache["blocks.0.mlp.hook_in"].flatten(0, 1)
+    router = bridge.original_model.model.layers[0].mlp.router
+    with torch.no_grad():
+        indices = router(x)[-1]  # [tokens, top_k]
+    for e in range(4):
+        _, token = torch.where(indices.T == e)
+        gate, up = _hf_gate_up(bridge, 0, x[token], e)
+        acts = (gate > limit) | (up.abs() > limit)
+        g, u = gate[acts], up[acts]
+        gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+        diff = (u + 1) * g * torch.sigmoid(alpha * g) - (uc + 1) * gc * torch.sigmoid(alpha * gc)
+        count += int(acts.sum())
+        change = max(change, float(diff.abs().max())) if acts.any() else change
+    assert count > 0, "the input must make the clamp act"
+    convert_zoo_bridge(bridge, clamp="check")
+    experts = _moe_layers(bridge)[0]
+    for _ in range(2):
+        with torch.no_grad(), pytest.warns(ClampActiveWarning, match="blocks.0.mlp.experts") as w:
+            logits = bridge(toks)
+        assert f"acted on {count} of " in str(w[0].message), str(w[0].message)
+    assert experts.clamp_count == 2 * count
+    assert experts.clamp_max_change == pytest.approx(change, rel=1e-12)
+    assert (logits - reference).abs().max().item() > 1e-6
+    experts.reset_clamp_record()
+    assert experts.clamp_count == 0 and experts.clamp_max_change == 0.0
+
+
+def test_gpt_oss_zeroing_a_neuron_head_equals_zeroing_the_hf_neuron():
+    """The interleaved, transposed, biased layout is read right: zeroing one neuron-head's
+    ``hook_z`` equals zeroing that neuron's ``down_proj`` row ([E, d_mlp, d_model]) in the
+    Hugging Face model; an in-place edit of the grouped weights shows in the heads."""
+    toks = tokens()
+    converted = convert_zoo_bridge(build_bridge("gpt_oss", torch.float64))
+    reference = build_bridge("gpt_oss", torch.float64)
+    expert, neuron = 1, 5
+    with torch.no_grad():
+        clean = converted(toks)
+        reference.original_model.model.layers[1].mlp.experts.down_proj[expert, neuron] = 0.0
+        expected = reference(toks)
+        ablated = converted.run_with_hooks(
+            toks,
+            fwd_hooks=[(f"blocks.1.mlp.experts.{expert}.hook_z", _zero_neuron_hook(neuron))],
+        )
+    assert (expected - clean).abs().max().item() > 1e-3, "the neuron must matter"
+    assert _close(ablated, expected, torch.float64)
+    views = _moe_layers(converted)[1][expert]
+    grouped = _moe_layers(converted)[1].gate_up_proj
+    assert views.W_gate.data_ptr() == grouped[expert].data_ptr()  # column 0 of [d_model, 2m]
+    assert views.W_in.data_ptr() == grouped[expert, :, 1:].data_ptr()
+    twin = build_bridge("gpt_oss", torch.float64)
+    with torch.no_grad():
+        for model in (converted, twin):
+            _experts_module(model, 1).gate_up_proj_bias[expert].add_(0.5)
+        assert _close(converted(toks), twin(toks), torch.float64)
+        assert not _close(converted(toks), clean, torch.float64)
 
 
 def _first_forward_counter(bridge: Any) -> list[int]:

@@ -47,6 +47,8 @@ class ZooModel:
         hf_class: The ``transformers`` model class when its name differs from ``architecture``.
         broken: Non-empty when the unconverted bridge itself fails to run (why).
         no_fp64: Non-empty when the model cannot run in float64 (why).
+        options: ``ConversionOptions`` fields the model needs to convert at all (GPT-OSS:
+            ``clamp="check"``); :func:`convert_zoo_bridge` adds them.
     """
 
     name: str
@@ -60,6 +62,7 @@ class ZooModel:
     hf_class: str = ""
     broken: str = ""
     no_fp64: str = ""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _COMMON: dict[str, Any] = dict(
@@ -354,6 +357,7 @@ ZOO_LIST: list[ZooModel] = [
         ),
         "moe",
         "silu",
+        options=dict(clamp="check"),  # its clamped SwiGLU: exact where the clamp is inactive
     ),
     ZooModel(
         "xglm",
@@ -514,10 +518,14 @@ def bridge_convert_available() -> bool:
 
 
 def convert_zoo_bridge(bridge: Any, **options: Any) -> Any:
-    """``tl_attnonly.convert(bridge, ConversionOptions(**options))`` (no progress bar)."""
+    """``tl_attnonly.convert(bridge, ConversionOptions(**options))`` (no progress bar), with the
+    options its zoo model needs (:attr:`ZooModel.options`, found by its architecture) unless
+    ``options`` sets them."""
     from tl_attnonly import ConversionOptions, convert
 
-    return convert(bridge, ConversionOptions(**options))
+    architecture = type(bridge.original_model).__name__
+    needed = next((s.options for s in ZOO.values() if s.architecture == architecture), {})
+    return convert(bridge, ConversionOptions(**{**needed, **options}))
 
 
 #: Exceptions that count as a refusal (raised before anything is changed).
@@ -529,7 +537,9 @@ class Measurement:
     """Converted vs unconverted bridge on one zoo model, in one dtype.
 
     Attributes:
-        verdict: ``"exact"`` (SiLU: one exact head per neuron), ``"approximate"`` (fitted or
+        verdict: ``"exact"`` (SiLU: one exact head per neuron), ``"exact where the clamp is
+            inactive"`` (a clamped SwiGLU's unclamped heads; :attr:`reason` says what the clamp
+            check reported on the input), ``"approximate"`` (fitted or
             ``x sigmoid(k x)`` heads), ``"refused"`` (``NotImplementedError`` / ``ValueError``),
             ``"error"`` (any other exception: a defect, not a clear refusal) or
             ``"bridge fails"`` (the unconverted bridge itself does not run).
@@ -572,13 +582,28 @@ def measure(name: str, dtype: torch.dtype, **options: Any) -> Measurement:
         return Measurement("error", reason=f"{type(error).__name__}: {error}")
     from tl_attnonly.bridge import neuron_head_layers
 
-    coefficients = neuron_head_layers(converted)[0].coefficients
-    with torch.no_grad():
+    layers = neuron_head_layers(converted)
+    coefficients = layers[0].coefficients
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the clamp check's warning: its record is read below
         logits = converted(toks)
     exact = coefficients.method == "exact"
+    max_dlogit = (logits - reference).abs().max().item()
+    verdict, reason = "exact" if exact else "approximate", ""
+    clamped = [layer for layer in layers if getattr(layer, "clamp", None) is not None]
+    if clamped:
+        verdict = "exact where the clamp is inactive"
+        count = sum(layer.clamp_count for layer in clamped)
+        change = max(layer.clamp_max_change for layer in clamped)
+        reason = f"clamp check on this input: acted on {count} expert activations" + (
+            f", max activation change {change:.1e}, max dlogit {max_dlogit:.1e}"
+            if count
+            else " (inactive: exact)"
+        )
     return Measurement(
-        "exact" if exact else "approximate",
-        max_dlogit=(logits - reference).abs().max().item(),
+        verdict,
+        max_dlogit=max_dlogit,
         act_fn=coefficients.activation,
         act_error=0.0 if exact else coefficients.max_abs_error(),
+        reason=reason,
     )

@@ -39,6 +39,7 @@ from tl_attnonly.bridge.experts import (
     build_experts,
     check_experts,
     dense_moe_keys,
+    expert_coefficients,
     is_bridge_component,
     mount_experts,
     mounted_experts,
@@ -184,12 +185,13 @@ def _plan_moe(layer: int, mlp_bridge: Any, options: ConversionOptions) -> _MoEPl
     the bridge wraps (a shared expert), and that no other MLP would stay unconverted."""
     name = _mlp_name(layer)
     hf_block = mlp_bridge.original_component
-    experts = plan_experts(name, layer, hf_block)
-    fn, _ = _hf_activation(experts.hf_experts, layer)
-    experts.act_fn = identify_activation(
-        fn, f"{experts.name} ({type(experts.hf_experts).__name__})"
-    )
-    options.coefficients(experts.act_fn)  # refuses options that do not fit the activation
+    experts = plan_experts(name, layer, hf_block, options.clamp)
+    if experts.clamp is None:  # a clamped SwiGLU's activation is known from its values
+        fn, _ = _hf_activation(experts.hf_experts, layer)
+        experts.act_fn = identify_activation(
+            fn, f"{experts.name} ({type(experts.hf_experts).__name__})"
+        )
+    expert_coefficients(experts, options)  # refuses options that do not fit the activation
     shared: dict[str, _Plan] = {}
     for key, component in mlp_bridge.named_children():
         if not type(component).__name__.endswith("MLPBridge"):
@@ -220,7 +222,7 @@ def _build(
     """The neuron-head layer of ``plan`` (``shared``: a MoE block's shared expert, which may be
     called on the block's flattened tokens)."""
     if isinstance(plan, _MoEPlan):
-        coefs = options.coefficients(plan.experts.act_fn)
+        coefs = expert_coefficients(plan.experts, options)
         experts = build_experts(plan.experts, coefs, fused=options.fused, compiled=options.compiled)
         experts.shared = {k: _build(p, options, shared=True) for k, p in plan.shared.items()}
         return experts

@@ -34,14 +34,27 @@ A shared expert (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``) i
 bridge MLP inside the ``MoEBridge`` and is converted like every other bridge MLP
 (:mod:`tl_attnonly.bridge.convert`), with its hooks at ``blocks.{l}.mlp.{name}.hook_pattern``, ...
 
-Supported experts modules: grouped, concatenated ``[gate; up]`` rows, not transposed, no biases,
-the standard gating ``act(gate) * up``. Anything else is refused before any work, naming what
-differs (:func:`check_experts_layout`): per-expert module lists, transposed or interleaved
-weights, biases, a clamped or otherwise custom gating (GPT-OSS's ``_apply_gate``).
+Supported experts modules: grouped weights, concatenated ``[gate; up]`` or interleaved (gate,
+up, gate, ...) along the ``2 * d_mlp`` axis, stored ``[E, 2 * d_mlp, d_model]`` or transposed
+``[E, d_model, 2 * d_mlp]``, with or without biases (``gate_up_proj_bias [E, 2 * d_mlp]``,
+``down_proj_bias [E, d_model]``), computing the standard gating ``act(gate) * up``; each expert's
+projections are Hugging Face's own arithmetic, so the layout only changes which views the
+neuron-heads read. A clamped SwiGLU (GPT-OSS's ``_apply_gate``: ``(clamp(u, -L, L) + 1) * g'
+sigmoid(alpha g')``, ``g' = min(g, L)``, recognised by its values:
+:func:`~tl_attnonly.components.clamped_gating.find_clamped_gating`) converts only with
+``ConversionOptions(clamp="check")``: to neuron-heads of the unclamped activation (one exact head
+per neuron, query ``alpha g``, value ``g (u + 1)``), equal to the original wherever the clamp is
+inactive; every forward pass counts where it would have acted, records it on the experts
+(``clamp_count``, ``clamp_max_change``) and emits a
+:class:`~tl_attnonly.components.clamped_gating.ClampActiveWarning` naming the layer, so a
+result is never silently wrong. Anything else is refused before any work, naming what differs
+(:func:`check_experts_layout`): per-expert module lists, experts without gate rows or with a
+post-expert norm, another custom gating, a clamped one without the option.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -59,40 +72,48 @@ from tl_attnonly.bridge.modules import (
     BridgeNeuronHeadMLP,
     GatedWeightViews,
 )
+from tl_attnonly.components.clamped_gating import (
+    ClampActiveWarning,
+    ClampedSwiGLU,
+    ClampRecord,
+    find_clamped_gating,
+    warn_clamp,
+)
 from tl_attnonly.components.expert_facts import ExpertFacts, ExpertHookPoints, routed_slots
 from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
+from tl_attnonly.options import ConversionOptions
 
 #: The hook points of every expert (``blocks.{l}.mlp.experts.{e}.hook_{name}``): those of
 #: :class:`~tl_attnonly.components.GatedNeuronHeadExpert`, in its order.
 EXPERT_HOOKS = ("gate", "pre", *BRIDGE_NEURON_HEAD_HOOKS, "post")
 
-#: The grouped experts' parameters, ``[num_experts, 2 * d_mlp, d_model]`` and ``[num_experts,
-#: d_model, d_mlp]``.
+#: The grouped experts' weights, ``[num_experts, 2 * d_mlp, d_model]`` and ``[num_experts,
+#: d_model, d_mlp]`` (transposed: ``[num_experts, d_model, 2 * d_mlp]`` and ``[num_experts,
+#: d_mlp, d_model]``).
 GROUPED_PARAMETERS = ("gate_up_proj", "down_proj")
+#: Their biases (``has_bias``), ``[num_experts, 2 * d_mlp]`` and ``[num_experts, d_model]``.
+GROUPED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
-#: transformers' layout flags of a grouped experts module, and the value each must have here.
+#: transformers' layout flags of a grouped experts module that must have one value here.
 SUPPORTED_LAYOUT = {
     "has_gate": True,
-    "is_concatenated": True,
-    "is_transposed": False,
-    "has_bias": False,
     "has_post_expert_norm": False,
 }
+#: The layout flags that may take either value (each changes only which views are read).
+LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias")
 
 #: What each unsupported layout flag means, for the refusal.
 _LAYOUT_MEANING = {
     "has_gate": "its experts are not gated (no gate rows in gate_up_proj)",
-    "is_concatenated": "its gate and up rows are interleaved, not concatenated",
-    "is_transposed": "its weights are stored transposed ([E, d_model, 2 * d_mlp])",
-    "has_bias": "its projections have biases",
     "has_post_expert_norm": "it normalises each expert's output",
 }
 
 _SUPPORTED = (
-    "Supported: grouped experts (one module with gate_up_proj [E, 2 * d_mlp, d_model], the gate "
-    "rows then the up rows, and down_proj [E, d_model, d_mlp], no biases) computing "
-    "down(act(gate x) * up x) per expert, e.g. Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, "
-    "Granite-MoE, PhiMoE, DeepSeek-V3 in transformers 5."
+    "Supported: grouped experts (one module with gate_up_proj [E, 2 * d_mlp, d_model] and "
+    "down_proj [E, d_model, d_mlp], or both transposed, gate and up rows concatenated or "
+    "interleaved, with or without biases) computing down(act(gate x) * up x) per expert, e.g. "
+    "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, PhiMoE, DeepSeek-V3 in transformers 5; "
+    "a clamped SwiGLU (GPT-OSS) with ConversionOptions(clamp='check')."
 )
 
 #: Attribute of a converted ``MoEBridge`` (in its ``__dict__``) that keeps where the experts
@@ -112,14 +133,21 @@ def is_bridge_component(module: object) -> bool:
 
 
 # ---------------------------------------------------------------------------------- the layers
-class BridgeNeuronHeadExpert(ExpertHookPoints, GatedWeightViews, GatedNeuronHeadMLP):  # type: ignore[misc,override]
+class BridgeNeuronHeadExpert(  # type: ignore[misc,override]
+    ClampRecord, ExpertHookPoints, GatedWeightViews, GatedNeuronHeadMLP
+):
     """One routed expert as gated neuron-heads, its weights views of the grouped parameters.
 
     The maths of :class:`~tl_attnonly.components.GatedNeuronHeadMLP`; the hooks of
     :class:`~tl_attnonly.components.GatedNeuronHeadExpert` (``hook_gate`` = gate ``g``,
     ``hook_pre`` = linear branch ``u``, ``hook_post``, plus the neuron-head hooks). No parameters:
     ``W_gate``, ``W_in``, ``W_out`` (TransformerLens orientation) are views of the experts
-    module's ``gate_up_proj[index]`` and ``down_proj[index]``.
+    module's ``gate_up_proj[index]`` and ``down_proj[index]`` (their biases, where the module has
+    them, of ``gate_up_proj_bias[index]`` and ``down_proj_bias[index]``).
+
+    A clamped SwiGLU's expert (:attr:`clamp` set) has ``hook_gate`` and ``hook_pre`` before the
+    clamp (as TransformerLens's ``GptOssExpert``); its neuron-heads' value is ``g (u + 1)``, and
+    every forward pass records where the clamp would have acted (:class:`ClampRecord`).
 
     Args:
         experts: The :class:`BridgeNeuronHeadExperts` that holds the grouped weights.
@@ -146,36 +174,65 @@ class BridgeNeuronHeadExpert(ExpertHookPoints, GatedWeightViews, GatedNeuronHead
 
     # ------------------------------------------------------------------ weights (views)
     @property
-    def _gate_up(self) -> Float[torch.Tensor, "two_d_mlp d_model"]:
-        """This expert's ``gate_up_proj`` rows (a view)."""
+    def _gate_up(self) -> torch.Tensor:
+        """This expert's ``gate_up_proj`` (a view): ``[2 * d_mlp, d_model]``, or ``[d_model, 2 *
+        d_mlp]`` where the experts are transposed."""
         return self.__dict__["_group"].gate_up_proj[self.index]
 
     @property
-    def _down(self) -> Float[torch.Tensor, "d_model d_mlp"]:
-        """This expert's ``down_proj`` (a view)."""
+    def _down(self) -> torch.Tensor:
+        """This expert's ``down_proj`` (a view): ``[d_model, d_mlp]``, or ``[d_mlp, d_model]``
+        where the experts are transposed."""
         return self.__dict__["_group"].down_proj[self.index]
+
+    def _bias(self, name: str) -> torch.Tensor | None:
+        """This expert's row of the grouped bias ``name`` (``None`` without biases)."""
+        group = self.__dict__["_group"]
+        return group.get_parameter(name)[self.index] if group.has_bias else None
+
+    def _gate_up_part(self, tensor: torch.Tensor, part: int) -> torch.Tensor:
+        """The gate (``part`` 0) or linear (1) half of ``tensor``'s last axis (``2 * d_mlp``)."""
+        if self.__dict__["_group"].is_concatenated:
+            return tensor[..., part * self.d_mlp : (part + 1) * self.d_mlp]
+        return tensor[..., part::2]
+
+    def _gate_up_matrix(self, part: int) -> Float[torch.Tensor, "d_model d_mlp"]:
+        gate_up = self._gate_up
+        transposed = self.__dict__["_group"].is_transposed
+        return self._gate_up_part(gate_up if transposed else gate_up.T, part)
 
     @property
     def _gate_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
-        return self._gate_up[: self.d_mlp].T
+        return self._gate_up_matrix(0)
 
     @property
     def _linear_matrix(self) -> Float[torch.Tensor, "d_model d_mlp"]:
-        return self._gate_up[self.d_mlp :].T
+        return self._gate_up_matrix(1)
 
     @property
     def _out_matrix(self) -> Float[torch.Tensor, "d_mlp d_model"]:
-        return self._down.T
+        return self._down if self.__dict__["_group"].is_transposed else self._down.T
+
+    @property
+    def b_gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The biases of the gate and of the linear branch, ``[d_mlp]`` each (zero without)."""
+        bias = self._bias("gate_up_proj_bias")
+        if bias is None:
+            zero = self._down.new_zeros(self.d_mlp)
+            return zero, zero
+        return self._gate_up_part(bias, 0), self._gate_up_part(bias, 1)
 
     @property
     def b_in(self) -> Float[torch.Tensor, " d_mlp"]:  # type: ignore[override]
-        """Zero: the grouped experts have no biases."""
+        """Zero: what TransformerLens's ``GatedMLP`` adds after the product (the grouped experts'
+        biases act before it: :attr:`b_gate_up`)."""
         return self._down.new_zeros(self.d_mlp)
 
     @property
     def b_out(self) -> Float[torch.Tensor, " d_model"]:  # type: ignore[override]
-        """Zero: the grouped experts have no biases."""
-        return self._down.new_zeros(self.cfg.d_model)
+        """``down_proj_bias[index]`` (zero without biases)."""
+        bias = self._bias("down_proj_bias")
+        return self._down.new_zeros(self.cfg.d_model) if bias is None else bias
 
     @property
     def device(self) -> torch.device:
@@ -183,24 +240,34 @@ class BridgeNeuronHeadExpert(ExpertHookPoints, GatedWeightViews, GatedNeuronHead
         return self._down.device
 
     # ------------------------------------------------------------------ forward
+    def _project(self, x: torch.Tensor, which: str, *, bias: bool = True) -> torch.Tensor:
+        """Hugging Face's own product with ``gate_up_proj`` (``which="gate_up"``, ``x`` [pos,
+        d_model] -> [pos, 2 * d_mlp]) or ``down_proj`` (``"down"``, [pos, d_mlp] -> [pos,
+        d_model]), its bias included unless ``bias`` is unset: ``x @ W + b`` where transposed,
+        else ``F.linear(x, W) + b``."""
+        weight = self._gate_up if which == "gate_up" else self._down
+        out = x @ weight if self.__dict__["_group"].is_transposed else F.linear(x, weight)
+        b = self._bias(f"{which}_proj_bias") if bias else None
+        return out if b is None else out + b
+
     def forward(self, x: Float[torch.Tensor, "pos d_model"]) -> Float[torch.Tensor, "pos d_model"]:
         """The expert on the tokens routed to it (before the routing weight)."""
-        # Hugging Face's own products (one F.linear over the gate and up rows, then chunk), so
-        # hook_gate and hook_pre and the fused path's output are its values bit for bit.
-        gate, linear = F.linear(x, self._gate_up).chunk(2, dim=-1)
-        gate = self.hook_gate(gate)  # [pos, d_mlp]
-        linear = self.hook_pre(linear)  # [pos, d_mlp]
-        down = self._down
+        # Hugging Face's own products (one over the gate and up rows, then split), so hook_gate
+        # and hook_pre and the fused path's output are its values bit for bit.
+        gate_up = self._project(x, "gate_up")
+        gate = self.hook_gate(self._gate_up_part(gate_up, 0))  # [pos, d_mlp]
+        linear = self.hook_pre(self._gate_up_part(gate_up, 1))  # [pos, d_mlp]
+        linear = self._checked_linear(gate, linear)  # u + 1 for a clamped SwiGLU (recorded)
         if not self._uses_head_path():
-            return F.linear(self.hook_post(self._fused_sum(gate, linear)), down)
+            return self._project(self.hook_post(self._fused_sum(gate, linear)), "down")
         z = self._head_z(gate.unsqueeze(0), linear.unsqueeze(0))  # [1, pos, n_neuron_heads, 1]
         post = self._sum_heads(z).squeeze(0)  # [pos, d_mlp]
         if not self.use_neuron_result:
-            return F.linear(self.hook_post(post), down)
+            return self._project(self.hook_post(post), "down")
         # [1, pos, n_neuron_heads, d_model]
-        out = self.hook_result(z * self.W_O.squeeze(1)).sum(-2).squeeze(0)
+        out = self.hook_result(z * self.W_O.squeeze(1)).sum(-2).squeeze(0) + self.b_out
         correction = self._post_correction(post)  # an edit of post still reaches the output
-        return out if correction is None else out + F.linear(correction, down)
+        return out if correction is None else out + self._project(correction, "down", bias=False)
 
 
 class _FlatTokens:
@@ -271,10 +338,17 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
     the flags ``use_neuron_result``, ``fused``, ``compiled`` reach every expert and the block's
     shared experts (:attr:`shared`).
 
+    A clamped SwiGLU's experts (``clamp`` given) record where the clamp would have acted
+    (:attr:`clamp_count`, :attr:`clamp_max_change`, per expert and summed here) and emit one
+    :class:`~tl_attnonly.components.clamped_gating.ClampActiveWarning` per forward pass in
+    which it would have.
+
     Args:
         hf_experts: The Hugging Face experts module (checked by :func:`check_experts_layout`).
         act_fn: TransformerLens name of its activation.
         coefficients: Per-head coefficients of ``act_fn``.
+        clamp: The clamped SwiGLU the experts compute (``None``: the standard gating).
+        name: The experts' hook prefix, ``blocks.{l}.mlp.experts`` (for the warning).
     """
 
     #: Marks a mixture of experts for checks that must not import this class
@@ -286,14 +360,26 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
     gate_up_proj: nn.Parameter
     down_proj: nn.Parameter
 
-    def __init__(self, hf_experts: nn.Module, act_fn: str, coefficients: NeuronHeadCoefficients):
+    def __init__(
+        self,
+        hf_experts: nn.Module,
+        act_fn: str,
+        coefficients: NeuronHeadCoefficients,
+        clamp: ClampedSwiGLU | None = None,
+        name: str = "experts",
+    ):
         super().__init__()
-        for name in GROUPED_PARAMETERS:  # the same Parameter objects, under the same names
-            self.register_parameter(name, getattr(hf_experts, name))
-        n_experts, d_model, d_mlp = self.down_proj.shape
-        self.num_experts = int(n_experts)
         for flag, value in SUPPORTED_LAYOUT.items():  # read by TL's weight processing
             setattr(self, flag, value)
+        for flag in LAYOUT_FLAGS:
+            setattr(self, flag, bool(getattr(hf_experts, flag)))
+        parameters = GROUPED_PARAMETERS + (GROUPED_BIASES if self.has_bias else ())
+        for key in parameters:  # the same Parameter objects, under the same names
+            self.register_parameter(key, getattr(hf_experts, key))
+        n_experts, *dims = self.down_proj.shape
+        d_mlp, d_model = dims if self.is_transposed else dims[::-1]
+        self.num_experts = int(n_experts)
+        self.name = name
         #: The Hugging Face module replaced (put back by :func:`unmount_experts`).
         self.__dict__["hf_experts"] = hf_experts
         #: The block's shared experts' neuron-head layers, by the bridge's name (converted and
@@ -302,11 +388,37 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         #: The routing hook point this module fires (:data:`ROUTING_HOOK`, mounted on the
         #: ``MoEBridge`` where TransformerLens has none), else ``None`` (not a submodule).
         self.__dict__["routing_hook"] = None
-        cfg = mlp_config(int(d_model), int(d_mlp), act_fn, self.down_proj.dtype)
+        # (TransformerLens's config knows no clamped SwiGLU: its act_fn is the nearest, silu
+        # (alpha = 1); the coefficients are the activation)
+        cfg_act_fn = "silu" if clamp is not None else act_fn
+        cfg = mlp_config(int(d_model), int(d_mlp), cfg_act_fn, self.down_proj.dtype)
         self.extend(
             BridgeNeuronHeadExpert(self, e, cfg, coefficients) for e in range(self.num_experts)
         )
+        for expert in self.expert_list():
+            expert.clamp = clamp
         self.train(hf_experts.training)
+
+    @property
+    def clamp(self) -> ClampedSwiGLU | None:
+        """The clamped SwiGLU the experts compute without its clamp (``None``: standard)."""
+        return self.expert_list()[0].clamp
+
+    @property
+    def clamp_count(self) -> int:
+        """Activations (routed token x neuron) where the clamp acted, over every expert and
+        every forward pass since conversion or :meth:`reset_clamp_record`."""
+        return sum(expert.clamp_count for expert in self.expert_list())
+
+    @property
+    def clamp_max_change(self) -> float:
+        """The largest ``|unclamped - clamped|`` activation there (0 where it never acted)."""
+        return max(expert.clamp_max_change for expert in self.expert_list())
+
+    def reset_clamp_record(self) -> None:
+        """Forget what earlier forward passes recorded, on every expert."""
+        for expert in self.expert_list():
+            expert.reset_clamp_record()
 
     def expert_list(self) -> list[BridgeNeuronHeadExpert]:
         """The routed experts, in order."""
@@ -344,10 +456,14 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         if routing_hook is not None:
             top_k_index = routing_hook(top_k_index)  # [tokens, top_k]
         out = torch.zeros_like(hidden_states)
+        n_routed = 0
         for index, expert in enumerate(self.expert_list()):
             slot, token = routed_slots(top_k_index, index)  # by slot, then token
             routed = expert(hidden_states[token]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, routed.to(out.dtype))
+            n_routed += token.numel()
+        if self.clamp is not None:
+            warn_clamp(self.name, self.expert_list(), n_routed * self.d_mlp)
         return out
 
     def extra_repr(self) -> str:
@@ -369,6 +485,7 @@ class ExpertsPlan:
             bridge component that wraps them (Qwen2-MoE's ``blocks.{l}.mlp.experts``).
         hf_experts: The Hugging Face grouped experts module.
         act_fn: TransformerLens name of its activation (set by the caller).
+        clamp: Its clamped SwiGLU (``None``: the standard gating ``act(gate) * up``).
     """
 
     name: str
@@ -376,6 +493,7 @@ class ExpertsPlan:
     slot: nn.Module
     hf_experts: nn.Module
     act_fn: str = ""
+    clamp: ClampedSwiGLU | None = None
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -387,17 +505,18 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return cast(nn.Module, inner)
 
 
-def plan_experts(name: str, layer: int, hf_block: nn.Module) -> ExpertsPlan:
+def plan_experts(name: str, layer: int, hf_block: nn.Module, clamp: str = "refuse") -> ExpertsPlan:
     """Find a Hugging Face MoE block's experts and check their layout (nothing is changed).
 
     Args:
         name: The block's name, ``blocks.{l}.mlp``.
         layer: The block index.
         hf_block: The Hugging Face MoE block (the ``MoEBridge``'s wrapped module).
+        clamp: ``ConversionOptions.clamp``: ``"check"`` converts a clamped SwiGLU.
 
     Raises:
         NotImplementedError: For a block without an ``experts`` module, or experts laid out
-            otherwise than :data:`SUPPORTED_LAYOUT` (named).
+            otherwise than :func:`check_experts_layout` supports (named).
     """
     slot_module = child_module(hf_block, "experts")
     if slot_module is None:
@@ -409,20 +528,27 @@ def plan_experts(name: str, layer: int, hf_block: nn.Module) -> ExpertsPlan:
         )
     slot = slot_module if is_bridge_component(slot_module) else hf_block
     hf_experts = _unwrapped(slot_module)
-    check_experts_layout(f"{name}.experts", hf_experts)
-    return ExpertsPlan(f"{name}.experts", layer, slot, hf_experts)
+    gating = check_experts_layout(f"{name}.experts", hf_experts, clamp)
+    return ExpertsPlan(f"{name}.experts", layer, slot, hf_experts, clamp=gating)
 
 
-def check_experts_layout(name: str, hf_experts: nn.Module) -> None:
+def check_experts_layout(
+    name: str, hf_experts: nn.Module, clamp: str = "refuse"
+) -> ClampedSwiGLU | None:
     """Refuse an experts module that is not supported, naming what differs.
 
     Args:
         name: Its name, ``blocks.{l}.mlp.experts``, for the error.
         hf_experts: The Hugging Face experts module.
+        clamp: ``ConversionOptions.clamp``: ``"check"`` accepts a clamped SwiGLU.
+
+    Returns:
+        The clamped SwiGLU the experts compute (``None``: the standard gating).
 
     Raises:
         NotImplementedError: Per-expert modules, missing or misshapen grouped weights, a custom
-            gating (a clamped SwiGLU), or a layout flag other than :data:`SUPPORTED_LAYOUT`.
+            gating other than a clamped SwiGLU, a clamped SwiGLU without ``clamp="check"``, or
+            a layout flag other than :data:`SUPPORTED_LAYOUT`.
     """
     what = f"{name} ({type(hf_experts).__name__})"
     if isinstance(hf_experts, nn.ModuleList):
@@ -437,43 +563,87 @@ def check_experts_layout(name: str, hf_experts: nn.Module) -> None:
             f"{what} has no 3-D gate_up_proj and down_proj (its parameters: {shapes or 'none'}). "
             f"{_SUPPORTED}"
         )
-    gating = getattr(type(hf_experts), "_apply_gate", None)
-    if gating is not None and getattr(gating, "__name__", "") != "_default_apply_gate":
-        limit = getattr(hf_experts, "limit", None)
-        clamp = (
-            f": it clamps the gate (at most {limit}) and the linear branch (within ±{limit}) "
-            "before the product (a clamped SwiGLU), and neuron-heads have no clamp"
-            if limit is not None
-            else ""
-        )
-        raise NotImplementedError(
-            f"{what}: its gated activation ({type(hf_experts).__name__}._apply_gate) is not the "
-            f"standard act(gate) * up{clamp}. {_SUPPORTED}"
-        )
-    for flag, supported in SUPPORTED_LAYOUT.items():
+    for flag in (*SUPPORTED_LAYOUT, *LAYOUT_FLAGS):
         value = getattr(hf_experts, flag, None)
         if value is None:
             raise NotImplementedError(
                 f"{what} does not declare its layout ({flag}): not a transformers grouped "
                 f"experts module. {_SUPPORTED}"
             )
-        if bool(value) != supported:
+        if flag in SUPPORTED_LAYOUT and bool(value) != SUPPORTED_LAYOUT[flag]:
             raise NotImplementedError(
                 f"{what}: {_LAYOUT_MEANING[flag]} ({flag}={value}). {_SUPPORTED}"
             )
-    (n, two_m, d), (n_out, d_out, m) = shapes["gate_up_proj"], shapes["down_proj"]
-    if (n, two_m, d) != (n_out, 2 * m, d_out):
+    _check_grouped_shapes(what, hf_experts, shapes)
+    gating = getattr(type(hf_experts), "_apply_gate", None)
+    if gating is None or getattr(gating, "__name__", "") == "_default_apply_gate":
+        return None
+    clamped = find_clamped_gating(what, hf_experts)  # raises for another clamped activation
+    if clamped is None:
+        raise NotImplementedError(
+            f"{what}: its gated activation ({type(hf_experts).__name__}._apply_gate) is not the "
+            f"standard act(gate) * up. {_SUPPORTED}"
+        )
+    if clamp != "check":
+        raise NotImplementedError(
+            f"{what}: its gated activation ({type(hf_experts).__name__}._apply_gate) is a "
+            f"clamped SwiGLU, {clamped.describe()}: it clamps the gate (at most "
+            f"{clamped.limit:g}) and the linear branch (within ±{clamped.limit:g}) before the "
+            "product, and neuron-heads have no clamp. Pass ConversionOptions(clamp='check') to "
+            "convert it to the unclamped activation, exact wherever the clamp is inactive, "
+            f"with a ClampActiveWarning on every forward pass where it is not. {_SUPPORTED}"
+        )
+    return clamped
+
+
+def _check_grouped_shapes(what: str, hf_experts: nn.Module, shapes: dict[str, tuple]) -> None:
+    """Refuse grouped weights (and biases) whose shapes do not fit the declared layout."""
+    transposed = bool(hf_experts.is_transposed)
+    (n, *gate_up), (n_out, *down) = shapes["gate_up_proj"], shapes["down_proj"]
+    (d, two_m), (m, d_out) = (gate_up, down) if transposed else (gate_up[::-1], down[::-1])
+    expected = {"gate_up_proj_bias": (n, two_m), "down_proj_bias": (n, d)}
+    biases_fit = not hf_experts.has_bias or all(shapes.get(k) == v for k, v in expected.items())
+    if (n, two_m, d) != (n_out, 2 * m, d_out) or not biases_fit:
+        layout = (
+            "[E, d_model, 2 * d_mlp] and [E, d_mlp, d_model]"
+            if transposed
+            else "[E, 2 * d_mlp, d_model] and [E, d_model, d_mlp]"
+        )
         raise NotImplementedError(
             f"{what}: gate_up_proj {shapes['gate_up_proj']} and down_proj {shapes['down_proj']} "
-            f"are not [E, 2 * d_mlp, d_model] and [E, d_model, d_mlp]. {_SUPPORTED}"
+            f"(biases: {[shapes.get(k) for k in GROUPED_BIASES]}) are not {layout} "
+            f"(is_transposed={transposed}, has_bias={bool(hf_experts.has_bias)}). {_SUPPORTED}"
         )
+
+
+def expert_coefficients(plan: ExpertsPlan, options: ConversionOptions) -> NeuronHeadCoefficients:
+    """The per-head coefficients of ``plan``'s experts: those of ``options`` for their
+    activation, or a clamped SwiGLU's one exact head per neuron (sets ``plan.act_fn``).
+
+    Raises:
+        ValueError: Options that do not fit the activation (several heads per neuron for a
+            clamped SwiGLU's exact head).
+    """
+    if plan.clamp is None:
+        return options.coefficients(plan.act_fn)
+    if options.n_heads_per_neuron not in (None, 1):
+        raise ValueError(
+            f"{plan.name}: the clamped SwiGLU's unclamped activation g * sigmoid("
+            f"{plan.clamp.alpha:g} g) is exact with 1 head per neuron; valid n_heads_per_neuron: "
+            f"None or 1, got {options.n_heads_per_neuron!r}."
+        )
+    coefficients = plan.clamp.coefficients()
+    plan.act_fn = coefficients.activation
+    return coefficients
 
 
 def build_experts(
     plan: ExpertsPlan, coefficients: NeuronHeadCoefficients, *, fused: bool, compiled: bool
 ) -> BridgeNeuronHeadExperts:
     """The neuron-head experts of ``plan`` (nothing is mounted yet)."""
-    experts = BridgeNeuronHeadExperts(plan.hf_experts, plan.act_fn, coefficients)
+    experts = BridgeNeuronHeadExperts(
+        plan.hf_experts, plan.act_fn, coefficients, clamp=plan.clamp, name=plan.name
+    )
     experts.fused = fused
     experts.compiled = compiled
     return experts
@@ -492,16 +662,19 @@ def _eager_forward(hf_experts: nn.Module) -> Any:
 def check_experts(plan: ExpertsPlan, experts: BridgeNeuronHeadExperts) -> None:
     """Refuse experts whose Hugging Face forward is not ``sum_e w_e down_e(act(gate_e x) * up_e
     x)``: both run on a small random input routed to every expert, and must agree within the
-    neuron-heads' error bound plus rounding (a structural difference is far outside it).
+    neuron-heads' error bound plus rounding (a structural difference is far outside it). For a
+    clamped SwiGLU the bound adds, where the clamp acts on that input, the exact change of the
+    activation through ``|W_out|``; the check's own forward pass is neither warned nor recorded.
 
     Raises:
         NotImplementedError: Naming the experts, the difference and the bound.
     """
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    down = experts.down_proj
     if down.is_meta:
         return  # no values to compare
     dtype, device = down.dtype, down.device
-    n_experts, d_model, d_mlp = down.shape
+    n_experts = experts.num_experts
+    d_model = experts.expert_list()[0].cfg.d_model
     top_k = min(2, n_experts)
     n_tokens = 2 * n_experts
     generator = torch.Generator().manual_seed(plan.layer)
@@ -512,23 +685,34 @@ def check_experts(plan: ExpertsPlan, experts: BridgeNeuronHeadExperts) -> None:
     weights = torch.rand(n_tokens, top_k, generator=generator, dtype=torch.float64)
     weights = weights.to(device=device, dtype=dtype)
     fused, training = experts.fused, experts.training
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ClampActiveWarning)
         reference = _eager_forward(plan.hf_experts)(x, index, weights)
         experts.fused = True
         experts.eval()
         ours = experts(x, index, weights)
         experts.fused = fused
         experts.train(training)
-        # |act_K - act| <= max_err per neuron, times |u|, through W_out, times the weight
+        experts.reset_clamp_record()
+        # |act_K - act| <= max_err per neuron, times |u|, through W_out, times the weight; plus
+        # a clamped SwiGLU's change where its clamp acts
         scale = torch.zeros(n_tokens, d_model, dtype=torch.float64, device=device)
-        for e in range(n_experts):
+        clamped = torch.zeros_like(scale)
+        for e, expert in enumerate(experts.expert_list()):
             slot, rows = routed_slots(index, e)
-            u = (x[rows] @ gate_up[e, d_mlp:].T).abs().to(torch.float64)
+            gate_up = expert._project(x[rows], "gate_up").to(torch.float64)
+            gate, u = (expert._gate_up_part(gate_up, part) for part in (0, 1))
             w = weights[rows, slot, None].abs().to(torch.float64)
-            scale.index_add_(0, rows, w * (u @ down[e].T.abs().to(torch.float64)))
+            out_matrix = expert._out_matrix.abs().to(torch.float64)
+            if experts.clamp is not None:
+                change = experts.clamp.unclamped(gate, u) - experts.clamp.clamped(gate, u)
+                clamped.index_add_(0, rows, w * (change.abs() @ out_matrix))
+                u = u + experts.clamp.linear_offset
+            scale.index_add_(0, rows, w * (u.abs() @ out_matrix))
         eps = torch.finfo(dtype).eps
         max_err = experts.coefficients.max_abs_error()
         bound = max_err * scale + 64 * eps * (scale + reference.abs().to(torch.float64) + 1)
+        bound = bound + clamped * (1 + 64 * eps)
     error = (ours.to(torch.float64) - reference.to(torch.float64)).abs()
     if not bool((error <= bound).all()):
         raise NotImplementedError(
@@ -603,6 +787,7 @@ __all__ = [
     "check_experts",
     "check_experts_layout",
     "dense_moe_keys",
+    "expert_coefficients",
     "is_bridge_component",
     "mount_experts",
     "mounted_experts",
