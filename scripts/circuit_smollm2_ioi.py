@@ -39,6 +39,19 @@ when ``roles`` runs too):
   ``heldout`` (IOI_TEMPLATES_HELDOUT, a second set); prints the circuit's evidence, the time and
   the process's peak resident memory. ``--positions roles`` resolves the edges by position
   class (``data.position_classes()``: IO, S1, S1+1, S2, END and the other positions).
+  ``--neurons-per-mlp`` passes through (a count, or ``auto``: as few per MLP node as keep the
+  target, ``circuit.extra["neuron_stage"]``); the stage prints the named-neuron count and the
+  layer remainders the circuit keeps.
+
+  **Fresh split.** The circuit is chosen on its ``--prompts`` search prompts (seed ``--seed`` +
+  1), so its faithfulness there is fitted to them. ``--fresh 64`` (default; 0: off) draws 64
+  more prompts of the same templates and corruption with another seed (``--fresh-seed``,
+  default ``--seed`` + 2), leaving out any prompt the search saw (IOI draws more and drops
+  them; :func:`~tl_attnonly.analysis.make_sva_dataset` takes ``exclude=``), and prints the
+  exact faithfulness of the same circuit on them
+  (:func:`~tl_attnonly.analysis.evaluate_circuit`: their own clean and corrupted metrics, one
+  exact run of the circuit's edges) beside the search figure. A first line names the script
+  and every setting the figures depend on.
 
 The model is a ``HookedTransformer`` and its ``AttnOnlyTransformer`` on TransformerLens 3.x, and
 two ``TransformerBridge`` objects (one converted in place) on 4.x, which has no
@@ -50,7 +63,8 @@ Usage::
     python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes discover] [--threads 2]
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
-        [--ranking signed|absolute] [--prune-runs 30] [--bridge]
+        [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
+        [--fresh 64] [--fresh-seed N] [--bridge]
 """
 
 from __future__ import annotations
@@ -66,6 +80,7 @@ from tl_attnonly.analysis import (
     circuit_gate_value_split,
     circuit_metrics,
     discover_circuit,
+    evaluate_circuit,
     faithfulness,
     ioi_head_scores,
     make_ioi_dataset,
@@ -262,22 +277,116 @@ def stage_edges(model, scores: IOIHeadScores | None, data, args) -> None:
     print(split.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
 
 
-def stage_discover(model, data, args) -> Circuit:
+def neurons_per_mlp(value: str) -> int | str:
+    """``--neurons-per-mlp``: a count or ``auto``."""
+    return value if value == "auto" else int(value)
+
+
+#: The ``discover`` stage's options beyond the search prompts, seed and target.
+DISCOVER_OPTIONS: dict[str, dict] = {
+    "--positions": dict(
+        default="none", choices=["none", "roles"],
+        help="discover: resolve the edges by position class (the dataset's position_classes())",
+    ),
+    "--ranking": dict(
+        default="signed", choices=["signed", "absolute"],
+        help="discover: edge order of the sweep (default signed; absolute: by |score|)",
+    ),
+    "--prune-runs": dict(
+        type=int, default=30,
+        help="discover: exact runs of the pruning pass after the sweep (0: none)",
+    ),
+    "--neurons-per-mlp": dict(
+        type=neurons_per_mlp, default=8,
+        help="discover: neurons named per MLP node, or auto (discover_circuit's default: 8)",
+    ),
+    "--fresh": dict(
+        type=int, default=64,
+        help="discover: fresh prompts the search never saw, for a held-out figure (0: none)",
+    ),
+    "--fresh-seed": dict(type=int, default=None, help="seed of the fresh prompts (--seed + 2)"),
+}  # fmt: skip
+
+
+def add_discover_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``discover`` stage's options (shared with ``scripts/circuit_smollm2_sva.py``)."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16, help="circuit (search) prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", type=float, default=0.8, help="faithfulness (discover)")
+    for flag, kw in DISCOVER_OPTIONS.items():
+        parser.add_argument(flag, **kw)
+    parser.add_argument(
+        "--show-edges", type=int, default=25, help="discover: the coarse circuit's edges printed"
+    )
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")
+
+
+def fresh_seed(args) -> int:
+    return args.seed + 2 if args.fresh_seed is None else args.fresh_seed
+
+
+def fresh_prompts(drawn, search, n: int):
+    """The first ``n`` rows of ``drawn`` whose clean prompt is not one of ``search``'s."""
+    seen = set(search.prompts)
+    rows = [i for i, prompt in enumerate(drawn.prompts) if prompt not in seen][:n]
+    if len(rows) < n:
+        raise ValueError(
+            f"Only {len(rows)} of {len(drawn)} drawn prompts are new; draw more (--fresh-seed)."
+        )
+    return drawn.select(rows)
+
+
+def ioi_task(args) -> str:
+    return f"IOI: {args.templates} templates, {args.corruption} corruption"
+
+
+def config_line(script: str, task: str, args) -> str:
+    """Every setting the discover stage's figures depend on, on one line."""
+    fresh = f"{args.fresh} (seed {fresh_seed(args)})" if args.fresh else "off"
+    return (
+        f"config: {script}; {task}; search prompts {args.prompts} "
+        f"(seed {args.seed + 1}); fresh prompts {fresh}; target {args.target}; positions "
+        f"{args.positions}; ranking {args.ranking}; prune_runs {args.prune_runs}; "
+        f"neurons_per_mlp {args.neurons_per_mlp}; batch_size {args.batch_size}; threads "
+        f"{args.threads}; fp32"
+    )
+
+
+def mlp_sources(circuit: Circuit) -> str:
+    """The circuit's MLP sources: named neurons per layer and the layer remainders kept."""
+    named = {li: ns for li, ns in circuit.extra.get("named", {}).items() if ns}
+    frame = circuit.edges()
+    rests = sorted(set(frame.source[frame.source_kind == "mlp"]), key=lambda n: int(n[1:-3]))
+    per_layer = ", ".join(f"L{li}: {len(ns)}" for li, ns in sorted(named.items()))
+    return (
+        f"MLP sources: {sum(len(ns) for ns in named.values())} named neurons in {len(named)} "
+        f"layer(s) ({per_layer or '-'}); layer remainders kept: {', '.join(rests) or 'none'}"
+    )
+
+
+def stage_discover(model, data, args, fresh=None, task: str | None = None) -> Circuit:
     """``discover_circuit`` with its defaults (coarse graph, EAP-IG ranked by signed effect,
-    sweep to ``--target``, pruning), and every piece of evidence the circuit carries."""
+    sweep to ``--target``, pruning), every piece of evidence the circuit carries, and its exact
+    faithfulness on the ``fresh`` prompts (a dataset like ``data``; None: not measured).
+    ``task`` names the task and data in the heading (default: IOI, ``--templates``,
+    ``--corruption``)."""
+    task = ioi_task(args) if task is None else task
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     start = time.perf_counter()
-    positions = data.position_classes() if args.positions == "roles" else None
+    roles = args.positions == "roles"
+    positions = data.position_classes() if roles else None
     circuit = discover_circuit(
         model, data.tokens, data.corrupted_tokens, data.additive_metric(), target=args.target,
         batch_size=args.batch_size, positions=positions, ranking=args.ranking,
-        prune_runs=args.prune_runs,
+        prune_runs=args.prune_runs, neurons_per_mlp=args.neurons_per_mlp,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    where = "resolved by IOI role positions" if positions is not None else "every position"
+    where = f"resolved by position class {positions.names}" if positions else "every position"
     print(
-        f"\n## discover_circuit, defaults ({args.templates} templates, {args.corruption} "
-        f"corruption, {len(data)} prompts, target {args.target}; edges {where})"
+        f"\n## discover_circuit, defaults ({task}, {len(data)} prompts, target {args.target}; "
+        f"edges {where})"
     )
     print(circuit.report())
     coarse = circuit.extra.get("coarse", circuit)
@@ -287,6 +396,18 @@ def stage_discover(model, data, args) -> Circuit:
     print("  " + ", ".join(f"{r.edge} {r.score:+.3f}" for r in top.itertuples()))
     kinds = frame.groupby(["source_kind", "target_kind"]).size().to_dict()
     print("coarse edges by kind:", ", ".join(f"{a} -> {b}: {n}" for (a, b), n in kinds.items()))
+    print(mlp_sources(circuit))
+    print(f"faithfulness on {len(data)} search prompts: {circuit.faithfulness:.3f}")
+    if fresh is not None:
+        held = evaluate_circuit(
+            model, circuit, fresh.tokens, fresh.corrupted_tokens, fresh.additive_metric(),
+            positions=fresh.position_classes() if roles else None, batch_size=args.batch_size,
+        )  # fmt: skip
+        print(
+            f"faithfulness on {held.n_prompts} fresh prompts: {held.faithfulness:.3f} (metric "
+            f"clean {held.metric_clean:.4g}, corrupted {held.metric_corrupted:.4g}, circuit "
+            f"{held.metric_circuit:.4g})"
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"time {seconds:.0f} s; peak resident memory of the process {peak:.2f} GiB")
     return circuit
@@ -300,36 +421,17 @@ def main(argv: list[str] | None = None) -> None:
         default=["roles", "nodes", "edges"],
         choices=["roles", "nodes", "edges", "discover"],
     )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=16, help="circuit prompts")
+    add_discover_arguments(parser)
     parser.add_argument("--role-prompts", type=int, default=64)
     parser.add_argument("--corruption", default="abc", choices=["abc", "swap", "s2"])
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--templates", default="package", choices=["package", "heldout"],
         help="IOI_TEMPLATES (package) or IOI_TEMPLATES_HELDOUT (a second set, not tuned on)",
     )  # fmt: skip
-    parser.add_argument("--target", type=float, default=0.8, help="faithfulness (discover)")
-    parser.add_argument(
-        "--positions", default="none", choices=["none", "roles"],
-        help="discover: resolve the edges by position class (IO, S1, S1+1, S2, END, other)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ranking", default="signed", choices=["signed", "absolute"],
-        help="discover: edge order of the sweep (default signed; absolute: by |score|)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--prune-runs", type=int, default=30,
-        help="discover: exact runs of the pruning pass after the sweep (0: none)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--show-edges", type=int, default=25, help="discover: the coarse circuit's edges printed"
-    )
     parser.add_argument("--sizes", type=int, nargs="*", default=[20, 100, 500, 2000])
     parser.add_argument("--n-nodes", type=int, default=200, help="nodes kept for the edge stage")
     parser.add_argument("--edges", type=int, nargs="+", default=[100, 50, 200, 400, 1000, 3000])
     parser.add_argument("--gate-value-neurons", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument(
         "--no-mlp-rest", action="store_true", help="no L{l}MLP nodes for the left-out neurons"
     )
@@ -342,7 +444,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ig-steps", type=int, default=5, help="interpolation steps of --method eap-ig"
     )
-    parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")
     args = parser.parse_args(argv)
     bridge = use_bridge(True if args.bridge else None)
     torch.set_num_threads(args.threads)
@@ -369,7 +470,15 @@ def main(argv: list[str] | None = None) -> None:
     if "edges" in args.stages:
         stage_edges(converted, scores, data, args)
     if "discover" in args.stages:
-        stage_discover(converted, data, args)
+        fresh = None
+        if args.fresh:
+            drawn = make_ioi_dataset(
+                model, args.fresh + len(data), corruption=args.corruption,
+                seed=fresh_seed(args), templates=templates,
+            )  # fmt: skip
+            fresh = fresh_prompts(drawn, data, args.fresh)
+        print(config_line("scripts/circuit_smollm2_ioi.py", ioi_task(args), args))
+        stage_discover(converted, data, args, fresh)
     print(f"total time {time.perf_counter() - start:.0f} s")
 
 

@@ -54,6 +54,7 @@ from tl_attnonly.analysis.composition import (
 from tl_attnonly.analysis.discovery import (
     MIB_FRACTIONS,
     Circuit,
+    CircuitEvaluation,
     CurveScores,
     DiscoveryOptions,
     EdgeScores,
@@ -70,6 +71,7 @@ from tl_attnonly.analysis.discovery import (
     discover_circuit,
     discover_node_circuit,
     edge_attribution_scores,
+    evaluate_circuit,
     faithfulness,
     faithfulness_curve,
     logit_diff_metric,
@@ -187,6 +189,7 @@ __all__ = [
     "run_patches",
     # discovery
     "Circuit",
+    "CircuitEvaluation",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
@@ -197,6 +200,7 @@ __all__ = [
     "discover_node_circuit",
     "edge_attribution_scores",
     "EdgeScores",
+    "evaluate_circuit",
     "ExpertNeuronHeadSummaries",
     "faithfulness",
     "faithfulness_curve",

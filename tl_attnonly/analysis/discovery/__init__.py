@@ -8,6 +8,7 @@
 :mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
 :mod:`.runs`             exact circuit runs (full or restricted graphs), gate/value splits
 :mod:`.circuit`          Circuit (a found circuit, its evidence and report), faithfulness
+:mod:`.evaluate`         evaluate_circuit: a found circuit's exact faithfulness on other prompts
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
 :mod:`.relevance`        neuron relevance: RelP / attribution patching / EAP-IG, gate and value
 :mod:`.options`          DiscoveryOptions: how discover_circuit searches
@@ -28,6 +29,7 @@ from tl_attnonly.analysis.discovery.edge_scores import (
     mask_size,
     prune,
 )
+from tl_attnonly.analysis.discovery.evaluate import CircuitEvaluation, evaluate_circuit
 from tl_attnonly.analysis.discovery.graph import (
     ATTN_INPUTS,
     EMBED,
@@ -89,6 +91,7 @@ __all__ = [
     "ATTN_INPUTS",
     "check_discoverable",
     "Circuit",
+    "CircuitEvaluation",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
@@ -105,6 +108,7 @@ __all__ = [
     "edges_frame",
     "EdgeScores",
     "EMBED",
+    "evaluate_circuit",
     "faithfulness",
     "faithfulness_curve",
     "HeadGraph",
