@@ -35,6 +35,11 @@ default there), ``bridge`` (a converted ``TransformerBridge`` of the same weight
 ``HookedTransformer``, then a line comparing them: the circuits' sizes and faithfulness, and the
 bridge's total time over the ``HookedTransformer``'s).
 
+``--neurons-per-mlp N|auto`` sets ``discover_circuit``'s ``neurons_per_mlp`` (the config line
+says so); with ``auto`` the neuron stage's table (``circuit.extra["neuron_stage"]``: per MLP
+node the named count, whether the remainder is kept, the faithfulness, the runs) and its totals
+are printed too.
+
 ``--repeats N`` (N > 1) makes the times robust to the machine's load: every kind measured is
 loaded, run once untimed (warm-up), then run ``N`` times, the kinds alternating round by round in
 ABBA order, and each line prints medians (the total line also the range of the runs and the
@@ -43,7 +48,8 @@ totals, the range of the ratios within a round, and the ratio of the median CPU 
 one thread hardly depends on what else runs on the machine.
 
 Run: ``python benchmarks/bench_discovery.py [--threads 2] [--examples 112] [--batch-size B]
-[--smollm2 [--ioi-prompts 16]] [--kind hooked|bridge|both] [--repeats N] [--progress]``;
+[--smollm2 [--ioi-prompts 16]] [--kind hooked|bridge|both] [--neurons-per-mlp N|auto]
+[--repeats N] [--progress]``;
 ``python benchmarks/bench_discovery.py --gpt2-small [--threads 2] [--n-nodes 400] [--top-n 200]
 [--stream 1000] [--mlp-rest]``.
 """
@@ -112,17 +118,19 @@ def bracket_task(model, n_examples: int | None):
     return module.bracket_task(model, n_examples)
 
 
-def _run(model, clean, corrupted, metric, batch_size: int | None, progress: bool = False):
-    """One default ``discover_circuit``; its total time, the process's CPU time over it, its peak
-    memory above the loaded model and its warnings in ``circuit.extra`` (``total_seconds``,
-    ``cpu_seconds``, ``peak_bytes``, ``n_warnings``)."""
+def _run(
+    model, clean, corrupted, metric, batch_size: int | None, progress: bool = False, **options
+):
+    """One ``discover_circuit`` (defaults but ``options``); its total time, the process's CPU
+    time over it, its peak memory above the loaded model and its warnings in ``circuit.extra``
+    (``total_seconds``, ``cpu_seconds``, ``peak_bytes``, ``n_warnings``)."""
     _reset_peak()
     base = _status("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         circuit = discover_circuit(
-            model, clean, corrupted, metric, batch_size=batch_size, progress=progress
+            model, clean, corrupted, metric, batch_size=batch_size, progress=progress, **options
         )
     circuit.extra["total_seconds"] = time.perf_counter() - t0
     circuit.extra["cpu_seconds"] = time.process_time() - c0
@@ -168,10 +176,19 @@ def _report(config: str, runs: list):
     circuit.extra["total_seconds"] = total
     circuit.extra["totals"] = totals
     circuit.extra["cpu_seconds"] = cpu
+    table = circuit.extra.get("neuron_stage")
+    if table is not None:  # neurons_per_mlp="auto": per MLP node, then the totals
+        print(f"[{config}] neuron stage:\n{table.to_string(index=False)}")
+        print(
+            f"[{config}] neuron stage: {int(table.named.sum()):,} named neurons, "
+            f"{int(table.remainder.sum())} remainder(s) kept, {int(table.runs.sum())} runs"
+        )
     return circuit
 
 
-def measure_kinds(kinds: tuple[str, ...], load, repeats: int, batch_size, progress: bool) -> dict:
+def measure_kinds(
+    kinds: tuple[str, ...], load, repeats: int, batch_size, progress: bool, **options
+) -> dict:
     """The default ``discover_circuit`` on each kind; ``load(kind, note)`` gives ``(model, clean,
     corrupted, metric, config)``, ``note`` the words the config adds for repeats.
 
@@ -184,7 +201,7 @@ def measure_kinds(kinds: tuple[str, ...], load, repeats: int, batch_size, progre
         for kind in kinds:
             model, clean, corrupted, metric, config = load(kind, "")
             found[kind] = _report(
-                config, [_run(model, clean, corrupted, metric, batch_size, progress)]
+                config, [_run(model, clean, corrupted, metric, batch_size, progress, **options)]
             )
             del model
         return found
@@ -195,11 +212,11 @@ def measure_kinds(kinds: tuple[str, ...], load, repeats: int, batch_size, progre
     )
     tasks = {kind: load(kind, note) for kind in kinds}
     for kind in kinds:
-        _run(*tasks[kind][:4], batch_size, progress)
+        _run(*tasks[kind][:4], batch_size, progress, **options)
     runs: dict[str, list] = {kind: [] for kind in kinds}
     for round_ in range(repeats):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
-            runs[kind].append(_run(*tasks[kind][:4], batch_size, progress))
+            runs[kind].append(_run(*tasks[kind][:4], batch_size, progress, **options))
     return {kind: _report(tasks[kind][4], runs[kind]) for kind in kinds}
 
 
@@ -219,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats", type=int, default=1,
         help="runs per kind: with more than 1, a warm-up run each, then the kinds alternate "
         "round by round and medians are printed (the ratio robust to the machine's load)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--neurons-per-mlp", default=None, metavar="N|auto",
+        help="discover_circuit's neurons_per_mlp (default: its default, 8); 'auto' prints the "
+        "neuron stage's table",
     )  # fmt: skip
     parser.add_argument(
         "--progress", action="store_true", help="progress bars (stderr) during discover_circuit"
@@ -263,23 +285,28 @@ def main(argv: list[str] | None = None) -> None:
     if "hooked" in kinds and not HAS_HOOKED_TRANSFORMER:
         parser.error("--kind hooked/both needs TransformerLens 3.x (HookedTransformer)")
     batch = "all" if args.batch_size is None else args.batch_size
+    options = {}
+    if args.neurons_per_mlp is not None:
+        npm = args.neurons_per_mlp
+        options["neurons_per_mlp"] = npm if npm == "auto" else int(npm)
+    settings = "defaults" if not options else f"defaults but neurons_per_mlp={args.neurons_per_mlp}"
 
     def bundled(kind: str, note: str):
         model = tl_attnonly.convert(_bundled(kind))
         clean, corrupted, metric = bracket_task(model, args.examples)
         config = (
             f"bundled tiny-stdlib-silu fp32{_suffix(kind, kinds)}, bracket task {clean.shape[0]} "
-            f"prompts x {clean.shape[1]} tokens, batch {batch}, defaults, "
+            f"prompts x {clean.shape[1]} tokens, batch {batch}, {settings}, "
             f"{torch.get_num_threads()} threads{note}"
         )
         return model, clean, corrupted, metric, config
 
-    found = measure_kinds(kinds, bundled, args.repeats, args.batch_size, args.progress)
+    found = measure_kinds(kinds, bundled, args.repeats, args.batch_size, args.progress, **options)
     _compare(found, "bundled tiny-stdlib-silu fp32, bracket task", args.repeats)
     if args.smollm2:
         found = measure_kinds(
-            kinds, lambda kind, note: _smollm2(kind, kinds, args, batch, note), args.repeats,
-            args.batch_size, args.progress,
+            kinds, lambda kind, note: _smollm2(kind, kinds, args, batch, note, settings),
+            args.repeats, args.batch_size, args.progress, **options,
         )  # fmt: skip
         _compare(found, f"SmolLM2-135M-Instruct fp32, IOI {args.ioi_prompts} prompts", args.repeats)
 
@@ -297,7 +324,9 @@ def _bundled(kind: str):
     return load_bundled_model() if kind == "hooked" else load_bundled_bridge()
 
 
-def _smollm2(kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch, note: str):
+def _smollm2(
+    kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch, note: str, settings: str
+):
     from tl_attnonly.analysis import make_ioi_dataset
     from tl_attnonly.smollm2 import load_smollm2, load_smollm2_bridge
 
@@ -307,7 +336,7 @@ def _smollm2(kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch,
     del original
     config = (
         f"SmolLM2-135M-Instruct fp32{_suffix(kind, kinds)}, IOI {len(data)} prompts x "
-        f"{data.tokens.shape[1]} tokens (abc, seed 1), batch {batch}, defaults, "
+        f"{data.tokens.shape[1]} tokens (abc, seed 1), batch {batch}, {settings}, "
         f"{torch.get_num_threads()} threads{note}"
     )
     return model, data.tokens, data.corrupted_tokens, data.additive_metric(), config

@@ -36,7 +36,7 @@ from tl_attnonly.analysis.discovery.pruning import (
     ranking_values,
     unflatten_blocks,
 )
-from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
+from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ def prune_by_runs(
     batch_size: int | None = None,
     positions: PositionClasses | None = None,
     progress: bool = True,
+    corrupted_runs: CorruptedRuns | None = None,
 ) -> tuple[Mask, float, pd.DataFrame]:
     """Remove a circuit's edges, lowest rank first, while its exact faithfulness stays at or
     above ``target`` (module docstring).
@@ -80,6 +81,7 @@ def prune_by_runs(
             ``"absolute"`` the smallest ``|score|``.
         nodes, neuron_level, batch_size, positions: The graph and batches, as for ``scores``.
         progress: Progress bar over runs.
+        corrupted_runs: A :class:`~.runs.CorruptedRuns` shared with other calls.
 
     Returns:
         ``(mask, metric_circuit, steps)``: the pruned circuit, its exact metric, and one row per
@@ -114,7 +116,7 @@ def prune_by_runs(
         values = circuit_metrics(
             model, [unflatten_blocks(c, mask, keys) for c in candidates], clean_tokens,
             corrupted_tokens, metric, neuron_level=neuron_level, nodes=nodes,
-            batch_size=batch_size, positions=positions,
+            batch_size=batch_size, positions=positions, corrupted_runs=corrupted_runs,
         )  # fmt: skip
         runs += len(candidates)
         bar.update(len(candidates))

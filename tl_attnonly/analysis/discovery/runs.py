@@ -120,6 +120,59 @@ def _project(normalised: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bpmd,dm->bpm", normalised, W)
 
 
+class CorruptedRuns:
+    """The corrupted run's activations per batch, kept across the exact-run calls of one search
+    (:func:`~.search.discover_circuit`'s sweep, pruning, neuron stage and gate/value split), so
+    that each batch's corrupted run is made once instead of once per call.
+
+    Bound to the first model and corrupted tokens it serves (others are refused). Activations
+    are kept up to ``budget`` bytes in all; a batch beyond it is run again at each call.
+
+    Args:
+        budget: Most bytes of activations kept.
+    """
+
+    def __init__(self, budget: int = 4 * BLOCK_BUDGET):
+        self.budget = budget
+        self.kept_bytes = 0
+        self._bound: tuple[Any, torch.Tensor] | None = None
+        self._store: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+        self._asked: dict[tuple[int, ...], set[str]] = {}
+
+    def activations(
+        self,
+        model: AttnOnlyModel,
+        corrupted_tokens: Int[torch.Tensor, "batch pos"],
+        idx: torch.Tensor,
+        names: Collection[str],
+    ) -> dict[str, torch.Tensor]:
+        """The corrupted run's activations at ``names`` for the batch ``idx`` (rows of
+        ``corrupted_tokens``)."""
+        if self._bound is None:
+            self._bound = (model.model, corrupted_tokens)
+        elif self._bound[0] is not model.model or self._bound[1] is not corrupted_tokens:
+            raise ValueError(
+                "This CorruptedRuns holds another model's or other tokens' corrupted runs: use "
+                "one per model and token pair."
+            )
+        key = tuple(idx.tolist())
+        have = self._store.get(key, {})
+        asked = self._asked.get(key, set())
+        missing = set(names) - asked
+        if missing:
+            _, cache = model.run_with_cache(
+                corrupted_tokens[idx], names_filter=lambda n: n in missing
+            )
+            fresh = dict(cache.cache_dict)
+            size = sum(t.numel() * t.element_size() for t in fresh.values())
+            if self.kept_bytes + size > self.budget:
+                return {**have, **fresh}
+            self.kept_bytes += size
+            have = self._store[key] = {**have, **fresh}
+            self._asked[key] = asked | missing
+        return have
+
+
 def circuit_metric(
     model: ModelLike,
     mask: Mask,
@@ -174,8 +227,15 @@ def circuit_metrics(
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = False,
     positions: PositionClasses | None = None,
+    corrupted_runs: CorruptedRuns | None = None,
 ) -> list[float]:
-    """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch."""
+    """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch
+    (once per search with ``corrupted_runs``, a :class:`CorruptedRuns` shared by its calls).
+
+    The runs of circuits whose edges into the inputs below some residual position equal the
+    first circuit's take those inputs from the first run (:func:`_shared_prefix`; the same up
+    to rounding) instead of rebuilding them.
+    """
     model = analysis_model(model)
     check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
@@ -196,29 +256,56 @@ def circuit_metrics(
             )
     totals = [0.0] * len(masks)
     plans = [CircuitPlan(graph, mask) for mask in masks]
+    # inputs each later mask takes from the first mask's run (the same up to its first change)
+    shared: list[set[str]] = [set()] + [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
+    wanted = set().union(*shared)
     names = _corrupted_names(model, graph)
     batches = batch_indices(clean_tokens.shape[0], batch_size)
     check_additive(model, clean_tokens, metric, batches)
     bar = tqdm(total=len(batches) * len(masks), desc="circuit runs", disable=not progress)
     for idx in batches:
         with torch.no_grad():
-            _, corr_cache = model.run_with_cache(
-                corrupted_tokens[idx], names_filter=lambda n: n in names
-            )
-            corr = dict(corr_cache.cache_dict)
+            if corrupted_runs is not None:
+                corr = corrupted_runs.activations(model, corrupted_tokens, idx, names)
+            else:
+                _, corr_cache = model.run_with_cache(
+                    corrupted_tokens[idx], names_filter=lambda n: n in names
+                )
+                corr = dict(corr_cache.cache_dict)
             where = (
                 None
                 if positions is None
                 else {p: positions.mask(p, idx, clean_tokens.device) for p in positions.names}
             )
+            first: dict[str, torch.Tensor] = {}  # input group -> its hook's output, first run
             for i, mask in enumerate(masks):
                 logits = _circuit_run(
-                    model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where
-                )
+                    model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
+                    reuse={key: first[key] for key in shared[i] if key in first},
+                    keep=first if i == 0 and wanted else None,
+                    keys=wanted,
+                )  # fmt: skip
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
     bar.close()
     return totals
+
+
+def _shared_prefix(graph: HeadGraph, reference: Mask, mask: Mask) -> set[str]:
+    """Keys of the input groups whose patched input in a run of ``mask`` equals the one in a run
+    of ``reference``: every group below the first residual position (``order``) at which an
+    input's edges differ. Everything such a group reads (its sources, their inputs, the
+    residual stream) is computed from groups below it, all with the same edges, so its input is
+    the same up to rounding (the order of the additions of the runs' merged rows). Groups at that
+    order are left out even where their own edges agree: the groups of one hook (a layer's
+    neurons and its remainder) must be all reused or none."""
+    changed = [
+        dst.order
+        for src, dst in graph.blocks()
+        if not torch.equal(reference[(src.key, dst.key)], mask[(src.key, dst.key)])
+    ]
+    first = min(changed, default=math.inf)
+    return {dst.key for dst in graph.inputs if dst.labels and dst.order < first}
 
 
 def _circuit_run(
@@ -230,9 +317,17 @@ def _circuit_run(
     block_bytes: int,
     plan: CircuitPlan | None = None,
     where: dict[str, torch.Tensor] | None = None,
+    *,
+    reuse: dict[str, torch.Tensor] | None = None,
+    keep: dict[str, torch.Tensor] | None = None,
+    keys: Collection[str] = (),
 ):
     """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
-    by position: each class's hook changes its own positions only)."""
+    by position: each class's hook changes its own positions only).
+
+    ``reuse``: input group key -> the output its hook gives (an earlier run's, where this run's
+    input is the same: :func:`_shared_prefix`), returned instead of rebuilding the input.
+    ``keep``: a dict that receives the outputs of the hooks of the groups in ``keys``."""
     current: dict[str, torch.Tensor] = {}
     # each merged source row's change once per run, inputs shared by readers with equal edges
     run = PlanRun(model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes)
@@ -316,13 +411,24 @@ def _circuit_run(
 
         return patch
 
+    def reused(key: str, patch):
+        def hook(act, hook):
+            if reuse and key in reuse:
+                return reuse[key]
+            out = patch(act, hook)
+            if keep is not None and key in keys:
+                keep[key] = out
+            return out
+
+        return hook
+
     hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
         (name, record) for name in source_hook_names(model, graph)
     ]
     for dst in graph.inputs:
         patch = patch_for(dst)
         if patch is not None:
-            hooks.append(patch)
+            hooks.append((patch[0], reused(dst.key, patch[1])))
     return model.run_with_hooks(tokens, fwd_hooks=hooks)
 
 
@@ -359,6 +465,7 @@ def circuit_gate_value_split(
     batch_size: int | None = None,
     progress: bool = True,
     positions: PositionClasses | None = None,
+    corrupted_runs: CorruptedRuns | None = None,
 ) -> pd.DataFrame:
     """For each neuron of the circuit: the effect of its gate edges alone, value edges alone, both.
 
@@ -388,6 +495,7 @@ def circuit_gate_value_split(
         Others: As in :func:`~tl_attnonly.analysis.circuit_metric` (``nodes``: the mask's
             restricted graph; ``positions``: its position classes, whose gate (value) edges at
             every position count as the neuron's gate (value)).
+        corrupted_runs: A :class:`CorruptedRuns` shared with other calls (:func:`circuit_metrics`).
 
     Returns:
         DataFrame with columns ``node, gate, value, both, interaction, n_gate_edges,
@@ -424,6 +532,7 @@ def circuit_gate_value_split(
     values = circuit_metrics(
         model, masks, clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
         nodes=nodes, batch_size=batch_size, progress=progress, positions=positions,
+        corrupted_runs=corrupted_runs,
     )  # fmt: skip
     m_full = values[0]
     rows = []
@@ -532,6 +641,7 @@ def path_gate_value_split(
 
 __all__ = [
     "Circuit",
+    "CorruptedRuns",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",

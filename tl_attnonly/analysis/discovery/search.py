@@ -80,6 +80,7 @@ from tl_attnonly.analysis.discovery.pruning import prune_ranked
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
+    CorruptedRuns,
     circuit_gate_value_split,
     circuit_metrics,
     faithfulness,
@@ -341,6 +342,7 @@ def discover_circuit(
         check_additive(model, clean_tokens, metric, batches)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
+    corrupted_runs = CorruptedRuns()  # each batch's corrupted run once for every exact run
     extra: dict = {}
     nodes: list[str] | None
     if opts.graph == "coarse":
@@ -378,14 +380,22 @@ def discover_circuit(
     notes: list[str] = []
     if opts.top_n is None and opts.threshold is None:
         mask, m_circ, curve, ceiling, notes = sweep_to_target(
-            model, scores, clean_tokens, corrupted_tokens, metric, nodes, opts, positions
+            model,
+            scores,
+            clean_tokens,
+            corrupted_tokens,
+            metric,
+            nodes,
+            opts,
+            positions,
+            corrupted_runs,
         )
     else:
         mask = prune_ranked(scores, opts.ranking, top_n=opts.top_n, threshold=opts.threshold)
         m_full, m_circ = circuit_metrics(
             model, [scores.graph.full_mask(), mask], clean_tokens, corrupted_tokens, metric,
             neuron_level=opts.neuron_level, nodes=nodes, batch_size=opts.batch_size,
-            positions=positions,
+            positions=positions, corrupted_runs=corrupted_runs,
         )  # fmt: skip
         ceiling = faithfulness(m_full, m_clean, m_corr)
         curve = pd.DataFrame(
@@ -416,7 +426,7 @@ def discover_circuit(
             model, scores, mask, m_circ, clean_tokens, corrupted_tokens, metric,
             target=opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
             neuron_level=opts.neuron_level, batch_size=opts.batch_size, positions=positions,
-            progress=opts.progress,
+            progress=opts.progress, corrupted_runs=corrupted_runs,
         )  # fmt: skip
         seconds["pruning"] = time.perf_counter() - t
     found = faithfulness(m_circ, m_clean, m_corr)
@@ -442,7 +452,14 @@ def discover_circuit(
     if opts.graph == "coarse" and opts.neurons_per_mlp != 0:
         t = time.perf_counter()
         circuit, fine_nodes = _name_neurons(
-            model, circuit, clean_tokens, corrupted_tokens, metric, opts, positions
+            model,
+            circuit,
+            clean_tokens,
+            corrupted_tokens,
+            metric,
+            opts,
+            positions,
+            corrupted_runs,
         )
         seconds["neurons"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -473,7 +490,7 @@ def discover_circuit(
             model, circuit.mask, clean_tokens, corrupted_tokens, metric,
             neurons=list(ranked.index[: opts.max_gate_value_neurons]),
             neuron_level=opts.neuron_level, nodes=fine_nodes, batch_size=opts.batch_size,
-            progress=opts.progress, positions=positions,
+            progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
         )  # fmt: skip
         seconds["gate/value"] = time.perf_counter() - t
     for note in circuit.warnings:
@@ -497,6 +514,7 @@ def _name_neurons(
     metric,
     opts: DiscoveryOptions,
     positions: PositionClasses | None = None,
+    corrupted_runs: CorruptedRuns | None = None,
 ):
     """Step 3 and 4 of the module docstring: the circuit on the graph with named neurons."""
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
@@ -520,7 +538,7 @@ def _name_neurons(
     if auto:
         named, cut, table = resolve_neurons(
             model, coarse, expand_mask, named, clean, corrupted, metric, opts,
-            coarse_nodes(model), positions,
+            coarse_nodes(model), positions, corrupted_runs,
         )  # fmt: skip
         stage = {"neuron_stage": table}
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
@@ -541,7 +559,7 @@ def _name_neurons(
     masks.append(_without_sources(mask, {f"mlp.{li}" for li in layers}))
     values = circuit_metrics(
         model, masks, clean, corrupted, metric, nodes=fine_nodes, batch_size=opts.batch_size,
-        progress=opts.progress, positions=positions,
+        progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
     )  # fmt: skip
     m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
     denom = m_clean - m_corr

@@ -17,7 +17,7 @@ from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
-from tl_attnonly.analysis.discovery.runs import circuit_metrics, faithfulness
+from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics, faithfulness
 from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def sweep_to_target(
     nodes,
     opts: DiscoveryOptions,
     positions: PositionClasses | None = None,
+    corrupted_runs: CorruptedRuns | None = None,
 ):
     """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring).
 
@@ -77,7 +78,7 @@ def sweep_to_target(
         ]
         values = circuit_metrics(
             model, masks, clean, corrupted, metric, nodes=nodes, batch_size=opts.batch_size,
-            progress=opts.progress, positions=positions,
+            progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
         )  # fmt: skip
         runs += len(sizes)
         for n, mask, value in zip(sizes, masks, values, strict=True):

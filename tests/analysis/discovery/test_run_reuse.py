@@ -1,0 +1,209 @@
+"""Exact runs of several circuits in one call reuse the first run's inputs below the first change.
+
+``circuit_metrics`` takes the hook outputs of the input groups below the first residual position
+at which a circuit's edges differ from the first circuit's from the first run
+(``runs._shared_prefix``) instead of rebuilding them. The metrics must be those of one run per
+call (no reuse) and of the edge-by-edge definition (fp64), on both model kinds, and fewer inputs
+must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import GATED_ZOO, make_tokens
+from kinds import make_pair
+from kinds import make_tokens as make_kind_tokens
+from models import make_converted
+from test_circuit_runs_reference import _random_mask, _reference
+
+from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
+from tl_attnonly.analysis.discovery import runs
+from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
+
+CLEAN, CORRUPTED = make_tokens(3, 7, seed=0), make_tokens(3, 7, seed=1)
+METRIC = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+
+
+def _layer_variants(model, nodes: list[str]) -> tuple[HeadGraph, list]:
+    """A random coarse circuit expanded onto ``nodes``, then the same without the outgoing
+    edges of each layer's named neurons, remainder, or both (the neuron stage's runs)."""
+    coarse = HeadGraph(model, nodes=coarse_nodes(model))
+    graph = HeadGraph(model, nodes=nodes)
+    base = expand_mask(coarse, _random_mask(coarse, 0.6, seed=3), graph)
+    masks = [base]
+    for layer in range(model.cfg.n_layers):
+        for keys in ({f"neuron.{layer}"}, {f"mlp.{layer}"}, {f"neuron.{layer}", f"mlp.{layer}"}):
+            masks.append({k: m & (k[0] not in keys) for k, m in base.items()})
+    return graph, masks
+
+
+def _one_call_each(model, masks, nodes, clean, corrupted, metric) -> list[float]:
+    return [
+        circuit_metrics(model, [m], clean, corrupted, metric, nodes=nodes, batch_size=2)[0]
+        for m in masks
+    ]
+
+
+def _count_recomputes(monkeypatch) -> list[int]:
+    calls = [0]
+    recompute = runs._recompute
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return recompute(*args, **kwargs)
+
+    monkeypatch.setattr(runs, "_recompute", counted)
+    return calls
+
+
+def test_shared_prefix_is_every_group_below_the_first_change():
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
+    graph, masks = _layer_variants(model, nodes)
+    last = masks[-1]  # the last layer's named neurons and remainder cut: only the logits change
+    order = max(d.order for d in graph.inputs if d.key.startswith("neuron.1"))
+    shared = runs._shared_prefix(graph, masks[0], last)
+    assert shared == {d.key for d in graph.inputs if d.labels and d.order <= order}
+    assert runs._shared_prefix(graph, masks[0], masks[0]) == {
+        d.key for d in graph.inputs if d.labels
+    }
+    first_layer = runs._shared_prefix(graph, masks[0], masks[1])  # L0's named neurons cut
+    assert all(not key.startswith(("attn.1", "neuron.1", "mlp.1")) for key in first_layer)
+
+
+@pytest.mark.parametrize("act_fn, overrides", [("silu", GATED_ZOO["llama"]), ("gelu", {})])
+def test_runs_in_one_call_equal_runs_one_by_one_and_the_definition(act_fn, overrides, monkeypatch):
+    model = make_converted(act_fn, **overrides)
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0", "L1N9"]
+    graph, masks = _layer_variants(model, nodes)
+    calls = _count_recomputes(monkeypatch)
+    together = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
+    rebuilt_together, calls[0] = calls[0], 0
+    apart = _one_call_each(model, masks, nodes, CLEAN, CORRUPTED, METRIC)
+    assert calls[0] > rebuilt_together  # the shared inputs were not rebuilt
+    for value, alone, mask in zip(together, apart, masks, strict=True):
+        assert value == pytest.approx(alone, rel=1e-10, abs=1e-12)
+        assert value == pytest.approx(_reference(model, graph, mask), rel=1e-10, abs=1e-12)
+
+
+def test_both_kinds_give_the_same_runs_in_one_call():
+    hooked, bridge = make_pair("llama_gqa")
+    clean, corrupted = make_kind_tokens(2, 6, seed=0), make_kind_tokens(2, 6, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2]), torch.tensor([5, 6]))
+    values = []
+    for model in (m for m in (hooked, bridge) if m is not None):
+        nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
+        _, masks = _layer_variants(model, nodes)
+        together = circuit_metrics(model, masks, clean, corrupted, metric, nodes=nodes)
+        apart = _one_call_each(model, masks, nodes, clean, corrupted, metric)
+        assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
+        values.append(together)
+    if len(values) == 2:  # the kinds themselves agree to ~1e-7 (their norms' arithmetic)
+        assert values[0] == pytest.approx(values[1], rel=1e-5, abs=1e-8)
+
+
+def _count_corrupted_runs(monkeypatch, model) -> list[int]:
+    from tl_attnonly.adapt import analysis_model
+
+    calls = [0]
+    kind = type(analysis_model(model))
+    run_with_cache = kind.run_with_cache
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return run_with_cache(self, *args, **kwargs)
+
+    monkeypatch.setattr(kind, "run_with_cache", counted)
+    return calls
+
+
+def test_corrupted_runs_are_made_once_per_batch_across_calls(monkeypatch):
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5"]
+    _, masks = _layer_variants(model, nodes)
+    alone = _one_call_each(model, masks[:3], nodes, CLEAN, CORRUPTED, METRIC)
+    calls = _count_corrupted_runs(monkeypatch, model)
+    store = runs.CorruptedRuns()
+    shared = [
+        circuit_metrics(
+            model, [m], CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2,
+            corrupted_runs=store,
+        )[0]
+        for m in masks[:3]
+    ]  # fmt: skip
+    assert calls[0] == 2  # two batches, one corrupted run each, for three calls
+    assert shared == alone  # the same activations: the same values, bit for bit
+    with pytest.raises(ValueError, match="one per model and token pair"):
+        circuit_metrics(
+            model, masks[:1], CLEAN, CORRUPTED.clone(), METRIC, nodes=nodes, corrupted_runs=store
+        )
+
+
+def test_discover_circuit_is_the_same_with_corrupted_runs_kept_or_not(monkeypatch):
+    from tl_attnonly.analysis import discover_circuit
+    from tl_attnonly.analysis.discovery import search
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+
+    def found():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the circuit's notes are not the subject
+            return discover_circuit(model, clean, corrupted, metric, batch_size=2, progress=False)
+
+    kept = found()
+    calls = _count_corrupted_runs(monkeypatch, model)
+    monkeypatch.setattr(search, "CorruptedRuns", lambda: runs.CorruptedRuns(budget=0))
+    again = found()
+    assert calls[0] > 2  # without keeping, each exact-run call made its own corrupted runs
+    assert kept.mask.keys() == again.mask.keys()
+    assert all(torch.equal(kept.mask[k], again.mask[k]) for k in kept.mask)
+    assert kept.faithfulness == again.faithfulness
+    assert kept.gate_value.equals(again.gate_value)
+    assert kept.mlp_split.equals(again.mlp_split)
+
+
+def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch):
+    """``neurons_per_mlp="auto"`` runs its candidates a few per call; the choice (named
+    neurons, remainders, faithfulness) is the one of one run per call."""
+    from tl_attnonly.analysis import discover_circuit
+    from tl_attnonly.analysis.discovery import neuron_stage
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+    calls = [0]
+
+    def counted(model, masks, *args, **kwargs):
+        calls[0] += 1
+        return circuit_metrics(model, masks, *args, **kwargs)
+
+    def one_per_call(model, masks, *args, **kwargs):
+        return [counted(model, [m], *args, **kwargs)[0] for m in masks]
+
+    def found(runner, max_neurons_per_mlp: int):
+        calls[0] = 0
+        monkeypatch.setattr(neuron_stage, "circuit_metrics", runner)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the circuit's notes are not the subject
+            return discover_circuit(
+                model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
+                max_neurons_per_mlp=max_neurons_per_mlp, progress=False,
+            ), calls[0]  # fmt: skip
+
+    columns = ["node", "named", "remainder", "remainder_share", "faithfulness"]
+    for cap in (4, 64):  # the remainder kept (4 do not hold the target), 7 named
+        batched, n_batched = found(counted, cap)
+        alone, n_alone = found(one_per_call, cap)
+        assert batched.extra["named"] == alone.extra["named"]
+        assert batched.faithfulness == pytest.approx(alone.faithfulness, rel=1e-10)
+        got, want = batched.extra["neuron_stage"], alone.extra["neuron_stage"]
+        assert got[columns[:3]].equals(want[columns[:3]])
+        for column in columns[3:]:
+            assert got[column].to_numpy() == pytest.approx(want[column].to_numpy(), abs=1e-10)
+        assert n_alone == int(got.runs.sum())  # every run counted in the table
+        assert n_batched < n_alone  # fewer calls (corrupted runs), the same choice
