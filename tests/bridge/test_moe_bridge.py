@@ -20,7 +20,7 @@ from zoo import REFUSALS, ZOO, build_bridge, build_hf_model, convert_zoo_bridge,
 
 from tl_attnonly.bridge import neuron_head_layers, unconvert_bridge
 from tl_attnonly.bridge.experts import EXPERT_HOOKS, BridgeNeuronHeadExperts
-from tl_attnonly.components.clamped_gating import ClampActiveWarning
+from tl_attnonly.components import ClampActiveWarning
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "deepseek_v3"]
 #: The MoE blocks' shared experts (bridge MLPs inside the block), by their name there.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 #: Public name -> the module that defines it.
 _LAZY = {
+    "ClampActiveWarning": "tl_attnonly.components.clamped_gating",
     "NEURON_HEAD_CLASSES": "tl_attnonly.components.factory",
     "NeuronHeadLayer": "tl_attnonly.components.factory",
     "neuron_heads_for": "tl_attnonly.components.factory",
@@ -25,6 +26,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from tl_attnonly.components.clamped_gating import ClampActiveWarning
     from tl_attnonly.components.factory import (
         NEURON_HEAD_CLASSES,
         NeuronHeadLayer,
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS, NeuronHeadMLP
 
 __all__ = [
+    "ClampActiveWarning",
     "NEURON_HEAD_CLASSES",
     "NEURON_HEAD_HOOKS",
     "GatedNeuronHeadExpert",
