@@ -74,6 +74,7 @@ def test_malformed_json_names_the_file_and_the_line(saved):
         (lambda d: d["coefficients"].update(custom="yes"), "coefficients.'custom' must be true"),
         (lambda d: d.update(format_version=3), "format_version 3 is not one"),
         (lambda d: d["checksums"].update(algorithm="md5"), "checksums.'algorithm' must be"),
+        (lambda d: d["options"].update(clamp="ignore"), "key options.'clamp' must be one of"),
     ],
 )
 def test_the_conversion_record_is_checked_against_its_schema(saved, change, expected):
@@ -170,6 +171,23 @@ def test_edited_custom_coefficients_with_their_error_fail_the_checksum(tmp_path)
     _edit(path, change)
     with pytest.raises(SavedModelError, match="conversion.json was changed after save_pretrained"):
         AttnOnlyTransformer.load(tmp_path / "m")
+
+
+def test_a_save_from_before_the_clamp_option_loads(saved, tokens):
+    """Saves written before ``ConversionOptions.clamp`` existed (format 2, checksummed, no
+    ``options.clamp``) still load, with the option's default."""
+    from tl_attnonly.conversion_record import checksums
+
+    model, directory = saved
+    path = directory / "conversion.json"
+    record = json.loads(path.read_text())
+    del record["options"]["clamp"]
+    config = json.loads((directory / "config.json").read_text())
+    record["checksums"] = checksums(config, directory / "model.safetensors", record)
+    path.write_text(json.dumps(record, indent=2))
+    loaded = AttnOnlyTransformer.load(directory)
+    assert loaded.conversion.clamp == "refuse"
+    assert torch.equal(loaded(tokens), model(tokens))
 
 
 def _as_previous_version(directory):

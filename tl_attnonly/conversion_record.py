@@ -86,7 +86,11 @@ _OPTIONS_SCHEMA: dict[str, tuple[str, Any]] = {
     "gelu_method": ("a string", lambda v: isinstance(v, str)),
     "fused": ("true or false", lambda v: isinstance(v, bool)),
     "compiled": ("true or false", lambda v: isinstance(v, bool)),
+    "clamp": ("one of 'refuse', 'check'", lambda v: v in ("refuse", "check")),
 }
+#: Option keys a record may lack: added after format 2 was fixed (an older save has none; the
+#: option's default applies when it loads).
+_OPTIONAL_OPTIONS = frozenset({"clamp"})
 _NUMBER_LIST = ("a non-empty list of numbers", lambda v: isinstance(v, list) and v and all(
     _is_number(x) for x in v
 ))
@@ -120,7 +124,11 @@ _RECORD_SCHEMA_V2 = {
 
 
 def _check_keys(
-    data: dict[str, Any], schema: dict[str, tuple[str, Any]], path: Path, prefix: str
+    data: dict[str, Any],
+    schema: dict[str, tuple[str, Any]],
+    path: Path,
+    prefix: str,
+    optional: frozenset[str] = frozenset(),
 ) -> None:
     fix = "Restore the file from the original save, or save the model again with save_pretrained()."
     unknown = sorted(set(data) - set(schema))
@@ -131,11 +139,11 @@ def _check_keys(
             f"{path}: unknown key {prefix}{unknown[0]!r}{hint}; the keys are "
             f"{', '.join(prefix + k for k in schema)}. {fix}"
         )
-    missing = [k for k in schema if k not in data]
+    missing = [k for k in schema if k not in data and k not in optional]
     if missing:
         raise SavedModelError(f"{path}: missing key {prefix}{missing[0]!r}. {fix}")
     for key, (description, ok) in schema.items():
-        if not ok(data[key]):
+        if key in data and not ok(data[key]):
             raise SavedModelError(
                 f"{path}: key {prefix}{key!r} must be {description}, got "
                 f"{_type_name(data[key])} {json.dumps(data[key])[:60]}. {fix}"
@@ -176,7 +184,7 @@ def validate_record(record: Any, path: Path) -> int:
             "checksums.",
         )
         coefficients_schema = _COEFFICIENTS_SCHEMA_V2
-    _check_keys(record["options"], _OPTIONS_SCHEMA, path, "options.")
+    _check_keys(record["options"], _OPTIONS_SCHEMA, path, "options.", _OPTIONAL_OPTIONS)
     if record["coefficients"] is not None:
         _check_keys(record["coefficients"], coefficients_schema, path, "coefficients.")
         lengths = {len(record["coefficients"][k]) for k in "bdfeg"}
