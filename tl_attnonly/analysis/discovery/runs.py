@@ -260,18 +260,14 @@ def circuit_metrics(
     shared: list[set[str]] = [set()] + [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
     wanted = set().union(*shared)
     names = _corrupted_names(model, graph)
+    if corrupted_runs is None:  # nothing kept: each batch's corrupted run for this call only
+        corrupted_runs = CorruptedRuns(budget=0)
     batches = batch_indices(clean_tokens.shape[0], batch_size)
     check_additive(model, clean_tokens, metric, batches)
     bar = tqdm(total=len(batches) * len(masks), desc="circuit runs", disable=not progress)
     for idx in batches:
         with torch.no_grad():
-            if corrupted_runs is not None:
-                corr = corrupted_runs.activations(model, corrupted_tokens, idx, names)
-            else:
-                _, corr_cache = model.run_with_cache(
-                    corrupted_tokens[idx], names_filter=lambda n: n in names
-                )
-                corr = dict(corr_cache.cache_dict)
+            corr = corrupted_runs.activations(model, corrupted_tokens, idx, names)
             where = (
                 None
                 if positions is None
