@@ -141,6 +141,15 @@ class PlanRun:
             change = source_values(self.current, src, self.graph) - source_values(
                 self.corr, src, self.graph
             )
+            merged, which = torch.unique(ids, return_inverse=True)
+            if len(merged) < len(rows):
+                # several sources per merged row (named neurons beside their remainder): one
+                # contraction over them per merged row instead of a [b, p, d] term per source
+                for j, target in enumerate(merged.tolist()):
+                    r = rows[which == j].to(change.device)
+                    DU = torch.einsum("bpur,urd->bpd", change[:, :, r], U[r.to(U.device)])
+                    self.changes[start_row + target] += DU.flatten()
+                continue
             per = max(1, b * p * d * change.element_size() * 2)
             step = max(1, self.block_bytes // per)
             for start in range(0, len(rows), step):
@@ -153,6 +162,15 @@ class PlanRun:
     def inputs(self, dst: InputGroup, site: str, readers: torch.Tensor) -> torch.Tensor:
         """``[batch, pos, len(readers), d_model]``: the corrupted input at ``site`` plus each
         reader's circuit sum; readers with the same edges share one computation."""
+        distinct, which = self.distinct_inputs(dst, site, readers)
+        return distinct[:, :, which.to(distinct.device)]
+
+    def distinct_inputs(
+        self, dst: InputGroup, site: str, readers: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The readers' distinct inputs ``[batch, pos, n_distinct, d_model]`` and, per reader,
+        the index of its own ``[len(readers)]`` (readers with the same edges share one input, so
+        a caller can normalise and project each distinct input once)."""
         corr = self.corr[site]
         b, p, d = corr.shape
         if site != self.site:  # inputs are shared within one residual site only
@@ -186,7 +204,7 @@ class PlanRun:
                     self.kept_bytes += size
         parts = [fresh[i] if i in fresh else self.built[keys[i]] for i in range(len(keys))]
         stacked = torch.stack(parts, 2)  # [b, p, n_unique, d]
-        return corr.unsqueeze(2) + stacked[:, :, which.to(stacked.device)]
+        return corr.unsqueeze(2) + stacked, which
 
 
 __all__ = ["CircuitPlan", "PlanRun"]

@@ -79,8 +79,11 @@ def _recompute(
     graph: HeadGraph,
     x: torch.Tensor,
     nodes: torch.Tensor,
+    which: torch.Tensor | None = None,
 ):
-    """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``.
+    """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``
+    (or, with ``which [m]``, from the distinct inputs ``x [b, p, n_distinct, d]``, reader ``i``
+    reading ``x[:, :, which[i]]``: each distinct input is normalised once).
 
     Returns ``[b, p, m, d_head]`` (attention), the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
     together with the head indices ``m'`` they go to, or, for gated MLPs, the gates ``g`` or
@@ -89,17 +92,19 @@ def _recompute(
     module, _ = input_site(model, dst)
     normalised = module(x) if module is not None else x
     if dst.kind == "attn":
+        if which is not None:
+            normalised = normalised[:, :, which.to(normalised.device)]
         W, b = qkv_weights(model.blocks[dst.layer].attn, dst.input)
         out = torch.einsum("bpmd,mde->bpme", normalised, W[nodes]) + b[nodes]
         return out, nodes
     if graph.gated:  # TL's GatedMLP: g = x W_gate, u = x W_in, no biases before the product
         W = neuron_read_matrix(model, dst, graph)[:, nodes]
-        return _project(normalised, W), nodes
+        return _project(normalised, W, which), nodes
     mlp = model.blocks[dst.layer].mlp
     K = graph.n_heads_per_neuron
     neurons = nodes if graph.neuron_level else nodes // K
     W_in = mlp.W_in[:, neurons]  # [d, m]
-    pre = _project(normalised, W_in) + mlp.b_in[neurons]
+    pre = _project(normalised, W_in, which) + mlp.b_in[neurons]
     scale = neuron_head_coef(mlp, pre, 0 if dst.input == "gate" else 2)
     shift = neuron_head_coef(mlp, pre, 1 if dst.input == "gate" else 3)
     if graph.neuron_level:
@@ -112,9 +117,19 @@ def _recompute(
     return out.unsqueeze(-1), heads
 
 
-def _project(normalised: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+def _project(
+    normalised: torch.Tensor, W: torch.Tensor, which: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[b, p, m]``: each of ``m`` readers' normalised input ``[b, p, m, d]`` times its column of
-    ``W [d, m]``; one input ``[b, p, 1, d]`` (an MLP remainder) is read by every column."""
+    ``W [d, m]``; one input ``[b, p, 1, d]`` (an MLP remainder) is read by every column. With
+    ``which [m]``: the inputs are the distinct ones, reader ``i`` reads ``which[i]``."""
+    if which is not None:
+        which = which.to(W.device)
+        out = normalised.new_empty(normalised.shape[:2] + (W.shape[1],))
+        for u in range(normalised.shape[2]):
+            cols = (which == u).nonzero().flatten()
+            out[:, :, cols] = normalised[:, :, u] @ W[:, cols]
+        return out
     if normalised.shape[2] != W.shape[1]:
         return normalised[:, :, 0] @ W
     return torch.einsum("bpmd,dm->bpm", normalised, W)
@@ -398,10 +413,14 @@ def _circuit_run(
             step = max(1, block_bytes // per)
             for start in range(0, len(mixed), step):
                 chunk = mixed[start : start + step].to(act.device)
-                x = run.inputs(dst, site_name, chunk.cpu())
-                # the readers' indices in the model (an MLP remainder: all its neurons)
-                full = index.to(act.device) if dst.kind == MLP_REST else index.to(act.device)[chunk]
-                new, heads = _recompute(model, dst, graph, x.to(act.dtype), full)
+                x, which = run.distinct_inputs(dst, site_name, chunk.cpu())
+                # the readers' indices in the model (an MLP remainder: all its neurons, one
+                # reader column, whose input is the distinct one)
+                rest = dst.kind == MLP_REST
+                full = index.to(act.device) if rest else index.to(act.device)[chunk]
+                new, heads = _recompute(
+                    model, dst, graph, x.to(act.dtype), full, None if rest else which
+                )
                 act[:, :, heads] = new.to(act.dtype)
             return act
 
