@@ -1,9 +1,10 @@
-"""``neurons_per_mlp="auto"``: per MLP node as few named neurons as hold the target, by exact runs.
+"""``neurons_per_mlp="auto"``: as few named neurons per MLP node as hold the target, by exact runs.
 
 Every figure of the stage is checked against independent exact circuit runs (fp64 models) on a
 graph built here from the named neurons: the returned circuit is the coarse circuit with each
 resolved layer's remainder cut, it reaches the goal, one neuron fewer does not, and a kept
-remainder's share is the difference of the two runs with and without it.
+remainder's share is the difference of the two runs with and without it. Both searches:
+``neuron_search="joint"`` (default; all layers together) and ``"layers"`` (one at a time).
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def _ranking(model, layer: int) -> list[str]:
     return list(layer_scores.abs().sort_values(ascending=False, kind="stable").index)
 
 
-def test_auto_names_the_fewest_neurons_that_hold_the_target_exactly():
+def test_layers_search_names_the_fewest_neurons_that_hold_the_target_exactly():
     model = make_converted("silu", **GATED_ZOO["llama"])
-    circuit = _discover(model, neurons_per_mlp="auto")
+    circuit = _discover(model, neurons_per_mlp="auto", neuron_search="layers")
     coarse = circuit.extra["coarse"]
     stage = circuit.extra["neuron_stage"]
     named = circuit.extra["named"]
@@ -88,12 +89,14 @@ def test_auto_names_the_fewest_neurons_that_hold_the_target_exactly():
     assert 'neurons_per_mlp="auto"' in text and "remainder_share" in text
 
 
-def test_auto_keeps_a_needed_remainder_and_states_its_share():
+def test_layers_search_keeps_a_needed_remainder_and_states_its_share():
     model = make_converted("silu", **GATED_ZOO["llama"])
-    free = _discover(model, neurons_per_mlp="auto")
+    free = _discover(model, neurons_per_mlp="auto", neuron_search="layers")
     needed = int(free.extra["neuron_stage"].named.max())
     assert needed > 1, "the case needs a layer that one neuron cannot carry"
-    circuit = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=needed - 1)
+    circuit = _discover(
+        model, neurons_per_mlp="auto", neuron_search="layers", max_neurons_per_mlp=needed - 1
+    )
     coarse = circuit.extra["coarse"]
     stage = circuit.extra["neuron_stage"]
     assert stage.remainder.any()
@@ -124,3 +127,87 @@ def test_auto_options_are_checked_and_the_default_is_unchanged():
         DiscoveryOptions(neurons_per_mlp="many")
     with pytest.raises(ValueError, match="max_neurons_per_mlp"):
         DiscoveryOptions(neurons_per_mlp="auto", max_neurons_per_mlp=0)
+    assert DiscoveryOptions().neuron_search == "joint"
+    with pytest.raises(ValueError, match="neuron_search must be one of"):
+        DiscoveryOptions(neurons_per_mlp="auto", neuron_search="greedy")
+
+
+def _scores(model):
+    from tl_attnonly.analysis import top_nodes
+
+    return top_nodes(model, CLEAN, CORRUPTED, METRIC, 1, progress=False)[1]
+
+
+def _check_joint(model, circuit, cap: int) -> None:
+    """Every figure of the joint search against runs made here (module docstring)."""
+    coarse = circuit.extra["coarse"]
+    stage = circuit.extra["neuron_stage"].set_index("node")
+    named = circuit.extra["named"]
+    goal = min(0.8, coarse.faithfulness)
+    layers = sorted(named)
+    candidates = {li: _ranking(model, li)[:cap] for li in layers}
+    cut = {li for li in layers if not stage.loc[f"L{li}MLP", "remainder"]}
+    # the returned circuit: the named neurons, the cut layers' remainders without edges
+    final = _resolved_faithfulness(model, coarse, named, cut)
+    assert circuit.faithfulness == pytest.approx(final, rel=1e-10) and final >= goal
+    for li in layers:
+        row = stage.loc[f"L{li}MLP"]
+        assert row.named == len(named[li])
+        # 1. each remainder cut alone, its candidates named
+        alone = _resolved_faithfulness(model, coarse, {li: candidates[li]}, {li})
+        assert row.share_alone == pytest.approx(coarse.faithfulness - alone, rel=1e-9, abs=1e-12)
+        if li in cut:
+            assert row.remainder_share == 0.0
+            assert set(named[li]) <= set(candidates[li])
+        else:  # 4. a kept remainder: its candidates named, its share in the returned circuit
+            assert named[li] == candidates[li]
+            without = _resolved_faithfulness(model, coarse, named, cut | {li})
+            assert row.remainder_share == pytest.approx(final - without, rel=1e-9, abs=1e-12)
+    # 2. the remainders kept are those of the largest shares alone
+    if cut and len(cut) < len(layers):
+        assert max(stage.loc[f"L{li}MLP", "share_alone"] for li in cut) <= min(
+            stage.loc[f"L{li}MLP", "share_alone"] for li in set(layers) - cut
+        )
+    # 3. the named neurons of the cut layers: the top N by |score| across them; N - 1 fails
+    scores = _scores(model)
+    pool = sorted(
+        (n for li in sorted(cut) for n in candidates[li]), key=lambda n: -abs(float(scores[n]))
+    )
+    n_named = sum(len(named[li]) for li in cut)
+    assert {n for li in cut for n in named[li]} == set(pool[:n_named])
+    if n_named >= 1:
+        fewer = {**named, **{li: [n for n in named[li] if n in pool[: n_named - 1]] for li in cut}}
+        assert _resolved_faithfulness(model, coarse, fewer, cut) < goal
+
+
+#: A model whose coarse circuit has two MLP nodes (16 candidates: both cut; 5: one kept).
+TWO_MLPS = {**GATED_ZOO["qwen2"], "n_layers": 3}
+
+
+def test_joint_search_names_the_fewest_neurons_across_layers_exactly():
+    model = make_converted("silu", **TWO_MLPS)
+    circuit = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=16)
+    stage = circuit.extra["neuron_stage"]
+    assert len(stage) == 2
+    assert list(stage.columns) == ["node", "named", "remainder", "remainder_share", "share_alone"]
+    assert not stage.remainder.any()
+    assert circuit.extra["neuron_stage_runs"] >= len(stage)
+    _check_joint(model, circuit, 16)
+    # every remainder cut: the split has no remainder effect, named-only is the circuit
+    assert (circuit.mlp_split.rest_effect.abs() < 1e-12).all()
+    assert circuit.extra["faithfulness_named_only"] == pytest.approx(circuit.faithfulness)
+    text = circuit.report()
+    assert "share lost when cut alone" in text and "exact runs" in text
+
+
+def test_joint_search_keeps_the_remainders_it_needs_and_states_their_shares():
+    model = make_converted("silu", **TWO_MLPS)
+    circuit = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5)
+    stage = circuit.extra["neuron_stage"]
+    assert stage.remainder.any() and not stage.remainder.all(), "the case needs one of each"
+    _check_joint(model, circuit, 5)
+    # the named-only circuit cuts the kept remainder too: below the circuit by its share
+    kept = stage[stage.remainder]
+    assert circuit.extra["faithfulness_named_only"] == pytest.approx(
+        circuit.faithfulness - kept.remainder_share.sum(), rel=1e-9
+    )

@@ -167,13 +167,27 @@ def test_discover_circuit_is_the_same_with_corrupted_runs_kept_or_not(monkeypatc
     assert kept.mlp_split.equals(again.mlp_split)
 
 
-def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch):
+#: Per search: the model, the candidate caps (a remainder kept, none kept), the table's columns
+AUTO_CASES = {
+    "layers": (
+        GATED_ZOO["llama"], (4, 64), ["node", "named", "remainder", "remainder_share", "faithfulness"]
+    ),
+    "joint": (
+        {**GATED_ZOO["qwen2"], "n_layers": 3}, (5, 16),
+        ["node", "named", "remainder", "remainder_share", "share_alone"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("search", sorted(AUTO_CASES))
+def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch, search):
     """``neurons_per_mlp="auto"`` runs its candidates a few per call; the choice (named
     neurons, remainders, faithfulness) is the one of one run per call."""
     from tl_attnonly.analysis import discover_circuit
     from tl_attnonly.analysis.discovery import neuron_stage
 
-    model = make_converted("silu", **GATED_ZOO["llama"])
+    config, caps, columns = AUTO_CASES[search]
+    model = make_converted("silu", **config)
     clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
     metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
     calls = [0]
@@ -192,18 +206,19 @@ def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch)
             warnings.simplefilter("ignore")  # the circuit's notes are not the subject
             return discover_circuit(
                 model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
-                max_neurons_per_mlp=max_neurons_per_mlp, progress=False,
+                max_neurons_per_mlp=max_neurons_per_mlp, neuron_search=search, progress=False,
             ), calls[0]  # fmt: skip
 
-    columns = ["node", "named", "remainder", "remainder_share", "faithfulness"]
-    for cap in (4, 64):  # the remainder kept (4 do not hold the target), 7 named
+    for cap in caps:  # a remainder kept, then none
         batched, n_batched = found(counted, cap)
         alone, n_alone = found(one_per_call, cap)
         assert batched.extra["named"] == alone.extra["named"]
         assert batched.faithfulness == pytest.approx(alone.faithfulness, rel=1e-10)
         got, want = batched.extra["neuron_stage"], alone.extra["neuron_stage"]
+        assert list(got.columns[: len(columns)]) == columns
         assert got[columns[:3]].equals(want[columns[:3]])
         for column in columns[3:]:
             assert got[column].to_numpy() == pytest.approx(want[column].to_numpy(), abs=1e-10)
-        assert n_alone == int(got.runs.sum())  # every run counted in the table
+        assert n_alone == batched.extra["neuron_stage_runs"]  # every run counted
+        assert got.remainder.any() == (cap == caps[0])
         assert n_batched < n_alone  # fewer calls (corrupted runs), the same choice

@@ -173,10 +173,17 @@ class Circuit:
                 table(self.mlp_split),
             ]
         if "neuron_stage" in self.extra:
+            stage = self.extra["neuron_stage"]
+            what = (
+                "share lost when cut alone"
+                if "share_alone" in stage
+                else "faithfulness after each layer, exact runs"
+            )
+            runs = self.extra.get("neuron_stage_runs")
             lines += [
-                'neurons_per_mlp="auto": named per MLP node, remainder kept and its share, '
-                "faithfulness after each layer, exact runs",
-                table(self.extra["neuron_stage"]),
+                f'neurons_per_mlp="auto": named per MLP node, remainder kept and its share, {what}'
+                + ("" if runs is None else f" ({runs} exact runs)"),
+                table(stage),
             ]
         if self.gate_value is not None:
             lines += [

@@ -1,35 +1,52 @@
 """The adaptive neuron stage (``neurons_per_mlp="auto"``): as few named neurons per MLP node as
-keep the circuit's exact faithfulness at the target, no layer remainder where none is needed.
+keep the circuit's exact faithfulness at the goal, no layer remainder where none is needed.
 
 Inside each MLP node ``L{l}MLP`` of the coarse circuit, the layer's neurons are ranked by their
-node attribution ``|score|`` (:func:`~.search.top_nodes`, the ranking of the fixed stage). Layer by
-layer (lowest first), the circuit keeps the outgoing edges of the top ``k`` neurons only -- the
-rest of the layer (its remainder ``L{l}MLP`` and the lower-ranked neurons) loses its outgoing
-edges, so it reads the corrupted run -- and ``k`` is chosen by exact circuit runs
-(:func:`~.runs.circuit_metrics`): ``k = 1, 2, 4, ...`` until the faithfulness reaches the goal,
-then bisection between the last failing and the first passing ``k`` down to one neuron. Earlier
-layers stay resolved while a later one is searched, so every accepted run is the circuit as it
-then is and the returned circuit reaches the goal by construction (its faithfulness is its own
-exact run's). The goal is ``min(target, coarse faithfulness)``.
+node attribution ``|score|`` (:func:`~.search.top_nodes`, the ranking of the fixed stage) and the
+best ``max_neurons_per_mlp`` are the candidates. A layer's remainder is ``L{l}MLP`` (the neurons
+not named); *cutting* it removes its outgoing edges, and a named neuron left out loses its
+outgoing edges too, so both read the corrupted run. The goal is ``min(target, coarse
+faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_metrics`).
 
-Where even ``max_neurons_per_mlp`` neurons do not hold the goal without the rest of the layer,
-that many are named and the remainder is kept; its *share* is the faithfulness it carries there
-(the circuit with it minus the circuit without it). ``circuit.extra["neuron_stage"]`` has one row
-per MLP node: ``node``, ``named`` (count), ``remainder`` (whether kept), ``remainder_share``,
-``faithfulness`` (after that layer was resolved) and ``runs`` (exact runs made for it).
+``neuron_search="joint"`` (default) chooses all layers together, in three searches:
+
+1. **Shares.** For each MLP node, the circuit with that layer's remainder cut (its candidates
+   named), every other layer whole: ``share_alone`` is the faithfulness it loses (negative where
+   cutting helps). One call for all layers.
+2. **Which remainders go.** Layers ordered by ``share_alone``, smallest first: the fewest kept
+   remainders (the largest shares) such that the circuit with all the others cut reaches the
+   goal (doubling, then bisection).
+3. **How many neurons.** In the layers whose remainder is cut, their candidates in one order by
+   ``|score|`` across layers: the smallest count ``N`` whose top ``N`` named (the rest of those
+   layers cut) reach the goal (doubling, then bisection, down to one neuron). A layer may end
+   with no named neuron: it is not needed.
+
+Then each kept remainder's share is measured in the final circuit (with it minus without it).
+About ``L + 2 log2(L) + 2 log2(N)`` runs for ``L`` MLP nodes, against up to ``3 log2(cap)`` per
+layer layer by layer.
+
+``neuron_search="layers"`` resolves the layers one at a time (lowest first): the top ``k`` of the
+layer named with its remainder cut, ``k`` chosen by doubling then bisection, earlier layers as
+resolved; where even ``max_neurons_per_mlp`` do not hold the goal, that many are named and the
+remainder is kept. The goal's slack is spent by the first layers that cost anything.
+
+``circuit.extra["neuron_stage"]`` has one row per MLP node: ``node``, ``named`` (count),
+``remainder`` (whether kept), ``remainder_share`` (the faithfulness it carries in the returned
+circuit: with it minus without it; 0 where cut), then ``share_alone`` (joint) or
+``faithfulness`` (after that layer was resolved) and ``runs`` (layers).
 
 The runs are made a few at a time, in one :func:`~.runs.circuit_metrics` call each (one
-corrupted run, the circuit below the layer shared): the doubling runs ``k``, ``2k`` and ``4k``
-together, the bisection its middle and both halves' middles; they are read in the order of one
-at a time, so the choice is that of one run at a time and ``runs`` counts some that the choice
-did not need.
+corrupted run shared): the doubling runs ``k``, ``2k`` and ``4k`` together, the bisection its
+middle and both halves' middles; they are read in the order of one at a time, so the choice is
+that of one run at a time, and some runs are made that the choice did not need.
 
-The search is monotone only where the faithfulness is: the ``k`` found reaches the goal and
+Every search is monotone only where the faithfulness is: the ``k`` found reaches the goal and
 ``k - 1`` (when run) does not, but a smaller ``k`` below the last failing one might.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -48,7 +65,10 @@ if TYPE_CHECKING:
 #: Doubling sizes run in one call (``k``, ``2k``, ``4k``).
 LADDER = 3
 
+#: The per-layer table of ``neuron_search="layers"``.
 COLUMNS = ["node", "named", "remainder", "remainder_share", "faithfulness", "runs"]
+#: The per-layer table of ``neuron_search="joint"``.
+JOINT_COLUMNS = ["node", "named", "remainder", "remainder_share", "share_alone"]
 
 
 def _cut(mask: Mask, graph: HeadGraph, layer: int, keep: set[str]) -> Mask:
@@ -68,6 +88,103 @@ def _cut(mask: Mask, graph: HeadGraph, layer: int, keep: set[str]) -> Mask:
     return out
 
 
+def _cut_all(mask: Mask, graph: HeadGraph, keep: dict[int, set[str]]) -> Mask:
+    """``mask`` with every layer of ``keep`` cut but its named neurons in ``keep[layer]``."""
+    for layer, names in keep.items():
+        mask = _cut(mask, graph, layer, names)
+    return mask
+
+
+class _Stage:
+    """The graph with every candidate named, the coarse mask expanded to it, and exact runs."""
+
+    def __init__(self, model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
+                 positions, corrupted_runs):  # fmt: skip
+        self.model, self.coarse, self.opts = model, coarse, opts
+        self.clean, self.corrupted, self.metric = clean, corrupted, metric
+        self.positions, self.corrupted_runs = positions, corrupted_runs
+        self.fine_nodes = nodes + [n for li in sorted(ranked) for n in ranked[li]]
+        self.graph = HeadGraph(
+            model, nodes=self.fine_nodes, positions=None if positions is None else positions.names
+        )
+        self.mask = expand(coarse.graph, coarse.mask, self.graph)
+        self.goal = min(opts.target, coarse.faithfulness)
+        self.n_runs = 0
+
+    def faithfulness(self, masks: list[Mask]) -> list[float]:
+        """The exact faithfulness of each mask, in one call."""
+        values = circuit_metrics(
+            self.model, masks, self.clean, self.corrupted, self.metric, nodes=self.fine_nodes,
+            batch_size=self.opts.batch_size, positions=self.positions,
+            corrupted_runs=self.corrupted_runs,
+        )  # fmt: skip
+        self.n_runs += len(masks)
+        c = self.coarse
+        return [faithfulness(v, c.metric_clean, c.metric_corrupted) for v in values]
+
+    def sizes(self, build: Callable[[int], Mask]):
+        """``evaluate(ks)`` for :func:`_smallest`: the masks ``build(k)``, run in one call."""
+
+        def evaluate(ks: list[int]) -> dict[int, tuple[Mask, float]]:
+            masks = [build(k) for k in ks]
+            return dict(zip(ks, zip(masks, self.faithfulness(masks), strict=True), strict=True))
+
+        return evaluate
+
+
+def _smallest(
+    evaluate: Callable[[list[int]], dict[int, tuple[Mask, float]]],
+    first: int,
+    cap: int,
+    goal: float,
+) -> tuple[int | None, dict[int, tuple[Mask, float]]]:
+    """The smallest ``k`` in ``[first, cap]`` whose run reaches ``goal``: doubling from
+    ``first`` (``LADDER`` sizes per call), then bisection between the last failing and the first
+    passing size (two steps per call), down to one. ``evaluate(ks)`` runs the sizes ``ks`` in
+    one call and returns ``{k: (mask, faithfulness)}``.
+
+    Returns:
+        ``(k, tried)``: ``k`` (None where even ``cap`` fails) and every run made.
+    """
+    tried: dict[int, tuple[Mask, float]] = {}
+
+    def run(ks: list[int]) -> None:
+        ks = list(dict.fromkeys(k for k in ks if k not in tried))
+        if ks:
+            tried.update(evaluate(ks))
+
+    def grow(k: int) -> int:
+        return max(1, 2 * k)
+
+    lo, hi, k = first - 1, None, first
+    while hi is None:
+        k = min(k, cap)
+        if k not in tried:  # the next LADDER sizes of the doubling in one call
+            ladder = [k]
+            for _ in range(LADDER - 1):
+                ladder.append(min(grow(ladder[-1]), cap))
+            run(ladder)
+        if tried[k][1] >= goal:
+            hi = k
+        elif k == cap:
+            break
+        else:
+            lo, k = k, grow(k)
+    while hi is not None and hi - lo > 1:
+        # two bisection steps in one call: the middle, then either half's middle
+        mid = (lo + hi) // 2
+        run([m for m in (mid, (lo + mid) // 2, (mid + hi) // 2) if lo < m < hi])
+        for _ in range(2):
+            if hi - lo <= 1:
+                break
+            mid = (lo + hi) // 2
+            if tried[mid][1] >= goal:
+                hi = mid
+            else:
+                lo = mid
+    return hi, tried
+
+
 def resolve_neurons(
     model: AttnOnlyModel,
     coarse: Circuit,
@@ -81,7 +198,8 @@ def resolve_neurons(
     positions: PositionClasses | None = None,
     corrupted_runs: CorruptedRuns | None = None,
 ) -> tuple[dict[int, list[str]], set[int], pd.DataFrame]:
-    """Choose the named neurons of each MLP node (module docstring).
+    """Choose the named neurons of each MLP node one layer at a time (``neuron_search="layers"``,
+    module docstring).
 
     Args:
         coarse: The coarse circuit.
@@ -94,69 +212,107 @@ def resolve_neurons(
         ``(named, cut, table)``: per layer the named neurons, the layers whose remainder lost
         its outgoing edges, and the per-layer table.
     """
-    layers = sorted(ranked)
-    fine_nodes = nodes + [n for li in layers for n in ranked[li]]
-    graph = HeadGraph(
-        model, nodes=fine_nodes, positions=None if positions is None else positions.names
-    )
-    mask = expand(coarse.graph, coarse.mask, graph)
-    m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
-    goal = min(opts.target, coarse.faithfulness)
-    current = coarse.faithfulness
+    stage = _Stage(model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
+                   positions, corrupted_runs)  # fmt: skip
+    mask, current = stage.mask, coarse.faithfulness
     named: dict[int, list[str]] = {}
     cut: set[int] = set()
     rows = []
-    for li in layers:
+    for li in sorted(ranked):
         order = ranked[li]
-        tried: dict[int, tuple[Mask, float]] = {}
 
-        def run(ks: list[int], li=li, order=order, tried=tried, base=mask) -> None:
-            """Exact runs of the candidates ``ks`` not yet tried, in one call (one corrupted run;
-            the runs share the circuit below layer ``li``: :func:`~.runs.circuit_metrics`)."""
-            ks = list(dict.fromkeys(k for k in ks if k not in tried))
-            if not ks:
-                return
-            candidates = [_cut(base, graph, li, set(order[:k])) for k in ks]
-            values = circuit_metrics(
-                model, candidates, clean, corrupted, metric, nodes=fine_nodes,
-                batch_size=opts.batch_size, positions=positions, corrupted_runs=corrupted_runs,
-            )  # fmt: skip
-            for k, candidate, value in zip(ks, candidates, values, strict=True):
-                tried[k] = (candidate, faithfulness(value, m_clean, m_corr))
+        def build(k: int, base=mask, li=li, order=order) -> Mask:
+            return _cut(base, stage.graph, li, set(order[:k]))
 
-        cap, lo, hi, k = len(order), 0, None, 1
-        while hi is None:
-            k = min(k, cap)
-            if k not in tried:  # the next LADDER sizes of the doubling in one call
-                run([min(k << i, cap) for i in range(LADDER)])
-            if tried[k][1] >= goal:
-                hi = k
-            elif k == cap:
-                break
-            else:
-                lo, k = k, 2 * k
-        while hi is not None and hi - lo > 1:
-            # two bisection steps in one call: the middle, then either half's middle
-            mid = (lo + hi) // 2
-            run([m for m in (mid, (lo + mid) // 2, (mid + hi) // 2) if lo < m < hi])
-            for _ in range(2):
-                if hi - lo <= 1:
-                    break
-                mid = (lo + hi) // 2
-                if tried[mid][1] >= goal:
-                    hi = mid
-                else:
-                    lo = mid
-        if hi is None:  # the remainder is needed: name them all, keep it
+        k, tried = _smallest(stage.sizes(build), 1, len(order), stage.goal)
+        if k is None:  # the remainder is needed: name them all, keep it
             named[li] = list(order)
-            share = current - tried[cap][1]
-            rows.append((mlp_rest_label(li), cap, True, share, current, len(tried)))
+            share = current - tried[len(order)][1]
+            rows.append((mlp_rest_label(li), len(order), True, share, current, len(tried)))
             continue
-        mask, current = tried[hi]
-        named[li] = list(order[:hi])
+        mask, current = tried[k]
+        named[li] = list(order[:k])
         cut.add(li)
-        rows.append((mlp_rest_label(li), hi, False, 0.0, current, len(tried)))
+        rows.append((mlp_rest_label(li), k, False, 0.0, current, len(tried)))
     return named, cut, pd.DataFrame(rows, columns=COLUMNS)
 
 
-__all__ = ["resolve_neurons"]
+def resolve_neurons_jointly(
+    model: AttnOnlyModel,
+    coarse: Circuit,
+    expand,
+    ranked: dict[int, list[str]],
+    scores: pd.Series,
+    clean,
+    corrupted,
+    metric: DiscoveryMetric,
+    opts: DiscoveryOptions,
+    nodes: list[str],
+    positions: PositionClasses | None = None,
+    corrupted_runs: CorruptedRuns | None = None,
+) -> tuple[dict[int, list[str]], set[int], pd.DataFrame, int]:
+    """Choose the named neurons of all MLP nodes together (``neuron_search="joint"``, module
+    docstring).
+
+    Args:
+        ranked: Per layer, its candidates best first (at most ``max_neurons_per_mlp``).
+        scores: Every neuron's node attribution score (``L{l}N{i}`` -> score); the candidates of
+            the layers whose remainder is cut are ordered by ``|score|`` across layers.
+        (the others as in :func:`resolve_neurons`)
+
+    Returns:
+        ``(named, cut, table, runs)``: per layer the named neurons (none where a cut layer is
+        not needed), the layers whose remainder lost its outgoing edges, the per-layer table and
+        the number of exact runs made.
+    """
+    stage = _Stage(model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
+                   positions, corrupted_runs)  # fmt: skip
+    layers = sorted(ranked)
+    base, graph, goal = stage.mask, stage.graph, stage.goal
+    candidates = {li: set(ranked[li]) for li in layers}
+    # 1. each layer's remainder cut alone
+    alone = stage.faithfulness([_cut(base, graph, li, candidates[li]) for li in layers])
+    share_alone = {li: coarse.faithfulness - f for li, f in zip(layers, alone, strict=True)}
+    # 2. the fewest kept remainders (largest shares kept)
+    by_share = sorted(layers, key=lambda li: share_alone[li])
+
+    def keep_remainders(q: int) -> Mask:
+        return _cut_all(base, graph, {li: candidates[li] for li in by_share[: len(layers) - q]})
+
+    q, tried_q = _smallest(stage.sizes(keep_remainders), 0, len(layers), goal)
+    if q is None:  # rounding below a goal the coarse circuit sits on: keep every remainder
+        q, tried_q = len(layers), {len(layers): (base, coarse.faithfulness)}
+    cut = sorted(by_share[: len(layers) - q])
+    final_mask, final = tried_q[q]
+    # 3. the fewest named neurons in the cut layers, one order across them
+    pool = [n for li in cut for n in ranked[li]]
+    pool.sort(key=lambda n: -abs(float(scores[n])))
+    layer_of = {n: li for li in cut for n in ranked[li]}
+
+    def top(n_named: int) -> Mask:
+        keep: dict[int, set[str]] = {li: set() for li in cut}
+        for n in pool[:n_named]:
+            keep[layer_of[n]].add(n)
+        return _cut_all(base, graph, keep)
+
+    n_named = len(pool)
+    if pool:
+        found, tried_n = _smallest(stage.sizes(top), 0, len(pool), goal)
+        if found is not None:
+            n_named = found
+            final_mask, final = tried_n[found]
+    chosen = set(pool[:n_named])
+    named = {li: [n for n in ranked[li] if li not in cut or n in chosen] for li in layers}
+    # 4. each kept remainder's share in the returned circuit
+    kept = [li for li in layers if li not in cut]
+    masks = [_cut(final_mask, graph, li, candidates[li]) for li in kept]
+    without = stage.faithfulness(masks) if masks else []
+    share = {li: final - f for li, f in zip(kept, without, strict=True)}
+    rows = [
+        (mlp_rest_label(li), len(named[li]), li in share, share.get(li, 0.0), share_alone[li])
+        for li in layers
+    ]
+    return named, set(cut), pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
+
+
+__all__ = ["resolve_neurons", "resolve_neurons_jointly"]

@@ -17,6 +17,8 @@ from tl_attnonly.analysis.discovery.pruning import RANKINGS
 GRAPHS = ("coarse", "neurons")
 #: How the metric combines over batches.
 REDUCTIONS = ("sum", "mean")
+#: How ``neurons_per_mlp="auto"`` chooses the named neurons (:mod:`.neuron_stage`).
+NEURON_SEARCHES = ("joint", "layers")
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,17 @@ class DiscoveryOptions:
             (:func:`~tl_attnonly.analysis.top_nodes`, :class:`~.graph.HeadGraph`).
         neurons_per_mlp: ``graph="coarse"``: neurons named in each MLP node of the circuit (the
             largest node attribution ``|score|``; the rest of the layer stays one node
-            ``L{l}MLP``); 0 names none. ``"auto"``: per MLP node as few as keep the exact
-            faithfulness at ``min(target, coarse faithfulness)`` with the rest of the layer cut
-            (:mod:`~.neuron_stage`: doubling, then bisection, by exact runs), the remainder kept
-            only where ``max_neurons_per_mlp`` do not suffice (``circuit.extra["neuron_stage"]``).
-        max_neurons_per_mlp: ``neurons_per_mlp="auto"``: most neurons named per MLP node.
+            ``L{l}MLP``); 0 names none. ``"auto"``: as few as keep the exact faithfulness at
+            ``min(target, coarse faithfulness)`` with the rest of their layers cut
+            (:mod:`~.neuron_stage`: doubling, then bisection, by exact runs; ``neuron_search``),
+            a remainder kept only where its layer's ``max_neurons_per_mlp`` candidates cannot
+            replace it (``circuit.extra["neuron_stage"]``).
+        max_neurons_per_mlp: ``neurons_per_mlp="auto"``: most neurons named per MLP node (its
+            candidates, the best by node attribution ``|score|``).
+        neuron_search: ``neurons_per_mlp="auto"``: ``"joint"`` (default: every layer's
+            remainder cut alone, then the fewest remainders kept and the fewest named neurons
+            across the layers, each by exact runs) or ``"layers"`` (one layer at a time, lowest
+            first); :mod:`~.neuron_stage`.
         neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
             gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
             expanded, with its exact faithfulness).
@@ -83,6 +91,7 @@ class DiscoveryOptions:
     mlp_rest: bool = False
     neurons_per_mlp: int | str = 8
     max_neurons_per_mlp: int = 256
+    neuron_search: str = "joint"
     neuron_method: str = "eap"
     batch_size: int | None = None
     metric_reduction: str = "sum"
@@ -124,6 +133,10 @@ class DiscoveryOptions:
                 )
         elif self.neurons_per_mlp < 0:
             raise ValueError(f"neurons_per_mlp must be >= 0, got {self.neurons_per_mlp}.")
+        if self.neuron_search not in NEURON_SEARCHES:
+            raise ValueError(
+                f"neuron_search must be one of {NEURON_SEARCHES}, got {self.neuron_search!r}."
+            )
         if self.max_neurons_per_mlp < 1:
             raise ValueError(f"max_neurons_per_mlp must be >= 1, got {self.max_neurons_per_mlp}.")
         if self.graph == "coarse" and (
@@ -180,4 +193,4 @@ def resolve_options(
     return options.with_overrides(**overrides)
 
 
-__all__ = ["DiscoveryOptions", "GRAPHS", "REDUCTIONS"]
+__all__ = ["DiscoveryOptions", "GRAPHS", "NEURON_SEARCHES", "REDUCTIONS"]

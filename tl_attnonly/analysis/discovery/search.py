@@ -27,9 +27,11 @@ fine:
    (``neuron_method``, plain EAP by default: one gradient pass; the named neurons' gate and value
    edges apart) and the gate/value split
    (:func:`~.runs.circuit_gate_value_split`) is run for the named neurons.
-   With ``neurons_per_mlp="auto"`` the count is chosen per MLP node by exact runs instead
-   (:mod:`.neuron_stage`): as few as keep the faithfulness at the target with the rest of the
-   layer cut, the remainder kept (its share stated) only where ``max_neurons_per_mlp`` do not.
+   With ``neurons_per_mlp="auto"`` the counts are chosen by exact runs instead
+   (:mod:`.neuron_stage`; ``neuron_search="joint"``, default: all layers together): as few as
+   keep the faithfulness at the target with the rest of their layers cut, a remainder kept (its
+   share stated) only where the ``max_neurons_per_mlp`` candidates of its layer cannot replace
+   it.
 4. **What the names carry.** For each MLP node, ``Circuit.mlp_split``: the exact effect
    (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both.
 
@@ -73,7 +75,7 @@ from tl_attnonly.analysis.discovery.edge_scores import (
     mask_size,
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
-from tl_attnonly.analysis.discovery.neuron_stage import resolve_neurons
+from tl_attnonly.analysis.discovery.neuron_stage import resolve_neurons, resolve_neurons_jointly
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import prune_ranked
@@ -533,14 +535,20 @@ def _name_neurons(
         layer = node_scores[[i for i in node_scores.index if i.startswith(prefix)]]
         ranked = layer.abs().sort_values(ascending=False, kind="stable")
         named[li] = list(ranked.index[:count])
-    stage = {}
+    stage: dict = {}
     cut: set[int] = set()
-    if auto:
+    if auto and opts.neuron_search == "joint":
+        named, cut, table, n_runs = resolve_neurons_jointly(
+            model, coarse, expand_mask, named, node_scores, clean, corrupted, metric, opts,
+            coarse_nodes(model), positions, corrupted_runs,
+        )  # fmt: skip
+        stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
+    elif auto:
         named, cut, table = resolve_neurons(
             model, coarse, expand_mask, named, clean, corrupted, metric, opts,
             coarse_nodes(model), positions, corrupted_runs,
         )  # fmt: skip
-        stage = {"neuron_stage": table}
+        stage = {"neuron_stage": table, "neuron_stage_runs": int(table.runs.sum())}
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
@@ -549,14 +557,26 @@ def _name_neurons(
     mask = _without_sources(
         expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
     )
+    # Per layer, the circuit without its named neurons' edges, its remainder's, both. Where a
+    # run would repeat another (a cut remainder: without it is the circuit itself; no named
+    # neuron: the same), it is not made.
     masks = [mask]
+    runs: list[tuple[int, int, int]] = []
     for li in layers:
-        masks += [
-            _without_sources(mask, {f"neuron.{li}"}),
-            _without_sources(mask, {f"mlp.{li}"}),
-            _without_sources(mask, {f"neuron.{li}", f"mlp.{li}"}),
-        ]
-    masks.append(_without_sources(mask, {f"mlp.{li}" for li in layers}))
+        j_named = j_layer = j_rest = 0
+        if named[li]:
+            masks.append(_without_sources(mask, {f"neuron.{li}"}))
+            j_named = j_layer = len(masks) - 1
+        if li not in cut:
+            masks.append(_without_sources(mask, {f"mlp.{li}"}))
+            j_rest = len(masks) - 1
+            masks.append(_without_sources(mask, {f"neuron.{li}", f"mlp.{li}"}))
+            j_layer = len(masks) - 1
+        runs.append((j_named, j_rest, j_layer))
+    named_only = 0
+    if set(layers) - cut:
+        masks.append(_without_sources(mask, {f"mlp.{li}" for li in layers}))
+        named_only = len(masks) - 1
     values = circuit_metrics(
         model, masks, clean, corrupted, metric, nodes=fine_nodes, batch_size=opts.batch_size,
         progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
@@ -565,8 +585,8 @@ def _name_neurons(
     denom = m_clean - m_corr
     m_fine = values[0]
     rows = []
-    for i, li in enumerate(layers):
-        no_named, no_rest, no_layer = values[1 + 3 * i : 4 + 3 * i]
+    for li, (i_named, i_rest, i_layer) in zip(layers, runs, strict=True):
+        no_named, no_rest, no_layer = values[i_named], values[i_rest], values[i_layer]
         rows.append(
             dict(
                 node=mlp_rest_label(li),
@@ -581,7 +601,7 @@ def _name_neurons(
     fine = Circuit(
         scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
         extra={**coarse.extra, "named": named, **stage,
-               "faithfulness_named_only": faithfulness(values[-1], m_clean, m_corr)},
+               "faithfulness_named_only": faithfulness(values[named_only], m_clean, m_corr)},
         ceiling=coarse.ceiling, curve=coarse.curve, warnings=list(coarse.warnings),
         mlp_split=split,
     )  # fmt: skip
