@@ -22,6 +22,7 @@ from tl_attnonly.analysis import (
     faithfulness,
     logit_diff_metric,
 )
+from tl_attnonly.analysis.discovery.pruning import mask_size
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 
 CLEAN, CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
@@ -159,8 +160,8 @@ def _check_joint(model, circuit, cap: int) -> None:
         if li in cut:
             assert row.remainder_share == 0.0
             assert set(named[li]) <= set(candidates[li])
-        else:  # 4. a kept remainder: its candidates named, its share in the returned circuit
-            assert named[li] == candidates[li]
+        else:  # 4. a kept layer: not resolved, its share in the returned circuit
+            assert named[li] == []
             without = _resolved_faithfulness(model, coarse, named, cut | {li})
             assert row.remainder_share == pytest.approx(final - without, rel=1e-9, abs=1e-12)
     # 2. the remainders kept are those of the largest shares alone
@@ -211,3 +212,19 @@ def test_joint_search_keeps_the_remainders_it_needs_and_states_their_shares():
     assert circuit.extra["faithfulness_named_only"] == pytest.approx(
         circuit.faithfulness - kept.remainder_share.sum(), rel=1e-9
     )
+
+
+def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
+    model = make_converted("silu", **TWO_MLPS)
+    plain = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5)
+    roomy = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5, coarse_target=0.95)
+    coarse = roomy.extra["coarse"]
+    assert coarse.faithfulness >= 0.95 > plain.extra["coarse"].faithfulness
+    assert mask_size(coarse.mask) > mask_size(plain.extra["coarse"].mask)
+    # the stage's goal is the target, not the coarse circuit's faithfulness
+    assert 0.8 <= roomy.faithfulness < coarse.faithfulness
+    _check_joint(model, roomy, 5)
+    with pytest.raises(ValueError, match=r"coarse_target must be in \[target, 1\]"):
+        DiscoveryOptions(coarse_target=0.7)
+    with pytest.raises(ValueError, match="graph='coarse'"):
+        DiscoveryOptions(graph="neurons", coarse_target=0.9)

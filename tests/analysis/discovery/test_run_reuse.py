@@ -170,7 +170,8 @@ def test_discover_circuit_is_the_same_with_corrupted_runs_kept_or_not(monkeypatc
 #: Per search: the model, the candidate caps (a remainder kept, none kept), the table's columns
 AUTO_CASES = {
     "layers": (
-        GATED_ZOO["llama"], (4, 64), ["node", "named", "remainder", "remainder_share", "faithfulness"]
+        GATED_ZOO["llama"], (4, 64),
+        ["node", "named", "remainder", "remainder_share", "faithfulness"],
     ),
     "joint": (
         {**GATED_ZOO["qwen2"], "n_layers": 3}, (5, 16),

@@ -21,7 +21,9 @@ faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_met
    layers cut) reach the goal (doubling, then bisection, down to one neuron). A layer may end
    with no named neuron: it is not needed.
 
-Then each kept remainder's share is measured in the final circuit (with it minus without it).
+A layer whose remainder is kept is not resolved: it stays one node ``L{l}MLP`` (no neuron named;
+its candidates alone cannot replace it), and its share is measured in the returned circuit: the
+faithfulness with the layer minus without it.
 About ``L + 2 log2(L) + 2 log2(N)`` runs for ``L`` MLP nodes, against up to ``3 log2(cap)`` per
 layer layer by layer.
 
@@ -32,8 +34,9 @@ remainder is kept. The goal's slack is spent by the first layers that cost anyth
 
 ``circuit.extra["neuron_stage"]`` has one row per MLP node: ``node``, ``named`` (count),
 ``remainder`` (whether kept), ``remainder_share`` (the faithfulness it carries in the returned
-circuit: with it minus without it; 0 where cut), then ``share_alone`` (joint) or
-``faithfulness`` (after that layer was resolved) and ``runs`` (layers).
+circuit: with it minus without it; 0 where cut; joint: a kept remainder is the whole layer),
+then ``share_alone`` (joint: lost when the remainder beyond the candidates is cut alone) or
+``faithfulness`` (layers: after that layer was resolved) and ``runs`` (layers).
 
 The runs are made a few at a time, in one :func:`~.runs.circuit_metrics` call each (one
 corrupted run shared): the doubling runs ``k``, ``2k`` and ``4k`` together, the bisection its
@@ -261,9 +264,9 @@ def resolve_neurons_jointly(
         (the others as in :func:`resolve_neurons`)
 
     Returns:
-        ``(named, cut, table, runs)``: per layer the named neurons (none where a cut layer is
-        not needed), the layers whose remainder lost its outgoing edges, the per-layer table and
-        the number of exact runs made.
+        ``(named, cut, table, runs)``: per layer the named neurons (none in a kept layer, and
+        none in a cut layer that is not needed), the layers whose remainder lost its outgoing
+        edges, the per-layer table and the number of exact runs made.
     """
     stage = _Stage(model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
                    positions, corrupted_runs)  # fmt: skip
@@ -302,10 +305,10 @@ def resolve_neurons_jointly(
             n_named = found
             final_mask, final = tried_n[found]
     chosen = set(pool[:n_named])
-    named = {li: [n for n in ranked[li] if li not in cut or n in chosen] for li in layers}
-    # 4. each kept remainder's share in the returned circuit
+    named = {li: [n for n in ranked[li] if n in chosen] for li in layers}
+    # 4. each kept layer's share in the returned circuit (with it minus without it)
     kept = [li for li in layers if li not in cut]
-    masks = [_cut(final_mask, graph, li, candidates[li]) for li in kept]
+    masks = [_cut(final_mask, graph, li, set()) for li in kept]
     without = stage.faithfulness(masks) if masks else []
     share = {li: final - f for li, f in zip(kept, without, strict=True)}
     rows = [

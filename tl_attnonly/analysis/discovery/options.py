@@ -32,6 +32,10 @@ class DiscoveryOptions:
             neuron-level graph (every neuron, or ``nodes`` / ``n_nodes`` of them).
         target: The faithfulness the smallest circuit must reach (sweep of exact circuit runs);
             used when neither ``top_n`` nor ``threshold`` is given.
+        coarse_target: ``graph="coarse"``: the faithfulness the coarse circuit's sweep and
+            pruning aim for instead (default: ``target``). Above ``target`` it leaves the
+            adaptive neuron stage (``neurons_per_mlp="auto"``, which keeps ``target``) room to
+            cut layer remainders; the coarse circuit is larger.
         top_n, threshold: A fixed-size circuit instead of the sweep
             (:func:`~tl_attnonly.analysis.prune`); at most one.
         method: Edge scores, ``"eap-ig"`` (default) or ``"eap"``.
@@ -80,6 +84,7 @@ class DiscoveryOptions:
 
     graph: str = "coarse"
     target: float = 0.8
+    coarse_target: float | None = None
     top_n: int | None = None
     threshold: float | None = None
     method: str = "eap-ig"
@@ -118,6 +123,16 @@ class DiscoveryOptions:
             raise ValueError("Give top_n=... or threshold=..., not both (or neither: the sweep).")
         if not 0 < self.target <= 1:
             raise ValueError(f"target must be in (0, 1], got {self.target}.")
+        if self.coarse_target is not None:
+            if self.graph != "coarse":
+                raise ValueError(
+                    "coarse_target= is the coarse circuit's target: give graph='coarse' with it."
+                )
+            if not self.target <= self.coarse_target <= 1:
+                raise ValueError(
+                    f"coarse_target must be in [target, 1] = [{self.target}, 1], got "
+                    f"{self.coarse_target}."
+                )
         if self.resolution <= 1:
             raise ValueError(f"resolution must be > 1, got {self.resolution}.")
         if self.max_runs < 1:

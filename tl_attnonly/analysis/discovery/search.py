@@ -380,6 +380,10 @@ def discover_circuit(
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     t = time.perf_counter()
     notes: list[str] = []
+    # the coarse circuit's own target (coarse_target: slack for the neuron stage)
+    coarse_opts = (
+        opts if opts.coarse_target is None else opts.with_overrides(target=opts.coarse_target)
+    )
     if opts.top_n is None and opts.threshold is None:
         mask, m_circ, curve, ceiling, notes = sweep_to_target(
             model,
@@ -388,7 +392,7 @@ def discover_circuit(
             corrupted_tokens,
             metric,
             nodes,
-            opts,
+            coarse_opts,
             positions,
             corrupted_runs,
         )
@@ -420,13 +424,13 @@ def discover_circuit(
         opts.top_n is None
         and opts.threshold is None
         and opts.prune_runs > 0
-        and (ceiling >= opts.target and swept >= opts.target)
+        and (ceiling >= coarse_opts.target and swept >= coarse_opts.target)
     ):
         t = time.perf_counter()
         extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
         mask, m_circ, extra["pruning"] = prune_by_runs(
             model, scores, mask, m_circ, clean_tokens, corrupted_tokens, metric,
-            target=opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
+            target=coarse_opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
             neuron_level=opts.neuron_level, batch_size=opts.batch_size, positions=positions,
             progress=opts.progress, corrupted_runs=corrupted_runs,
         )  # fmt: skip
@@ -569,9 +573,10 @@ def _name_neurons(
             j_named = j_layer = len(masks) - 1
         if li not in cut:
             masks.append(_without_sources(mask, {f"mlp.{li}"}))
-            j_rest = len(masks) - 1
-            masks.append(_without_sources(mask, {f"neuron.{li}", f"mlp.{li}"}))
-            j_layer = len(masks) - 1
+            j_rest = j_layer = len(masks) - 1
+            if named[li]:
+                masks.append(_without_sources(mask, {f"neuron.{li}", f"mlp.{li}"}))
+                j_layer = len(masks) - 1
         runs.append((j_named, j_rest, j_layer))
     named_only = 0
     if set(layers) - cut:
