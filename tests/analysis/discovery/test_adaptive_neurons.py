@@ -139,8 +139,9 @@ def _scores(model):
     return top_nodes(model, CLEAN, CORRUPTED, METRIC, 1, progress=False)[1]
 
 
-def _check_joint(model, circuit, cap: int) -> None:
-    """Every figure of the joint search against runs made here (module docstring)."""
+def _check_joint(model, circuit, **kw) -> None:
+    """Every figure of the joint search (``_discover(model, **kw)``) against runs made here."""
+    cap = kw["max_neurons_per_mlp"]
     coarse = circuit.extra["coarse"]
     stage = circuit.extra["neuron_stage"].set_index("node")
     named = circuit.extra["named"]
@@ -169,16 +170,33 @@ def _check_joint(model, circuit, cap: int) -> None:
         assert max(stage.loc[f"L{li}MLP", "share_alone"] for li in cut) <= min(
             stage.loc[f"L{li}MLP", "share_alone"] for li in set(layers) - cut
         )
-    # 3. the named neurons of the cut layers: the top N by |score| across them; N - 1 fails
+    # 3. before the trim (the same call with neuron_trim=False): the top N by |score| across
+    # the cut layers; N - 1 fails
+    untrimmed = _discover(model, **{**kw, "neuron_trim": False})
+    first = untrimmed.extra["named"]
+    assert untrimmed.extra["neuron_stage"].remainder.tolist() == stage.remainder.tolist()
     scores = _scores(model)
     pool = sorted(
         (n for li in sorted(cut) for n in candidates[li]), key=lambda n: -abs(float(scores[n]))
     )
-    n_named = sum(len(named[li]) for li in cut)
-    assert {n for li in cut for n in named[li]} == set(pool[:n_named])
+    n_named = sum(len(first[li]) for li in cut)
+    assert {n for li in cut for n in first[li]} == set(pool[:n_named])
     if n_named >= 1:
-        fewer = {**named, **{li: [n for n in named[li] if n in pool[: n_named - 1]] for li in cut}}
+        fewer = {**first, **{li: [n for n in first[li] if n in pool[: n_named - 1]] for li in cut}}
         assert _resolved_faithfulness(model, coarse, fewer, cut) < goal
+    # 4. the trim, replayed: most named first, each layer its fewest own top neurons holding the
+    # goal with the others as they then are; one fewer fails
+    state = {li: list(first[li]) for li in layers}
+    for li in sorted(cut, key=lambda li: (-len(first[li]), li)):
+        k = len(named[li])
+        assert named[li] == state[li][:k]
+        here = _resolved_faithfulness(model, coarse, {**state, li: state[li][:k]}, cut)
+        assert here >= goal
+        if k >= 1:
+            less = _resolved_faithfulness(model, coarse, {**state, li: state[li][: k - 1]}, cut)
+            assert less < goal
+        state[li] = state[li][:k]
+    assert state == named
 
 
 #: A model whose coarse circuit has two MLP nodes (16 candidates: both cut; 5: one kept).
@@ -187,13 +205,14 @@ TWO_MLPS = {**GATED_ZOO["qwen2"], "n_layers": 3}
 
 def test_joint_search_names_the_fewest_neurons_across_layers_exactly():
     model = make_converted("silu", **TWO_MLPS)
-    circuit = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=16)
+    kw = dict(neurons_per_mlp="auto", max_neurons_per_mlp=16)
+    circuit = _discover(model, **kw)
     stage = circuit.extra["neuron_stage"]
     assert len(stage) == 2
     assert list(stage.columns) == ["node", "named", "remainder", "remainder_share", "share_alone"]
     assert not stage.remainder.any()
     assert circuit.extra["neuron_stage_runs"] >= len(stage)
-    _check_joint(model, circuit, 16)
+    _check_joint(model, circuit, **kw)
     # every remainder cut: the split has no remainder effect, named-only is the circuit
     assert (circuit.mlp_split.rest_effect.abs() < 1e-12).all()
     assert circuit.extra["faithfulness_named_only"] == pytest.approx(circuit.faithfulness)
@@ -203,10 +222,11 @@ def test_joint_search_names_the_fewest_neurons_across_layers_exactly():
 
 def test_joint_search_keeps_the_remainders_it_needs_and_states_their_shares():
     model = make_converted("silu", **TWO_MLPS)
-    circuit = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5)
+    kw = dict(neurons_per_mlp="auto", max_neurons_per_mlp=5)
+    circuit = _discover(model, **kw)
     stage = circuit.extra["neuron_stage"]
     assert stage.remainder.any() and not stage.remainder.all(), "the case needs one of each"
-    _check_joint(model, circuit, 5)
+    _check_joint(model, circuit, **kw)
     # the named-only circuit cuts the kept remainder too: below the circuit by its share
     kept = stage[stage.remainder]
     assert circuit.extra["faithfulness_named_only"] == pytest.approx(
@@ -217,13 +237,14 @@ def test_joint_search_keeps_the_remainders_it_needs_and_states_their_shares():
 def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
     model = make_converted("silu", **TWO_MLPS)
     plain = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5)
-    roomy = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5, coarse_target=0.95)
+    kw = dict(neurons_per_mlp="auto", max_neurons_per_mlp=5, coarse_target=0.95)
+    roomy = _discover(model, **kw)
     coarse = roomy.extra["coarse"]
     assert coarse.faithfulness >= 0.95 > plain.extra["coarse"].faithfulness
     assert mask_size(coarse.mask) > mask_size(plain.extra["coarse"].mask)
     # the stage's goal is the target, not the coarse circuit's faithfulness
     assert 0.8 <= roomy.faithfulness < coarse.faithfulness
-    _check_joint(model, roomy, 5)
+    _check_joint(model, roomy, **kw)
     with pytest.raises(ValueError, match=r"coarse_target must be in \[target, 1\]"):
         DiscoveryOptions(coarse_target=0.7)
     with pytest.raises(ValueError, match="graph='coarse'"):

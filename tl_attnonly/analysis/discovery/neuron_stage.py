@@ -8,7 +8,7 @@ not named); *cutting* it removes its outgoing edges, and a named neuron left out
 outgoing edges too, so both read the corrupted run. The goal is ``min(target, coarse
 faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_metrics`).
 
-``neuron_search="joint"`` (default) chooses all layers together, in three searches:
+``neuron_search="joint"`` (default) chooses all layers together, in three searches and a trim:
 
 1. **Shares.** For each MLP node, the circuit with that layer's remainder cut (its candidates
    named), every other layer whole: ``share_alone`` is the faithfulness it loses (negative where
@@ -20,12 +20,16 @@ faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_met
    ``|score|`` across layers: the smallest count ``N`` whose top ``N`` named (the rest of those
    layers cut) reach the goal (doubling, then bisection, down to one neuron). A layer may end
    with no named neuron: it is not needed.
+4. **Trim** (``neuron_trim=True``, default): one order across layers gives a layer more neurons
+   than it needs where its scores are large. Each cut layer in turn (most named first) keeps the
+   fewest of its own top named neurons that hold the goal, the others as they then are
+   (bisection down from the passing count; about ``log2(count)`` runs per layer).
 
 A layer whose remainder is kept is not resolved: it stays one node ``L{l}MLP`` (no neuron named;
 its candidates alone cannot replace it), and its share is measured in the returned circuit: the
-faithfulness with the layer minus without it.
-About ``L + 2 log2(L) + 2 log2(N)`` runs for ``L`` MLP nodes, against up to ``3 log2(cap)`` per
-layer layer by layer.
+faithfulness with the layer minus without it. About ``L + 2 log2(L) + 2 log2(N)`` runs for
+``L`` MLP nodes before the trim and ``log2`` of each resolved layer's count in it, against up to
+``3 log2(cap)`` per layer layer by layer.
 
 ``neuron_search="layers"`` resolves the layers one at a time (lowest first): the top ``k`` of the
 layer named with its remainder cut, ``k`` chosen by doubling then bisection, earlier layers as
@@ -140,11 +144,13 @@ def _smallest(
     first: int,
     cap: int,
     goal: float,
+    passing: tuple[Mask, float] | None = None,
 ) -> tuple[int | None, dict[int, tuple[Mask, float]]]:
     """The smallest ``k`` in ``[first, cap]`` whose run reaches ``goal``: doubling from
     ``first`` (``LADDER`` sizes per call), then bisection between the last failing and the first
     passing size (two steps per call), down to one. ``evaluate(ks)`` runs the sizes ``ks`` in
-    one call and returns ``{k: (mask, faithfulness)}``.
+    one call and returns ``{k: (mask, faithfulness)}``. ``passing``: ``cap``'s run, known to
+    reach the goal: no doubling, bisection between ``first - 1`` and ``cap``.
 
     Returns:
         ``(k, tried)``: ``k`` (None where even ``cap`` fails) and every run made.
@@ -160,6 +166,8 @@ def _smallest(
         return max(1, 2 * k)
 
     lo, hi, k = first - 1, None, first
+    if passing is not None:
+        tried[cap], hi = passing, cap
     while hi is None:
         k = min(k, cap)
         if k not in tried:  # the next LADDER sizes of the doubling in one call
@@ -306,7 +314,25 @@ def resolve_neurons_jointly(
             final_mask, final = tried_n[found]
     chosen = set(pool[:n_named])
     named = {li: [n for n in ranked[li] if n in chosen] for li in layers}
-    # 4. each kept layer's share in the returned circuit (with it minus without it)
+    # 4. trim: each cut layer's named neurons (most first) to the fewest of its own top ones
+    # that keep the goal, the other layers as they are then (bisection from a passing circuit)
+    if opts.neuron_trim:
+        for li in sorted(cut, key=lambda li: (-len(named[li]), li)):
+            mine = named[li]
+            if not mine:
+                continue
+            others = {lj: set(named[lj]) for lj in cut if lj != li}
+
+            def trimmed(k: int, li=li, mine=mine, others=others) -> Mask:
+                return _cut_all(base, graph, {**others, li: set(mine[:k])})
+
+            k, tried_k = _smallest(
+                stage.sizes(trimmed), 0, len(mine), goal, passing=(final_mask, final)
+            )
+            assert k is not None  # len(mine) passes
+            named[li] = mine[:k]
+            final_mask, final = tried_k[k]
+    # 5. each kept layer's share in the returned circuit (with it minus without it)
     kept = [li for li in layers if li not in cut]
     masks = [_cut(final_mask, graph, li, set()) for li in kept]
     without = stage.faithfulness(masks) if masks else []

@@ -62,6 +62,9 @@ class DiscoveryOptions:
             remainder cut alone, then the fewest remainders kept and the fewest named neurons
             across the layers, each by exact runs) or ``"layers"`` (one layer at a time, lowest
             first); :mod:`~.neuron_stage`.
+        neuron_trim: ``neuron_search="joint"``: after the count across layers, trim each
+            resolved layer to the fewest of its own top named neurons that keep the goal (default;
+            about ``log2(count)`` more exact runs per resolved layer).
         neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
             gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
             expanded, with its exact faithfulness).
@@ -97,6 +100,7 @@ class DiscoveryOptions:
     neurons_per_mlp: int | str = 8
     max_neurons_per_mlp: int = 256
     neuron_search: str = "joint"
+    neuron_trim: bool = True
     neuron_method: str = "eap"
     batch_size: int | None = None
     metric_reduction: str = "sum"
