@@ -102,12 +102,37 @@ def _cut_all(mask: Mask, graph: HeadGraph, keep: dict[int, set[str]]) -> Mask:
     return mask
 
 
-class _Stage:
-    """The graph with every candidate named, the coarse mask expanded to it, and exact runs."""
+class NeuronStage:
+    """The neuron stage's ground: the graph with every candidate named, the coarse mask expanded
+    to it, and exact runs of masks on it (counted).
 
-    def __init__(self, model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
-                 positions, corrupted_runs):  # fmt: skip
-        self.model, self.coarse, self.opts = model, coarse, opts
+    Args:
+        model: The model.
+        coarse: The coarse circuit.
+        expand: ``expand(coarse_graph, mask, fine_graph)``: the coarse mask on a finer graph.
+        ranked: Per layer, its candidates best first (at most ``max_neurons_per_mlp``).
+        clean, corrupted, metric: The search's prompts and metric.
+        opts: The search's options (``target``, ``batch_size``, ``neuron_trim``).
+        nodes: The coarse graph's nodes (every head and MLP node).
+        positions: Position classes, if the graph is resolved by position.
+        corrupted_runs: A :class:`~.runs.CorruptedRuns` shared with other calls.
+    """
+
+    def __init__(
+        self,
+        model: AttnOnlyModel,
+        coarse: Circuit,
+        expand: Callable[[HeadGraph, Mask, HeadGraph], Mask],
+        ranked: dict[int, list[str]],
+        clean,
+        corrupted,
+        metric: DiscoveryMetric,
+        opts: DiscoveryOptions,
+        nodes: list[str],
+        positions: PositionClasses | None = None,
+        corrupted_runs: CorruptedRuns | None = None,
+    ):
+        self.model, self.coarse, self.opts, self.ranked = model, coarse, opts, ranked
         self.clean, self.corrupted, self.metric = clean, corrupted, metric
         self.positions, self.corrupted_runs = positions, corrupted_runs
         self.fine_nodes = nodes + [n for li in sorted(ranked) for n in ranked[li]]
@@ -197,35 +222,21 @@ def _smallest(
 
 
 def resolve_neurons(
-    model: AttnOnlyModel,
-    coarse: Circuit,
-    expand,
-    ranked: dict[int, list[str]],
-    clean,
-    corrupted,
-    metric: DiscoveryMetric,
-    opts: DiscoveryOptions,
-    nodes: list[str],
-    positions: PositionClasses | None = None,
-    corrupted_runs: CorruptedRuns | None = None,
+    stage: NeuronStage,
 ) -> tuple[dict[int, list[str]], set[int], pd.DataFrame]:
     """Choose the named neurons of each MLP node one layer at a time (``neuron_search="layers"``,
     module docstring).
 
     Args:
-        coarse: The coarse circuit.
-        expand: ``expand(coarse_graph, mask, fine_graph)``: the coarse mask on a finer graph.
-        ranked: Per layer, its neurons best first (at most ``max_neurons_per_mlp``).
-        nodes: The coarse graph's nodes (every head and MLP node).
-        corrupted_runs: A :class:`~.runs.CorruptedRuns` shared with other calls.
+        stage: The coarse circuit, its candidates per layer and the runs
+            (:class:`NeuronStage`).
 
     Returns:
         ``(named, cut, table)``: per layer the named neurons, the layers whose remainder lost
         its outgoing edges, and the per-layer table.
     """
-    stage = _Stage(model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
-                   positions, corrupted_runs)  # fmt: skip
-    mask, current = stage.mask, coarse.faithfulness
+    ranked = stage.ranked
+    mask, current = stage.mask, stage.coarse.faithfulness
     named: dict[int, list[str]] = {}
     cut: set[int] = set()
     rows = []
@@ -249,35 +260,23 @@ def resolve_neurons(
 
 
 def resolve_neurons_jointly(
-    model: AttnOnlyModel,
-    coarse: Circuit,
-    expand,
-    ranked: dict[int, list[str]],
-    scores: pd.Series,
-    clean,
-    corrupted,
-    metric: DiscoveryMetric,
-    opts: DiscoveryOptions,
-    nodes: list[str],
-    positions: PositionClasses | None = None,
-    corrupted_runs: CorruptedRuns | None = None,
+    stage: NeuronStage, scores: pd.Series
 ) -> tuple[dict[int, list[str]], set[int], pd.DataFrame, int]:
     """Choose the named neurons of all MLP nodes together (``neuron_search="joint"``, module
     docstring).
 
     Args:
-        ranked: Per layer, its candidates best first (at most ``max_neurons_per_mlp``).
+        stage: The coarse circuit, its candidates per layer (at most ``max_neurons_per_mlp``,
+            best first) and the runs (:class:`NeuronStage`).
         scores: Every neuron's node attribution score (``L{l}N{i}`` -> score); the candidates of
             the layers whose remainder is cut are ordered by ``|score|`` across layers.
-        (the others as in :func:`resolve_neurons`)
 
     Returns:
         ``(named, cut, table, runs)``: per layer the named neurons (none in a kept layer, and
         none in a cut layer that is not needed), the layers whose remainder lost its outgoing
         edges, the per-layer table and the number of exact runs made.
     """
-    stage = _Stage(model, coarse, expand, ranked, clean, corrupted, metric, opts, nodes,
-                   positions, corrupted_runs)  # fmt: skip
+    ranked, coarse, opts = stage.ranked, stage.coarse, stage.opts
     layers = sorted(ranked)
     base, graph, goal = stage.mask, stage.graph, stage.goal
     candidates = {li: set(ranked[li]) for li in layers}
@@ -344,4 +343,4 @@ def resolve_neurons_jointly(
     return named, set(cut), pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
 
 
-__all__ = ["resolve_neurons", "resolve_neurons_jointly"]
+__all__ = ["NeuronStage", "resolve_neurons", "resolve_neurons_jointly"]

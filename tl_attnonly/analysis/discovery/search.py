@@ -75,7 +75,11 @@ from tl_attnonly.analysis.discovery.edge_scores import (
     mask_size,
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
-from tl_attnonly.analysis.discovery.neuron_stage import resolve_neurons, resolve_neurons_jointly
+from tl_attnonly.analysis.discovery.neuron_stage import (
+    NeuronStage,
+    resolve_neurons,
+    resolve_neurons_jointly,
+)
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import prune_ranked
@@ -541,18 +545,17 @@ def _name_neurons(
         named[li] = list(ranked.index[:count])
     stage: dict = {}
     cut: set[int] = set()
-    if auto and opts.neuron_search == "joint":
-        named, cut, table, n_runs = resolve_neurons_jointly(
-            model, coarse, expand_mask, named, node_scores, clean, corrupted, metric, opts,
-            coarse_nodes(model), positions, corrupted_runs,
-        )  # fmt: skip
-        stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
-    elif auto:
-        named, cut, table = resolve_neurons(
+    if auto:
+        ground = NeuronStage(
             model, coarse, expand_mask, named, clean, corrupted, metric, opts,
             coarse_nodes(model), positions, corrupted_runs,
         )  # fmt: skip
-        stage = {"neuron_stage": table, "neuron_stage_runs": int(table.runs.sum())}
+        if opts.neuron_search == "joint":
+            named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
+        else:
+            named, cut, table = resolve_neurons(ground)
+            n_runs = int(table.runs.sum())
+        stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
