@@ -242,8 +242,9 @@ def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
     coarse = roomy.extra["coarse"]
     assert coarse.faithfulness >= 0.95 > plain.extra["coarse"].faithfulness
     assert mask_size(coarse.mask) > mask_size(plain.extra["coarse"].mask)
-    # the stage's goal is the target, not the coarse circuit's faithfulness
-    assert 0.8 <= roomy.faithfulness < coarse.faithfulness
+    # the stage's goal is the target, not the coarse circuit's faithfulness: _check_joint's
+    # replay finds one neuron fewer below min(0.8, coarse) = 0.8 at each choice
+    assert roomy.faithfulness >= 0.8
     _check_joint(model, roomy, **kw)
     with pytest.raises(ValueError, match=r"coarse_target must be in \[target, 1\]"):
         DiscoveryOptions(coarse_target=0.7)
