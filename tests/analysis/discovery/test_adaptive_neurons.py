@@ -250,3 +250,6 @@ def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
         DiscoveryOptions(coarse_target=0.7)
     with pytest.raises(ValueError, match="graph='coarse'"):
         DiscoveryOptions(graph="neurons", coarse_target=0.9)
+    for fixed in (dict(top_n=10), dict(threshold=0.1)):  # no sweep for it to aim
+        with pytest.raises(ValueError, match="fixed-size circuit without one"):
+            DiscoveryOptions(coarse_target=0.9, **fixed)

@@ -132,6 +132,11 @@ class DiscoveryOptions:
                 raise ValueError(
                     "coarse_target= is the coarse circuit's target: give graph='coarse' with it."
                 )
+            if self.top_n is not None or self.threshold is not None:
+                raise ValueError(
+                    "coarse_target= is the target of the coarse circuit's sweep; top_n= / "
+                    "threshold= choose a fixed-size circuit without one: give one or the other."
+                )
             if not self.target <= self.coarse_target <= 1:
                 raise ValueError(
                     f"coarse_target must be in [target, 1] = [{self.target}, 1], got "
