@@ -105,6 +105,52 @@ def test_both_kinds_give_the_same_runs_in_one_call():
         assert values[0] == pytest.approx(values[1], rel=1e-5, abs=1e-8)
 
 
+def _first_block_runs(model) -> tuple[list[int], object]:
+    """A counter of the first block's forward calls (a torch forward hook, removed by the
+    returned handle)."""
+    from tl_attnonly.adapt import analysis_model
+
+    calls = [0]
+
+    def count(module, args, output):
+        calls[0] += 1
+
+    return calls, analysis_model(model).model.blocks[0].register_forward_hook(count)
+
+
+@pytest.mark.parametrize("kind", ["hooked", "bridge"])
+def test_later_runs_start_at_their_first_changed_block(kind):
+    """Runs that share the first run's inputs below a block start there: on a HookedTransformer
+    the first block runs as often for seven circuits as for one (once per batch, besides the
+    corrupted runs), and on both kinds the values are those of full runs one by one."""
+    hooked, bridge = make_pair("llama_gqa")
+    model = hooked if kind == "hooked" else bridge
+    if model is None:
+        pytest.skip("no HookedTransformer on TransformerLens 4.x")
+    clean, corrupted = make_kind_tokens(3, 6, seed=0), make_kind_tokens(3, 6, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
+    _, masks = _layer_variants(model, nodes)
+    apart = _one_call_each(model, masks, nodes, clean, corrupted, metric)
+    counts = []
+    for some in (masks[:1], masks):  # two batches each
+        calls, handle = _first_block_runs(model)
+        try:
+            together = circuit_metrics(
+                model, some, clean, corrupted, metric, nodes=nodes, batch_size=2
+            )
+        finally:
+            handle.remove()
+        counts.append(calls[0])
+    assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
+    # every later mask changes edges out of block 0 or later: each starts at block 1 or later.
+    # A bridge's run from a block still runs the blocks before it (TransformerLens 4.3's
+    # start_at_layer feeds HF's forward and swaps the residual in at the block; 3.9's runner
+    # replaces it in a full pass), without the circuit's hooks there.
+    added = 0 if kind == "hooked" else 2 * (len(masks) - 1)
+    assert counts[1] == counts[0] + added
+
+
 def _count_corrupted_runs(monkeypatch, model) -> list[int]:
     from tl_attnonly.adapt import analysis_model
 

@@ -24,6 +24,7 @@ a dropped node are absent: a dropped node's inputs are corrupted, so its output 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ from tl_attnonly.analysis.discovery.sites import (
     qkv_weights,
     source_hook_names,
 )
+from tl_attnonly.hooks import block_act_name
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel, ModelLike
@@ -249,7 +251,10 @@ def circuit_metrics(
 
     The runs of circuits whose edges into the inputs below some residual position equal the
     first circuit's take those inputs from the first run (:func:`_shared_prefix`; the same up
-    to rounding) instead of rebuilding them.
+    to rounding) instead of rebuilding them, and where the model can start a run at a block
+    (decoders: :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`) they start at the first
+    block with an input of their own, from the first run's residual stream (:class:`FirstRun`):
+    the blocks below are not run again.
     """
     model = analysis_model(model)
     check_discoverable(model, neuron_level)
@@ -273,7 +278,11 @@ def circuit_metrics(
     plans = [CircuitPlan(graph, mask) for mask in masks]
     # inputs each later mask takes from the first mask's run (the same up to its first change)
     shared: list[set[str]] = [set()] + [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
-    wanted = set().union(*shared)
+    # the block each later run starts at, from the first run's residual stream entering it
+    starts = [0] + [_start_layer(graph, keys) for keys in shared[1:]]
+    resume = model.can_resume and any(starts)
+    if not resume:
+        starts = [0] * len(masks)
     names = _corrupted_names(model, graph)
     if corrupted_runs is None:  # nothing kept: each batch's corrupted run for this call only
         corrupted_runs = CorruptedRuns(budget=0)
@@ -288,13 +297,15 @@ def circuit_metrics(
                 if positions is None
                 else {p: positions.mask(p, idx, clean_tokens.device) for p in positions.names}
             )
-            first: dict[str, torch.Tensor] = {}  # input group -> its hook's output, first run
+            first = FirstRun(
+                set().union(*shared),
+                {s for s in starts if s},
+                model.layer_runs(clean_tokens[idx]) if resume else None,
+            )
             for i, mask in enumerate(masks):
                 logits = _circuit_run(
                     model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
-                    reuse={key: first[key] for key in shared[i] if key in first},
-                    keep=first if i == 0 and wanted else None,
-                    keys=wanted,
+                    first=first, keep=i == 0, shared=shared[i], start=starts[i],
                 )  # fmt: skip
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
@@ -319,6 +330,44 @@ def _shared_prefix(graph: HeadGraph, reference: Mask, mask: Mask) -> set[str]:
     return {dst.key for dst in graph.inputs if dst.labels and dst.order < first}
 
 
+def _start_layer(graph: HeadGraph, shared: Collection[str]) -> int:
+    """The block a run whose input groups ``shared`` are the first run's can start at: the
+    lowest block with an input group of its own (at most the last block, whose output the
+    logits read)."""
+    own = (dst.layer for dst in graph.inputs if dst.labels and dst.key not in shared)
+    return min(min(own, default=graph.n_layers), graph.n_layers - 1)
+
+
+def _hook_layer(name: str) -> int:
+    """The block a hook belongs to (-1: the embeddings)."""
+    found = re.match(r"blocks\.(\d+)\.", name)
+    return int(found.group(1)) if found else -1
+
+
+class FirstRun:
+    """What the later runs of one :func:`circuit_metrics` call (one batch) take from its first
+    run: the hook outputs of the input groups they share with it (:func:`_shared_prefix`), the
+    source activations it recorded, and the residual stream entering the blocks they start at.
+
+    A later run that shares every input group below block ``l`` starts at block ``l`` (the
+    model's :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`) from the first run's
+    residual stream there, its earlier sources read from the first run: the blocks below ``l``
+    are not run again. Everything they computed is the first run's, so the logits are those of
+    a full run (the same hook outputs in the same order).
+
+    Args:
+        keys: Input groups some later run shares.
+        layers: Blocks some later run starts at.
+        runner: The model's runs from a block for this batch (None: every run is full).
+    """
+
+    def __init__(self, keys: Collection[str], layers: Collection[int], runner: Any = None):
+        self.keys, self.layers, self.runner = set(keys), set(layers), runner
+        self.outputs: dict[str, torch.Tensor] = {}  # input group -> its hook's output
+        self.sources: dict[str, torch.Tensor] = {}  # source hook -> its activation
+        self.resid: dict[int, torch.Tensor] = {}  # block -> [batch, pos, d_model] entering it
+
+
 def _circuit_run(
     model: AttnOnlyModel,
     graph: HeadGraph,
@@ -329,17 +378,25 @@ def _circuit_run(
     plan: CircuitPlan | None = None,
     where: dict[str, torch.Tensor] | None = None,
     *,
-    reuse: dict[str, torch.Tensor] | None = None,
-    keep: dict[str, torch.Tensor] | None = None,
-    keys: Collection[str] = (),
+    first: FirstRun | None = None,
+    keep: bool = False,
+    shared: Collection[str] = (),
+    start: int = 0,
 ):
     """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
     by position: each class's hook changes its own positions only).
 
-    ``reuse``: input group key -> the output its hook gives (an earlier run's, where this run's
-    input is the same: :func:`_shared_prefix`), returned instead of rebuilding the input.
-    ``keep``: a dict that receives the outputs of the hooks of the groups in ``keys``."""
+    ``first``: the call's :class:`FirstRun`. With ``keep`` (the first run) it receives what the
+    later runs reuse; else the input groups ``shared`` (:func:`_shared_prefix`) take their hook
+    outputs from it instead of being rebuilt, and with ``start > 0`` the run starts at block
+    ``start`` from the first run's residual stream there."""
     current: dict[str, torch.Tensor] = {}
+    if start:
+        assert first is not None and first.runner is not None
+        current.update({k: v for k, v in first.sources.items() if _hook_layer(k) < start})
+    reuse: dict[str, torch.Tensor] = {}
+    if first is not None and not keep:
+        reuse = {key: first.outputs[key] for key in shared if key in first.outputs}
     # each merged source row's change once per run, inputs shared by readers with equal edges
     run = PlanRun(model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes)
 
@@ -428,22 +485,38 @@ def _circuit_run(
 
     def reused(key: str, patch):
         def hook(act, hook):
-            if reuse and key in reuse:
+            if key in reuse:
                 return reuse[key]
             out = patch(act, hook)
-            if keep is not None and key in keys:
-                keep[key] = out
+            if keep and first is not None and key in first.keys:
+                first.outputs[key] = out
             return out
 
         return hook
 
     hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
-        (name, record) for name in source_hook_names(model, graph)
+        (name, record)
+        for name in source_hook_names(model, graph)
+        if not start or _hook_layer(name) >= start  # below: the first run's
     ]
     for dst in graph.inputs:
+        if dst.layer < start:  # below the block the run starts at: the first run's
+            continue
         patch = patch_for(dst)
         if patch is not None:
             hooks.append((patch[0], reused(dst.key, patch[1])))
+    if keep and first is not None and first.runner is not None:
+        first.sources = current  # filled by the run
+        for layer in sorted(first.layers):
+
+            def entering(act, hook, layer=layer):
+                first.resid[layer] = act
+                return act
+
+            hooks.append((block_act_name("resid_pre", layer), entering))
+    if start:
+        assert first is not None and first.runner is not None
+        return first.runner.run(first.resid[start], start, hooks, 0, None)
     return model.run_with_hooks(tokens, fwd_hooks=hooks)
 
 
