@@ -151,6 +151,30 @@ def test_later_runs_start_at_their_first_changed_block(kind):
     assert counts[1] == counts[0] + added
 
 
+def test_what_no_mask_changes_is_computed_once_per_batch(monkeypatch):
+    """Each source's writer matrix and corrupted values are computed once per batch for all the
+    circuits of a call (``PlanRun``'s memo), not once per circuit; the values stay those of
+    one call per circuit."""
+    from tl_attnonly.analysis.discovery import run_plan
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
+    graph, masks = _layer_variants(model, nodes)
+    apart = _one_call_each(model, masks, nodes, CLEAN, CORRUPTED, METRIC)
+    calls: list[str] = []
+    writer_matrix = run_plan.writer_matrix
+
+    def counted(model, src, *args):
+        calls.append(src.key)
+        return writer_matrix(model, src, *args)
+
+    monkeypatch.setattr(run_plan, "writer_matrix", counted)
+    together = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
+    assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
+    assert len(calls) == len(set(calls)) * 2  # two batches, each source once per batch
+    assert len(set(calls)) <= len([s for s in graph.sources if s.labels])
+
+
 def _count_corrupted_runs(monkeypatch, model) -> list[int]:
     from tl_attnonly.adapt import analysis_model
 

@@ -108,6 +108,9 @@ class PlanRun:
         model, graph, plan: The run's model, graph and :class:`CircuitPlan`.
         current, corr: The current run's recorded source activations and the corrupted cache.
         block_bytes: Budget for intermediate tensors and for the inputs kept for reuse.
+        memo: A dict shared by the runs of one batch on one graph, in which what does not
+            depend on the mask (each source's writer matrix and corrupted values) is kept once
+            computed (default: computed for this run only).
     """
 
     def __init__(
@@ -118,9 +121,11 @@ class PlanRun:
         current: dict[str, torch.Tensor],
         corr: dict[str, torch.Tensor],
         block_bytes: int,
+        memo: dict | None = None,
     ):
         model = analysis_model(model)
         self.model, self.graph, self.plan = model, graph, plan
+        self.memo = {} if memo is None else memo
         self.current, self.corr, self.block_bytes = current, corr, block_bytes
         # [rows, batch*pos*d_model]: every merged row's change, rows of each order together
         self.changes: torch.Tensor | None = None
@@ -137,10 +142,13 @@ class PlanRun:
             self.changes = like.new_zeros(self.plan.offsets[-1], b * p * d)
         start_row = self.plan.offsets[self.plan.orders.index(order)]
         for src, rows, ids in self.plan.members[order]:
-            U = writer_matrix(self.model, src, self.graph, like)
-            change = source_values(self.current, src, self.graph) - source_values(
-                self.corr, src, self.graph
-            )
+            if src.key not in self.memo:  # the same in every run of the batch
+                self.memo[src.key] = (
+                    writer_matrix(self.model, src, self.graph, like),
+                    source_values(self.corr, src, self.graph),
+                )
+            U, corrupted = self.memo[src.key]
+            change = source_values(self.current, src, self.graph) - corrupted
             merged, which = torch.unique(ids, return_inverse=True)
             if len(merged) < len(rows):
                 # several sources per merged row (named neurons beside their remainder): one

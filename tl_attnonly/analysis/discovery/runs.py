@@ -347,7 +347,8 @@ def _hook_layer(name: str) -> int:
 class FirstRun:
     """What the later runs of one :func:`circuit_metrics` call (one batch) take from its first
     run: the hook outputs of the input groups they share with it (:func:`_shared_prefix`), the
-    source activations it recorded, and the residual stream entering the blocks they start at.
+    source activations it recorded, and the residual stream entering the blocks they start at;
+    and what no run's mask changes (:class:`~.run_plan.PlanRun`'s ``memo``).
 
     A later run that shares every input group below block ``l`` starts at block ``l`` (the
     model's :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`) from the first run's
@@ -366,6 +367,7 @@ class FirstRun:
         self.outputs: dict[str, torch.Tensor] = {}  # input group -> its hook's output
         self.sources: dict[str, torch.Tensor] = {}  # source hook -> its activation
         self.resid: dict[int, torch.Tensor] = {}  # block -> [batch, pos, d_model] entering it
+        self.memo: dict = {}  # what does not depend on the mask (PlanRun)
 
 
 def _circuit_run(
@@ -398,43 +400,59 @@ def _circuit_run(
     if first is not None and not keep:
         reuse = {key: first.outputs[key] for key in shared if key in first.outputs}
     # each merged source row's change once per run, inputs shared by readers with equal edges
-    run = PlanRun(model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes)
+    run = PlanRun(
+        model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes,
+        None if first is None else first.memo,
+    )  # fmt: skip
 
     def record(act, hook):
         current[hook.name] = act
         return act
 
+    memo = run.memo
+
+    def fixed(dst: InputGroup):
+        """What ``patch_for`` needs of ``dst`` that no mask changes (kept in the memo)."""
+        key = ("input", dst.key)
+        if key not in memo:
+            srcs = [s for s in graph.sources if s.order < dst.order and s.labels and dst.labels]
+            # each source row counts its nodes (an MLP remainder its neurons)
+            covers = torch.cat(
+                [
+                    torch.full((len(s.labels),), len(s.index) if s.kind == MLP_REST else 1)
+                    for s in srcs
+                ]
+                or [torch.zeros(0, dtype=torch.long)]
+            )
+            # Counts of the model's nodes whose change reaches each reader; a restricted
+            # graph's dropped nodes have no edges.
+            n_possible = sum(
+                s.size for s in graph.sources if s.order < dst.order and s.kind != MLP_REST
+            )
+            index = torch.tensor(dst.index, dtype=torch.long)
+            # the readers this group patches: an MLP remainder's neurons are its own
+            ours = torch.ones(dst.size, dtype=torch.bool)
+            ours[_readers_of_other_groups(graph, dst)] = False
+            position = torch.full((dst.size,), -1, dtype=torch.long)
+            position[index] = 0 if dst.kind == MLP_REST else torch.arange(len(index))
+            _, site_name = input_site(model, dst)
+            hook_name = input_hook_name(dst, graph)
+            memo[key] = (srcs, covers, n_possible, index, ours, position, site_name, hook_name)
+        return memo[key]
+
     def patch_for(dst: InputGroup):
-        blocks = [
-            (src, mask[(src.key, dst.key)])
-            for src in graph.sources
-            if src.order < dst.order and src.labels and dst.labels
-        ]
-        # Counts of the model's nodes whose change reaches each reader (an MLP remainder counts
-        # its neurons); a restricted graph's dropped nodes have no edges.
-        n_possible = sum(
-            src.size for src in graph.sources if src.order < dst.order and src.kind != MLP_REST
-        )
+        srcs, covers, n_possible, index, ours, position, site_name, hook_name = fixed(dst)
         included = torch.zeros(dst.size, dtype=torch.long)
-        index = torch.tensor(dst.index, dtype=torch.long)
-        for src, m in blocks:
-            covers = len(src.index) if src.kind == MLP_REST else 1
-            included[index] += m.sum(0).cpu() * covers
-        # the readers this group patches: an MLP remainder's neurons are its own, not the group's
-        others = _readers_of_other_groups(graph, dst)
-        ours = torch.ones(dst.size, dtype=torch.bool)
-        ours[others] = False
+        if srcs:
+            edges = torch.cat([mask[(src.key, dst.key)] for src in srcs], 0).cpu()
+            included[index] += covers @ edges.long()
         if bool((included == n_possible)[ours].all()):
             return None  # the full set of edges: the current run's input
         none = ((included == 0) & ours).nonzero().flatten()  # full indices: corrupted input
-        position = torch.full((dst.size,), -1, dtype=torch.long)
-        position[index] = 0 if dst.kind == MLP_REST else torch.arange(len(index))
         # restricted indices (columns of the masks) of the readers whose input is rebuilt
         mixed = position[((included > 0) & (included < n_possible) & ours).nonzero().flatten()]
         mixed = mixed.unique()  # an MLP remainder: one column (0) for all its neurons
-        _, site_name = input_site(model, dst)
-        hook_name = input_hook_name(dst, graph)
-        patch = patch_inputs(dst, blocks, none, mixed, index, site_name, hook_name)
+        patch = patch_inputs(dst, none, mixed, index, site_name, hook_name)
         if dst.position is not None:
             if where is None:
                 raise ValueError(
@@ -453,7 +471,7 @@ def _circuit_run(
 
         return hook
 
-    def patch_inputs(dst: InputGroup, blocks, none, mixed, index, site_name: str, hook_name: str):
+    def patch_inputs(dst: InputGroup, none, mixed, index, site_name: str, hook_name: str):
         def patch(act, hook):
             act = act.clone()
             if dst.kind == LOGITS:
