@@ -149,6 +149,9 @@ def _check_joint(model, circuit, **kw) -> None:
     layers = sorted(named)
     candidates = {li: _ranking(model, li)[:cap] for li in layers}
     cut = {li for li in layers if not stage.loc[f"L{li}MLP", "remainder"]}
+    # kept by step 2, cut by step 5 (a negative share in the circuit): steps 2-4 kept them
+    dropped = {li for li in layers if stage.loc[f"L{li}MLP", "dropped"]}
+    assert dropped <= cut
     # the returned circuit: the named neurons, the cut layers' remainders without edges
     final = _resolved_faithfulness(model, coarse, named, cut)
     assert circuit.faithfulness == pytest.approx(final, rel=1e-10) and final >= goal
@@ -161,10 +164,12 @@ def _check_joint(model, circuit, **kw) -> None:
         if li in cut:
             assert row.remainder_share == 0.0
             assert set(named[li]) <= set(candidates[li])
-        else:  # 4. a kept layer: not resolved, its share in the returned circuit
+        else:  # a kept layer: not resolved, its share in the returned circuit, not negative
             assert named[li] == []
             without = _resolved_faithfulness(model, coarse, named, cut | {li})
             assert row.remainder_share == pytest.approx(final - without, rel=1e-9, abs=1e-12)
+            assert row.remainder_share >= 0
+    cut -= dropped  # steps 2 to 4 as they were
     # 2. the remainders kept are those of the largest shares alone
     if cut and len(cut) < len(layers):
         assert max(stage.loc[f"L{li}MLP", "share_alone"] for li in cut) <= min(
@@ -174,7 +179,10 @@ def _check_joint(model, circuit, **kw) -> None:
     # the cut layers; N - 1 fails
     untrimmed = _discover(model, **{**kw, "neuron_trim": False})
     first = untrimmed.extra["named"]
-    assert untrimmed.extra["neuron_stage"].remainder.tolist() == stage.remainder.tolist()
+    before_drop = stage.remainder | stage.dropped
+    assert (
+        untrimmed.extra["neuron_stage"].remainder | untrimmed.extra["neuron_stage"].dropped
+    ).tolist() == before_drop.tolist()
     scores = _scores(model)
     pool = sorted(
         (n for li in sorted(cut) for n in candidates[li]), key=lambda n: -abs(float(scores[n]))
@@ -209,7 +217,9 @@ def test_joint_search_names_the_fewest_neurons_across_layers_exactly():
     circuit = _discover(model, **kw)
     stage = circuit.extra["neuron_stage"]
     assert len(stage) == 2
-    assert list(stage.columns) == ["node", "named", "remainder", "remainder_share", "share_alone"]
+    assert list(stage.columns) == [
+        "node", "named", "remainder", "remainder_share", "share_alone", "dropped",
+    ]  # fmt: skip
     assert not stage.remainder.any()
     assert circuit.extra["neuron_stage_runs"] >= len(stage)
     _check_joint(model, circuit, **kw)
@@ -253,3 +263,85 @@ def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
     for fixed in (dict(top_n=10), dict(threshold=0.1)):  # no sweep for it to aim
         with pytest.raises(ValueError, match="fixed-size circuit without one"):
             DiscoveryOptions(coarse_target=0.9, **fixed)
+
+
+class _Ruled:
+    """A stand-in for :class:`~tl_attnonly.analysis.discovery.neuron_stage.NeuronStage` whose
+    "faithfulness" of a mask is a rule of which remainders and named neurons have outgoing
+    edges (the search itself, on a real graph, is what is tested)."""
+
+    def __init__(self, rule, n_layers: int = 4, per_layer: int = 4):
+        from types import SimpleNamespace
+
+        from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
+
+        model = make_converted("silu", **{**GATED_ZOO["llama"], "n_layers": n_layers})
+        self.ranked = {li: [f"L{li}N{i}" for i in range(per_layer)] for li in range(n_layers)}
+        nodes = coarse_nodes(model) + [n for v in self.ranked.values() for n in v]
+        self.graph = HeadGraph(model, nodes=nodes)
+        self.mask = self.graph.full_mask()
+        self.rule, self.n_runs = rule, 0
+        self.opts = DiscoveryOptions(neurons_per_mlp="auto")
+        self.coarse = SimpleNamespace(faithfulness=self._value(self.mask))
+        self.goal = min(self.opts.target, self.coarse.faithfulness)
+        self.sizes = NeuronStage.sizes.__get__(self)
+
+    def _value(self, mask) -> float:
+        rest = {li: False for li in self.ranked}
+        named = {li: 0 for li in self.ranked}
+        for (src, _), block in mask.items():
+            kind, _, layer = src.partition(".")
+            if kind == "mlp":
+                rest[int(layer)] |= bool(block.any())
+            elif kind == "neuron":
+                named[int(layer)] = max(named[int(layer)], int(block.any(1).sum()))
+        return self.rule(rest, named)
+
+    def faithfulness(self, masks) -> list[float]:
+        self.n_runs += len(masks)
+        return [self._value(m) for m in masks]
+
+
+def test_joint_search_cuts_a_kept_layer_whose_share_turns_negative():
+    """A kept layer that helps only beside neurons the search then leaves out (layer 3 beside
+    all four of layer 2's candidates) works against the returned circuit: it is cut, the
+    faithfulness rises, and the other kept layers' shares are those of the new circuit."""
+    import pandas as pd
+
+    from tl_attnonly.analysis.discovery.neuron_stage import resolve_neurons_jointly
+
+    def rule(rest, named) -> float:  # layers 0..3 = A, B, C, D
+        together = 0.2 if named[2] == 4 else 0.0  # D's help needs all of C's candidates
+        return (
+            0.24 + 0.5 * rest[0] + 0.12 * rest[1] + 0.02 * rest[2] - 0.025 * named[2]
+            + rest[3] * (together - 0.05)
+        )  # fmt: skip
+
+    stage = _Ruled(rule)
+    scores = pd.Series({n: 1.0 - 0.1 * i for v in stage.ranked.values() for i, n in enumerate(v)})
+    named, cut, table, runs = resolve_neurons_jointly(stage, scores)
+    table = table.set_index("node")
+    # shares alone: A 0.5, B 0.12, C 0.02, D 0.15; A, B, D kept (A and D alone: 0.79 < 0.8)
+    assert table.share_alone.to_dict() == pytest.approx(
+        {"L0MLP": 0.5, "L1MLP": 0.12, "L2MLP": 0.02, "L3MLP": 0.15}
+    )
+    # no named neuron of C is needed (0.81); D then costs 0.05: cut, 0.86
+    assert named == {0: [], 1: [], 2: [], 3: []}
+    assert cut == {2, 3}
+    assert table.dropped.to_dict() == {
+        "L0MLP": False,
+        "L1MLP": False,
+        "L2MLP": False,
+        "L3MLP": True,
+    }
+    assert table.remainder.to_dict() == {
+        "L0MLP": True,
+        "L1MLP": True,
+        "L2MLP": False,
+        "L3MLP": False,
+    }
+    # the shares of the kept layers in the returned circuit (0.86 without A: 0.36, without B: 0.74)
+    assert table.remainder_share.to_dict() == pytest.approx(
+        {"L0MLP": 0.5, "L1MLP": 0.12, "L2MLP": 0.0, "L3MLP": 0.0}
+    )
+    assert runs == stage.n_runs

@@ -8,7 +8,8 @@ not named); *cutting* it removes its outgoing edges, and a named neuron left out
 outgoing edges too, so both read the corrupted run. The goal is ``min(target, coarse
 faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_metrics`).
 
-``neuron_search="joint"`` (default) chooses all layers together, in three searches and a trim:
+``neuron_search="joint"`` (default) chooses all layers together, in three searches, a trim and
+a last check of the kept layers:
 
 1. **Shares.** For each MLP node, the circuit with that layer's remainder cut (its candidates
    named), every other layer whole: ``share_alone`` is the faithfulness it loses (negative where
@@ -25,10 +26,18 @@ faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_met
    fewest of its own top named neurons that hold the goal, the others as they then are
    (bisection down from the passing count; about ``log2(count)`` runs per layer).
 
+5. **Kept layers working against the circuit.** Step 2 chose the kept layers by their shares
+   alone, with every candidate named; in the returned circuit (fewer named neurons) a kept
+   layer's share can be negative: cutting it raises the faithfulness. While one is, the most
+   negative is cut (``dropped``; the run without it is above the circuit's, so above the goal)
+   and the remaining kept layers' shares are measured again (one call each time).
+
 A layer whose remainder is kept is not resolved: it stays one node ``L{l}MLP`` (no neuron named;
 its candidates alone cannot replace it), and its share is measured in the returned circuit: the
-faithfulness with the layer minus without it. About ``L + 2 log2(L) + 2 log2(N)`` runs for
-``L`` MLP nodes before the trim and ``log2`` of each resolved layer's count in it, against up to
+faithfulness with the layer minus without it.
+
+About ``L + 2 log2(L) + 2 log2(N)`` runs for ``L`` MLP nodes before the trim, ``log2`` of each
+resolved layer's count in it, and one call per kept layer cut in step 5, against up to
 ``3 log2(cap)`` per layer layer by layer.
 
 ``neuron_search="layers"`` resolves the layers one at a time (lowest first): the top ``k`` of the
@@ -39,8 +48,9 @@ remainder is kept. The goal's slack is spent by the first layers that cost anyth
 ``circuit.extra["neuron_stage"]`` has one row per MLP node: ``node``, ``named`` (count),
 ``remainder`` (whether kept), ``remainder_share`` (the faithfulness it carries in the returned
 circuit: with it minus without it; 0 where cut; joint: a kept remainder is the whole layer),
-then ``share_alone`` (joint: lost when the remainder beyond the candidates is cut alone) or
-``faithfulness`` (layers: after that layer was resolved) and ``runs`` (layers).
+then ``share_alone`` (joint: lost when the remainder beyond the candidates is cut alone) and
+``dropped`` (joint: kept by step 2, cut by step 5) or ``faithfulness`` (layers: after that layer
+was resolved) and ``runs`` (layers).
 
 The runs are made a few at a time, in one :func:`~.runs.circuit_metrics` call each (one
 corrupted run shared): the doubling runs ``k``, ``2k`` and ``4k`` together, the bisection its
@@ -75,7 +85,7 @@ LADDER = 3
 #: The per-layer table of ``neuron_search="layers"``.
 COLUMNS = ["node", "named", "remainder", "remainder_share", "faithfulness", "runs"]
 #: The per-layer table of ``neuron_search="joint"``.
-JOINT_COLUMNS = ["node", "named", "remainder", "remainder_share", "share_alone"]
+JOINT_COLUMNS = ["node", "named", "remainder", "remainder_share", "share_alone", "dropped"]
 
 
 def _cut(mask: Mask, graph: HeadGraph, layer: int, keep: set[str]) -> Mask:
@@ -331,16 +341,30 @@ def resolve_neurons_jointly(
             assert k is not None  # len(mine) passes
             named[li] = mine[:k]
             final_mask, final = tried_k[k]
-    # 5. each kept layer's share in the returned circuit (with it minus without it)
+    # 5. each kept layer's share in the returned circuit (with it minus without it); while one
+    # is negative, the most negative is cut (the run without it is above the circuit's, so
+    # above the goal) and the others' shares are measured again
     kept = [li for li in layers if li not in cut]
-    masks = [_cut(final_mask, graph, li, set()) for li in kept]
-    without = stage.faithfulness(masks) if masks else []
-    share = {li: final - f for li, f in zip(kept, without, strict=True)}
+    dropped: list[int] = []
+    while True:
+        masks = [_cut(final_mask, graph, li, set()) for li in kept]
+        without = dict(zip(kept, stage.faithfulness(masks) if masks else [], strict=True))
+        share = {li: final - without[li] for li in kept}
+        if not kept or min(share.values()) >= 0:
+            break
+        worst = min(kept, key=lambda li: (share[li], li))
+        final_mask, final = masks[kept.index(worst)], without[worst]
+        kept.remove(worst)
+        dropped.append(worst)
     rows = [
-        (mlp_rest_label(li), len(named[li]), li in share, share.get(li, 0.0), share_alone[li])
+        (
+            mlp_rest_label(li), len(named[li]), li in share, share.get(li, 0.0),
+            share_alone[li], li in dropped,
+        )
         for li in layers
-    ]
-    return named, set(cut), pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
+    ]  # fmt: skip
+    cut_all = set(cut) | set(dropped)
+    return named, cut_all, pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
 
 
 __all__ = ["NeuronStage", "resolve_neurons", "resolve_neurons_jointly"]
