@@ -187,6 +187,45 @@ def test_streamed_top_n_equals_the_full_top_n(name, method, absolute):
         )
 
 
+@pytest.mark.parametrize("name", ["ln_gelu", "llama"])
+def test_ig_sums_each_inputs_read_direction_over_steps_before_the_sources_read_it(
+    name, monkeypatch
+):
+    """EAP-IG on the coarse graph: what the sources write is built once per batch, not once
+    per interpolation step (each input's read direction is summed over the steps first), and
+    the scores are the streamed per-step scores (``top_edges``, every edge)."""
+    from tl_attnonly.analysis.discovery import edge_scores
+    from tl_attnonly.analysis.discovery.search import coarse_nodes
+
+    model = _model(name)
+    nodes = coarse_nodes(model)
+    calls = [0]
+    written = edge_scores._written
+
+    def counted(*args):
+        calls[0] += 1
+        return written(*args)
+
+    monkeypatch.setattr(edge_scores, "_written", counted)
+    counts = []
+    for steps in (1, 4):
+        calls[0] = 0
+        scores = edge_attribution_scores(
+            model, CLEAN, CORRUPTED, METRIC, method="eap-ig", ig_steps=steps, nodes=nodes,
+            batch_size=2, progress=False,
+        )  # fmt: skip
+        counts.append(calls[0])
+    assert counts[0] == counts[1] > 0  # two batches either way
+    streamed = top_edges(
+        model, scores.graph.n_edges(), CLEAN, CORRUPTED, METRIC, method="eap-ig", ig_steps=4,
+        nodes=nodes, batch_size=2, progress=False,
+    )  # fmt: skip
+    frame = scores.frame().set_index("edge").score
+    assert streamed.frame.set_index("edge").score.loc[frame.index].tolist() == pytest.approx(
+        frame.tolist(), rel=1e-9, abs=1e-12
+    )
+
+
 def _expand(graph: HeadGraph, full: HeadGraph, mask: dict) -> dict:
     """A mask of a graph with MLP remainders as a mask of the full graph: an edge out of (into)
     ``L{l}MLP`` is the same edge out of (into) each of its neurons."""

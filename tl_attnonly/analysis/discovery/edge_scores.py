@@ -179,25 +179,32 @@ def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tens
     return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
 
 
+def _read_direction(G: torch.Tensor, lin) -> torch.Tensor:
+    """``H [B, v, d]``: the residual direction each of ``v`` inputs reads through its
+    normalisation linearised at each row, so that :func:`_scores_from_read` is
+    ``einsum("bud,bvd->uv", W, H)`` (linear in ``H``: directions of several interpolation steps
+    can be summed before the sources read them)."""
+    if lin is None:
+        return G
+    x_hat, inv, w, centred = lin
+    x_hat, inv = x_hat.to(G.dtype), inv.to(G.dtype)
+    d = G.shape[-1]
+    Gw = G * w.to(G.dtype) if w is not None else G
+    if centred:
+        Gw = Gw - Gw.mean(-1, keepdim=True)
+    wx = x_hat * w.to(G.dtype) if w is not None else x_hat
+    beta = torch.einsum("bvd,bd->bv", G, wx)
+    return Gw * inv[:, None, None] - x_hat[:, None, :] * (inv[:, None] * beta)[:, :, None] / d
+
+
 def _scores_from_read(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
-    """:func:`_block_scores_from_rows` with the reader's normalisation moved onto ``G``.
+    """:func:`_block_scores_from_rows` with the reader's normalisation moved onto ``G``
+    (:func:`_read_direction`).
 
     ``sum_d centre(W)_d w_d G_d = sum_d W_d centre(w G)_d`` (centring is symmetric), so every
     source ``W [B, u, d]`` (many groups concatenated) is read by one product, without a copy.
     """
-    if lin is None:
-        return torch.einsum("bud,bvd->uv", W, G)
-    x_hat, inv, w, centred = lin
-    x_hat, inv = x_hat.to(W.dtype), inv.to(W.dtype)
-    d = W.shape[-1]
-    Gw = G * w.to(W.dtype) if w is not None else G
-    if centred:
-        Gw = Gw - Gw.mean(-1, keepdim=True)
-    out = torch.einsum("bud,bvd->uv", W, Gw * inv[:, None, None])
-    alpha = torch.einsum("bud,bd->bu", W, x_hat)
-    wx = x_hat * w.to(W.dtype) if w is not None else x_hat
-    beta = torch.einsum("bvd,bd->bv", G, wx)
-    return out - torch.einsum("bu,bv->uv", alpha * inv[:, None], beta) / d
+    return torch.einsum("bud,bvd->uv", W, _read_direction(G, lin).to(W.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,40 +307,70 @@ def edge_attribution_scores(
     readers: dict[str, torch.Tensor] = {}
     # narrow groups (embeddings, a layer's attention heads, an MLP remainder; sources in residual
     # order, so those a reader reads are a prefix): each row's written residual vectors once,
-    # concatenated, read by each narrow input group in one product (not once per block)
+    # concatenated, read by each narrow input group in one product (not once per block). The
+    # score is linear in what an input reads back into the residual stream (``H``,
+    # :func:`_read_direction`), and the sources' changes are the same at every interpolation step
+    # of a batch: ``H`` is summed over the steps and read by the changes once per batch (up to
+    # ``4 * block_bytes`` of ``H`` kept; an input beyond it, and every input of a method with
+    # one step, is scored at every step).
     narrow = [s for s in graph.sources if s.labels and s.kind != "neuron"]
     ends = {s.key: sum(len(t.labels) for t in narrow[: i + 1]) for i, s in enumerate(narrow)}
-    for deltas, reads, weight in terms:
+    narrow_inputs = [d for d in graph.inputs if d.labels and d.kind != "neuron"]
+    summed: dict[str, torch.Tensor] = {}  # input key -> sum over the batch's steps of H * weight
+    batch: list[Any] = [None]  # the current batch's deltas (the same object at every step)
+
+    def score_narrow(deltas, directions: dict[str, torch.Tensor], reads) -> None:
+        """Add ``W . H`` of each narrow input (``directions``: its ``H``, weight included)."""
+        if not directions:
+            return
         with torch.no_grad():
             for src in narrow:
                 if src.key not in writers:
                     writers[src.key] = writer_matrix(model, src, graph, deltas[src.key])
             W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
             W, spans = _rows_by_class(W, graph, reads)
-            for dst in graph.inputs:
-                if not dst.labels or dst.kind == "neuron":
+            for dst in narrow_inputs:
+                if dst.key not in directions:
+                    continue
+                before = [s for s in narrow if s.order < dst.order]
+                n = ends[before[-1].key]
+                Wd = W if dst.position is None else W[spans[dst.position]]
+                H = directions[dst.key]
+                rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
+                block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
+                for b in range(0, Wd.shape[0], rows):
+                    block += torch.einsum("bud,bvd->uv", Wd[b : b + rows, :n], H[b : b + rows])
+                start = 0
+                for src in before:
+                    stop = start + len(src.labels)
+                    scores[(src.key, dst.key)] += block[start:stop].to(dtype)
+                    start = stop
+
+    last_reads: dict[str, tuple[Any, ...]] = {}
+    for deltas, reads, weight in terms:
+        if batch[0] is not None and deltas is not batch[0]:  # a new batch: score the last one
+            score_narrow(batch[0], summed, last_reads)
+            summed = {}
+        batch[0], last_reads = deltas, reads
+        with torch.no_grad():
+            kept = sum(t.numel() * t.element_size() for t in summed.values())
+            now: dict[str, torch.Tensor] = {}  # beyond the budget: scored at this step
+            for dst in narrow_inputs:
+                if not any(s.order < dst.order for s in narrow):
                     continue
                 g, lin = reads[dst.key][:2]
                 if dst.key not in readers:
                     readers[dst.key] = reader_matrix(model, dst, graph, g)
-                before = [s for s in narrow if s.order < dst.order]
-                if not before:
-                    continue
-                n = ends[before[-1].key]
-                Wd = W if dst.position is None else W[spans[dst.position]]
-                rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
-                G = _read(g, readers[dst.key])
-                block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
-                for b in range(0, Wd.shape[0], rows):
-                    part = slice(b, b + rows)
-                    lin_part = None if lin is None else (lin[0][part], lin[1][part], *lin[2:])
-                    block += _scores_from_read(Wd[part, :n], G[part], lin_part)
-                start = 0
-                for src in before:
-                    stop = start + len(src.labels)
-                    scores[(src.key, dst.key)] += block[start:stop].to(dtype) * weight
-                    start = stop
-            del W
+                H = _read_direction(_read(g, readers[dst.key]), lin) * weight
+                if dst.key in summed:
+                    summed[dst.key] += H
+                elif weight < 1 and kept + H.numel() * H.element_size() <= 4 * block_bytes:
+                    summed[dst.key] = H
+                    kept += H.numel() * H.element_size()
+                else:
+                    now[dst.key] = H
+            if now:
+                score_narrow(deltas, now, reads)
         for src, dst in graph.blocks():
             if src.kind != "neuron" and dst.kind != "neuron":
                 continue  # scored above
@@ -346,6 +383,8 @@ def edge_attribution_scores(
             with torch.no_grad():
                 block = block_scores(delta, writers[src.key], g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
+    if batch[0] is not None:
+        score_narrow(batch[0], summed, last_reads)
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
 
