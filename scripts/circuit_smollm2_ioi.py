@@ -65,6 +65,7 @@ Usage::
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
         [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
         [--coarse-target T] [--fresh 64] [--fresh-seed N] [--bridge]
+        [--profiles N [--profiles-figure PATH]]
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ from tl_attnonly.analysis import (
     faithfulness,
     ioi_head_scores,
     make_ioi_dataset,
+    named_neurons,
+    neuron_profiles,
     path_patch,
     path_patch_sweep,
     prune,
@@ -310,6 +313,14 @@ DISCOVER_OPTIONS: dict[str, dict] = {
         help="discover: fresh prompts the search never saw, for a held-out figure (0: none)",
     ),
     "--fresh-seed": dict(type=int, default=None, help="seed of the fresh prompts (--seed + 2)"),
+    "--profiles": dict(
+        type=int, default=0,
+        help="discover: profile the circuit's N named neurons of largest outgoing |score| "
+        "(neuron_profiles over the bundled prompts: gate/value split, top contexts, quadrants)",
+    ),
+    "--profiles-figure": dict(
+        default=None, help="with --profiles: write the neuron circuit's figure (HTML) here",
+    ),
 }  # fmt: skip
 
 
@@ -417,7 +428,65 @@ def stage_discover(model, data, args, fresh=None, task: str | None = None) -> Ci
         )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"time {seconds:.0f} s; peak resident memory of the process {peak:.2f} GiB")
+    if args.profiles > 0:
+        stage_profiles(model, circuit, data, args, positions)
     return circuit
+
+
+def strongest_named(circuit: Circuit, n: int) -> list[str]:
+    """The ``n`` named neurons of ``circuit`` whose outgoing circuit edges have the largest
+    summed ``|score|``."""
+    named = set(named_neurons(circuit))
+    frame = circuit.edges()
+    out = frame[frame.source.isin(named)]
+    ranked = out.groupby("source").score.apply(lambda s: s.abs().sum())
+    return list(ranked.sort_values(ascending=False, kind="stable").index[:n])
+
+
+def stage_profiles(model, circuit: Circuit, data, args, positions=None) -> None:
+    """``neuron_profiles`` of the circuit's ``--profiles`` strongest named neurons over the
+    bundled prompts: per neuron its exact gate/value split on the search prompts, firing
+    fraction, mean output, the tokens it writes most on, its sign quadrants and its top
+    context; the neuron circuit's figure to ``--profiles-figure``."""
+    neurons = strongest_named(circuit, args.profiles)
+    if not neurons:
+        print("\n## neuron profiles: the circuit names no neuron")
+        return
+    start = time.perf_counter()
+    profiles = neuron_profiles(
+        model, circuit, neurons=neurons, clean_tokens=data.tokens,
+        corrupted_tokens=data.corrupted_tokens, metric=data.additive_metric(),
+        positions=positions, run_batch_size=args.batch_size,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(
+        f"\n## neuron profiles: the {len(neurons)} named neurons of largest outgoing |score| "
+        f"({profiles.n_positions:,} positions of the bundled prompts; gate/value: exact runs on "
+        "the search prompts, metric units)"
+    )
+    for row in profiles.table.itertuples():
+        print(
+            f"{row.neuron}: gate {row.gate:+.4f} value {row.value:+.4f} interaction "
+            f"{row.interaction:+.4f} ({row.gate_value_from}); firing {row.firing_fraction:.2f}, "
+            f"mean output {row.mean_output:+.4f}; top tokens {row.top_tokens}"
+        )
+        if row.gated:
+            shares = profiles.quadrants(row.neuron)
+            print(
+                "    |o| share by quadrant: "
+                + ", ".join(f"{q.quadrant} {q.abs_share:.2f}" for q in shares.itertuples())
+            )
+        top = profiles.contexts(row.neuron)
+        if len(top):
+            print(f"    top context: {top.text.iloc[0]!r} (o {top.output.iloc[0]:+.3f})")
+    for note in profiles.notes:
+        print(f"note: {note}")
+    print(f"profiles time {seconds:.0f} s")
+    if args.profiles_figure:
+        import tl_attnonly.vis  # noqa: F401  (registers NeuronProfiles.figure)
+
+        profiles.figure().write_html(args.profiles_figure)
+        print(f"neuron circuit figure written to {args.profiles_figure}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,7 @@ Usage::
         [--attractor opposite|same|random] [--prompts 16] [--fresh 64] [--fresh-seed N]
         [--target 0.8] [--positions none|roles] [--ranking signed|absolute] [--prune-runs 30]
         [--neurons-per-mlp 8|auto] [--coarse-target T] [--batch-size N] [--threads 2] [--bridge]
+        [--profiles N [--profiles-figure PATH]]
 """
 
 from __future__ import annotations
