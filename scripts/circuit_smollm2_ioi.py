@@ -53,6 +53,12 @@ when ``roles`` runs too):
   exact run of the circuit's edges) beside the search figure. A first line names the script
   and every setting the figures depend on.
 
+  **Neuron profiles.** ``--profiles N`` profiles the circuit's ``N`` named neurons of largest
+  outgoing ``|score|`` (:func:`~tl_attnonly.analysis.neuron_profiles` over the bundled prompts:
+  the exact gate/value split on the search prompts, firing fraction, mean output, the tokens
+  each writes most on, its sign quadrants and top context); ``--profiles-figure PATH`` writes
+  the neuron circuit's figure (HTML).
+
 The model is a ``HookedTransformer`` and its ``AttnOnlyTransformer`` on TransformerLens 3.x, and
 two ``TransformerBridge`` objects (one converted in place) on 4.x, which has no
 ``HookedTransformer``; ``--bridge`` takes the bridge on 3.x too

@@ -27,6 +27,12 @@ default ``--seed`` + 2) and ``exclude=`` the search prompts, and prints the exac
 the same circuit on them (:func:`~tl_attnonly.analysis.evaluate_circuit`: their own clean and
 corrupted metrics, one exact run of the circuit's edges) beside the search figure.
 
+**Neuron profiles.** ``--profiles N`` profiles the circuit's ``N`` named neurons of largest
+outgoing ``|score|`` (:func:`~tl_attnonly.analysis.neuron_profiles` over the bundled prompts: the
+exact gate/value split on the search prompts, firing fraction, mean output, the tokens each
+writes most on, its sign quadrants and top context); ``--profiles-figure PATH`` writes the neuron
+circuit's figure (HTML).
+
 The model is a ``HookedTransformer`` and its ``AttnOnlyTransformer`` on TransformerLens 3.x, and
 two ``TransformerBridge`` objects on 4.x; ``--bridge`` takes the bridge on 3.x too.
 
