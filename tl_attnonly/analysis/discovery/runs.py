@@ -24,7 +24,6 @@ a dropped node are absent: a dropped node's inputs are corrupted, so its output 
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
@@ -57,6 +56,7 @@ from tl_attnonly.analysis.discovery.sites import (
     qkv_weights,
     source_hook_names,
 )
+from tl_attnonly.analysis.patching.resume import hook_layer
 from tl_attnonly.hooks import block_act_name
 
 if TYPE_CHECKING:
@@ -338,10 +338,10 @@ def _start_layer(graph: HeadGraph, shared: Collection[str]) -> int:
     return min(min(own, default=graph.n_layers), graph.n_layers - 1)
 
 
-def _hook_layer(name: str) -> int:
-    """The block a hook belongs to (-1: the embeddings)."""
-    found = re.match(r"blocks\.(\d+)\.", name)
-    return int(found.group(1)) if found else -1
+def _before(name: str, start: int) -> bool:
+    """Whether hook ``name`` fires before block ``start`` (the embeddings' do)."""
+    layer = hook_layer(name)
+    return layer is None or layer < start
 
 
 class FirstRun:
@@ -395,7 +395,7 @@ def _circuit_run(
     current: dict[str, torch.Tensor] = {}
     if start:
         assert first is not None and first.runner is not None
-        current.update({k: v for k, v in first.sources.items() if _hook_layer(k) < start})
+        current.update({k: v for k, v in first.sources.items() if _before(k, start)})
     reuse: dict[str, torch.Tensor] = {}
     if first is not None and not keep:
         reuse = {key: first.outputs[key] for key in shared if key in first.outputs}
@@ -515,7 +515,7 @@ def _circuit_run(
     hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
         (name, record)
         for name in source_hook_names(model, graph)
-        if not start or _hook_layer(name) >= start  # below: the first run's
+        if not start or not _before(name, start)  # below: the first run's
     ]
     for dst in graph.inputs:
         if dst.layer < start:  # below the block the run starts at: the first run's
