@@ -297,7 +297,7 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
     from tl_attnonly.analysis.discovery.edge_scores import (
         _block_scores_from_rows,
         _read,
-        _scores_from_read,
+        _read_direction,
         _written,
         block_scores,
     )
@@ -321,5 +321,5 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
     from_rows = _block_scores_from_rows(_written(a, U), _read(grad, R), lin)
     torch.testing.assert_close(from_rows, pairs, rtol=1e-12, atol=1e-12)
     # with the reader's normalisation moved onto what it reads (every source in one product)
-    moved = _scores_from_read(_written(a, U), _read(grad, R), lin)
+    moved = torch.einsum("bud,bvd->uv", _written(a, U), _read_direction(_read(grad, R), lin))
     torch.testing.assert_close(moved, pairs, rtol=1e-12, atol=1e-12)

@@ -181,9 +181,11 @@ def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tens
 
 def _read_direction(G: torch.Tensor, lin) -> torch.Tensor:
     """``H [B, v, d]``: the residual direction each of ``v`` inputs reads through its
-    normalisation linearised at each row, so that :func:`_scores_from_read` is
-    ``einsum("bud,bvd->uv", W, H)`` (linear in ``H``: directions of several interpolation steps
-    can be summed before the sources read them)."""
+    normalisation linearised at each row, so that :func:`_block_scores_from_rows` is
+    ``einsum("bud,bvd->uv", W, H)``: every source ``W [B, u, d]`` (many groups concatenated) is
+    read by one product, without a copy (``sum_d centre(W)_d w_d G_d = sum_d W_d centre(w G)_d``,
+    centring is symmetric), and ``H`` is linear in ``G``, so the directions of several
+    interpolation steps can be summed before the sources read them."""
     if lin is None:
         return G
     x_hat, inv, w, centred = lin
@@ -195,16 +197,6 @@ def _read_direction(G: torch.Tensor, lin) -> torch.Tensor:
     wx = x_hat * w.to(G.dtype) if w is not None else x_hat
     beta = torch.einsum("bvd,bd->bv", G, wx)
     return Gw * inv[:, None, None] - x_hat[:, None, :] * (inv[:, None] * beta)[:, :, None] / d
-
-
-def _scores_from_read(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
-    """:func:`_block_scores_from_rows` with the reader's normalisation moved onto ``G``
-    (:func:`_read_direction`).
-
-    ``sum_d centre(W)_d w_d G_d = sum_d W_d centre(w G)_d`` (centring is symmetric), so every
-    source ``W [B, u, d]`` (many groups concatenated) is read by one product, without a copy.
-    """
-    return torch.einsum("bud,bvd->uv", W, _read_direction(G, lin).to(W.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +309,6 @@ def edge_attribution_scores(
     ends = {s.key: sum(len(t.labels) for t in narrow[: i + 1]) for i, s in enumerate(narrow)}
     narrow_inputs = [d for d in graph.inputs if d.labels and d.kind != "neuron"]
     summed: dict[str, torch.Tensor] = {}  # input key -> sum over the batch's steps of H * weight
-    batch: list[Any] = [None]  # the current batch's deltas (the same object at every step)
 
     def score_narrow(deltas, directions: dict[str, torch.Tensor], reads) -> None:
         """Add ``W . H`` of each narrow input (``directions``: its ``H``, weight included)."""
@@ -346,12 +337,14 @@ def edge_attribution_scores(
                     scores[(src.key, dst.key)] += block[start:stop].to(dtype)
                     start = stop
 
+    # the batch being summed: its deltas (the same object at every step of a batch) and reads
+    last_deltas: dict[str, torch.Tensor] | None = None
     last_reads: dict[str, tuple[Any, ...]] = {}
     for deltas, reads, weight in terms:
-        if batch[0] is not None and deltas is not batch[0]:  # a new batch: score the last one
-            score_narrow(batch[0], summed, last_reads)
+        if last_deltas is not None and deltas is not last_deltas:  # a new batch: score the last
+            score_narrow(last_deltas, summed, last_reads)
             summed = {}
-        batch[0], last_reads = deltas, reads
+        last_deltas, last_reads = deltas, reads
         with torch.no_grad():
             kept = sum(t.numel() * t.element_size() for t in summed.values())
             now: dict[str, torch.Tensor] = {}  # beyond the budget: scored at this step
@@ -383,8 +376,8 @@ def edge_attribution_scores(
             with torch.no_grad():
                 block = block_scores(delta, writers[src.key], g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
-    if batch[0] is not None:
-        score_narrow(batch[0], summed, last_reads)
+    if last_deltas is not None:
+        score_narrow(last_deltas, summed, last_reads)
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
 
