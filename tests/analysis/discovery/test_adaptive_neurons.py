@@ -22,6 +22,7 @@ from tl_attnonly.analysis import (
     faithfulness,
     logit_diff_metric,
 )
+from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
 from tl_attnonly.analysis.discovery.pruning import mask_size
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 
@@ -265,15 +266,14 @@ def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
             DiscoveryOptions(coarse_target=0.9, **fixed)
 
 
-class _Ruled:
-    """A stand-in for :class:`~tl_attnonly.analysis.discovery.neuron_stage.NeuronStage` whose
-    "faithfulness" of a mask is a rule of which remainders and named neurons have outgoing
-    edges (the search itself, on a real graph, is what is tested)."""
+class _Ruled(NeuronStage):
+    """A :class:`~tl_attnonly.analysis.discovery.neuron_stage.NeuronStage` whose "faithfulness"
+    of a mask is a rule of which remainders and named neurons have outgoing edges (the search
+    itself, on a real graph, is what is tested; no coarse circuit, so ``__init__`` is its own).
+    """
 
     def __init__(self, rule, n_layers: int = 4, per_layer: int = 4):
         from types import SimpleNamespace
-
-        from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
 
         model = make_converted("silu", **{**GATED_ZOO["llama"], "n_layers": n_layers})
         self.ranked = {li: [f"L{li}N{i}" for i in range(per_layer)] for li in range(n_layers)}
@@ -284,7 +284,6 @@ class _Ruled:
         self.opts = DiscoveryOptions(neurons_per_mlp="auto")
         self.coarse = SimpleNamespace(faithfulness=self._value(self.mask))
         self.goal = min(self.opts.target, self.coarse.faithfulness)
-        self.sizes = NeuronStage.sizes.__get__(self)
 
     def _value(self, mask) -> float:
         rest = {li: False for li in self.ranked}
