@@ -175,6 +175,33 @@ def test_what_no_mask_changes_is_computed_once_per_batch(monkeypatch):
     assert len(set(calls)) <= len([s for s in graph.sources if s.labels])
 
 
+def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
+    """The weights a rebuilt input is read with (``W_gate`` / ``W_in`` columns of the neurons,
+    ``W_Q`` etc. of the heads) are gathered once per batch for each input group and node set,
+    not once per run; the values stay those of one call per circuit."""
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
+    _, masks = _layer_variants(model, nodes)
+    apart = _one_call_each(model, masks, nodes, CLEAN, CORRUPTED, METRIC)
+    gathered, recomputed = [0], set()
+    read_matrix, recompute = runs.neuron_read_matrix, runs._recompute
+
+    def counted_read(*args):
+        gathered[0] += 1
+        return read_matrix(*args)
+
+    def seen(model, dst, graph, x, nodes, *args):
+        recomputed.add((x.shape[0], dst.key, tuple(nodes.tolist())))  # the batch by its size
+        return recompute(model, dst, graph, x, nodes, *args)
+
+    monkeypatch.setattr(runs, "neuron_read_matrix", counted_read)
+    monkeypatch.setattr(runs, "_recompute", seen)
+    together = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
+    assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
+    neuron_sets = {key for key in recomputed if not key[1].startswith("attn")}
+    assert gathered[0] == len(neuron_sets) > 0
+
+
 def _count_corrupted_runs(monkeypatch, model) -> list[int]:
     from tl_attnonly.adapt import analysis_model
 

@@ -82,10 +82,14 @@ def _recompute(
     x: torch.Tensor,
     nodes: torch.Tensor,
     which: torch.Tensor | None = None,
+    memo: dict | None = None,
 ):
     """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``
     (or, with ``which [m]``, from the distinct inputs ``x [b, p, n_distinct, d]``, reader ``i``
     reading ``x[:, :, which[i]]``: each distinct input is normalised once).
+
+    ``memo``: a dict in which the readers' weights are kept per input group and node set (the
+    same in every run of one call: :class:`FirstRun`'s memo), instead of gathered per call.
 
     Returns ``[b, p, m, d_head]`` (attention), the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
     together with the head indices ``m'`` they go to, or, for gated MLPs, the gates ``g`` or
@@ -93,20 +97,20 @@ def _recompute(
     """
     module, _ = input_site(model, dst)
     normalised = module(x) if module is not None else x
+    weights = _reader_weights(model, dst, graph, nodes, memo)
     if dst.kind == "attn":
         if which is not None:
             normalised = normalised[:, :, which.to(normalised.device)]
-        W, b = qkv_weights(model.blocks[dst.layer].attn, dst.input)
-        out = torch.einsum("bpmd,mde->bpme", normalised, W[nodes]) + b[nodes]
+        W, b = weights
+        out = torch.einsum("bpmd,mde->bpme", normalised, W) + b
         return out, nodes
     if graph.gated:  # TL's GatedMLP: g = x W_gate, u = x W_in, no biases before the product
-        W = neuron_read_matrix(model, dst, graph)[:, nodes]
-        return _project(normalised, W, which), nodes
+        return _project(normalised, weights[0], which), nodes
     mlp = model.blocks[dst.layer].mlp
     K = graph.n_heads_per_neuron
     neurons = nodes if graph.neuron_level else nodes // K
-    W_in = mlp.W_in[:, neurons]  # [d, m]
-    pre = _project(normalised, W_in, which) + mlp.b_in[neurons]
+    W_in, b_in = weights  # [d, m], [m]
+    pre = _project(normalised, W_in, which) + b_in
     scale = neuron_head_coef(mlp, pre, 0 if dst.input == "gate" else 2)
     shift = neuron_head_coef(mlp, pre, 1 if dst.input == "gate" else 3)
     if graph.neuron_level:
@@ -117,6 +121,33 @@ def _recompute(
         k = nodes % K
         out = pre * scale[k] + shift[k]
     return out.unsqueeze(-1), heads
+
+
+def _reader_weights(
+    model: AttnOnlyModel,
+    dst: InputGroup,
+    graph: HeadGraph,
+    nodes: torch.Tensor,
+    memo: dict | None,
+) -> tuple[torch.Tensor, ...]:
+    """The weights ``nodes`` of ``dst`` read with: ``(W [m, d, d_head], b [m, d_head])``
+    (attention), ``(W [d, m],)`` (gated MLPs) or ``(W_in [d, m], b_in [m])`` (neuron-heads),
+    gathered once per ``(dst, nodes)`` where a ``memo`` keeps them."""
+    key = ("read", dst.key, nodes.cpu().numpy().tobytes())
+    if memo is not None and key in memo:
+        return memo[key]
+    if dst.kind == "attn":
+        W, b = qkv_weights(model.blocks[dst.layer].attn, dst.input)
+        weights: tuple[torch.Tensor, ...] = (W[nodes], b[nodes])
+    elif graph.gated:
+        weights = (neuron_read_matrix(model, dst, graph)[:, nodes],)
+    else:
+        mlp = model.blocks[dst.layer].mlp
+        neurons = nodes if graph.neuron_level else nodes // graph.n_heads_per_neuron
+        weights = (mlp.W_in[:, neurons], mlp.b_in[neurons])
+    if memo is not None:
+        memo[key] = weights
+    return weights
 
 
 def _project(
@@ -494,7 +525,7 @@ def _circuit_run(
                 rest = dst.kind == MLP_REST
                 full = index.to(act.device) if rest else index.to(act.device)[chunk]
                 new, heads = _recompute(
-                    model, dst, graph, x.to(act.dtype), full, None if rest else which
+                    model, dst, graph, x.to(act.dtype), full, None if rest else which, memo
                 )
                 act[:, :, heads] = new.to(act.dtype)
             return act
