@@ -202,6 +202,21 @@ def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
     assert gathered[0] == len(neuron_sets) > 0
 
 
+def test_row_sums_equal_the_dense_product():
+    from tl_attnonly.analysis.discovery.run_plan import _row_sums
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        W = torch.randn(9, 40, generator=gen, dtype=dtype)
+        cols = torch.rand(7, 4, generator=gen) > 0.6
+        cols[:, 0] = False  # a reader with no edge: zero
+        expected = cols.T.to(dtype) @ W[:7]
+        got = _row_sums(cols, W)
+        assert got.dtype == dtype and got.shape == (4, 40)
+        assert torch.allclose(got, expected, rtol=1e-6 if dtype == torch.float32 else 1e-12)
+        assert torch.equal(got[0], torch.zeros(40, dtype=dtype))
+
+
 def _count_corrupted_runs(monkeypatch, model) -> list[int]:
     from tl_attnonly.adapt import analysis_model
 

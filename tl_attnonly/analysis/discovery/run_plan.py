@@ -14,12 +14,14 @@ out_u(corrupted)) U_u`` (``[batch, pos, d_model]``). Two kinds of redundancy mak
   gate and value of a layer, or ``q``, ``k`` and ``v``, that share their edges).
 
 Each reader's input is then one matrix product ``M^T W`` of the merged rows' changes
-``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``. The result equals
-the edge-by-edge sum up to floating-point rounding (the order of the additions).
+``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``, taken as a sparse
+product (a circuit's readers mark few rows: only those are read). The result equals the
+edge-by-edge sum up to floating-point rounding (the order of the additions).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,15 +156,15 @@ class PlanRun:
                 # several sources per merged row (named neurons beside their remainder): one
                 # contraction over them per merged row instead of a [b, p, d] term per source
                 for j, target in enumerate(merged.tolist()):
-                    r = rows[which == j].to(change.device)
-                    DU = torch.einsum("bpur,urd->bpd", change[:, :, r], U[r.to(U.device)])
+                    r = rows[which == j]
+                    DU = torch.einsum("bpur,urd->bpd", *_rows(change, U, r))
                     self.changes[start_row + target] += DU.flatten()
                 continue
             per = max(1, b * p * d * change.element_size() * 2)
             step = max(1, self.block_bytes // per)
             for start in range(0, len(rows), step):
-                r = rows[start : start + step].to(change.device)
-                DU = torch.einsum("bpur,urd->ubpd", change[:, :, r], U[r.to(U.device)])
+                r = rows[start : start + step]
+                DU = torch.einsum("bpur,urd->ubpd", *_rows(change, U, r))
                 target = (ids[start : start + step] + start_row).to(DU.device)
                 self.changes.index_add_(0, target, DU.flatten(1))
         self.filled.add(order)
@@ -198,11 +200,7 @@ class PlanRun:
                     if o not in self.filled:
                         self._fill(o)
                 assert self.changes is not None
-                W = self.changes
-                if len(rows) == M.shape[0]:  # every row: no gather
-                    total = cols.T.to(W.dtype).to(W.device) @ W[: len(rows)]
-                else:
-                    total = cols[rows].T.to(W.dtype).to(W.device) @ W[rows.to(W.device)]
+                total = _row_sums(cols, self.changes)
             sums = total.view(len(missing), b, p, d)
             for j, i in enumerate(missing):
                 fresh[i] = sums[j]
@@ -213,6 +211,28 @@ class PlanRun:
         parts = [fresh[i] if i in fresh else self.built[keys[i]] for i in range(len(keys))]
         stacked = torch.stack(parts, 2)  # [b, p, n_unique, d]
         return corr.unsqueeze(2) + stacked, which
+
+
+def _row_sums(cols: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``[m, F]``: per column of the 0/1 ``cols [n, m]``, the sum of the rows of ``W [>= n, F]``
+    it marks (``cols.T @ W[:n]``), as a sparse product: only the marked rows are read, neither
+    gathered into a copy nor multiplied by zero (a circuit's readers mark few of the rows)."""
+    dense = cols.T.to(W.dtype).to(W.device)
+    if W.device.type not in ("cpu", "cuda"):  # no sparse product there
+        return dense @ W[: cols.shape[0]]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return dense.to_sparse_csr() @ W[: cols.shape[0]]
+
+
+def _rows(
+    change: torch.Tensor, U: torch.Tensor, r: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``change[:, :, r]`` and ``U[r]``; not gathered where ``r`` is every source in order
+    (an MLP remainder is one source: a copy of its writer matrix per run otherwise)."""
+    if len(r) == U.shape[0] and bool((r == torch.arange(len(r))).all()):
+        return change, U
+    return change[:, :, r.to(change.device)], U[r.to(U.device)]
 
 
 __all__ = ["CircuitPlan", "PlanRun"]
