@@ -65,12 +65,12 @@ def test_shared_prefix_is_every_group_below_the_first_change():
     graph, masks = _layer_variants(model, nodes)
     last = masks[-1]  # the last layer's named neurons and remainder cut: only the logits change
     order = max(d.order for d in graph.inputs if d.key.startswith("neuron.1"))
-    shared = runs._shared_prefix(graph, masks[0], last)
+    shared, _ = runs._shared_prefix(graph, masks[0], last)
     assert shared == {d.key for d in graph.inputs if d.labels and d.order <= order}
-    assert runs._shared_prefix(graph, masks[0], masks[0]) == {
+    assert runs._shared_prefix(graph, masks[0], masks[0])[0] == {
         d.key for d in graph.inputs if d.labels
     }
-    first_layer = runs._shared_prefix(graph, masks[0], masks[1])  # L0's named neurons cut
+    first_layer, _ = runs._shared_prefix(graph, masks[0], masks[1])  # L0's named neurons cut
     assert all(not key.startswith(("attn.1", "neuron.1", "mlp.1")) for key in first_layer)
 
 
@@ -200,6 +200,39 @@ def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
     assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
     neuron_sets = {key for key in recomputed if not key[1].startswith("attn")}
     assert gathered[0] == len(neuron_sets) > 0
+
+
+def test_later_runs_copy_the_changes_of_sources_below_their_first_change(monkeypatch):
+    """A later run's merged rows of the sources below its first source with other edges are the
+    first run's (copied, not computed): a circuit that differs from the first only in the edges
+    of the last layer's named neurons computes the changes of that layer's MLP sources alone,
+    with the values of one call per circuit."""
+    from tl_attnonly.analysis.discovery import run_plan
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
+    graph, masks = _layer_variants(model, nodes)
+    last = masks[-3]  # the last layer's named neurons cut
+    apart = _one_call_each(model, [masks[0], last], nodes, CLEAN, CORRUPTED, METRIC)
+    computed: list[str] = []
+    source_values = run_plan.source_values
+
+    def counted(acts, src, graph):
+        computed.append(src.key)
+        return source_values(acts, src, graph)
+
+    monkeypatch.setattr(run_plan, "source_values", counted)
+    circuit_metrics(model, masks[:1], CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    alone = len(computed)
+    computed.clear()
+    together = circuit_metrics(model, [masks[0], last], CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
+    below = runs._shared_prefix(graph, masks[0], last)[1]
+    layer = model.cfg.n_layers - 1
+    assert below == min(s.order for s in graph.sources if s.layer == layer and s.kind != "attn")
+    # the second run: only the last layer's MLP remainder, still read by the logits (the first
+    # run computed each source's current and corrupted values once)
+    assert computed[alone:] == [f"mlp.{layer}"]
 
 
 def test_row_sums_equal_the_dense_product():

@@ -14,9 +14,8 @@ out_u(corrupted)) U_u`` (``[batch, pos, d_model]``). Two kinds of redundancy mak
   gate and value of a layer, or ``q``, ``k`` and ``v``, that share their edges).
 
 Each reader's input is then one matrix product ``M^T W`` of the merged rows' changes
-``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``, taken as a sparse
-product (a circuit's readers mark few rows: only those are read). The result equals the
-edge-by-edge sum up to floating-point rounding (the order of the additions).
+``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``. The result equals
+the edge-by-edge sum up to floating-point rounding (the order of the additions).
 """
 
 from __future__ import annotations
@@ -111,8 +110,14 @@ class PlanRun:
         current, corr: The current run's recorded source activations and the corrupted cache.
         block_bytes: Budget for intermediate tensors and for the inputs kept for reuse.
         memo: A dict shared by the runs of one batch on one graph, in which what does not
-            depend on the mask (each source's writer matrix and corrupted values) is kept once
-            computed (default: computed for this run only).
+            depend on the mask (each source's writer matrix and corrupted values, a scratch
+            matrix for the changes) is kept once computed (default: for this run only).
+        reference: The first run of the batch (kept, with its changes), or None.
+        is_reference: This run is the reference of later ones: its changes are a matrix of
+            its own (the later runs share one scratch matrix).
+        same_below: The residual position (``order``) below which every source's outgoing
+            edges are the reference's: their merged rows and changes are the reference's (the
+            sources read the same inputs), copied instead of computed.
     """
 
     def __init__(
@@ -124,10 +129,15 @@ class PlanRun:
         corr: dict[str, torch.Tensor],
         block_bytes: int,
         memo: dict | None = None,
+        reference: PlanRun | None = None,
+        same_below: float = 0,
+        is_reference: bool = False,
     ):
         model = analysis_model(model)
         self.model, self.graph, self.plan = model, graph, plan
         self.memo = {} if memo is None else memo
+        self.reference, self.same_below = reference, same_below
+        self.is_reference = is_reference
         self.current, self.corr, self.block_bytes = current, corr, block_bytes
         # [rows, batch*pos*d_model]: every merged row's change, rows of each order together
         self.changes: torch.Tensor | None = None
@@ -141,8 +151,22 @@ class PlanRun:
         like = self.corr["hook_embed"]
         b, p, d = like.shape[0], like.shape[1], self.model.cfg.d_model
         if self.changes is None:
-            self.changes = like.new_zeros(self.plan.offsets[-1], b * p * d)
-        start_row = self.plan.offsets[self.plan.orders.index(order)]
+            self.changes = self._matrix(self.plan.offsets[-1], b * p * d, like)
+        k = self.plan.orders.index(order)
+        start_row, end_row = self.plan.offsets[k], self.plan.offsets[k + 1]
+        ref = self.reference
+        if (
+            ref is not None
+            and ref.changes is not None
+            and order < self.same_below
+            and order in ref.filled
+            and ref.plan.orders[: k + 1] == self.plan.orders[: k + 1]
+            and ref.plan.offsets[: k + 2] == self.plan.offsets[: k + 2]
+        ):  # the same rows as the reference's, from the same source values
+            self.changes[start_row:end_row] = ref.changes[start_row:end_row]
+            self.filled.add(order)
+            return
+        self.changes[start_row:end_row] = 0
         for src, rows, ids in self.plan.members[order]:
             if src.key not in self.memo:  # the same in every run of the batch
                 self.memo[src.key] = (
@@ -168,6 +192,18 @@ class PlanRun:
                 target = (ids[start : start + step] + start_row).to(DU.device)
                 self.changes.index_add_(0, target, DU.flatten(1))
         self.filled.add(order)
+
+    def _matrix(self, n_rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """``[n_rows, width]`` for the changes (every row written by :meth:`_fill`): a run that
+        is not a reference takes the memo's scratch matrix (its first rows), instead of
+        allocating one per run."""
+        scratch = self.memo.get(("scratch",))
+        if self.is_reference or scratch is None or scratch.shape[0] < n_rows:
+            fresh = like.new_empty(n_rows, width)
+            if not self.is_reference:
+                self.memo[("scratch",)] = fresh
+            return fresh
+        return scratch[:n_rows]
 
     def inputs(self, dst: InputGroup, site: str, readers: torch.Tensor) -> torch.Tensor:
         """``[batch, pos, len(readers), d_model]``: the corrupted input at ``site`` plus each

@@ -282,10 +282,12 @@ def circuit_metrics(
 
     The runs of circuits whose edges into the inputs below some residual position equal the
     first circuit's take those inputs from the first run (:func:`_shared_prefix`; the same up
-    to rounding) instead of rebuilding them, and where the model can start a run at a block
-    (decoders: :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`) they start at the first
-    block with an input of their own, from the first run's residual stream (:class:`FirstRun`):
-    the blocks below are not run again.
+    to rounding) instead of rebuilding them, copy the first run's merged changes of the sources
+    below their first source with other edges (:class:`~.run_plan.PlanRun`), and where the
+    model can start a run at a block (decoders:
+    :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`) they start at the first block with
+    an input of their own, from the first run's residual stream (:class:`FirstRun`): the blocks
+    below are not run again.
     """
     model = analysis_model(model)
     check_discoverable(model, neuron_level)
@@ -307,8 +309,11 @@ def circuit_metrics(
             )
     totals = [0.0] * len(masks)
     plans = [CircuitPlan(graph, mask) for mask in masks]
-    # inputs each later mask takes from the first mask's run (the same up to its first change)
-    shared: list[set[str]] = [set()] + [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
+    # per later mask: the inputs it takes from the first mask's run (the same up to its first
+    # change), and the residual position below which its sources' changes are the first run's
+    prefixes = [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
+    shared: list[set[str]] = [set()] + [keys for keys, _ in prefixes]
+    same_below = [0.0] + [below for _, below in prefixes]
     # the block each later run starts at, from the first run's residual stream entering it
     starts = [0] + [_start_layer(graph, keys) for keys in shared[1:]]
     resume = model.can_resume and any(starts)
@@ -332,11 +337,13 @@ def circuit_metrics(
                 set().union(*shared),
                 {s for s in starts if s},
                 model.layer_runs(clean_tokens[idx]) if resume else None,
+                keep_changes=any(below > 0 for below in same_below[1:]),
             )
             for i, mask in enumerate(masks):
                 logits = _circuit_run(
                     model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
                     first=first, keep=i == 0, shared=shared[i], start=starts[i],
+                    same_below=same_below[i],
                 )  # fmt: skip
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
@@ -344,21 +351,26 @@ def circuit_metrics(
     return totals
 
 
-def _shared_prefix(graph: HeadGraph, reference: Mask, mask: Mask) -> set[str]:
-    """Keys of the input groups whose patched input in a run of ``mask`` equals the one in a run
-    of ``reference``: every group below the first residual position (``order``) at which an
-    input's edges differ. Everything such a group reads (its sources, their inputs, the
-    residual stream) is computed from groups below it, all with the same edges, so its input is
-    the same up to rounding (the order of the additions of the runs' merged rows). Groups at that
-    order are left out even where their own edges agree: the groups of one hook (a layer's
-    neurons and its remainder) must be all reused or none."""
+def _shared_prefix(graph: HeadGraph, reference: Mask, mask: Mask) -> tuple[set[str], float]:
+    """What a run of ``mask`` shares with a run of ``reference``: the keys of the input groups
+    whose patched inputs are the same, and the residual position (``order``) below which every
+    source's outgoing edges are the same (``inf``: every edge is).
+
+    The input groups are every group below the first residual position at which an input's
+    edges differ. Everything such a group reads (its sources, their inputs, the residual
+    stream) is computed from groups below it, all with the same edges, so its input is the same
+    up to rounding (the order of the additions of the runs' merged rows). Groups at that order
+    are left out even where their own edges agree: the groups of one hook (a layer's neurons and
+    its remainder) must be all reused or none. A source below the first source with other edges
+    reads only such groups, so its merged rows and their changes are the same too."""
     changed = [
-        dst.order
+        (src.order, dst.order)
         for src, dst in graph.blocks()
         if not torch.equal(reference[(src.key, dst.key)], mask[(src.key, dst.key)])
     ]
-    first = min(changed, default=math.inf)
-    return {dst.key for dst in graph.inputs if dst.labels and dst.order < first}
+    first_dst = min((d for _, d in changed), default=math.inf)
+    keys = {dst.key for dst in graph.inputs if dst.labels and dst.order < first_dst}
+    return keys, min((s for s, _ in changed), default=math.inf)
 
 
 def _start_layer(graph: HeadGraph, shared: Collection[str]) -> int:
@@ -391,10 +403,20 @@ class FirstRun:
         keys: Input groups some later run shares.
         layers: Blocks some later run starts at.
         runner: The model's runs from a block for this batch (None: every run is full).
+        keep_changes: Keep the first run's merged changes (:class:`~.run_plan.PlanRun`): a
+            later run copies the rows of the sources below its first source with other edges.
     """
 
-    def __init__(self, keys: Collection[str], layers: Collection[int], runner: Any = None):
+    def __init__(
+        self,
+        keys: Collection[str],
+        layers: Collection[int],
+        runner: Any = None,
+        keep_changes: bool = False,
+    ):
         self.keys, self.layers, self.runner = set(keys), set(layers), runner
+        self.keep_changes = keep_changes
+        self.reference: PlanRun | None = None  # the first run's, with keep_changes
         self.outputs: dict[str, torch.Tensor] = {}  # input group -> its hook's output
         self.sources: dict[str, torch.Tensor] = {}  # source hook -> its activation
         self.resid: dict[int, torch.Tensor] = {}  # block -> [batch, pos, d_model] entering it
@@ -415,14 +437,16 @@ def _circuit_run(
     keep: bool = False,
     shared: Collection[str] = (),
     start: int = 0,
+    same_below: float = 0,
 ):
     """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
     by position: each class's hook changes its own positions only).
 
     ``first``: the call's :class:`FirstRun`. With ``keep`` (the first run) it receives what the
     later runs reuse; else the input groups ``shared`` (:func:`_shared_prefix`) take their hook
-    outputs from it instead of being rebuilt, and with ``start > 0`` the run starts at block
-    ``start`` from the first run's residual stream there."""
+    outputs from it instead of being rebuilt, the merged rows of the sources below
+    ``same_below`` (an ``order``) are copied from its changes, and with ``start > 0`` the run
+    starts at block ``start`` from the first run's residual stream there."""
     current: dict[str, torch.Tensor] = {}
     if start:
         assert first is not None and first.runner is not None
@@ -431,10 +455,16 @@ def _circuit_run(
     if first is not None and not keep:
         reuse = {key: first.outputs[key] for key in shared if key in first.outputs}
     # each merged source row's change once per run, inputs shared by readers with equal edges
+    is_reference = keep and first is not None and first.keep_changes
     run = PlanRun(
         model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes,
         None if first is None else first.memo,
+        reference=None if first is None or keep else first.reference,
+        same_below=same_below, is_reference=is_reference,
     )  # fmt: skip
+    if is_reference:
+        assert first is not None
+        first.reference = run
 
     def record(act, hook):
         current[hook.name] = act
