@@ -235,6 +235,27 @@ def test_later_runs_copy_the_changes_of_sources_below_their_first_change(monkeyp
     assert computed[alone:] == [f"mlp.{layer}"]
 
 
+def test_a_later_plan_takes_the_first_plans_rows_below_its_first_change():
+    """A later circuit's plan takes the first plan's merged rows of the orders below its first
+    source with other edges as they are, and equals the plan built from its own mask."""
+    from tl_attnonly.analysis.discovery.run_plan import CircuitPlan
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    graph, masks = _layer_variants(model, coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"])
+    first = CircuitPlan(graph, masks[0])
+    for mask in masks[1:]:
+        below = runs._shared_prefix(graph, masks[0], mask)[1]
+        taken, own = CircuitPlan(graph, mask, first, below), CircuitPlan(graph, mask)
+        assert taken.orders == own.orders and taken.offsets == own.offsets
+        assert taken.incidence.keys() == own.incidence.keys()
+        assert all(torch.equal(taken.incidence[k], own.incidence[k]) for k in own.incidence)
+        for order in own.orders:
+            assert [(g.key, r.tolist(), i.tolist()) for g, r, i in taken.members[order]] == [
+                (g.key, r.tolist(), i.tolist()) for g, r, i in own.members[order]
+            ]
+            assert (taken.members[order] is first.members[order]) == (order < below)
+
+
 def test_row_sums_equal_the_dense_product():
     from tl_attnonly.analysis.discovery.run_plan import _row_sums
 

@@ -39,6 +39,10 @@ class CircuitPlan:
     Args:
         graph: The mask's graph.
         mask: ``(source group, input group) -> bool [n_sources, n_inputs]``.
+        reference: Another mask's plan on the same graph, whose orders below ``same_below``
+            are taken as they are (the sources there have the same outgoing edges in both
+            masks: :func:`~.runs._shared_prefix`).
+        same_below: See ``reference``.
 
     Attributes:
         orders: Residual positions that have a source with an edge, increasing.
@@ -50,7 +54,13 @@ class CircuitPlan:
         incidence: ``(order, input key) -> bool [n_rows, n_inputs]``: merged row -> reader edges.
     """
 
-    def __init__(self, graph: HeadGraph, mask: Mask):
+    def __init__(
+        self,
+        graph: HeadGraph,
+        mask: Mask,
+        reference: CircuitPlan | None = None,
+        same_below: float = 0,
+    ):
         by_order: dict[int, list[SourceGroup]] = {}
         for src in graph.sources:
             if src.labels:
@@ -63,6 +73,10 @@ class CircuitPlan:
         for order, groups in sorted(by_order.items()):
             dsts = [d for d in graph.inputs if d.labels and d.order > order]
             if not dsts:
+                continue
+            if reference is not None and order < same_below:  # the reference's edges here
+                if order in reference.members:
+                    self._take(reference, order, dsts)
                 continue
             signature = torch.cat(
                 [torch.cat([mask[(s.key, d.key)].cpu() for d in dsts], 1) for s in groups], 0
@@ -89,6 +103,15 @@ class CircuitPlan:
                 n = len(d.labels)
                 self.incidence[(order, d.key)] = unique[:, offset : offset + n].bool()
                 offset += n
+
+    def _take(self, reference: CircuitPlan, order: int, dsts: list[InputGroup]) -> None:
+        """Append ``reference``'s merged rows at ``order`` (the same mask edges there)."""
+        self.orders.append(order)
+        self.members[order] = reference.members[order]
+        self.n_rows[order] = reference.n_rows[order]
+        self.offsets.append(self.offsets[-1] + reference.n_rows[order])
+        for d in dsts:
+            self.incidence[(order, d.key)] = reference.incidence[(order, d.key)]
 
     def before(self, dst: InputGroup) -> list[int]:
         """The orders whose sources ``dst`` reads."""

@@ -308,12 +308,14 @@ def circuit_metrics(
                 "position the same positions=...)."
             )
     totals = [0.0] * len(masks)
-    plans = [CircuitPlan(graph, mask) for mask in masks]
     # per later mask: the inputs it takes from the first mask's run (the same up to its first
-    # change), and the residual position below which its sources' changes are the first run's
+    # change), and the residual position below which its sources' edges and changes are the
+    # first run's
     prefixes = [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
     shared: list[set[str]] = [set()] + [keys for keys, _ in prefixes]
     same_below = [0.0] + [below for _, below in prefixes]
+    plans = [CircuitPlan(graph, masks[0])]
+    plans += [CircuitPlan(graph, m, plans[0], b) for m, b in zip(masks[1:], same_below[1:])]
     # the block each later run starts at, from the first run's residual stream entering it
     starts = [0] + [_start_layer(graph, keys) for keys in shared[1:]]
     resume = model.can_resume and any(starts)
