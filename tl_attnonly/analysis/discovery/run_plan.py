@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.graph import HeadGraph, InputGroup, SourceGroup
+from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph, InputGroup, SourceGroup
 from tl_attnonly.analysis.discovery.sites import Mask, source_values, writer_matrix
+from tl_attnonly.hooks import block_act_name
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -52,6 +53,9 @@ class CircuitPlan:
         offsets: The first merged row of each order (rows of all orders in one matrix), then
             the total.
         incidence: ``(order, input key) -> bool [n_rows, n_inputs]``: merged row -> reader edges.
+        whole: Per order, the merged rows that hold every neuron of one MLP layer (a coarse
+            graph's MLP node, or named neurons merged with their remainder): row -> layer. Such
+            a row's change is the layer's output change (``hook_mlp_out``).
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class CircuitPlan:
         self.members: dict[int, list[tuple[SourceGroup, torch.Tensor, torch.Tensor]]] = {}
         self.n_rows: dict[int, int] = {}
         self.incidence: dict[tuple[int, str], torch.Tensor] = {}
+        self.whole: dict[int, dict[int, int]] = {}
         self.offsets = [0]  # the first merged row of each order, and the total
         for order, groups in sorted(by_order.items()):
             dsts = [d for d in graph.inputs if d.labels and d.order > order]
@@ -96,6 +101,7 @@ class CircuitPlan:
                 start += n
             self.orders.append(order)
             self.members[order] = members
+            self.whole[order] = _whole_layers(members)
             self.n_rows[order] = unique.shape[0]
             self.offsets.append(self.offsets[-1] + unique.shape[0])
             offset = 0
@@ -108,6 +114,7 @@ class CircuitPlan:
         """Append ``reference``'s merged rows at ``order`` (the same mask edges there)."""
         self.orders.append(order)
         self.members[order] = reference.members[order]
+        self.whole[order] = reference.whole[order]
         self.n_rows[order] = reference.n_rows[order]
         self.offsets.append(self.offsets[-1] + reference.n_rows[order])
         for d in dsts:
@@ -190,7 +197,16 @@ class PlanRun:
             self.filled.add(order)
             return
         self.changes[start_row:end_row] = 0
+        whole = self.plan.whole[order]
+        for row, layer in whole.items():  # every neuron of the layer: its output's change
+            name = block_act_name("mlp_out", layer)
+            self.changes[start_row + row] = (self.current[name] - self.corr[name]).flatten()
         for src, rows, ids in self.plan.members[order]:
+            if whole:
+                own = torch.tensor([int(i) not in whole for i in ids], dtype=torch.bool)
+                if not bool(own.any()):
+                    continue
+                rows, ids = rows[own], ids[own]
             if src.key not in self.memo:  # the same in every run of the batch
                 self.memo[src.key] = (
                     writer_matrix(self.model, src, self.graph, like),
@@ -270,6 +286,27 @@ class PlanRun:
         parts = [fresh[i] if i in fresh else self.built[keys[i]] for i in range(len(keys))]
         stacked = torch.stack(parts, 2)  # [b, p, n_unique, d]
         return corr.unsqueeze(2) + stacked, which
+
+
+def _whole_layers(members: list[tuple[SourceGroup, torch.Tensor, torch.Tensor]]) -> dict[int, int]:
+    """The merged rows of one order's ``members`` (:class:`CircuitPlan`) whose sources are
+    every neuron (or neuron-head) of one MLP layer: row -> layer."""
+    counts: dict[int, int] = {}
+    layers: dict[int, set[tuple[int, int]]] = {}
+    for src, _, ids in members:
+        for i in ids.tolist():
+            if src.kind not in ("neuron", MLP_REST):
+                layers.setdefault(i, set()).add((-1, 0))  # not an MLP source: never whole
+                continue
+            counts[i] = counts.get(i, 0) + (len(src.index) if src.kind == MLP_REST else 1)
+            layers.setdefault(i, set()).add((src.layer, src.size))
+    whole = {}
+    for i, seen in layers.items():
+        if len(seen) == 1:
+            ((layer, size),) = seen
+            if layer >= 0 and counts[i] == size:
+                whole[i] = layer
+    return whole
 
 
 def _row_sums(cols: torch.Tensor, W: torch.Tensor) -> torch.Tensor:

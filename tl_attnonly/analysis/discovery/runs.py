@@ -67,8 +67,15 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 
 
+def _recorded_names(model: AttnOnlyModel, graph: HeadGraph) -> list[str]:
+    """The hooks a run records: the sources' and each block's MLP output (the change of a
+    merged row holding a whole layer: :class:`~.run_plan.CircuitPlan`'s ``whole``)."""
+    mlp_out = [block_act_name("mlp_out", li) for li in range(graph.n_layers)]
+    return source_hook_names(model, graph) + mlp_out
+
+
 def _corrupted_names(model: AttnOnlyModel, graph: HeadGraph) -> list[str]:
-    names = set(source_hook_names(model, graph))
+    names = set(_recorded_names(model, graph))
     for dst in graph.inputs:
         names.add(input_hook_name(dst, graph))
         names.add(input_site(model, dst)[1])
@@ -577,7 +584,7 @@ def _circuit_run(
 
     hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
         (name, record)
-        for name in source_hook_names(model, graph)
+        for name in _recorded_names(model, graph)
         if not start or not _before(name, start)  # below: the first run's
     ]
     for dst in graph.inputs:
