@@ -126,10 +126,10 @@ class CircuitPlan:
 
     def columns(self, dst: InputGroup, readers: torch.Tensor) -> torch.Tensor:
         """``bool [rows before dst, len(readers)]``: the merged rows joined to each reader."""
-        parts = [self.incidence[(o, dst.key)][:, readers] for o in self.before(dst)]
+        parts = [self.incidence[(o, dst.key)] for o in self.before(dst)]
         if not parts:
             return torch.zeros(0, len(readers), dtype=torch.bool)
-        return torch.cat(parts, 0)
+        return torch.cat(parts, 0)[:, readers]  # one gather of the readers for every order
 
 
 class PlanRun:
