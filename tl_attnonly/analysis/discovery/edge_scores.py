@@ -318,19 +318,20 @@ def edge_attribution_scores(
             for src in narrow:
                 if src.key not in writers:
                     writers[src.key] = writer_matrix(model, src, graph, deltas[src.key])
-            W = torch.cat([_written(deltas[s.key], writers[s.key]) for s in narrow], dim=1)
+            # source-major [u, rows, d]: the sources a reader reads are a contiguous prefix,
+            # read by one matrix product without a copy
+            W = torch.cat(
+                [_written(deltas[s.key], writers[s.key]).transpose(0, 1) for s in narrow], dim=0
+            )
             W, spans = _rows_by_class(W, graph, reads)
             for dst in narrow_inputs:
                 if dst.key not in directions:
                     continue
                 before = [s for s in narrow if s.order < dst.order]
                 n = ends[before[-1].key]
-                Wd = W if dst.position is None else W[spans[dst.position]]
-                H = directions[dst.key]
-                rows = max(1, block_bytes // max(1, n * W.shape[-1] * W.element_size()))
-                block = torch.zeros(n, len(dst.labels), dtype=W.dtype, device=W.device)
-                for b in range(0, Wd.shape[0], rows):
-                    block += torch.einsum("bud,bvd->uv", Wd[b : b + rows, :n], H[b : b + rows])
+                Wd = W[:n] if dst.position is None else W[:n, spans[dst.position]]
+                H = directions[dst.key]  # [rows, v, d]
+                block = Wd.flatten(1) @ H.transpose(0, 1).flatten(1).T  # [u, v]
                 start = 0
                 for src in before:
                     stop = start + len(src.labels)
@@ -382,7 +383,7 @@ def edge_attribution_scores(
 
 
 def _rows_by_class(W: torch.Tensor, graph: HeadGraph, reads) -> tuple[torch.Tensor, dict]:
-    """``W [rows, u, d]`` with its rows grouped by position class (one copy), and each class's
+    """``W [u, rows, d]`` with its rows grouped by position class (one copy), and each class's
     slice of it; unchanged without classes."""
     if graph.positions is None:
         return W, {}
@@ -394,7 +395,7 @@ def _rows_by_class(W: torch.Tensor, graph: HeadGraph, reads) -> tuple[torch.Tens
     for name, where in rows.items():
         spans[name] = slice(start, start + len(where))
         start += len(where)
-    return W[torch.cat(list(rows.values()))], spans
+    return W[:, torch.cat(list(rows.values()))], spans
 
 
 #: What :func:`attribution_terms` yields per batch and interpolation step: every source group's
