@@ -323,3 +323,31 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
     # with the reader's normalisation moved onto what it reads (every source in one product)
     moved = torch.einsum("bud,bvd->uv", _written(a, U), _read_direction(_read(grad, R), lin))
     torch.testing.assert_close(moved, pairs, rtol=1e-12, atol=1e-12)
+
+
+def test_named_neuron_groups_are_scored_with_the_narrow_groups(monkeypatch):
+    """A restricted graph's neuron groups no wider than a layer's heads are scored with the
+    attention heads (each row's written and read vectors, every group at once): no block is
+    scored on its own, and the scores stay the entries of the full graph's."""
+    from tl_attnonly.analysis.discovery import edge_scores as module
+
+    model = _model("llama")
+    nodes = _nodes(model)  # at most 3 neurons per layer, 4 heads
+    full = edge_attribution_scores(model, CLEAN, CORRUPTED, METRIC, batch_size=3, progress=False)
+    blocks = [0]
+    block_scores = module.block_scores
+
+    def counted(*args, **kwargs):
+        blocks[0] += 1
+        return block_scores(*args, **kwargs)
+
+    monkeypatch.setattr(module, "block_scores", counted)
+    part = edge_attribution_scores(
+        model, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=3, progress=False
+    )
+    assert blocks[0] == 0
+    for (s, d), block in part.scores.items():
+        rows = torch.tensor(part.graph.source_by_key[s].index)
+        cols = torch.tensor(part.graph.input_by_key[d].index)
+        expected = full.scores[(s, d)][rows[:, None], cols[None, :]]
+        torch.testing.assert_close(block, expected, rtol=1e-10, atol=1e-12)

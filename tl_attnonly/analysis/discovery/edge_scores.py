@@ -51,7 +51,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.graph import HeadGraph, edges_frame
+from tl_attnonly.analysis.discovery.graph import HeadGraph, InputGroup, SourceGroup, edges_frame
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 
 # pruning lives in .pruning; its public names stay importable from here too
@@ -305,9 +305,10 @@ def edge_attribution_scores(
     # of a batch: ``H`` is summed over the steps and read by the changes once per batch (up to
     # ``4 * block_bytes`` of ``H`` kept; an input beyond it, and every input of a method with
     # one step, is scored at every step).
-    narrow = [s for s in graph.sources if s.labels and s.kind != "neuron"]
+    narrow = [s for s in graph.sources if s.labels and _narrow(model, s)]
     ends = {s.key: sum(len(t.labels) for t in narrow[: i + 1]) for i, s in enumerate(narrow)}
-    narrow_inputs = [d for d in graph.inputs if d.labels and d.kind != "neuron"]
+    narrow_inputs = [d for d in graph.inputs if d.labels and _narrow(model, d)]
+    narrow_pairs = {s.key for s in narrow}, {d.key for d in narrow_inputs}
     summed: dict[str, torch.Tensor] = {}  # input key -> sum over the batch's steps of H * weight
 
     def score_narrow(deltas, directions: dict[str, torch.Tensor], reads) -> None:
@@ -366,7 +367,7 @@ def edge_attribution_scores(
             if now:
                 score_narrow(deltas, now, reads)
         for src, dst in graph.blocks():
-            if src.kind != "neuron" and dst.kind != "neuron":
+            if src.key in narrow_pairs[0] and dst.key in narrow_pairs[1]:
                 continue  # scored above
             g, lin, *class_rows = reads[dst.key]
             if dst.key not in readers:
@@ -380,6 +381,14 @@ def edge_attribution_scores(
     if last_deltas is not None:
         score_narrow(last_deltas, summed, last_reads)
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
+
+
+def _narrow(model: AttnOnlyModel, group: SourceGroup | InputGroup) -> bool:
+    """Whether a group is scored with the narrow ones (each row's written or read residual
+    vectors, every group at once): all but neuron groups, and neuron groups of a restricted
+    graph with at most as many neurons as a layer has attention heads (named neurons: no wider
+    than a layer's heads, which always are)."""
+    return group.kind != "neuron" or len(group.labels) <= model.cfg.n_heads
 
 
 def _rows_by_class(W: torch.Tensor, graph: HeadGraph, reads) -> tuple[torch.Tensor, dict]:
