@@ -202,9 +202,9 @@ def test_ig_sums_each_inputs_read_direction_over_steps_before_the_sources_read_i
     calls = [0]
     written = edge_scores._written
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls[0] += 1
-        return written(*args)
+        return written(*args, **kwargs)
 
     monkeypatch.setattr(edge_scores, "_written", counted)
     counts = []
@@ -318,10 +318,11 @@ def test_block_scores_by_pairs_and_by_rows_agree(norm):
         torch.testing.assert_close(rows, pairs, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(block_scores(a, U, grad, R, lin, 1), pairs, rtol=1e-12, atol=1e-12)
     # from each group's written and read residual vectors, computed once per group
-    from_rows = _block_scores_from_rows(_written(a, U), _read(grad, R), lin)
+    W = _written(a, U).transpose(0, 1)  # source-major -> [B, u, d]
+    from_rows = _block_scores_from_rows(W, _read(grad, R), lin)
     torch.testing.assert_close(from_rows, pairs, rtol=1e-12, atol=1e-12)
     # with the reader's normalisation moved onto what it reads (every source in one product)
-    moved = torch.einsum("bud,bvd->uv", _written(a, U), _read_direction(_read(grad, R), lin))
+    moved = torch.einsum("bud,bvd->uv", W, _read_direction(_read(grad, R), lin))
     torch.testing.assert_close(moved, pairs, rtol=1e-12, atol=1e-12)
 
 

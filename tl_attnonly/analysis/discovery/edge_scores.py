@@ -146,10 +146,11 @@ def block_scores(
     return out
 
 
-def _written(a: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """``[B, u, d]``: what each of ``u`` sources writes at each row (``a [B, u, r] @ U[u]``)."""
+def _written(a: torch.Tensor, U: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[u, B, d]``: what each of ``u`` sources writes at each row (``a [B, u, r] @ U[u]``),
+    source-major; into ``out`` (a contiguous ``[u, B, d]``) if given."""
     dtype = torch.promote_types(a.dtype, torch.float32)
-    return torch.einsum("bur,urd->bud", a.to(dtype), U.to(dtype))
+    return torch.bmm(a.transpose(0, 1).to(dtype), U.to(dtype), out=out)
 
 
 def _read(g: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,8 @@ def _read(g: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 
 
 def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
-    """:func:`block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`) and read
+    """:func:`block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`,
+    transposed) and read
     ``G [B, v, d]`` (:func:`_read`) residual vectors: the same sum, computed once per source group
     and per input group instead of once per block (wide nodes such as MLP layers, r or s ~ d_mlp).
     """
@@ -321,9 +323,15 @@ def edge_attribution_scores(
                     writers[src.key] = writer_matrix(model, src, graph, deltas[src.key])
             # source-major [u, rows, d]: the sources a reader reads are a contiguous prefix,
             # read by one matrix product without a copy
-            W = torch.cat(
-                [_written(deltas[s.key], writers[s.key]).transpose(0, 1) for s in narrow], dim=0
-            )
+            like = deltas[narrow[0].key]
+            W = torch.empty(
+                ends[narrow[-1].key], like.shape[0], model.cfg.d_model,
+                dtype=torch.promote_types(like.dtype, torch.float32), device=like.device,
+            )  # fmt: skip
+            start = 0
+            for src in narrow:  # written in place: no second copy of the rows
+                _written(deltas[src.key], writers[src.key], out=W[start : ends[src.key]])
+                start = ends[src.key]
             W, spans = _rows_by_class(W, graph, reads)
             for dst in narrow_inputs:
                 if dst.key not in directions:
