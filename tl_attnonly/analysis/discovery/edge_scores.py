@@ -347,14 +347,7 @@ def edge_attribution_scores(
                     scores[(src.key, dst.key)] += block[start:stop].to(dtype)
                     start = stop
 
-    # the batch being summed: its deltas (the same object at every step of a batch) and reads
-    last_deltas: dict[str, torch.Tensor] | None = None
-    last_reads: dict[str, tuple[Any, ...]] = {}
-    for deltas, reads, weight in terms:
-        if last_deltas is not None and deltas is not last_deltas:  # a new batch: score the last
-            score_narrow(last_deltas, summed, last_reads)
-            summed = {}
-        last_deltas, last_reads = deltas, reads
+    for deltas, reads, weight, batch_done in terms:
         with torch.no_grad():
             kept = sum(t.numel() * t.element_size() for t in summed.values())
             now: dict[str, torch.Tensor] = {}  # beyond the budget: scored at this step
@@ -386,8 +379,9 @@ def edge_attribution_scores(
             with torch.no_grad():
                 block = block_scores(delta, writers[src.key], g, readers[dst.key], lin, block_bytes)
             scores[(src.key, dst.key)] += block.to(dtype) * weight
-    if last_deltas is not None:
-        score_narrow(last_deltas, summed, last_reads)
+        if batch_done:  # the batch's summed directions, read by its changes once
+            score_narrow(deltas, summed, reads)
+            summed = {}
     return EdgeScores(graph, scores, metrics[0], metrics[1], method)
 
 
@@ -416,10 +410,11 @@ def _rows_by_class(W: torch.Tensor, graph: HeadGraph, reads) -> tuple[torch.Tens
 
 
 #: What :func:`attribution_terms` yields per batch and interpolation step: every source group's
-#: change ``[rows, n, r]``, every input group's read gradient ``[rows, n, s]`` with its
-#: normalisation linearised at each row (an input of a position class: those of its class's rows,
-#: and the rows), and the weight of the step (``1 / ig_steps``).
-Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[Any, ...]], float]
+#: change ``[rows, n, r]`` (the same at every step of a batch), every input group's read gradient
+#: ``[rows, n, s]`` with its normalisation linearised at each row (an input of a position class:
+#: those of its class's rows, and the rows), the weight of the step (``1 / ig_steps``), and
+#: whether it is the batch's last step.
+Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[Any, ...]], float, bool]
 
 
 def attribution_terms(
@@ -468,7 +463,7 @@ def attribution_terms(
             for s in graph.sources
             if s.labels
         }
-        for alpha in alphas:
+        for step, alpha in enumerate(alphas):
             grads, sites = _gradient_pass(
                 model, corrupted, idx, metric, input_names, site_names, clean_cache, corr_cache,
                 alpha,
@@ -487,7 +482,7 @@ def attribution_terms(
                     reads[dst.key] = (g[rows], lin, rows)
                     continue
                 reads[dst.key] = (g, lin)
-            yield deltas, reads, 1.0 / len(alphas)
+            yield deltas, reads, 1.0 / len(alphas), step == len(alphas) - 1
             bar.update()
     bar.close()
 

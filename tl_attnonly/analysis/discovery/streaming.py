@@ -156,7 +156,7 @@ def top_edges(
         model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
         progress, metrics,
     )  # fmt: skip
-    for batch_deltas, batch_reads, weight in terms:
+    for batch_deltas, batch_reads, weight, _ in terms:
         for key, delta in batch_deltas.items():
             deltas.setdefault(key, []).append(delta)
         for key, (g, lin) in batch_reads.items():
