@@ -604,8 +604,11 @@ def _circuit_run(
             hooks.append((block_act_name("resid_pre", layer), entering))
     if start:
         assert first is not None and first.runner is not None
-        return first.runner.run(first.resid[start], start, hooks, 0, None)
-    return model.run_with_hooks(tokens, fwd_hooks=hooks)
+        logits = first.runner.run(first.resid[start], start, hooks, 0, None)
+    else:
+        logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+    run.built.clear()  # the reference keeps its changes, not its inputs
+    return logits
 
 
 def _readers_of_other_groups(graph: HeadGraph, dst: InputGroup) -> torch.Tensor:
