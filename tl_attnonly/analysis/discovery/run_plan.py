@@ -13,9 +13,16 @@ out_u(corrupted)) U_u`` (``[batch, pos, d_model]``). Two kinds of redundancy mak
   it is built once (:meth:`CircuitPlan.inputs`; a dst group's copies of one column, and the
   gate and value of a layer, or ``q``, ``k`` and ``v``, that share their edges).
 
+A merged row that holds every neuron of an MLP layer changes by the layer's output change
+(``hook_mlp_out``: ``sum_i delta(post_i) W_out[i]``, the bias cancels), which the run records, so
+its neurons' values are not read. Across the runs of one call (:func:`~.runs.circuit_metrics`), a
+later run takes the first run's merged rows and their changes below its first source with other
+edges.
+
 Each reader's input is then one matrix product ``M^T W`` of the merged rows' changes
-``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``. The result equals
-the edge-by-edge sum up to floating-point rounding (the order of the additions).
+``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``, taken as a sparse
+product (a circuit's readers mark few rows: only those are read). The result equals the
+edge-by-edge sum up to floating-point rounding (the order of the additions).
 """
 
 from __future__ import annotations
