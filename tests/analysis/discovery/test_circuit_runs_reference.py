@@ -157,24 +157,31 @@ def test_an_expanded_coarse_circuit_merges_back_to_the_coarse_sources():
     assert fine_plan.offsets[-1] < sum(len(s.labels) for s in fine.sources)
 
 
+def _record_source_values(monkeypatch) -> list:
+    """The source groups whose values the exact runs read, in order (``run_plan.source_values``
+    recorded)."""
+    from tl_attnonly.analysis.discovery import run_plan
+
+    read: list = []
+    source_values = run_plan.source_values
+
+    def recorded(acts, src, graph):
+        read.append(src)
+        return source_values(acts, src, graph)
+
+    monkeypatch.setattr(run_plan, "source_values", recorded)
+    return read
+
+
 @pytest.mark.parametrize("name", ["llama", "ln_gelu_heads", "parallel"])
 def test_a_whole_mlp_layer_changes_by_its_output(name, monkeypatch):
     """A merged row that holds every neuron of a layer (a coarse MLP node, or named neurons
     merged with their remainder) takes its change from the layer's output (``hook_mlp_out``)
     instead of its neurons' values times ``W_out``: no MLP source's values are read, and the
     run is the edge-by-edge definition."""
-    from tl_attnonly.analysis.discovery import run_plan
-
     act_fn, overrides, neuron_level = MODELS[name]
     model = make_converted(act_fn, **overrides)
-    read: list[str] = []
-    source_values = run_plan.source_values
-
-    def counted(acts, src, graph):
-        read.append(src.kind)
-        return source_values(acts, src, graph)
-
-    monkeypatch.setattr(run_plan, "source_values", counted)
+    sources = _record_source_values(monkeypatch)
     coarse = HeadGraph(model, neuron_level=neuron_level, nodes=coarse_nodes(model))
     mask = _random_mask(coarse, 0.5, seed=5)
     assert any(CircuitPlan(coarse, mask).whole.values())
@@ -182,5 +189,6 @@ def test_a_whole_mlp_layer_changes_by_its_output(name, monkeypatch):
         model, [mask], CLEAN, CORRUPTED, METRIC, neuron_level=neuron_level,
         nodes=coarse_nodes(model),
     )  # fmt: skip
+    read = [src.kind for src in sources]
     assert read and MLP_REST not in read  # the heads' values only
     assert value == pytest.approx(_reference(model, coarse, mask), rel=1e-10, abs=1e-12)

@@ -17,7 +17,7 @@ from conftest import GATED_ZOO, make_tokens
 from kinds import make_pair
 from kinds import make_tokens as make_kind_tokens
 from models import make_converted
-from test_circuit_runs_reference import _random_mask, _reference
+from test_circuit_runs_reference import _random_mask, _record_source_values, _reference
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
 from tl_attnonly.analysis.discovery import runs
@@ -207,21 +207,12 @@ def test_later_runs_copy_the_changes_of_sources_below_their_first_change(monkeyp
     first run's (copied, not computed): a circuit that differs from the first only in the edges
     of the last layer's named neurons computes the changes of that layer's MLP sources alone,
     with the values of one call per circuit."""
-    from tl_attnonly.analysis.discovery import run_plan
-
     model = make_converted("silu", **GATED_ZOO["llama"])
     nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
     graph, masks = _layer_variants(model, nodes)
     last = masks[-3]  # the last layer's named neurons cut
     apart = _one_call_each(model, [masks[0], last], nodes, CLEAN, CORRUPTED, METRIC)
-    computed: list[str] = []
-    source_values = run_plan.source_values
-
-    def counted(acts, src, graph):
-        computed.append(src.key)
-        return source_values(acts, src, graph)
-
-    monkeypatch.setattr(run_plan, "source_values", counted)
+    computed = _record_source_values(monkeypatch)
     circuit_metrics(model, masks[:1], CLEAN, CORRUPTED, METRIC, nodes=nodes)
     alone = len(computed)
     computed.clear()
@@ -233,7 +224,7 @@ def test_later_runs_copy_the_changes_of_sources_below_their_first_change(monkeyp
     # the second run: only the last layer's MLP remainder, still read by the logits (its
     # current and, for the first time in the call, corrupted values: the first run took the
     # layer's change, named neurons and remainder merged, from its output)
-    assert set(computed[alone:]) == {f"mlp.{layer}"}
+    assert {src.key for src in computed[alone:]} == {f"mlp.{layer}"}
 
 
 def test_a_later_plan_takes_the_first_plans_rows_below_its_first_change():
