@@ -162,9 +162,9 @@ def _read(g: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 
 def _block_scores_from_rows(W: torch.Tensor, G: torch.Tensor, lin) -> torch.Tensor:
     """:func:`block_scores` from each row's written ``W [B, u, d]`` (:func:`_written`,
-    transposed) and read
-    ``G [B, v, d]`` (:func:`_read`) residual vectors: the same sum, computed once per source group
-    and per input group instead of once per block (wide nodes such as MLP layers, r or s ~ d_mlp).
+    transposed) and read ``G [B, v, d]`` (:func:`_read`) residual vectors: the same sum, computed
+    once per source group and per input group instead of once per block (wide nodes such as MLP
+    layers, r or s ~ d_mlp).
     """
     if lin is None:
         return torch.einsum("bud,bvd->uv", W, G)
