@@ -149,12 +149,12 @@ class PlanRun:
         memo: A dict shared by the runs of one batch on one graph, in which what does not
             depend on the mask (each source's writer matrix and corrupted values, a scratch
             matrix for the changes) is kept once computed (default: for this run only).
-        reference: The first run of the batch (kept, with its changes), or None.
+        reference: The first run of the batch (kept, with its changes), or None. Where this
+            run's plan took the reference plan's merged rows (``CircuitPlan(reference=...)``:
+            the sources below the first with other edges, which read the same inputs), their
+            changes are the reference's, copied instead of computed.
         is_reference: This run is the reference of later ones: its changes are a matrix of
             its own (the later runs share one scratch matrix).
-        same_below: The residual position (``order``) below which every source's outgoing
-            edges are the reference's: their merged rows and changes are the reference's (the
-            sources read the same inputs), copied instead of computed.
     """
 
     def __init__(
@@ -167,14 +167,12 @@ class PlanRun:
         block_bytes: int,
         memo: dict | None = None,
         reference: PlanRun | None = None,
-        same_below: float = 0,
         is_reference: bool = False,
     ):
         model = analysis_model(model)
         self.model, self.graph, self.plan = model, graph, plan
         self.memo = {} if memo is None else memo
-        self.reference, self.same_below = reference, same_below
-        self.is_reference = is_reference
+        self.reference, self.is_reference = reference, is_reference
         self.current, self.corr, self.block_bytes = current, corr, block_bytes
         # [rows, batch*pos*d_model]: every merged row's change, rows of each order together
         self.changes: torch.Tensor | None = None
@@ -195,11 +193,10 @@ class PlanRun:
         if (
             ref is not None
             and ref.changes is not None
-            and order < self.same_below
             and order in ref.filled
-            and ref.plan.orders[: k + 1] == self.plan.orders[: k + 1]
-            and ref.plan.offsets[: k + 2] == self.plan.offsets[: k + 2]
-        ):  # the same rows as the reference's, from the same source values
+            and self.plan.members[order] is ref.plan.members.get(order)
+        ):  # rows the plan took from the reference's (so did it every order below: the same
+            # offsets), whose sources read the same inputs: the same changes
             self.changes[start_row:end_row] = ref.changes[start_row:end_row]
             self.filled.add(order)
             return

@@ -352,7 +352,6 @@ def circuit_metrics(
                 logits = _circuit_run(
                     model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
                     first=first, keep=i == 0, shared=shared[i], start=starts[i],
-                    same_below=same_below[i],
                 )  # fmt: skip
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
@@ -446,16 +445,15 @@ def _circuit_run(
     keep: bool = False,
     shared: Collection[str] = (),
     start: int = 0,
-    same_below: float = 0,
 ):
     """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
     by position: each class's hook changes its own positions only).
 
     ``first``: the call's :class:`FirstRun`. With ``keep`` (the first run) it receives what the
     later runs reuse; else the input groups ``shared`` (:func:`_shared_prefix`) take their hook
-    outputs from it instead of being rebuilt, the merged rows of the sources below
-    ``same_below`` (an ``order``) are copied from its changes, and with ``start > 0`` the run
-    starts at block ``start`` from the first run's residual stream there."""
+    outputs from it instead of being rebuilt, the changes of the merged rows ``plan`` took from
+    the first run's plan are copied from it, and with ``start > 0`` the run starts at block
+    ``start`` from the first run's residual stream there."""
     current: dict[str, torch.Tensor] = {}
     if start:
         assert first is not None and first.runner is not None
@@ -469,7 +467,7 @@ def _circuit_run(
         model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes,
         None if first is None else first.memo,
         reference=None if first is None or keep else first.reference,
-        same_below=same_below, is_reference=is_reference,
+        is_reference=is_reference,
     )  # fmt: skip
     if is_reference:
         assert first is not None
