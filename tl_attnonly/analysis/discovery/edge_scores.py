@@ -299,9 +299,10 @@ def edge_attribution_scores(
     # writing and reading matrices: weights, the same for every batch and step
     writers: dict[str, torch.Tensor] = {}
     readers: dict[str, torch.Tensor] = {}
-    # narrow groups (embeddings, a layer's attention heads, an MLP remainder; sources in residual
-    # order, so those a reader reads are a prefix): each row's written residual vectors once,
-    # concatenated, read by each narrow input group in one product (not once per block). The
+    # narrow groups (embeddings, a layer's attention heads, an MLP remainder, a restricted
+    # graph's few named neurons: _narrow; sources in residual order, so those a reader reads are
+    # a prefix): each row's written residual vectors once, in one source-major matrix, read by
+    # each narrow input group in one product (not once per block). The
     # score is linear in what an input reads back into the residual stream (``H``,
     # :func:`_read_direction`), and the sources' changes are the same at every interpolation step
     # of a batch: ``H`` is summed over the steps and read by the changes once per batch (up to
@@ -310,7 +311,7 @@ def edge_attribution_scores(
     narrow = [s for s in graph.sources if s.labels and _narrow(model, s)]
     ends = {s.key: sum(len(t.labels) for t in narrow[: i + 1]) for i, s in enumerate(narrow)}
     narrow_inputs = [d for d in graph.inputs if d.labels and _narrow(model, d)]
-    narrow_pairs = {s.key for s in narrow}, {d.key for d in narrow_inputs}
+    narrow_sources, narrow_readers = {s.key for s in narrow}, {d.key for d in narrow_inputs}
     summed: dict[str, torch.Tensor] = {}  # input key -> sum over the batch's steps of H * weight
 
     def score_narrow(deltas, directions: dict[str, torch.Tensor], reads) -> None:
@@ -368,7 +369,7 @@ def edge_attribution_scores(
             if now:
                 score_narrow(deltas, now, reads)
         for src, dst in graph.blocks():
-            if src.key in narrow_pairs[0] and dst.key in narrow_pairs[1]:
+            if src.key in narrow_sources and dst.key in narrow_readers:
                 continue  # scored above
             g, lin, *class_rows = reads[dst.key]
             if dst.key not in readers:
