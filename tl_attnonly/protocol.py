@@ -37,6 +37,7 @@ Where the two kinds differ, the adapter says so through the interface (``can_res
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -167,6 +168,12 @@ class LayerRunner(Protocol):
 
     #: Whether :meth:`run` may skip unchanged leading positions (``first_pos``).
     prefix_reuse: bool
+
+    def recording(self) -> AbstractContextManager[None]:
+        """A context in which the caller runs the full pass of the runner's batch; what the
+        runs from a block need of that pass (a bridge: its blocks' other arguments) is taken
+        from it instead of a pass of the runner's own."""
+        ...
 
     def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
         """Logits ``[copies_batch, pos, d_vocab]`` of ``resid`` ``[copies_batch, pos, d_model]``

@@ -11,11 +11,15 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
   python path: LayerNorm or RMSNorm, Gemma's ``1 + weight``), computed without firing hooks.
 * **Facts** the bridge's config does not state are read from its structure: norms after each
   sublayer (Gemma 2's ``ln1_post`` / ``ln2_post``), parallel blocks, grouped-query attention.
-* **Runs from a block.** TransformerLens 4.x's bridge starts a pass at a block
-  (``start_at_layer``); 3.x's bridge cannot, so a run from block ``l`` there is a full pass of
-  the tokens whose residual stream entering block ``l`` is replaced (same result, more compute).
-  Passes never skip leading positions (``prefix_reuse`` is false): the bridge has no frozen
-  key-value cache.
+* **Runs from a block** (:class:`BridgeLayerRunner`). A run from block ``l`` calls the
+  bridge's blocks from ``l`` on with the arguments a full pass of the batch gave them (rotary
+  tables, masks, ALiBi biases; recorded once per batch, key-value caches left out), then the
+  final norm and the unembedding: the blocks below ``l`` are not run. Where that does not give
+  the full pass's logits exactly (checked on the recorded pass: a forward that does more after
+  its blocks, such as Gemma 2's logit soft-cap), TransformerLens 4.x's ``start_at_layer`` runs
+  it (which still runs the blocks below), and on 3.x a full pass of the tokens whose residual
+  stream entering block ``l`` is replaced. Passes never skip leading positions
+  (``prefix_reuse`` is false): the bridge has no frozen key-value cache.
 * **Hooks by name.** ``run_with_hooks`` and ``hooks`` resolve hook names once
   (:class:`BridgeHooks`) instead of once per hook as the bridge's own ``run_with_hooks`` does on
   TransformerLens 3.x (each read of a bridge's ``hook_dict`` rebuilds every alias), then call the
@@ -27,8 +31,10 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -358,9 +364,10 @@ class BridgeAdapter(AdapterBase):
     def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> BridgeLayerRunner:
         if not self.can_resume:
             raise TypeError("An encoder bridge cannot start a forward pass at a layer.")
-        # A 4.x bridge's start_at_layer recomputes rotary and learned positions but not
-        # position biases given to every block (ALiBi: BLOOM, MPT, Falcon), which then differ
-        # from the full pass: those run full passes with the entering residual replaced.
+        # Where the blocks cannot be called again exactly: a 4.x bridge's start_at_layer
+        # recomputes rotary and learned positions but not position biases given to every block
+        # (ALiBi: BLOOM, MPT, Falcon), which then differ from the full pass: those run full
+        # passes with the entering residual replaced.
         starts = BRIDGE_STARTS_AT_LAYER and self.cfg.positional_embedding_type in RESUMABLE
         return BridgeLayerRunner(self, tokens, self.cfg.n_layers, starts_at_layer=starts)
 
@@ -557,16 +564,119 @@ class BridgeHooks:
 RESUMABLE = ("standard", "rotary")
 
 
+class _BlockCalls:
+    """What a bridge's blocks received in a full pass of one token batch, to call them again
+    from a given residual stream: per block, the arguments after the hidden states (rotary
+    tables, position ids, attention masks, ALiBi biases: whatever the model's forward gives
+    them), with key-value caches left out (a second call would attend to the first pass's keys).
+
+    Args:
+        bridge: The bridge.
+    """
+
+    def __init__(self, bridge: Any):
+        self.bridge = bridge
+        self.calls: dict[int, tuple[tuple, dict[str, Any]]] = {}
+        #: block -> the hidden states entering it in the recorded pass (``keep_entering`` only)
+        self.entering: dict[int, torch.Tensor] = {}
+
+    @contextmanager
+    def recording(self, keep_entering: Collection[int] = ()) -> Iterator[None]:
+        """Record the blocks' arguments in the pass run inside the ``with`` block (PyTorch
+        forward pre-hooks on the blocks, removed after it)."""
+
+        def record(args: tuple, kwargs: dict, layer: int) -> None:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if layer in keep_entering and isinstance(hidden, torch.Tensor):
+                self.entering[layer] = hidden
+            kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            for key, value in kwargs.items():
+                if _is_kv_cache(value):
+                    kwargs[key] = None
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
+            self.calls[layer] = (tuple(args[1:]), kwargs)
+
+        handles = [
+            block.register_forward_pre_hook(
+                lambda _, args, kwargs, layer=layer: record(args, kwargs, layer), with_kwargs=True
+            )
+            for layer, block in enumerate(self.bridge.blocks)
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block's arguments were recorded."""
+        return len(self.calls) == len(self.bridge.blocks)
+
+    def run(self, resid: torch.Tensor, layer: int) -> torch.Tensor:
+        """The logits of ``resid`` entering block ``layer``: the blocks from ``layer`` on, then
+        the final norm and the unembedding (the hooks in force fire as in a full pass)."""
+        hidden = resid
+        for index in range(layer, len(self.bridge.blocks)):
+            args, kwargs = self.calls[index]
+            out = self.bridge.blocks[index](hidden, *args, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return self.bridge.unembed(self.bridge.ln_final(hidden))
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face key-value cache (``transformers.Cache``)."""
+    from transformers.cache_utils import Cache
+
+    return isinstance(value, Cache)
+
+
+#: bridge -> (dtype, device) -> whether calling its blocks from one (:class:`_BlockCalls`) gives
+#: its full pass's logits exactly (a property of the model's forward, checked once per process)
+_EXACT_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def blocks_can_be_called(bridge: Any, tokens: Int[torch.Tensor, "batch pos"]) -> bool:
+    """Whether calling ``bridge``'s blocks from the middle one with the arguments a full pass
+    gave them, then the final norm and the unembedding, gives that pass's logits exactly
+    (checked on ``tokens`` once per bridge, dtype and device; not: a forward that does more after
+    its blocks, such as Gemma 2's logit soft-cap, or a bridge without ``ln_final``)."""
+    param = next(bridge.parameters())
+    key = (param.dtype, param.device)
+    verdicts = _EXACT_CALLS.setdefault(bridge, {})
+    if key not in verdicts:
+        check = len(bridge.blocks) // 2
+        calls = _BlockCalls(bridge)
+        with torch.no_grad(), calls.recording(keep_entering=[check]):
+            full = bridge(tokens)
+        verdicts[key] = (
+            all(hasattr(bridge, name) for name in ("ln_final", "unembed"))
+            and calls.complete
+            and check in calls.entering
+            and torch.equal(calls.run(calls.entering[check], check), full)
+        )
+    return verdicts[key]
+
+
 class BridgeLayerRunner:
     """Runs of a bridge that start at a block (see the module docstring).
+
+    A run from block ``l`` calls the bridge's blocks from ``l`` on with the arguments a full
+    pass of the batch gave them (:class:`_BlockCalls`: recorded in the caller's full pass under
+    :meth:`recording`, else in a pass of its own once per number of copies), then the final
+    norm and the unembedding: the blocks below ``l`` are not run. That is used where it
+    reproduces the full pass's logits exactly (:func:`blocks_can_be_called`); otherwise
+    TransformerLens 4's ``start_at_layer`` or a full pass.
 
     Args:
         bridge: The bridge's adapter.
         tokens: The batch the residual streams given to :meth:`run` are copies of.
         n_layers: Its blocks.
-        starts_at_layer: Run from the block with TransformerLens 4's ``start_at_layer``; else
-            (TL 3.9, or positions that a run from a block would not see) a full pass from the
-            tokens with the block's entering residual replaced.
+        starts_at_layer: Where calling the blocks is not exact, run from the block with
+            TransformerLens 4's ``start_at_layer``; else (TL 3.9, or positions that a run from
+            a block would not see) a full pass from the tokens with the block's entering
+            residual replaced.
     """
 
     prefix_reuse = False
@@ -584,14 +694,42 @@ class BridgeLayerRunner:
         self.batch = tokens.shape[0]
         self.n_layers = n_layers
         self.starts_at_layer = starts_at_layer
+        self._calls: dict[int, _BlockCalls] = {}  # copies -> the blocks' recorded arguments
+        self._exact: bool | None = None
+
+    def recording(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which the caller runs the full pass of :attr:`tokens` (hooked or not:
+        the blocks' other arguments do not depend on the residual stream); the later runs call
+        the blocks with the arguments it gave them, instead of recording them in a pass of
+        their own."""
+        self._calls[1] = _BlockCalls(self.model.model)
+        return self._calls[1].recording()
+
+    def _block_calls(self, copies: int) -> _BlockCalls | None:
+        """The blocks' recorded arguments for ``copies`` stacked batches, or ``None`` where
+        calling the blocks would not be exact."""
+        if self._exact is None:
+            self._exact = blocks_can_be_called(self.model.model, self.tokens)
+        if not self._exact:
+            return None
+        calls = self._calls.get(copies)
+        if calls is None or not calls.complete:
+            calls = self._calls[copies] = _BlockCalls(self.model.model)
+            with torch.no_grad(), calls.recording():
+                self.model.model(self.tokens.repeat(copies, 1))
+        return calls
 
     def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
         copies = resid.shape[0] // self.batch
         hooks = list(hooks)
-        if layer >= self.n_layers:  # only the final norm and the unembedding
-            site, start = f"blocks.{self.n_layers - 1}.hook_resid_post", self.n_layers - 1
-        else:
+        if layer < self.n_layers:
+            calls = self._block_calls(copies)
+            if calls is not None:
+                with torch.no_grad(), self.model._hooks.added(hooks, (), layer):
+                    return calls.run(resid, layer)
             site, start = f"blocks.{layer}.hook_resid_pre", layer
+        else:  # only the final norm and the unembedding
+            site, start = f"blocks.{self.n_layers - 1}.hook_resid_post", self.n_layers - 1
 
         def replace(act: torch.Tensor, hook: Any) -> torch.Tensor:
             return resid

@@ -10,6 +10,7 @@ prefix). TransformerLens 3.x is imported only when a method needs it: this modul
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -172,6 +173,10 @@ class HookedLayerRunner:
             and self._shortformer is None
         )
         self._prefixes: dict[int, Any] = {}
+
+    def recording(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to record: the blocks' other arguments come from ``input_to_embed``."""
+        return contextlib.nullcontext()
 
     def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
         copies = resid.shape[0] // self.batch

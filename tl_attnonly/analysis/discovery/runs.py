@@ -603,6 +603,9 @@ def _circuit_run(
     if start:
         assert first is not None and first.runner is not None
         logits = first.runner.run(first.resid[start], start, hooks, 0, None)
+    elif keep and first is not None and first.runner is not None:
+        with first.runner.recording():  # what the later runs from a block need of a full pass
+            logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
     else:
         logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
     run.built.clear()  # the reference keeps its changes, not its inputs
