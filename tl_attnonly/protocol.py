@@ -175,13 +175,23 @@ class LayerRunner(Protocol):
         from it instead of a pass of the runner's own."""
         ...
 
-    def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
+    def run(
+        self,
+        resid: Tensor,
+        layer: int,
+        hooks: Hooks,
+        first_pos: int,
+        prefix: Tensor | None,
+        *,
+        logit_positions: Tensor | None = None,
+    ):
         """Logits ``[copies_batch, pos, d_vocab]`` of ``resid`` ``[copies_batch, pos, d_model]``
         (copies of the batch stacked on the batch axis) entering block ``layer`` (``n_layers``:
         only the final norm and the unembedding), with the forward ``hooks``. ``resid`` equals the
         batch's own residual stream before ``first_pos``, whose logits ``prefix``
         ``[batch, pos, d_vocab]`` are (where :attr:`prefix_reuse` holds, only positions
-        ``first_pos..`` need to run)."""
+        ``first_pos..`` need to run). ``logit_positions`` ``[batch]``: the runner may compute
+        only those positions' logits (one per row, the same for every copy), the others NaN."""
         ...
 
 

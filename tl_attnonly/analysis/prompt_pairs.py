@@ -39,6 +39,9 @@ class PromptPairs:
 
     corrupted_tokens: Int[torch.Tensor, "batch pos"]
 
+    #: Each row's last prompt position, whose logits :meth:`logit_diff` reads.
+    end_pos: Int[torch.Tensor, " batch"]
+
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
@@ -112,6 +115,8 @@ class PromptPairs:
         def metric(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
             return self.select(indices.cpu()).logit_diff(logits).sum() / size
 
+        # the logits it reads (exact runs compute only these: logit_positions)
+        metric.logit_positions = lambda indices: self.end_pos[indices.cpu()]  # type: ignore[attr-defined]
         return metric
 
 

@@ -614,15 +614,27 @@ class _BlockCalls:
         """Whether every block's arguments were recorded."""
         return len(self.calls) == len(self.bridge.blocks)
 
-    def run(self, resid: torch.Tensor, layer: int) -> torch.Tensor:
-        """The logits of ``resid`` entering block ``layer``: the blocks from ``layer`` on, then
-        the final norm and the unembedding (the hooks in force fire as in a full pass)."""
+    def run(
+        self, resid: torch.Tensor, layer: int, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits ``[batch, pos, d_vocab]`` of ``resid`` entering block ``layer``: the
+        blocks from ``layer`` on, then the final norm and the unembedding (the hooks in force
+        fire as in a full pass). ``positions`` ``[batch]``: only those positions' logits (one
+        per row; the final norm and the unembedding see ``[batch, 1, d_model]``), the others
+        NaN."""
         hidden = resid
         for index in range(layer, len(self.bridge.blocks)):
             args, kwargs = self.calls[index]
             out = self.bridge.blocks[index](hidden, *args, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
-        return self.bridge.unembed(self.bridge.ln_final(hidden))
+        if positions is None:
+            return self.bridge.unembed(self.bridge.ln_final(hidden))
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        at = positions.to(hidden.device)
+        picked = self.bridge.unembed(self.bridge.ln_final(hidden[rows, at].unsqueeze(1)))
+        logits = picked.new_full((hidden.shape[0], hidden.shape[1], picked.shape[-1]), torch.nan)
+        logits[rows, at] = picked[:, 0]
+        return logits
 
 
 def _is_kv_cache(value: Any) -> bool:
@@ -719,14 +731,24 @@ class BridgeLayerRunner:
                 self.model.model(self.tokens.repeat(copies, 1))
         return calls
 
-    def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
+    def run(
+        self,
+        resid: Tensor,
+        layer: int,
+        hooks: Hooks,
+        first_pos: int,
+        prefix: Tensor | None,
+        *,
+        logit_positions: Tensor | None = None,
+    ):
         copies = resid.shape[0] // self.batch
         hooks = list(hooks)
         if layer < self.n_layers:
             calls = self._block_calls(copies)
             if calls is not None:
+                positions = None if logit_positions is None else logit_positions.repeat(copies)
                 with torch.no_grad(), self.model._hooks.added(hooks, (), layer):
-                    return calls.run(resid, layer)
+                    return calls.run(resid, layer, positions)
             site, start = f"blocks.{layer}.hook_resid_pre", layer
         else:  # only the final norm and the unembedding
             site, start = f"blocks.{self.n_layers - 1}.hook_resid_post", self.n_layers - 1

@@ -178,7 +178,17 @@ class HookedLayerRunner:
         """Nothing to record: the blocks' other arguments come from ``input_to_embed``."""
         return contextlib.nullcontext()
 
-    def run(self, resid: Tensor, layer: int, hooks: Hooks, first_pos: int, prefix: Tensor | None):
+    def run(
+        self,
+        resid: Tensor,
+        layer: int,
+        hooks: Hooks,
+        first_pos: int,
+        prefix: Tensor | None,
+        *,
+        logit_positions: Tensor | None = None,
+    ):
+        # every position's logits (logit_positions is a permission, not used here)
         copies = resid.shape[0] // self.batch
         n_pos = resid.shape[1]
         if first_pos > 0 and self.prefix_reuse and not hooks and prefix is not None:

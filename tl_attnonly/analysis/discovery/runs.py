@@ -49,8 +49,10 @@ from tl_attnonly.analysis.discovery.sites import (
     call_metric,
     check_additive,
     check_discoverable,
+    check_logit_positions,
     input_hook_name,
     input_site,
+    logit_positions,
     neuron_head_coef,
     neuron_read_matrix,
     qkv_weights,
@@ -348,11 +350,14 @@ def circuit_metrics(
                 model.layer_runs(clean_tokens[idx]) if resume else None,
                 keep_changes=any(below > 0 for below in same_below[1:]),
             )
+            reads = logit_positions(metric, idx, clean_tokens.shape[1])
             for i, mask in enumerate(masks):
                 logits = _circuit_run(
                     model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
-                    first=first, keep=i == 0, shared=shared[i], start=starts[i],
+                    first=first, keep=i == 0, shared=shared[i], start=starts[i], reads=reads,
                 )  # fmt: skip
+                if i == 0 and reads is not None and resume:
+                    check_logit_positions(metric, logits, idx, reads)
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
     bar.close()
@@ -445,9 +450,12 @@ def _circuit_run(
     keep: bool = False,
     shared: Collection[str] = (),
     start: int = 0,
+    reads: torch.Tensor | None = None,
 ):
     """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
-    by position: each class's hook changes its own positions only).
+    by position: each class's hook changes its own positions only). A run from a block computes
+    only the logits at ``reads`` (one position per row, the metric's :func:`logit_positions`;
+    the others NaN) where the model's runner can.
 
     ``first``: the call's :class:`FirstRun`. With ``keep`` (the first run) it receives what the
     later runs reuse; else the input groups ``shared`` (:func:`_shared_prefix`) take their hook
@@ -602,7 +610,7 @@ def _circuit_run(
             hooks.append((block_act_name("resid_pre", layer), entering))
     if start:
         assert first is not None and first.runner is not None
-        logits = first.runner.run(first.resid[start], start, hooks, 0, None)
+        logits = first.runner.run(first.resid[start], start, hooks, 0, None, logit_positions=reads)
     elif keep and first is not None and first.runner is not None:
         with first.runner.recording():  # what the later runs from a block need of a full pass
             logits = model.run_with_hooks(tokens, fwd_hooks=hooks)

@@ -258,6 +258,8 @@ def _weighted_by_batch(metric: DiscoveryMetric, n_examples: int) -> DiscoveryMet
     def additive(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return call_metric(metric, logits, indices) * (len(indices) / n_examples)
 
+    if hasattr(metric, "logit_positions"):  # the same logits read
+        additive.logit_positions = metric.logit_positions  # type: ignore[attr-defined]
     return additive
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 
 from tl_attnonly._types import check_token_pair
 from tl_attnonly.adapt import analysis_model
@@ -134,6 +134,47 @@ def call_metric(
     return out.reshape(())
 
 
+def logit_positions(
+    metric: DiscoveryMetric, indices: Int[torch.Tensor, " batch"], n_pos: int
+) -> Int[torch.Tensor, " batch"] | None:
+    """The one position per row whose logits ``metric`` reads, where it declares them (a
+    ``logit_positions(indices)`` attribute giving ``[batch]`` positions, negative ones from the
+    end: :func:`logit_diff_metric` and the task datasets' ``additive_metric()`` do); ``None``
+    for any other metric (every position's logits are computed for it).
+
+    Exact runs from a block compute only these positions' logits (the unembedding of the other
+    positions is skipped; their logits are NaN, so a metric that reads more than it declares
+    gives NaN, which :func:`check_logit_positions` refuses)."""
+    reads = getattr(metric, "logit_positions", None)
+    if reads is None:
+        return None
+    return torch.as_tensor(reads(indices), dtype=torch.long).cpu() % n_pos
+
+
+def check_logit_positions(
+    metric: DiscoveryMetric,
+    logits: Float[torch.Tensor, "batch pos d_vocab"],
+    indices: Int[torch.Tensor, " batch"],
+    positions: Int[torch.Tensor, " batch"],
+) -> None:
+    """Refuse a metric whose value on ``logits`` changes when only its declared
+    ``positions`` (:func:`logit_positions`) are kept (the others NaN).
+
+    Raises:
+        ValueError: If it reads logits at other positions than it declares.
+    """
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    at = positions.to(logits.device)
+    kept = torch.full_like(logits, float("nan"))
+    kept[rows, at] = logits[rows, at]
+    if not torch.equal(call_metric(metric, kept, indices), call_metric(metric, logits, indices)):
+        raise ValueError(
+            "The metric reads logits at other positions than its logit_positions attribute "
+            "declares (its value changes when only those are kept): correct logit_positions, "
+            "or remove it (every position's logits are then computed)."
+        )
+
+
 def check_additive(
     model: ModelLike,
     tokens: Int[torch.Tensor, "batch pos"],
@@ -201,6 +242,8 @@ def logit_diff_metric(
         c, w = correct.to(last.device)[indices], wrong.to(last.device)[indices]
         return (last[rows, c] - last[rows, w]).sum() / n
 
+    # the logits it reads (exact runs compute only these: logit_positions)
+    metric.logit_positions = lambda indices: torch.full((len(indices),), position)  # type: ignore[attr-defined]
     return metric
 
 
