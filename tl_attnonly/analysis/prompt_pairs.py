@@ -109,7 +109,9 @@ class PromptPairs:
     def additive_metric(self) -> AdditiveMetric:
         """The mean :meth:`logit_diff` as a batch-additive ``metric(logits, indices)`` (for
         ``discover_circuit(..., batch_size=...)``): the rows' summed difference over the dataset
-        size, so the batches add up to the dataset mean."""
+        size, so the batches add up to the dataset mean. Its ``logit_positions`` attribute
+        declares the position it reads per row (``end_pos``), so that exact runs from a block
+        unembed only those (:func:`~tl_attnonly.analysis.discovery.sites.logit_positions`)."""
         size = len(self)
 
         def metric(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

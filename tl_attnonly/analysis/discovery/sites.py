@@ -232,7 +232,9 @@ def logit_diff_metric(
         position: Which position's logits (default the last).
 
     Returns:
-        A ``metric(logits, indices)`` whose sum over batches is the dataset mean.
+        A ``metric(logits, indices)`` whose sum over batches is the dataset mean; its
+        ``logit_positions`` attribute declares the one position it reads per row
+        (:func:`logit_positions`).
     """
     n = correct.shape[0]
 
