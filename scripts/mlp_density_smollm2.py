@@ -40,9 +40,7 @@ from tl_attnonly.analysis import (
     top_nodes,
 )
 from tl_attnonly.analysis.discovery import neuron_relevance
-from tl_attnonly.analysis.discovery.graph import HeadGraph
-from tl_attnonly.analysis.discovery.neuron_stage import _cut_all
-from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
+from tl_attnonly.analysis.discovery.search import coarse_nodes
 from tl_attnonly.analysis.ioi import IOI_TEMPLATES
 from tl_attnonly.smollm2 import load_smollm2_pair, use_bridge
 
@@ -85,14 +83,22 @@ def main(argv: list[str] | None = None) -> None:
         own = scores[[i for i in scores.index if i.startswith(f"L{layer}N")]]
         return list(own.abs().sort_values(ascending=False, kind="stable").index[:cap])
 
-    def run(named: list[str], keep: dict[int, set[str]]) -> list[float]:
-        """Faithfulness of the coarse circuit on a graph with ``named`` as nodes, each layer of
-        ``keep`` cut but the neurons it lists (one entry per circuit)."""
-        nodes = coarse_nodes(converted) + named
-        graph = HeadGraph(converted, nodes=nodes)
-        base = expand_mask(coarse.graph, coarse.mask, graph)
-        masks = [_cut_all(base, graph, k) for k in keep]  # type: ignore[arg-type]
-        values = circuit_metrics(converted, masks, clean, corrupted, metric, nodes=nodes)
+    def run(keeps: list[dict[int, set[str]]]) -> list[float]:
+        """Faithfulness of the coarse circuit with each layer of a ``keeps`` entry cut but the
+        neurons it lists (one entry per circuit; ``circuit_metrics``' ``kept_neurons``: the
+        same runs as on a graph with those neurons named)."""
+        kept = []
+        for keep in keeps:
+            entry = {}
+            for layer, names in keep.items():
+                mask = torch.zeros(converted.cfg.d_mlp, dtype=torch.bool)
+                mask[[int(n.split("N")[1]) for n in names]] = True
+                entry[layer] = mask
+            kept.append(entry)
+        values = circuit_metrics(
+            converted, [coarse.mask] * len(keeps), clean, corrupted, metric,
+            nodes=coarse_nodes(converted), kept_neurons=kept,
+        )  # fmt: skip
         return [faithfulness(v, coarse.metric_clean, coarse.metric_corrupted) for v in values]
 
     for layer in args.layers:
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         by_relp = [f"L{layer}N{i}" for i in order]
         for name, neurons in (("|score|", by_score), ("RelP |R|", by_relp)):
             keeps = [{layer: set(neurons[:k])} for k in args.sizes]
-            values = run(neurons, keeps)  # type: ignore[arg-type]
+            values = run(keeps)
             print(
                 f"L{layer}MLP, top k by {name} named, its remainder cut, other layers whole: "
                 + ", ".join(f"k={k}: {f:.3f}" for k, f in zip(args.sizes, values, strict=True))
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                         break
                     keep[layer_of[n]].add(n)
                 keeps.append(keep)
-            values = run([n for li in layers for n in candidates[li]], keeps)  # type: ignore[arg-type]
+            values = run(keeps)
             where = "every remainder cut" if kept is None else f"every remainder but L{kept}'s cut"
             print(
                 f"top {args.cap} per MLP node as candidates, {where}, top N by |score| across "

@@ -268,37 +268,28 @@ def test_coarse_target_leaves_the_neuron_stage_room_and_it_keeps_the_target():
 
 class _Ruled(NeuronStage):
     """A :class:`~tl_attnonly.analysis.discovery.neuron_stage.NeuronStage` whose "faithfulness"
-    of a mask is a rule of which remainders and named neurons have outgoing edges (the search
-    itself, on a real graph, is what is tested; no coarse circuit, so ``__init__`` is its own).
+    of a circuit is a rule of which remainders and named neurons pass their changes on (the
+    search itself, on a real model's stage, is what is tested; no coarse circuit, so
+    ``__init__`` is its own).
     """
 
     def __init__(self, rule, n_layers: int = 4, per_layer: int = 4):
         from types import SimpleNamespace
 
-        model = make_converted("silu", **{**GATED_ZOO["llama"], "n_layers": n_layers})
         self.ranked = {li: [f"L{li}N{i}" for i in range(per_layer)] for li in range(n_layers)}
-        nodes = coarse_nodes(model) + [n for v in self.ranked.values() for n in v]
-        self.graph = HeadGraph(model, nodes=nodes)
-        self.mask = self.graph.full_mask()
         self.rule, self.n_runs = rule, 0
         self.opts = DiscoveryOptions(neurons_per_mlp="auto")
-        self.coarse = SimpleNamespace(faithfulness=self._value(self.mask))
+        self.coarse = SimpleNamespace(faithfulness=self._value({}))
         self.goal = min(self.opts.target, self.coarse.faithfulness)
 
-    def _value(self, mask) -> float:
-        rest = {li: False for li in self.ranked}
-        named = {li: 0 for li in self.ranked}
-        for (src, _), block in mask.items():
-            kind, _, layer = src.partition(".")
-            if kind == "mlp":
-                rest[int(layer)] |= bool(block.any())
-            elif kind == "neuron":
-                named[int(layer)] = max(named[int(layer)], int(block.any(1).sum()))
+    def _value(self, cuts) -> float:
+        rest = {li: li not in cuts for li in self.ranked}
+        named = {li: len(cuts.get(li, self.ranked[li])) for li in self.ranked}
         return self.rule(rest, named)
 
-    def faithfulness(self, masks) -> list[float]:
-        self.n_runs += len(masks)
-        return [self._value(m) for m in masks]
+    def faithfulness(self, circuits) -> list[float]:
+        self.n_runs += len(circuits)
+        return [self._value(c) for c in circuits]
 
 
 def test_joint_search_cuts_a_kept_layer_whose_share_turns_negative():

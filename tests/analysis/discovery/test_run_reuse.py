@@ -354,8 +354,11 @@ def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch,
         calls[0] += 1
         return circuit_metrics(model, masks, *args, **kwargs)
 
-    def one_per_call(model, masks, *args, **kwargs):
-        return [counted(model, [m], *args, **kwargs)[0] for m in masks]
+    def one_per_call(model, masks, *args, kept_neurons, **kwargs):
+        return [
+            counted(model, [m], *args, kept_neurons=[kept], **kwargs)[0]
+            for m, kept in zip(masks, kept_neurons, strict=True)
+        ]
 
     def found(runner, max_neurons_per_mlp: int):
         calls[0] = 0

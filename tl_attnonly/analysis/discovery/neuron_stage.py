@@ -6,7 +6,9 @@ node attribution ``|score|`` (:func:`~.search.top_nodes`, the ranking of the fix
 best ``max_neurons_per_mlp`` are the candidates. A layer's remainder is ``L{l}MLP`` (the neurons
 not named); *cutting* it removes its outgoing edges, and a named neuron left out loses its
 outgoing edges too, so both read the corrupted run. The goal is ``min(target, coarse
-faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_metrics`).
+faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_metrics`), made on
+the coarse graph with each cut layer's MLP node passing on its kept neurons' changes only
+(``kept_neurons``: the runs of the graph with the candidates named, without building it).
 
 ``neuron_search="joint"`` (default) chooses all layers together, in three searches, a trim and
 a last check of the kept layers:
@@ -70,11 +72,11 @@ import pandas as pd
 import torch
 
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
-from tl_attnonly.analysis.discovery.graph import HeadGraph, mlp_rest_label
+from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics
-from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
+from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
@@ -88,38 +90,35 @@ COLUMNS = ["node", "named", "remainder", "remainder_share", "faithfulness", "run
 JOINT_COLUMNS = ["node", "named", "remainder", "remainder_share", "share_alone", "dropped"]
 
 
-def _cut(mask: Mask, graph: HeadGraph, layer: int, keep: set[str]) -> Mask:
-    """``mask`` without the outgoing edges of layer ``layer``'s remainder and of its named
-    neurons not in ``keep``."""
-    out = dict(mask)
-    for group in graph.sources:
-        if group.key == f"mlp.{layer}":
-            drop = torch.ones(len(group.labels), dtype=torch.bool)
-        elif group.key == f"neuron.{layer}":
-            drop = torch.tensor([label not in keep for label in group.labels], dtype=torch.bool)
-        else:
-            continue
-        for key, block in mask.items():
-            if key[0] == group.key:
-                out[key] = block & ~drop.to(block.device)[:, None]
-    return out
+#: The circuit of a neuron-stage run: the coarse circuit with each layer of the dict cut (its
+#: remainder's outgoing edges removed) but for its named neurons in the set; layers absent whole.
+Cuts = dict[int, set[str]]
 
 
-def _cut_all(mask: Mask, graph: HeadGraph, keep: dict[int, set[str]]) -> Mask:
-    """``mask`` with every layer of ``keep`` cut but its named neurons in ``keep[layer]``."""
-    for layer, names in keep.items():
-        mask = _cut(mask, graph, layer, names)
-    return mask
+def _cut(cuts: Cuts, layer: int, keep: set[str]) -> Cuts:
+    """``cuts`` with layer ``layer``'s remainder cut and its named neurons not in ``keep``."""
+    return {**cuts, layer: set(keep)}
+
+
+def _cut_all(cuts: Cuts, keep: dict[int, set[str]]) -> Cuts:
+    """``cuts`` with every layer of ``keep`` cut but its named neurons in ``keep[layer]``."""
+    return {**cuts, **{layer: set(names) for layer, names in keep.items()}}
 
 
 class NeuronStage:
-    """The neuron stage's ground: the graph with every candidate named, the coarse mask expanded
-    to it, and exact runs of masks on it (counted).
+    """The neuron stage's ground: the coarse circuit, the candidates, and exact runs of the
+    circuit with layers cut (:data:`Cuts`), counted.
+
+    A run is the coarse circuit on the graph with every candidate named (each coarse edge of
+    ``L{l}MLP`` on each named neuron and the remainder) with the outgoing edges of each cut
+    layer's remainder and left-out named neurons removed. It is computed on the coarse graph:
+    each cut layer's MLP node passes on the change of its kept neurons only
+    (:func:`~.runs.circuit_metrics`' ``kept_neurons``; the same run, without a graph of the
+    candidates and a mask per circuit).
 
     Args:
         model: The model.
         coarse: The coarse circuit.
-        expand: ``expand(coarse_graph, mask, fine_graph)``: the coarse mask on a finer graph.
         ranked: Per layer, its candidates best first (at most ``max_neurons_per_mlp``).
         clean, corrupted, metric: The search's prompts and metric.
         opts: The search's options (``target``, ``batch_size``, ``neuron_trim``).
@@ -132,7 +131,6 @@ class NeuronStage:
         self,
         model: AttnOnlyModel,
         coarse: Circuit,
-        expand: Callable[[HeadGraph, Mask, HeadGraph], Mask],
         ranked: dict[int, list[str]],
         clean,
         corrupted,
@@ -145,52 +143,59 @@ class NeuronStage:
         self.model, self.coarse, self.opts, self.ranked = model, coarse, opts, ranked
         self.clean, self.corrupted, self.metric = clean, corrupted, metric
         self.positions, self.corrupted_runs = positions, corrupted_runs
-        self.fine_nodes = nodes + [n for li in sorted(ranked) for n in ranked[li]]
-        self.graph = HeadGraph(
-            model, nodes=self.fine_nodes, positions=None if positions is None else positions.names
-        )
-        self.mask = expand(coarse.graph, coarse.mask, self.graph)
+        self.nodes = nodes
         self.goal = min(opts.target, coarse.faithfulness)
         self.n_runs = 0
 
-    def faithfulness(self, masks: list[Mask]) -> list[float]:
-        """The exact faithfulness of each mask, in one call."""
+    def faithfulness(self, circuits: list[Cuts]) -> list[float]:
+        """The exact faithfulness of each circuit, in one call."""
+        d_mlp = int(self.model.cfg.d_mlp or 0)
+        kept = []
+        for cuts in circuits:
+            entry = {}
+            for layer, names in cuts.items():
+                keep = torch.zeros(d_mlp, dtype=torch.bool)
+                keep[[int(n.split("N")[1]) for n in names]] = True
+                entry[layer] = keep
+            kept.append(entry)
         values = circuit_metrics(
-            self.model, masks, self.clean, self.corrupted, self.metric, nodes=self.fine_nodes,
-            batch_size=self.opts.batch_size, positions=self.positions,
-            corrupted_runs=self.corrupted_runs,
+            self.model, [self.coarse.mask] * len(circuits), self.clean, self.corrupted,
+            self.metric, nodes=self.nodes, batch_size=self.opts.batch_size,
+            positions=self.positions, corrupted_runs=self.corrupted_runs, kept_neurons=kept,
         )  # fmt: skip
-        self.n_runs += len(masks)
+        self.n_runs += len(circuits)
         c = self.coarse
         return [faithfulness(v, c.metric_clean, c.metric_corrupted) for v in values]
 
-    def sizes(self, build: Callable[[int], Mask]):
-        """``evaluate(ks)`` for :func:`_smallest`: the masks ``build(k)``, run in one call."""
+    def sizes(self, build: Callable[[int], Cuts]):
+        """``evaluate(ks)`` for :func:`_smallest`: the circuits ``build(k)``, run in one call."""
 
-        def evaluate(ks: list[int]) -> dict[int, tuple[Mask, float]]:
-            masks = [build(k) for k in ks]
-            return dict(zip(ks, zip(masks, self.faithfulness(masks), strict=True), strict=True))
+        def evaluate(ks: list[int]) -> dict[int, tuple[Cuts, float]]:
+            circuits = [build(k) for k in ks]
+            return dict(
+                zip(ks, zip(circuits, self.faithfulness(circuits), strict=True), strict=True)
+            )
 
         return evaluate
 
 
 def _smallest(
-    evaluate: Callable[[list[int]], dict[int, tuple[Mask, float]]],
+    evaluate: Callable[[list[int]], dict[int, tuple[Cuts, float]]],
     first: int,
     cap: int,
     goal: float,
-    passing: tuple[Mask, float] | None = None,
-) -> tuple[int | None, dict[int, tuple[Mask, float]]]:
+    passing: tuple[Cuts, float] | None = None,
+) -> tuple[int | None, dict[int, tuple[Cuts, float]]]:
     """The smallest ``k`` in ``[first, cap]`` whose run reaches ``goal``: doubling from
     ``first`` (``LADDER`` sizes per call), then bisection between the last failing and the first
     passing size (two steps per call), down to one. ``evaluate(ks)`` runs the sizes ``ks`` in
-    one call and returns ``{k: (mask, faithfulness)}``. ``passing``: ``cap``'s run, known to
+    one call and returns ``{k: (circuit, faithfulness)}``. ``passing``: ``cap``'s run, known to
     reach the goal: no doubling, bisection between ``first - 1`` and ``cap``.
 
     Returns:
         ``(k, tried)``: ``k`` (None where even ``cap`` fails) and every run made.
     """
-    tried: dict[int, tuple[Mask, float]] = {}
+    tried: dict[int, tuple[Cuts, float]] = {}
 
     def run(ks: list[int]) -> None:
         ks = list(dict.fromkeys(k for k in ks if k not in tried))
@@ -246,15 +251,16 @@ def resolve_neurons(
         its outgoing edges, and the per-layer table.
     """
     ranked = stage.ranked
-    mask, current = stage.mask, stage.coarse.faithfulness
+    cuts: Cuts = {}
+    current = stage.coarse.faithfulness
     named: dict[int, list[str]] = {}
     cut: set[int] = set()
     rows = []
     for li in sorted(ranked):
         order = ranked[li]
 
-        def build(k: int, base=mask, li=li, order=order) -> Mask:
-            return _cut(base, stage.graph, li, set(order[:k]))
+        def build(k: int, base=cuts, li=li, order=order) -> Cuts:
+            return _cut(base, li, set(order[:k]))
 
         k, tried = _smallest(stage.sizes(build), 1, len(order), stage.goal)
         if k is None:  # the remainder is needed: name them all, keep it
@@ -262,7 +268,7 @@ def resolve_neurons(
             share = current - tried[len(order)][1]
             rows.append((mlp_rest_label(li), len(order), True, share, current, len(tried)))
             continue
-        mask, current = tried[k]
+        cuts, current = tried[k]
         named[li] = list(order[:k])
         cut.add(li)
         rows.append((mlp_rest_label(li), k, False, 0.0, current, len(tried)))
@@ -288,39 +294,40 @@ def resolve_neurons_jointly(
     """
     ranked, coarse, opts = stage.ranked, stage.coarse, stage.opts
     layers = sorted(ranked)
-    base, graph, goal = stage.mask, stage.graph, stage.goal
+    base: Cuts = {}  # the coarse circuit
+    goal = stage.goal
     candidates = {li: set(ranked[li]) for li in layers}
     # 1. each layer's remainder cut alone
-    alone = stage.faithfulness([_cut(base, graph, li, candidates[li]) for li in layers])
+    alone = stage.faithfulness([_cut(base, li, candidates[li]) for li in layers])
     share_alone = {li: coarse.faithfulness - f for li, f in zip(layers, alone, strict=True)}
     # 2. the fewest kept remainders (largest shares kept)
     by_share = sorted(layers, key=lambda li: share_alone[li])
 
-    def keep_remainders(q: int) -> Mask:
-        return _cut_all(base, graph, {li: candidates[li] for li in by_share[: len(layers) - q]})
+    def keep_remainders(q: int) -> Cuts:
+        return _cut_all(base, {li: candidates[li] for li in by_share[: len(layers) - q]})
 
     q, tried_q = _smallest(stage.sizes(keep_remainders), 0, len(layers), goal)
     if q is None:  # rounding below a goal the coarse circuit sits on: keep every remainder
         q, tried_q = len(layers), {len(layers): (base, coarse.faithfulness)}
     cut = sorted(by_share[: len(layers) - q])
-    final_mask, final = tried_q[q]
+    final_cuts, final = tried_q[q]
     # 3. the fewest named neurons in the cut layers, one order across them
     pool = [n for li in cut for n in ranked[li]]
     pool.sort(key=lambda n: -abs(float(scores[n])))
     layer_of = {n: li for li in cut for n in ranked[li]}
 
-    def top(n_named: int) -> Mask:
+    def top(n_named: int) -> Cuts:
         keep: dict[int, set[str]] = {li: set() for li in cut}
         for n in pool[:n_named]:
             keep[layer_of[n]].add(n)
-        return _cut_all(base, graph, keep)
+        return _cut_all(base, keep)
 
     n_named = len(pool)
     if pool:
         found, tried_n = _smallest(stage.sizes(top), 0, len(pool), goal)
         if found is not None:
             n_named = found
-            final_mask, final = tried_n[found]
+            final_cuts, final = tried_n[found]
     chosen = set(pool[:n_named])
     named = {li: [n for n in ranked[li] if n in chosen] for li in layers}
     # 4. trim: each cut layer's named neurons (most first) to the fewest of its own top ones
@@ -332,28 +339,28 @@ def resolve_neurons_jointly(
                 continue
             others = {lj: set(named[lj]) for lj in cut if lj != li}
 
-            def trimmed(k: int, li=li, mine=mine, others=others) -> Mask:
-                return _cut_all(base, graph, {**others, li: set(mine[:k])})
+            def trimmed(k: int, li=li, mine=mine, others=others) -> Cuts:
+                return _cut_all(base, {**others, li: set(mine[:k])})
 
             k, tried_k = _smallest(
-                stage.sizes(trimmed), 0, len(mine), goal, passing=(final_mask, final)
+                stage.sizes(trimmed), 0, len(mine), goal, passing=(final_cuts, final)
             )
             assert k is not None  # len(mine) passes
             named[li] = mine[:k]
-            final_mask, final = tried_k[k]
+            final_cuts, final = tried_k[k]
     # 5. each kept layer's share in the returned circuit (with it minus without it); while one
     # is negative, the most negative is cut (the run without it is above the circuit's, so
     # above the goal) and the others' shares are measured again
     kept = [li for li in layers if li not in cut]
     dropped: list[int] = []
     while True:
-        masks = [_cut(final_mask, graph, li, set()) for li in kept]
-        without = dict(zip(kept, stage.faithfulness(masks) if masks else [], strict=True))
+        circuits = [_cut(final_cuts, li, set()) for li in kept]
+        without = dict(zip(kept, stage.faithfulness(circuits) if circuits else [], strict=True))
         share = {li: final - without[li] for li in kept}
         if not kept or min(share.values()) >= 0:
             break
         worst = min(kept, key=lambda li: (share[li], li))
-        final_mask, final = masks[kept.index(worst)], without[worst]
+        final_cuts, final = circuits[kept.index(worst)], without[worst]
         kept.remove(worst)
         dropped.append(worst)
     rows = [

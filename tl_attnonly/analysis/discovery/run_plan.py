@@ -15,9 +15,10 @@ out_u(corrupted)) U_u`` (``[batch, pos, d_model]``). Two kinds of redundancy mak
 
 A merged row that holds every neuron of an MLP layer changes by the layer's output change
 (``hook_mlp_out``: ``sum_i delta(post_i) W_out[i]``, the bias cancels), which the run records, so
-its neurons' values are not read. Across the runs of one call (:func:`~.runs.circuit_metrics`), a
-later run takes the first run's merged rows and their changes below its first source with other
-edges.
+its neurons' values are not read; where the run passes on only some of the layer's neurons' changes
+(:class:`PlanRun`'s ``kept``), the row sums those neurons' terms instead. Across the runs of one
+call (:func:`~.runs.circuit_metrics`), a later run takes the first run's merged rows and their
+changes below its first source with other edges.
 
 Each reader's input is then one matrix product ``M^T W`` of the merged rows' changes
 ``W [rows, batch*pos*d_model]`` and the 0/1 incidence ``M [rows, readers]``, taken as a sparse
@@ -28,6 +29,7 @@ edge-by-edge sum up to floating-point rounding (the order of the additions).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +53,11 @@ class CircuitPlan:
             are taken as they are (the sources there have the same outgoing edges in both
             masks: :func:`~.runs._shared_prefix`).
         same_below: See ``reference``.
+
+    A plan of the same mask object as its ``reference``'s takes the reference's merged rows at
+    every order (the same edges), as rows of its own above ``same_below`` (their changes are
+    computed, not copied: the runs differ there only in which neurons an MLP node passes on,
+    :class:`PlanRun`'s ``kept``).
 
     Attributes:
         orders: Residual positions that have a source with an edge, increasing.
@@ -82,13 +89,16 @@ class CircuitPlan:
         self.incidence: dict[tuple[int, str], torch.Tensor] = {}
         self.whole: dict[int, dict[int, int]] = {}
         self.offsets = [0]  # the first merged row of each order, and the total
+        self.mask = mask
+        same_mask = reference is not None and reference.mask is mask
         for order, groups in sorted(by_order.items()):
             dsts = [d for d in graph.inputs if d.labels and d.order > order]
             if not dsts:
                 continue
-            if reference is not None and order < same_below:  # the reference's edges here
+            if reference is not None and (order < same_below or same_mask):
+                # the reference's edges here (above same_below: rows of this plan's own)
                 if order in reference.members:
-                    self._take(reference, order, dsts)
+                    self._take(reference, order, dsts, own=order >= same_below)
                 continue
             signature = torch.cat(
                 [torch.cat([mask[(s.key, d.key)].cpu() for d in dsts], 1) for s in groups], 0
@@ -117,10 +127,15 @@ class CircuitPlan:
                 self.incidence[(order, d.key)] = unique[:, offset : offset + n].bool()
                 offset += n
 
-    def _take(self, reference: CircuitPlan, order: int, dsts: list[InputGroup]) -> None:
-        """Append ``reference``'s merged rows at ``order`` (the same mask edges there)."""
+    def _take(
+        self, reference: CircuitPlan, order: int, dsts: list[InputGroup], own: bool = False
+    ) -> None:
+        """Append ``reference``'s merged rows at ``order`` (the same mask edges there); with
+        ``own``, as rows of this plan (a list of its own: :class:`PlanRun` computes their
+        changes instead of copying the reference's)."""
         self.orders.append(order)
-        self.members[order] = reference.members[order]
+        members = reference.members[order]
+        self.members[order] = list(members) if own else members
         self.whole[order] = reference.whole[order]
         self.n_rows[order] = reference.n_rows[order]
         self.offsets.append(self.offsets[-1] + reference.n_rows[order])
@@ -155,6 +170,9 @@ class PlanRun:
             changes are the reference's, copied instead of computed.
         is_reference: This run is the reference of later ones: its changes are a matrix of
             its own (the later runs share one scratch matrix).
+        kept: Layer -> ``bool [d_mlp]``: the neurons whose change that layer's MLP sources
+            pass on (:func:`~.runs.circuit_metrics`'s ``kept_neurons``); the others' outputs
+            count as the corrupted run's. Layers absent: every neuron.
     """
 
     def __init__(
@@ -168,9 +186,11 @@ class PlanRun:
         memo: dict | None = None,
         reference: PlanRun | None = None,
         is_reference: bool = False,
+        kept: Mapping[int, torch.Tensor] | None = None,
     ):
         model = analysis_model(model)
         self.model, self.graph, self.plan = model, graph, plan
+        self.kept = {} if kept is None else kept
         self.memo = {} if memo is None else memo
         self.reference, self.is_reference = reference, is_reference
         self.current, self.corr, self.block_bytes = current, corr, block_bytes
@@ -201,7 +221,8 @@ class PlanRun:
             self.filled.add(order)
             return
         self.changes[start_row:end_row] = 0
-        whole = self.plan.whole[order]
+        # a layer with kept neurons passes on only theirs: not its output's whole change
+        whole = {r: li for r, li in self.plan.whole[order].items() if li not in self.kept}
         for row, layer in whole.items():  # every neuron of the layer: its output's change
             name = block_act_name("mlp_out", layer)
             self.changes[start_row + row] = (self.current[name] - self.corr[name]).flatten()
@@ -218,6 +239,8 @@ class PlanRun:
                 )
             U, corrupted = self.memo[src.key]
             change = source_values(self.current, src, self.graph) - corrupted
+            if src.kind in ("neuron", MLP_REST) and src.layer in self.kept:
+                change, U = _kept_only(change, U, src, self.kept[src.layer])
             merged, which = torch.unique(ids, return_inverse=True)
             if len(merged) < len(rows):
                 # several sources per merged row (named neurons beside their remainder): one
@@ -311,6 +334,22 @@ def _whole_layers(members: list[tuple[SourceGroup, torch.Tensor, torch.Tensor]])
             if layer >= 0 and counts[i] == size:
                 whole[i] = layer
     return whole
+
+
+def _kept_only(
+    change: torch.Tensor, U: torch.Tensor, src: SourceGroup, kept: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A neuron source group's ``change [b, p, n, r]`` and writer ``U [n, r, d]`` with only the
+    ``kept`` neurons' changes (``kept``: ``bool [d_mlp]`` over the layer): a named neuron left out
+    changes by zero; an MLP remainder (one source, its neurons as ``r``) keeps only the columns
+    of its kept neurons."""
+    kept = kept.to(change.device)
+    whole = len(src.index) == len(kept) and src.index == tuple(range(len(kept)))
+    mine = kept if whole else kept[torch.tensor(src.index, dtype=torch.long, device=kept.device)]
+    if src.kind == MLP_REST:
+        cols = mine.nonzero().flatten()
+        return change[..., cols], U[:, cols.to(U.device)]
+    return change * mine.to(change.dtype)[:, None], U
 
 
 def _row_sums(cols: torch.Tensor, W: torch.Tensor) -> torch.Tensor:

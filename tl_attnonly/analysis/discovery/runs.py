@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -38,7 +38,13 @@ from tl_attnonly.adapt import analysis_model
 
 # Circuit and faithfulness live in .circuit; they stay importable from here too
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
-from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST, HeadGraph, InputGroup
+from tl_attnonly.analysis.discovery.graph import (
+    LOGITS,
+    MLP_REST,
+    HeadGraph,
+    InputGroup,
+    SourceGroup,
+)
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun
 from tl_attnonly.analysis.discovery.sites import (
@@ -285,9 +291,17 @@ def circuit_metrics(
     progress: bool = False,
     positions: PositionClasses | None = None,
     corrupted_runs: CorruptedRuns | None = None,
+    kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None = None,
 ) -> list[float]:
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch
     (once per search with ``corrupted_runs``, a :class:`CorruptedRuns` shared by its calls).
+
+    ``kept_neurons`` (one entry per mask, or None): layer -> ``bool [d_mlp]``, the neurons
+    whose change that layer's MLP sources pass on along their edges; the others' outputs count
+    as the corrupted run's. The run is then that of the same circuit on a graph with every
+    neuron of the layer a node of its own (the layer's edges on each) and the neurons left out
+    without outgoing edges, computed on this graph (the neuron stage's runs on the coarse graph,
+    :mod:`.neuron_stage`). Neuron-level graphs only.
 
     The runs of circuits whose edges into the inputs below some residual position equal the
     first circuit's take those inputs from the first run (:func:`_shared_prefix`; the same up
@@ -316,11 +330,15 @@ def circuit_metrics(
                 "(a restricted graph's mask needs the same nodes=..., and a mask resolved by "
                 "position the same positions=...)."
             )
+    kept = _check_kept(model, graph, kept_neurons, len(masks), clean_tokens.device)
     totals = [0.0] * len(masks)
     # per later mask: the inputs it takes from the first mask's run (the same up to its first
     # change), and the residual position below which its sources' edges and changes are the
     # first run's
-    prefixes = [_shared_prefix(graph, masks[0], mask) for mask in masks[1:]]
+    prefixes = [
+        _shared_prefix(graph, masks[0], mask, kept[0], kept[i])
+        for i, mask in enumerate(masks[1:], 1)
+    ]
     shared: list[set[str]] = [set()] + [keys for keys, _ in prefixes]
     same_below = [0.0] + [below for _, below in prefixes]
     plans = [CircuitPlan(graph, masks[0])]
@@ -355,6 +373,7 @@ def circuit_metrics(
                 logits = _circuit_run(
                     model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
                     first=first, keep=i == 0, shared=shared[i], start=starts[i], reads=reads,
+                    kept=kept[i],
                 )  # fmt: skip
                 if i == 0 and reads is not None and resume:
                     check_logit_positions(metric, logits, idx, reads)
@@ -364,10 +383,57 @@ def circuit_metrics(
     return totals
 
 
-def _shared_prefix(graph: HeadGraph, reference: Mask, mask: Mask) -> tuple[set[str], float]:
+def _check_kept(
+    model: AttnOnlyModel,
+    graph: HeadGraph,
+    kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None,
+    n_masks: int,
+    device: torch.device,
+) -> list[dict[int, torch.Tensor]]:
+    """``kept_neurons`` checked (one entry per mask; each ``bool [d_mlp]`` of a layer) and made
+    one dict per mask (empty: every neuron passes its change on)."""
+    if kept_neurons is None:
+        return [{} for _ in range(n_masks)]
+    if len(kept_neurons) != n_masks:
+        raise ValueError(
+            f"kept_neurons has {len(kept_neurons)} entries for {n_masks} masks: give one per "
+            "mask (None where every neuron passes its change on)."
+        )
+    if not graph.neuron_level:
+        raise ValueError(
+            "kept_neurons needs a neuron-level graph (neuron_level=True): a neuron-head graph "
+            "has no single change per neuron."
+        )
+    d_mlp = model.cfg.d_mlp
+    out = []
+    for entry in kept_neurons:
+        checked = {}
+        for layer, keep in (entry or {}).items():
+            if not 0 <= layer < graph.n_layers:
+                raise ValueError(f"kept_neurons: layer {layer} is not in [0, {graph.n_layers}).")
+            if keep.dtype != torch.bool or tuple(keep.shape) != (d_mlp,):
+                raise ValueError(
+                    f"kept_neurons[...][{layer}] must be bool [d_mlp] = [{d_mlp}], got "
+                    f"{keep.dtype} {tuple(keep.shape)}."
+                )
+            checked[layer] = keep.to(device)
+        out.append(checked)
+    return out
+
+
+def _shared_prefix(
+    graph: HeadGraph,
+    reference: Mask,
+    mask: Mask,
+    kept_reference: Mapping[int, torch.Tensor] | None = None,
+    kept: Mapping[int, torch.Tensor] | None = None,
+) -> tuple[set[str], float]:
     """What a run of ``mask`` shares with a run of ``reference``: the keys of the input groups
     whose patched inputs are the same, and the residual position (``order``) below which every
     source's outgoing edges are the same (``inf``: every edge is).
+
+    With ``kept`` neurons (:func:`circuit_metrics`' ``kept_neurons``) a layer whose kept
+    neurons differ changes its MLP sources' changes: every input above them counts as changed.
 
     The input groups are every group below the first residual position at which an input's
     edges differ. Everything such a group reads (its sources, their inputs, the residual
@@ -376,11 +442,27 @@ def _shared_prefix(graph: HeadGraph, reference: Mask, mask: Mask) -> tuple[set[s
     are left out even where their own edges agree: the groups of one hook (a layer's neurons and
     its remainder) must be all reused or none. A source below the first source with other edges
     reads only such groups, so its merged rows and their changes are the same too."""
-    changed = [
-        (src.order, dst.order)
-        for src, dst in graph.blocks()
-        if not torch.equal(reference[(src.key, dst.key)], mask[(src.key, dst.key)])
-    ]
+    changed: list[tuple[float, float]] = (
+        []
+        if mask is reference
+        else [
+            (src.order, dst.order)
+            for src, dst in graph.blocks()
+            if not torch.equal(reference[(src.key, dst.key)], mask[(src.key, dst.key)])
+        ]
+    )
+    kept_reference, kept = kept_reference or {}, kept or {}
+    differ = {
+        li
+        for li in set(kept_reference) | set(kept)
+        if li not in kept_reference
+        or li not in kept
+        or not torch.equal(kept_reference[li], kept[li])
+    }
+    for src in graph.sources:
+        if src.labels and src.layer in differ and src.kind in ("neuron", MLP_REST):
+            above = [d.order for d in graph.inputs if d.labels and d.order > src.order]
+            changed.append((src.order, min(above, default=math.inf)))
     first_dst = min((d for _, d in changed), default=math.inf)
     keys = {dst.key for dst in graph.inputs if dst.labels and dst.order < first_dst}
     return keys, min((s for s, _ in changed), default=math.inf)
@@ -451,9 +533,11 @@ def _circuit_run(
     shared: Collection[str] = (),
     start: int = 0,
     reads: torch.Tensor | None = None,
+    kept: Mapping[int, torch.Tensor] | None = None,
 ):
-    """The circuit's logits; ``where``: position class -> ``[batch, pos]`` bool (a graph resolved
-    by position: each class's hook changes its own positions only). A run from a block computes
+    """The circuit's logits (``kept``: :func:`circuit_metrics`' ``kept_neurons`` entry);
+    ``where``: position class -> ``[batch, pos]`` bool (a graph resolved by position: each
+    class's hook changes its own positions only). A run from a block computes
     only the logits at ``reads`` (one position per row, the metric's :func:`logit_positions`;
     the others NaN) where the model's runner can.
 
@@ -475,7 +559,7 @@ def _circuit_run(
         model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes,
         None if first is None else first.memo,
         reference=None if first is None or keep else first.reference,
-        is_reference=is_reference,
+        is_reference=is_reference, kept=kept,
     )  # fmt: skip
     if is_reference:
         assert first is not None
@@ -486,6 +570,13 @@ def _circuit_run(
         return act
 
     memo = run.memo
+    # per source group of a layer passing on some neurons' changes: how many of its nodes'
+    # changes each row passes on (an MLP remainder: its kept neurons; a named neuron: 0 or 1)
+    kept_counts = {
+        src.key: _kept_count(src, kept[src.layer])
+        for src in graph.sources
+        if kept and src.labels and src.layer in kept and src.kind in ("neuron", MLP_REST)
+    }
 
     def fixed(dst: InputGroup):
         """What ``patch_for`` needs of ``dst`` that no mask changes (kept in the memo)."""
@@ -518,6 +609,8 @@ def _circuit_run(
 
     def patch_for(dst: InputGroup):
         srcs, covers, n_possible, index, ours, position, site_name, hook_name = fixed(dst)
+        if kept:  # a layer passing on some neurons' changes counts only those
+            covers = _kept_covers(srcs, covers, kept_counts)
         included = torch.zeros(dst.size, dtype=torch.long)
         if srcs:
             edges = torch.cat([mask[(src.key, dst.key)] for src in srcs], 0).cpu()
@@ -618,6 +711,31 @@ def _circuit_run(
         logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
     run.built.clear()  # the reference keeps its changes, not its inputs
     return logits
+
+
+def _kept_count(src: SourceGroup, kept: torch.Tensor) -> torch.Tensor:
+    """Per row of a neuron source group, the nodes whose change it passes on given the layer's
+    ``kept`` neurons (``bool [d_mlp]``): an MLP remainder its kept neurons, a named neuron 1 if
+    kept."""
+    mine = kept.cpu()[list(src.index)].long()
+    return mine.sum().reshape(1) if src.kind == MLP_REST else mine
+
+
+def _kept_covers(
+    srcs: list[SourceGroup], covers: torch.Tensor, counts: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``covers`` (per source row of ``srcs``: the model's nodes whose change it passes on)
+    with the groups of ``counts`` (:func:`_kept_count`) counting their kept neurons only: a
+    reader joined to every source then has its input rebuilt (not the current run's) where a
+    layer passes on fewer than all its neurons."""
+    out, start = covers, 0
+    for src in srcs:
+        n = len(src.labels)
+        if src.key in counts:
+            out = out.clone() if out is covers else out
+            out[start : start + n] = counts[src.key]
+        start += n
+    return out
 
 
 def _readers_of_other_groups(graph: HeadGraph, dst: InputGroup) -> torch.Tensor:

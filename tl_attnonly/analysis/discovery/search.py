@@ -33,7 +33,9 @@ fine:
    share stated) only where the ``max_neurons_per_mlp`` candidates of its layer cannot replace
    it.
 4. **What the names carry.** For each MLP node, ``Circuit.mlp_split``: the exact effect
-   (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both.
+   (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both
+   (run on the coarse graph, each MLP node passing on the changes of the neurons whose edges
+   are kept: :func:`~.runs.circuit_metrics`' ``kept_neurons``).
 
 Why coarse first: under a corruption that changes the tokens (IOI's ABC names), the token's change
 enters through the embeddings and the first MLP layers and reaches every later node; a graph of a
@@ -549,8 +551,8 @@ def _name_neurons(
     cut: set[int] = set()
     if auto:
         ground = NeuronStage(
-            model, coarse, expand_mask, named, clean, corrupted, metric, opts,
-            coarse_nodes(model), positions, corrupted_runs,
+            model, coarse, named, clean, corrupted, metric, opts, coarse_nodes(model),
+            positions, corrupted_runs,
         )  # fmt: skip
         if opts.neuron_search == "joint":
             named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
@@ -568,28 +570,46 @@ def _name_neurons(
     )
     # Per layer, the circuit without its named neurons' edges, its remainder's, both. Where a
     # run would repeat another (a cut remainder: without it is the circuit itself; no named
-    # neuron: the same), it is not made.
-    masks = [mask]
+    # neuron: the same), it is not made. Each is run on the coarse graph, each layer's MLP node
+    # passing on the changes of the neurons whose edges the circuit keeps (the same runs as on
+    # the graph with named neurons: circuit_metrics' kept_neurons).
+    d_mlp = int(model.cfg.d_mlp or 0)
+
+    def neurons(li: int, names: list[str] | None = None, rest: bool = False) -> torch.Tensor:
+        """``bool [d_mlp]``: layer ``li``'s ``names`` (default its named neurons), with
+        ``rest`` the neurons not named too."""
+        keep = torch.full((d_mlp,), rest, dtype=torch.bool)
+        keep[[int(n.split("N")[1]) for n in (named[li] if names is None else names)]] = True
+        return keep
+
+    def without(li: int, named_out: bool, rest_out: bool) -> dict[int, torch.Tensor]:
+        """The circuit's kept neurons without layer ``li``'s named neurons and/or remainder."""
+        rest = li not in cut and not rest_out
+        return {**base, li: neurons(li, [] if named_out else None, rest)}
+
+    base = {li: neurons(li) for li in cut}  # a cut layer passes on its named neurons only
+    kept: list[dict[int, torch.Tensor]] = [base]
     runs: list[tuple[int, int, int]] = []
     for li in layers:
         j_named = j_layer = j_rest = 0
         if named[li]:
-            masks.append(_without_sources(mask, {f"neuron.{li}"}))
-            j_named = j_layer = len(masks) - 1
+            kept.append(without(li, named_out=True, rest_out=False))
+            j_named = j_layer = len(kept) - 1
         if li not in cut:
-            masks.append(_without_sources(mask, {f"mlp.{li}"}))
-            j_rest = j_layer = len(masks) - 1
+            kept.append(without(li, named_out=False, rest_out=True))
+            j_rest = j_layer = len(kept) - 1
             if named[li]:
-                masks.append(_without_sources(mask, {f"neuron.{li}", f"mlp.{li}"}))
-                j_layer = len(masks) - 1
+                kept.append(without(li, named_out=True, rest_out=True))
+                j_layer = len(kept) - 1
         runs.append((j_named, j_rest, j_layer))
     named_only = 0
     if set(layers) - cut:
-        masks.append(_without_sources(mask, {f"mlp.{li}" for li in layers}))
-        named_only = len(masks) - 1
+        kept.append({**base, **{li: neurons(li) for li in layers}})
+        named_only = len(kept) - 1
     values = circuit_metrics(
-        model, masks, clean, corrupted, metric, nodes=fine_nodes, batch_size=opts.batch_size,
-        progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
+        model, [coarse.mask] * len(kept), clean, corrupted, metric, nodes=coarse_nodes(model),
+        batch_size=opts.batch_size, progress=opts.progress, positions=positions,
+        corrupted_runs=corrupted_runs, kept_neurons=kept,
     )  # fmt: skip
     m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
     denom = m_clean - m_corr

@@ -1,0 +1,167 @@
+"""``circuit_metrics(..., kept_neurons=...)``: MLP nodes that pass on some neurons' changes only.
+
+The neuron stage (``neurons_per_mlp="auto"``) runs the coarse circuit with layers cut: a cut
+layer's remainder and its left-out named neurons lose their outgoing edges. Those runs are made on
+the coarse graph, each cut layer's MLP node passing on its kept neurons' changes only. They must
+be the runs of the same circuits on a graph with the neurons named (expanded coarse mask, cut
+rows removed), checked against the edge-by-edge definition (fp64), on both model kinds, several
+per call and one by one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GATED_ZOO
+from kinds import make_pair
+from kinds import make_tokens as make_kind_tokens
+from models import make_converted
+from test_circuit_runs_reference import CLEAN, CORRUPTED, METRIC, _random_mask, _reference
+
+from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
+from tl_attnonly.analysis.discovery import runs
+from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
+
+#: layer -> the named neurons of the fine graph; each circuit: layer -> the named neurons kept
+NAMED = {0: [2, 5, 7], 1: [0, 3, 9]}
+CUTS: list[dict[int, list[int]]] = [
+    {},  # the coarse circuit itself
+    {0: [2, 5, 7]},  # layer 0's remainder cut, its named neurons kept
+    {0: [5]},
+    {1: []},  # layer 1 cut entirely
+    {0: [], 1: [3, 9]},
+    {1: [0]},
+]
+
+
+def _fine(model, coarse_mask) -> tuple[HeadGraph, list[str], list[dict]]:
+    """The graph with ``NAMED`` as nodes and each circuit of ``CUTS`` on it (the coarse mask
+    expanded, each cut layer's remainder and left-out named neurons without outgoing edges)."""
+    nodes = coarse_nodes(model) + [f"L{li}N{i}" for li, ns in NAMED.items() for i in ns]
+    graph = HeadGraph(model, nodes=nodes)
+    coarse = HeadGraph(model, nodes=coarse_nodes(model))
+    base = expand_mask(coarse, coarse_mask, graph)
+    masks = []
+    for cuts in CUTS:
+        mask = dict(base)
+        for src in graph.sources:
+            if src.layer not in cuts or src.kind not in ("neuron", "mlp"):
+                continue
+            keep = {f"L{src.layer}N{i}" for i in cuts[src.layer]}
+            drop = torch.tensor([src.kind == "mlp" or lab not in keep for lab in src.labels])
+            for key, block in base.items():
+                if key[0] == src.key:
+                    mask[key] = block & ~drop[:, None]
+        masks.append(mask)
+    return graph, nodes, masks
+
+
+def _kept(model) -> list[dict[int, torch.Tensor]]:
+    out = []
+    for cuts in CUTS:
+        entry = {}
+        for layer, neurons in cuts.items():
+            keep = torch.zeros(model.cfg.d_mlp, dtype=torch.bool)
+            keep[neurons] = True
+            entry[layer] = keep
+        out.append(entry)
+    return out
+
+
+@pytest.mark.parametrize("act_fn, overrides", [("silu", GATED_ZOO["llama"]), ("gelu", {})])
+def test_kept_neurons_are_the_runs_of_a_graph_with_the_neurons_named(act_fn, overrides):
+    model = make_converted(act_fn, **overrides)
+    coarse = HeadGraph(model, nodes=coarse_nodes(model))
+    coarse_mask = _random_mask(coarse, 0.6, seed=3)
+    graph, nodes, masks = _fine(model, coarse_mask)
+    expected = [_reference(model, graph, mask) for mask in masks]
+    assert len({round(v, 9) for v in expected}) >= 4  # the cuts change the circuit
+    kept = _kept(model)
+    together = circuit_metrics(
+        model, [coarse_mask] * len(CUTS), CLEAN, CORRUPTED, METRIC,
+        nodes=coarse_nodes(model), kept_neurons=kept, batch_size=2,
+    )  # fmt: skip
+    apart = [
+        circuit_metrics(
+            model, [coarse_mask], CLEAN, CORRUPTED, METRIC, nodes=coarse_nodes(model),
+            kept_neurons=[entry],
+        )[0]
+        for entry in kept
+    ]  # fmt: skip
+    fine = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+    assert together == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    assert apart == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    assert fine == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+def test_both_kinds_run_kept_neurons_alike():
+    """On a HookedTransformer and a TransformerBridge (later runs from a block: the bridge's
+    runner), kept-neuron runs equal the fine graph's runs; the kinds agree with each other."""
+    hooked, bridge = make_pair("llama_gqa")
+    clean, corrupted = make_kind_tokens(2, 6, seed=0), make_kind_tokens(2, 6, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2]), torch.tensor([5, 6]))
+    values = []
+    for model in (m for m in (hooked, bridge) if m is not None):
+        coarse = HeadGraph(model, nodes=coarse_nodes(model))
+        coarse_mask = _random_mask(coarse, 0.6, seed=3)
+        _, nodes, masks = _fine(model, coarse_mask)
+        fine = [
+            circuit_metrics(model, [m], clean, corrupted, metric, nodes=nodes)[0] for m in masks
+        ]
+        kept = circuit_metrics(
+            model, [coarse_mask] * len(CUTS), clean, corrupted, metric,
+            nodes=coarse_nodes(model), kept_neurons=_kept(model),
+        )  # fmt: skip
+        assert len({round(v, 9) for v in fine}) >= 4
+        assert kept == pytest.approx(fine, rel=1e-10, abs=1e-12)
+        values.append(kept)
+    if len(values) == 2:  # the kinds themselves agree to ~1e-7 (their norms' arithmetic)
+        assert values[0] == pytest.approx(values[1], rel=1e-5, abs=1e-8)
+
+
+def test_a_layer_whose_kept_neurons_differ_changes_every_input_above_it():
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    graph = HeadGraph(model, nodes=coarse_nodes(model))
+    mask = graph.full_mask()
+    kept = _kept(model)
+    # the same mask object, the same kept neurons: every input group is shared
+    every = {d.key for d in graph.inputs if d.labels}
+    assert runs._shared_prefix(graph, mask, mask, kept[1], kept[1]) == (every, float("inf"))
+    # layer 1's MLP passes on other neurons: the inputs up to it are shared, none above
+    shared, below = runs._shared_prefix(graph, mask, mask, {}, kept[3])
+    mlp1 = graph.source_by_key["mlp.1"].order
+    assert shared == {d.key for d in graph.inputs if d.labels and d.order <= mlp1}
+    assert below == mlp1
+    shared, below = runs._shared_prefix(graph, mask, mask, kept[1], kept[2])  # layer 0
+    assert below == graph.source_by_key["mlp.0"].order
+    assert not any(key.startswith(("attn.1", "mlp.1")) for key in shared)
+
+
+def test_kept_neurons_refused_where_they_cannot_be_run():
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model)
+    mask = HeadGraph(model, nodes=nodes).full_mask()
+    keep = torch.ones(model.cfg.d_mlp, dtype=torch.bool)
+
+    def run(kept, masks=(mask,), **kw):
+        return circuit_metrics(
+            model, list(masks), CLEAN, CORRUPTED, METRIC, nodes=nodes, kept_neurons=kept, **kw
+        )
+
+    with pytest.raises(ValueError, match="kept_neurons has 1 entries for 2 masks"):
+        run([{0: keep}], masks=(mask, mask))
+    with pytest.raises(ValueError, match=r"must be bool \[d_mlp\]"):
+        run([{0: keep.float()}])
+    with pytest.raises(ValueError, match=r"must be bool \[d_mlp\]"):
+        run([{0: keep[:-1]}])
+    with pytest.raises(ValueError, match="layer 5 is not in"):
+        run([{5: keep}])
+    # every neuron kept is the coarse circuit itself
+    assert run([{0: keep, 1: keep}]) == pytest.approx(run(None), rel=1e-12)
+    heads = make_converted("gelu", n_heads_per_neuron=2)  # a neuron's heads as nodes
+    head_mask = HeadGraph(heads, neuron_level=False, nodes=coarse_nodes(heads)).full_mask()
+    with pytest.raises(ValueError, match="kept_neurons needs a neuron-level graph"):
+        circuit_metrics(
+            heads, [head_mask], CLEAN, CORRUPTED, METRIC, neuron_level=False,
+            nodes=coarse_nodes(heads), kept_neurons=[{0: keep}],
+        )  # fmt: skip
