@@ -165,3 +165,40 @@ def test_kept_neurons_refused_where_they_cannot_be_run():
             heads, [head_mask], CLEAN, CORRUPTED, METRIC, neuron_level=False,
             nodes=coarse_nodes(heads), kept_neurons=[{0: keep}],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("neurons_per_mlp", [3, "auto"])
+def test_mlp_split_equals_runs_on_the_graph_with_named_neurons(neurons_per_mlp):
+    """``Circuit.mlp_split`` (run with ``kept_neurons`` on the coarse graph) equals the runs of
+    the returned circuit on its own graph (named neurons as nodes) without each layer's named
+    neurons' outgoing edges, its remainder's, and both."""
+    import warnings
+
+    from tl_attnonly.analysis import circuit_metric, discover_circuit, faithfulness
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the circuit's notes are not the subject
+        circuit = discover_circuit(
+            model, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=neurons_per_mlp, gate_value=False,
+            progress=False, max_neurons_per_mlp=4,
+        )  # fmt: skip
+    named = circuit.extra["named"]
+    nodes = coarse_nodes(model) + [n for li in sorted(named) for n in named[li]]
+    m_clean, m_corr = circuit.metric_clean, circuit.metric_corrupted
+
+    def without(keys: set[str]) -> float:
+        mask = {k: (torch.zeros_like(m) if k[0] in keys else m) for k, m in circuit.mask.items()}
+        value = circuit_metric(model, mask, CLEAN, CORRUPTED, METRIC, nodes=nodes)
+        return circuit.faithfulness - faithfulness(value, m_clean, m_corr)
+
+    split = circuit.mlp_split.set_index("node")
+    assert len(split) >= 1
+    for node, row in split.iterrows():
+        li = int(node[1:-3])
+        assert row.named_effect == pytest.approx(without({f"neuron.{li}"}), abs=1e-10)
+        assert row.rest_effect == pytest.approx(without({f"mlp.{li}"}), abs=1e-10)
+        assert row.layer_effect == pytest.approx(without({f"neuron.{li}", f"mlp.{li}"}), abs=1e-10)
+    if neurons_per_mlp == 3:  # every layer keeps its remainder: both parts carry something
+        assert (split.named_effect.abs() > 1e-6).any()
+        assert (split.rest_effect.abs() > 1e-6).any()

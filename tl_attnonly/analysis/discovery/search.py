@@ -575,17 +575,16 @@ def _name_neurons(
     # the graph with named neurons: circuit_metrics' kept_neurons).
     d_mlp = int(model.cfg.d_mlp or 0)
 
-    def neurons(li: int, names: list[str] | None = None, rest: bool = False) -> torch.Tensor:
-        """``bool [d_mlp]``: layer ``li``'s ``names`` (default its named neurons), with
-        ``rest`` the neurons not named too."""
-        keep = torch.full((d_mlp,), rest, dtype=torch.bool)
-        keep[[int(n.split("N")[1]) for n in (named[li] if names is None else names)]] = True
+    def neurons(li: int, named_in: bool = True, rest_in: bool = False) -> torch.Tensor:
+        """``bool [d_mlp]``: layer ``li``'s named neurons if ``named_in``, the others if
+        ``rest_in``."""
+        keep = torch.full((d_mlp,), rest_in, dtype=torch.bool)
+        keep[[int(n.split("N")[1]) for n in named[li]]] = named_in
         return keep
 
     def without(li: int, named_out: bool, rest_out: bool) -> dict[int, torch.Tensor]:
         """The circuit's kept neurons without layer ``li``'s named neurons and/or remainder."""
-        rest = li not in cut and not rest_out
-        return {**base, li: neurons(li, [] if named_out else None, rest)}
+        return {**base, li: neurons(li, not named_out, li not in cut and not rest_out)}
 
     base = {li: neurons(li) for li in cut}  # a cut layer passes on its named neurons only
     kept: list[dict[int, torch.Tensor]] = [base]
