@@ -181,7 +181,8 @@ def _report(config: str, runs: list):
         print(f"[{config}] neuron stage:\n{table.to_string(index=False)}")
         print(
             f"[{config}] neuron stage: {int(table.named.sum()):,} named neurons, "
-            f"{int(table.remainder.sum())} remainder(s) kept, {int(table.runs.sum())} runs"
+            f"{int(table.remainder.sum())} remainder(s) kept, "
+            f"{circuit.extra['neuron_stage_runs']} runs"
         )
     return circuit
 

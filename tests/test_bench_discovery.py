@@ -41,6 +41,16 @@ def test_default_discovery_prints_each_stage_and_the_peak_memory_with_its_config
     assert re.search(r"\d+ exact sweep runs, [1-9]\d* pruning runs", circuit)
 
 
+def test_auto_neuron_stage_prints_its_table_and_runs(capsys):
+    """``--neurons-per-mlp auto`` prints the stage's table and totals (the default joint
+    search's table has no ``runs`` column: the count comes from the circuit)."""
+    _bench()["main"](["--examples", "4", "--threads", "1", "--neurons-per-mlp", "auto"])
+    out = capsys.readouterr().out
+    assert "defaults but neurons_per_mlp=auto" in out
+    [totals] = [line for line in out.splitlines() if "] neuron stage: " in line]
+    assert re.search(r"\d+ named neurons, \d+ remainder\(s\) kept, [1-9]\d* runs$", totals)
+
+
 @pytest.mark.skipif(not HAS_HOOKED_TRANSFORMER, reason="both kinds need HookedTransformer")
 def test_both_kinds_in_one_run_find_the_same_circuit(capsys):
     """``--kind both``: the AttnOnlyTransformer and the converted bridge of the bundled model, one
