@@ -336,6 +336,14 @@ def _whole_layers(members: list[tuple[SourceGroup, torch.Tensor, torch.Tensor]])
     return whole
 
 
+def source_kept(src: SourceGroup, kept: torch.Tensor) -> torch.Tensor:
+    """``bool [len(src.index)]``: which of a neuron source group's neurons (a named group's
+    rows, or an MLP remainder's neurons) are among the layer's ``kept`` (``bool [d_mlp]``)."""
+    if src.index == tuple(range(len(kept))):  # every neuron of the layer, in order
+        return kept
+    return kept[torch.tensor(src.index, dtype=torch.long, device=kept.device)]
+
+
 def _kept_only(
     change: torch.Tensor, U: torch.Tensor, src: SourceGroup, kept: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,9 +351,7 @@ def _kept_only(
     ``kept`` neurons' changes (``kept``: ``bool [d_mlp]`` over the layer): a named neuron left out
     changes by zero; an MLP remainder (one source, its neurons as ``r``) keeps only the columns
     of its kept neurons."""
-    kept = kept.to(change.device)
-    whole = len(src.index) == len(kept) and src.index == tuple(range(len(kept)))
-    mine = kept if whole else kept[torch.tensor(src.index, dtype=torch.long, device=kept.device)]
+    mine = source_kept(src, kept.to(change.device))
     if src.kind == MLP_REST:
         cols = mine.nonzero().flatten()
         return change[..., cols], U[:, cols.to(U.device)]
@@ -374,4 +380,4 @@ def _rows(
     return change[:, :, r.to(change.device)], U[r.to(U.device)]
 
 
-__all__ = ["CircuitPlan", "PlanRun"]
+__all__ = ["CircuitPlan", "PlanRun", "source_kept"]

@@ -46,7 +46,7 @@ from tl_attnonly.analysis.discovery.graph import (
     SourceGroup,
 )
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun
+from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun, source_kept
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
@@ -717,7 +717,7 @@ def _kept_count(src: SourceGroup, kept: torch.Tensor) -> torch.Tensor:
     """Per row of a neuron source group, the nodes whose change it passes on given the layer's
     ``kept`` neurons (``bool [d_mlp]``): an MLP remainder its kept neurons, a named neuron 1 if
     kept."""
-    mine = kept.cpu()[list(src.index)].long()
+    mine = source_kept(src, kept.cpu()).long()
     return mine.sum().reshape(1) if src.kind == MLP_REST else mine
 
 
