@@ -40,6 +40,7 @@ from tl_attnonly.analysis import (
     top_nodes,
 )
 from tl_attnonly.analysis.discovery import neuron_relevance
+from tl_attnonly.analysis.discovery.neuron_stage import kept_neurons
 from tl_attnonly.analysis.discovery.search import coarse_nodes
 from tl_attnonly.analysis.ioi import IOI_TEMPLATES
 from tl_attnonly.smollm2 import load_smollm2_pair, use_bridge
@@ -87,14 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         """Faithfulness of the coarse circuit with each layer of a ``keeps`` entry cut but the
         neurons it lists (one entry per circuit; ``circuit_metrics``' ``kept_neurons``: the
         same runs as on a graph with those neurons named)."""
-        kept = []
-        for keep in keeps:
-            entry = {}
-            for layer, names in keep.items():
-                mask = torch.zeros(converted.cfg.d_mlp, dtype=torch.bool)
-                mask[[int(n.split("N")[1]) for n in names]] = True
-                entry[layer] = mask
-            kept.append(entry)
+        kept = [kept_neurons(keep, converted.cfg.d_mlp) for keep in keeps]
         values = circuit_metrics(
             converted, [coarse.mask] * len(keeps), clean, corrupted, metric,
             nodes=coarse_nodes(converted), kept_neurons=kept,

@@ -65,7 +65,7 @@ Every search is monotone only where the faithfulness is: the ``k`` found reaches
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -93,6 +93,19 @@ JOINT_COLUMNS = ["node", "named", "remainder", "remainder_share", "share_alone",
 #: The circuit of a neuron-stage run: the coarse circuit with each layer of the dict cut (its
 #: remainder's outgoing edges removed) but for its named neurons in the set; layers absent whole.
 Cuts = dict[int, set[str]]
+
+
+def neuron_mask(d_mlp: int, names: Iterable[str]) -> torch.Tensor:
+    """``bool [d_mlp]``: True at the neurons ``names`` (``L{l}N{i}``, one layer's)."""
+    keep = torch.zeros(d_mlp, dtype=torch.bool)
+    keep[[int(n.split("N")[1]) for n in names]] = True
+    return keep
+
+
+def kept_neurons(cuts: Cuts, d_mlp: int) -> dict[int, torch.Tensor]:
+    """The :func:`~.runs.circuit_metrics` ``kept_neurons`` entry of ``cuts``: per cut layer,
+    its kept named neurons as ``bool [d_mlp]``."""
+    return {layer: neuron_mask(d_mlp, names) for layer, names in cuts.items()}
 
 
 def _cut(cuts: Cuts, layer: int, keep: set[str]) -> Cuts:
@@ -150,14 +163,7 @@ class NeuronStage:
     def faithfulness(self, circuits: list[Cuts]) -> list[float]:
         """The exact faithfulness of each circuit, in one call."""
         d_mlp = int(self.model.cfg.d_mlp or 0)
-        kept = []
-        for cuts in circuits:
-            entry = {}
-            for layer, names in cuts.items():
-                keep = torch.zeros(d_mlp, dtype=torch.bool)
-                keep[[int(n.split("N")[1]) for n in names]] = True
-                entry[layer] = keep
-            kept.append(entry)
+        kept = [kept_neurons(cuts, d_mlp) for cuts in circuits]
         values = circuit_metrics(
             self.model, [self.coarse.mask] * len(circuits), self.clean, self.corrupted,
             self.metric, nodes=self.nodes, batch_size=self.opts.batch_size,
@@ -374,4 +380,10 @@ def resolve_neurons_jointly(
     return named, cut_all, pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
 
 
-__all__ = ["NeuronStage", "resolve_neurons", "resolve_neurons_jointly"]
+__all__ = [
+    "NeuronStage",
+    "kept_neurons",
+    "neuron_mask",
+    "resolve_neurons",
+    "resolve_neurons_jointly",
+]

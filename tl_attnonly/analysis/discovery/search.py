@@ -79,6 +79,7 @@ from tl_attnonly.analysis.discovery.edge_scores import (
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
 from tl_attnonly.analysis.discovery.neuron_stage import (
     NeuronStage,
+    neuron_mask,
     resolve_neurons,
     resolve_neurons_jointly,
 )
@@ -578,9 +579,8 @@ def _name_neurons(
     def neurons(li: int, named_in: bool = True, rest_in: bool = False) -> torch.Tensor:
         """``bool [d_mlp]``: layer ``li``'s named neurons if ``named_in``, the others if
         ``rest_in``."""
-        keep = torch.full((d_mlp,), rest_in, dtype=torch.bool)
-        keep[[int(n.split("N")[1]) for n in named[li]]] = named_in
-        return keep
+        mine = neuron_mask(d_mlp, named[li])
+        return (mine & named_in) | (~mine & rest_in)
 
     def without(li: int, named_out: bool, rest_out: bool) -> dict[int, torch.Tensor]:
         """The circuit's kept neurons without layer ``li``'s named neurons and/or remainder."""
