@@ -107,3 +107,29 @@ def test_a_full_pass_under_recording_gives_the_blocks_arguments():
         handle.remove()
     assert first_block[0] == 1  # the caller's pass only
     assert torch.equal(got, full)
+
+
+class _Echo(torch.nn.Module):
+    """A block that returns its hidden states (only its arguments matter here)."""
+
+    def forward(self, hidden, past=None, mask=None, use_cache=True):
+        return hidden
+
+
+def test_a_cache_given_by_position_is_left_out_too():
+    """transformers 5.17's GPT-2 passes its ``DynamicCache`` to the blocks as their second
+    positional argument (5.24 by keyword): kept, every run of the bundled model's bridge from a
+    block attended to the recorded pass's keys too and failed (attention scores over 12 keys
+    against a mask of 6)."""
+    from types import SimpleNamespace
+
+    from transformers.cache_utils import DynamicCache
+
+    calls = _BlockCalls(SimpleNamespace(blocks=torch.nn.ModuleList([_Echo(), _Echo()])))
+    hidden, mask = torch.zeros(1, 3, 4), torch.ones(1, 1, 3, 3)
+    with calls.recording():
+        for block in calls.bridge.blocks:
+            block(hidden, DynamicCache(), mask, use_cache=True)
+    for args, kwargs in calls.calls.values():
+        assert args[0] is None and args[1] is mask
+        assert kwargs == {"use_cache": False}

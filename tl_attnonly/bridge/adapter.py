@@ -589,13 +589,17 @@ class _BlockCalls:
             hidden = args[0] if args else kwargs.get("hidden_states")
             if layer in keep_entering and isinstance(hidden, torch.Tensor):
                 self.entering[layer] = hidden
-            kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            for key, value in kwargs.items():
-                if _is_kv_cache(value):
-                    kwargs[key] = None
+            # a cache may come by keyword or by position (transformers 5.17's GPT-2 passes it
+            # second): either way the second call gets none
+            kwargs = {
+                k: None if _is_kv_cache(v) else v
+                for k, v in kwargs.items()
+                if k != "hidden_states"
+            }
             if "use_cache" in kwargs:
                 kwargs["use_cache"] = False
-            self.calls[layer] = (tuple(args[1:]), kwargs)
+            rest = tuple(None if _is_kv_cache(value) else value for value in args[1:])
+            self.calls[layer] = (rest, kwargs)
 
         handles = [
             block.register_forward_pre_hook(
