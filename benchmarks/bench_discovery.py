@@ -40,6 +40,10 @@ says so); with ``auto`` the neuron stage's table (``circuit.extra["neuron_stage"
 node the named count, whether the remainder is kept, the faithfulness, the runs) and its totals
 are printed too.
 
+``--device cuda`` runs the same calls with the model and tokens on a GPU (the config lines name
+it, e.g. ``cuda (NVIDIA H200)``; the total line adds the peak of the GPU's allocated memory above
+the loaded model); ``--threads`` still sets the CPU threads.
+
 ``--repeats N`` (N > 1) makes the times robust to the machine's load: every kind measured is
 loaded, run once untimed (warm-up), then run ``N`` times, the kinds alternating round by round in
 ABBA order, and each line prints medians (the total line also the range of the runs and the
@@ -49,7 +53,7 @@ one thread hardly depends on what else runs on the machine.
 
 Run: ``python benchmarks/bench_discovery.py [--threads 2] [--examples 112] [--batch-size B]
 [--smollm2 [--ioi-prompts 16]] [--kind hooked|bridge|both] [--neurons-per-mlp N|auto]
-[--repeats N] [--progress]``;
+[--repeats N] [--device cuda] [--progress]``;
 ``python benchmarks/bench_discovery.py --gpt2-small [--threads 2] [--n-nodes 400] [--top-n 200]
 [--stream 1000] [--mlp-rest]``.
 """
@@ -123,7 +127,13 @@ def _run(
 ):
     """One ``discover_circuit`` (defaults but ``options``); its total time, the process's CPU
     time over it, its peak memory above the loaded model and its warnings in ``circuit.extra``
-    (``total_seconds``, ``cpu_seconds``, ``peak_bytes``, ``n_warnings``)."""
+    (``total_seconds``, ``cpu_seconds``, ``peak_bytes``, ``n_warnings``; on CUDA also
+    ``peak_cuda_bytes``: the peak of the device's allocated memory above the loaded model)."""
+    cuda = clean.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(clean.device)
+        torch.cuda.reset_peak_memory_stats(clean.device)
+        cuda_base = torch.cuda.memory_allocated(clean.device)
     _reset_peak()
     base = _status("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
@@ -132,6 +142,9 @@ def _run(
         circuit = discover_circuit(
             model, clean, corrupted, metric, batch_size=batch_size, progress=progress, **options
         )
+    if cuda:
+        torch.cuda.synchronize(clean.device)
+        circuit.extra["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(clean.device) - cuda_base
     circuit.extra["total_seconds"] = time.perf_counter() - t0
     circuit.extra["cpu_seconds"] = time.process_time() - c0
     # (the kernel's RSS counters lag by up to a few pages: a run that allocates nothing can read
@@ -156,9 +169,13 @@ def _report(config: str, runs: list):
     cpu = statistics.median(run.extra["cpu_seconds"] for run in runs)
     peak = max(run.extra["peak_bytes"] for run in runs)
     spread = f", runs {min(totals):.2f}-{max(totals):.2f} s" if len(runs) > 1 else ""
+    cuda = ""
+    if "peak_cuda_bytes" in circuit.extra:
+        cuda_peak = max(run.extra["peak_cuda_bytes"] for run in runs)
+        cuda = f", GPU memory {cuda_peak / 2**20:.0f} MiB"
     print(
         f"[{config}] total: {total:.1f} s (stages {stages:.1f} s){spread}, CPU {cpu:.1f} s; "
-        f"peak memory above the loaded model {peak / 2**20:.0f} MiB"
+        f"peak memory above the loaded model {peak / 2**20:.0f} MiB{cuda}"
     )
     coarse = circuit.extra.get("coarse", circuit)
     curve = circuit.curve
@@ -251,6 +268,11 @@ def main(argv: list[str] | None = None) -> None:
         help="hooked (AttnOnlyTransformer, TL 3 default), bridge (TL 4 default) or both (TL 3)",
     )  # fmt: skip
     parser.add_argument(
+        "--device", default="cpu",
+        help="where the model and tokens live (e.g. cuda; the config line names the GPU); "
+        "--threads still sets the CPU threads",
+    )  # fmt: skip
+    parser.add_argument(
         "--gpt2-small", action="store_true",
         help="the earlier two-stage neuron-level measurement on a GPT-2-small-shaped model",
     )  # fmt: skip
@@ -277,6 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here (use --device cpu)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: only cpu and cuda are measured")
+    if args.gpt2_small and device.type != "cpu":
+        parser.error("--gpt2-small runs on the CPU only (leave --device out)")
+    where = "" if device.type == "cpu" else f", {_device_name(device)}"
     if args.gpt2_small:
         if args.batch_size is None:
             args.batch_size = 4
@@ -293,11 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = "defaults" if not options else f"defaults but neurons_per_mlp={args.neurons_per_mlp}"
 
     def bundled(kind: str, note: str):
-        model = tl_attnonly.convert(_bundled(kind))
+        model = tl_attnonly.convert(_bundled(kind, device))
         clean, corrupted, metric = bracket_task(model, args.examples)
         config = (
-            f"bundled tiny-stdlib-silu fp32{_suffix(kind, kinds)}, bracket task {clean.shape[0]} "
-            f"prompts x {clean.shape[1]} tokens, batch {batch}, {settings}, "
+            f"bundled tiny-stdlib-silu fp32{_suffix(kind, kinds)}{where}, bracket task "
+            f"{clean.shape[0]} prompts x {clean.shape[1]} tokens, batch {batch}, {settings}, "
             f"{torch.get_num_threads()} threads{note}"
         )
         return model, clean, corrupted, metric, config
@@ -306,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     _compare(found, "bundled tiny-stdlib-silu fp32, bracket task", args.repeats)
     if args.smollm2:
         found = measure_kinds(
-            kinds, lambda kind, note: _smollm2(kind, kinds, args, batch, note, settings),
+            kinds,
+            lambda kind, note: _smollm2(kind, kinds, args, batch, note, settings, device, where),
             args.repeats, args.batch_size, args.progress, **options,
         )  # fmt: skip
         _compare(found, f"SmolLM2-135M-Instruct fp32, IOI {args.ioi_prompts} prompts", args.repeats)
@@ -319,24 +350,40 @@ def _suffix(kind: str, kinds: tuple[str, ...]) -> str:
     return ", AttnOnlyTransformer" if kind == "hooked" else ", converted TransformerBridge"
 
 
-def _bundled(kind: str):
+def _device_name(device: torch.device) -> str:
+    """The device in a config line: ``cuda (NVIDIA H200)``; the CPU is not named."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def _bundled(kind: str, device: torch.device):
     from tl_attnonly.bundled import load_bundled_bridge, load_bundled_model
 
-    return load_bundled_model() if kind == "hooked" else load_bundled_bridge()
+    load = load_bundled_model if kind == "hooked" else load_bundled_bridge
+    return load(device=device)
 
 
 def _smollm2(
-    kind: str, kinds: tuple[str, ...], args: argparse.Namespace, batch, note: str, settings: str
+    kind: str,
+    kinds: tuple[str, ...],
+    args: argparse.Namespace,
+    batch,
+    note: str,
+    settings: str,
+    device: torch.device,
+    where: str,
 ):
     from tl_attnonly.analysis import make_ioi_dataset
     from tl_attnonly.smollm2 import load_smollm2, load_smollm2_bridge
 
-    original = load_smollm2() if kind == "hooked" else load_smollm2_bridge()
+    load = load_smollm2 if kind == "hooked" else load_smollm2_bridge
+    original = load(device=device)
     data = make_ioi_dataset(original, args.ioi_prompts, corruption="abc", seed=1)
     model = tl_attnonly.convert(original)
     del original
     config = (
-        f"SmolLM2-135M-Instruct fp32{_suffix(kind, kinds)}, IOI {len(data)} prompts x "
+        f"SmolLM2-135M-Instruct fp32{_suffix(kind, kinds)}{where}, IOI {len(data)} prompts x "
         f"{data.tokens.shape[1]} tokens (abc, seed 1), batch {batch}, {settings}, "
         f"{torch.get_num_threads()} threads{note}"
     )
