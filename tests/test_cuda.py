@@ -96,6 +96,22 @@ def test_discover_circuit_finds_the_cpu_circuit(pair, neurons):
     close(found_gpu.metric_clean, found.metric_clean, "clean metric")
 
 
+def test_tokens_on_the_cpu_run_on_the_gpu_model(pair):
+    """Tokens built on the CPU (a tokenizer's, a list's) given to a model on the GPU: the entry
+    points move them to the model's device, as ``HookedTransformer.forward`` does (a bridge does
+    not: without the move its embedding refused them, and the HookedTransformer's edge scores,
+    kept on the tokens' device, met the GPU's); datasets are built on the model's device."""
+    cpu, gpu, task, (clean_gpu, corrupted_gpu, metric) = pair
+    found = A.discover_circuit(cpu, *task, progress=False)
+    found_gpu = A.discover_circuit(
+        gpu, clean_gpu.cpu(), corrupted_gpu.cpu(), metric, progress=False
+    )
+    assert A.mask_size(found_gpu.mask) == A.mask_size(found.mask)
+    close(found_gpu.faithfulness, found.faithfulness, "faithfulness")
+    data = A.make_induction_dataset(gpu, 4, half_len=3)
+    assert data.tokens.device.type == data.corrupted_tokens.device.type == torch.device(DEVICE).type
+
+
 def test_edge_scores_and_kept_neuron_runs(pair):
     cpu, gpu, task, task_gpu = pair
     scores = A.edge_attribution_scores(cpu, *task, progress=False, neuron_level=False)

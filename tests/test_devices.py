@@ -122,3 +122,19 @@ def test_split_over_two_gpus(act_fn, gated, tol, tmp_path):
     loaded = AttnOnlyTransformer.load(tmp_path / "m")
     assert loaded.cfg.n_devices == 2
     assert {p.device.type for p in loaded.parameters()} == {"cuda"}
+
+
+def test_tokens_move_to_the_device_of_the_models_first_parameter():
+    """``tokens_on_model_device``: what the analysis entry points and the datasets apply, so
+    that tokens built on the CPU run on a model elsewhere (the meta device stands in for a GPU
+    here; ``tests/test_cuda.py`` runs the entry points on one)."""
+    from tl_attnonly._types import tokens_on_model_device
+
+    model = torch.nn.Linear(2, 2).to("meta")
+    clean, corrupted = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    moved = tokens_on_model_device(model, clean, corrupted)
+    assert [t.device.type for t in moved] == ["meta", "meta"]
+    assert tokens_on_model_device(model, None, None) == (None, None)
+    here = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    assert tokens_on_model_device(model, here, here)[0] is here  # no copy on the same device
+    assert tokens_on_model_device(model, [[1]], None)[0] == [[1]]  # the caller's check refuses

@@ -21,10 +21,10 @@ import torch
 from jaxtyping import Float
 
 _D = TypeVar("_D", bound="DataclassInstance")  # an options dataclass
+_Tokens = TypeVar("_Tokens", bound="torch.Tensor | None")
 
 if TYPE_CHECKING:  # for annotations only: this module imports nothing of the package above it
     from _typeshed import DataclassInstance
-
 
 
 class CoefficientsLike(Protocol):
@@ -101,6 +101,24 @@ def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
         )
 
 
+def tokens_on_model_device(
+    model: torch.nn.Module, clean: _Tokens, corrupted: _Tokens
+) -> tuple[_Tokens, _Tokens]:
+    """Clean and corrupted tokens (``[batch, pos]``, or ``None``) on the device of the model's
+    first parameter, its embedding's: where ``HookedTransformer.forward`` moves a batch's tokens
+    (block 0's device under ``n_devices``). A ``TransformerBridge`` does not move them, and the
+    analysis keeps its scores and masks on the tokens' device: tokens built on the CPU (a
+    tokenizer's, a dataset's) then run on a model on a GPU as they do on the CPU."""
+    device = next(model.parameters()).device
+
+    def moved(tokens: _Tokens) -> _Tokens:
+        if not isinstance(tokens, torch.Tensor) or tokens.device == device:
+            return tokens  # None, or not tensors (refused by the caller's checks)
+        return tokens.to(device)  # type: ignore[return-value]
+
+    return moved(clean), moved(corrupted)
+
+
 def replace_options(options: _D, changes: dict[str, Any], unknown_message: str) -> _D:
     """A copy of the options dataclass ``options`` with ``changes`` applied: the one
     ``with_overrides`` of the package's options objects.
@@ -133,4 +151,5 @@ __all__ = [
     "check_kinds",
     "check_token_pair",
     "check_tokens",
+    "tokens_on_model_device",
 ]

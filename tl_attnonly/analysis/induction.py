@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Float, Int
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.corpora import load_prompts
 
@@ -271,9 +272,11 @@ def make_induction_dataset(
         x, y = drawn[:half_len], drawn[half_len:]
         clean.append(prefix + x + x)
         corrupted.append(prefix + (y + x if corruption == "first" else x + y))
+    # on the model's device, as model.to_tokens puts them
     return InductionDataset(
-        torch.tensor(clean, dtype=torch.long),
-        torch.tensor(corrupted, dtype=torch.long),
+        *tokens_on_model_device(
+            model, torch.tensor(clean, dtype=torch.long), torch.tensor(corrupted, dtype=torch.long)
+        ),
         len(prefix),
         half_len,
         corruption,

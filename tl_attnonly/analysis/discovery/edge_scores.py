@@ -50,6 +50,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import HeadGraph, InputGroup, SourceGroup, edges_frame
 from tl_attnonly.analysis.discovery.positions import PositionClasses
@@ -269,6 +270,7 @@ def edge_attribution_scores(
         :class:`EdgeScores`.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
     if positions is not None:
         positions.check_tokens(clean_tokens)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Int
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.positions import PositionClasses
@@ -116,6 +117,7 @@ def evaluate_circuit(
             several batches.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     _check_positions(circuit, positions)
     graph = circuit.graph
     batches = batch_indices(clean_tokens.shape[0], batch_size)

@@ -42,6 +42,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import HeadGraph
 from tl_attnonly.analysis.discovery.runs import Circuit, circuit_gate_value_split
@@ -465,6 +466,7 @@ def neuron_profiles(
         MemoryError: When the per-token statistics would need more than ``max_bytes``.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     if not isinstance(circuit, Circuit):
         raise TypeError(
             f"neuron_profiles profiles a Circuit from discover_circuit, got "

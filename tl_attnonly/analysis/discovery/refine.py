@@ -27,6 +27,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.positions import PositionClasses
@@ -89,6 +90,7 @@ def prune_by_runs(
         ``faithfulness``, ``accepted``).
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     keys = list(scores.scores)
     flat_scores = flatten_blocks(ranking_values(scores, ranking), keys)

@@ -65,6 +65,7 @@ from typing import Any, Literal
 import torch
 from jaxtyping import Float, Int
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
@@ -234,6 +235,7 @@ def neuron_relevance(
             (mixtures of experts are refused by :func:`~tl_attnonly.adapt.analysis_model`).
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     if clean_tokens.shape != corrupted_tokens.shape:
         raise ValueError(
             f"clean and corrupted tokens differ in shape: {tuple(clean_tokens.shape)} vs "

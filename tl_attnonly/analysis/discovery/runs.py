@@ -33,7 +33,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import check_token_pair
+from tl_attnonly._types import check_token_pair, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 
 # Circuit and faithfulness live in .circuit; they stay importable from here too
@@ -270,6 +270,7 @@ def circuit_metric(
         The metric summed over batches.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     return circuit_metrics(
         model, [mask], clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
         nodes=nodes, batch_size=batch_size, block_bytes=block_bytes, progress=progress,
@@ -313,6 +314,7 @@ def circuit_metrics(
     below are not run again.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     check_discoverable(model, neuron_level)
     check_token_pair(clean_tokens, corrupted_tokens)
     if positions is not None:
@@ -808,6 +810,7 @@ def circuit_gate_value_split(
         n_value_edges`` (metric units).
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     graph = HeadGraph(
         model, neuron_level=neuron_level, nodes=nodes,
         positions=None if positions is None else positions.names,
@@ -909,6 +912,7 @@ def path_gate_value_split(
         ``{"gate", "value", "both", "interaction", "corrupted"}`` (metric units).
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     from tl_attnonly.analysis.patching.paths import path_patch, path_patch_caches
 
     K = model.n_heads_per_neuron

@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
@@ -160,6 +161,7 @@ def faithfulness_curve(
         One row per fraction: ``fraction, top_n, edges, metric, faithfulness``.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     if ranking not in RANKINGS:
         raise ValueError(f"ranking must be one of {RANKINGS}, got {ranking!r}.")
     if not fractions or any(not 0 < f <= 1 for f in fractions):
@@ -232,6 +234,7 @@ def compare_rankings(
         ``curves[ranking]`` is its :func:`faithfulness_curve` with a ``distance`` column.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     if isinstance(found, Circuit):
         base = found.extra.get("coarse", found)
         scores = base.scores

@@ -71,6 +71,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import (
     edge_attribution_scores,
@@ -145,6 +146,7 @@ def top_nodes(
         it).
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
 
     check_discoverable(model, neuron_level)
@@ -344,6 +346,7 @@ def discover_circuit(
             over examples with ``metric_reduction="sum"`` and several batches.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_options(options, overrides)
     check_discoverable(model, opts.neuron_level)
     batches = batch_indices(clean_tokens.shape[0], opts.batch_size)

@@ -25,6 +25,7 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
+from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, block_scores
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
@@ -145,6 +146,7 @@ def top_edges(
         :class:`TopEdges`.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     check_scoring_args(model, clean_tokens, corrupted_tokens, method, ig_steps, neuron_level)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}.")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Float, Int
 
-from tl_attnonly._types import replace_options
+from tl_attnonly._types import replace_options, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.prompt_pairs import PromptPairs, padding_id
@@ -355,6 +355,8 @@ def make_ioi_dataset(
     def column(j: int) -> torch.Tensor:
         return torch.tensor([r[j] for r in rows], dtype=torch.long)
 
+    # on the model's device, as model.to_tokens puts them
+    tokens, corrupted_tokens = tokens_on_model_device(model, tokens, corrupted_tokens)
     return IOIDataset(
         tokens,
         corrupted_tokens,

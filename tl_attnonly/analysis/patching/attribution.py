@@ -32,6 +32,7 @@ from tl_attnonly._types import (
     Metric,
     check_kinds,
     check_token_pair,
+    tokens_on_model_device,
 )
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.levels import neuron_level
@@ -327,6 +328,7 @@ def attribute_then_patch(
     max_bytes = opts.max_bytes
     progress = opts.progress
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     check_token_pair(clean_tokens, corrupted_tokens)
     if level not in ("neuron", "head"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")

@@ -33,7 +33,7 @@ import torch
 from jaxtyping import Int
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import FwdHooks, Metric, check_token_pair
+from tl_attnonly._types import FwdHooks, Metric, check_token_pair, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import (
     HeadRef,
@@ -226,6 +226,7 @@ def prepare_path_patch(
     corrupted_cache,
 ):
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     check_token_pair(clean_tokens, corrupted_tokens)
     K = model.n_heads_per_neuron
     if isinstance(receivers, (str, HeadRef, Receiver)):
@@ -264,6 +265,7 @@ def path_patch(
         ``patching_metric`` of the path-patched run.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     parsed, clean_cache, corrupted_cache = prepare_path_patch(
         model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
     )

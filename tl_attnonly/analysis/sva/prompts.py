@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Float, Int
 from torch.nn.utils.rnn import pad_sequence
 
-from tl_attnonly._types import replace_options
+from tl_attnonly._types import replace_options, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.prompt_pairs import PromptPairs, padding_id
@@ -337,8 +337,10 @@ def make_sva_dataset(
     def longs(values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long)
 
+    # on the model's device, as model.to_tokens puts them
+    tokens, corrupted_tokens = tokens_on_model_device(model, padded(clean_rows), padded(corr_rows))
     return SVADataset(
-        padded(clean_rows), padded(corr_rows), longs(correct), longs(wrong), longs(subj),
+        tokens, corrupted_tokens, longs(correct), longs(wrong), longs(subj),
         longs(attr), longs(len(t) - 1 for t in clean_rows), texts, corr_texts, nums, attr_nums,
     )  # fmt: skip
 
