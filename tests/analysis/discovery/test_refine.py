@@ -259,3 +259,61 @@ def test_the_report_lists_what_the_ranking_left_out_not_the_named_neuron_rescori
     coarse = circuit.extra["coarse"]
     expected = ", ".join(f"{r.edge} {r.score:+.3f}" for r in coarse.opposing(5).itertuples())
     assert expected and expected in circuit.report()
+
+
+def _dangling_reference(graph, mask):
+    """Dropping dangling edges as defined, block by block (the implementation before it worked
+    on all edges at once): repeatedly remove every edge whose source node has no kept input
+    edge (the embedding excepted) or whose input no node with a kept output edge reads."""
+    from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
+    from tl_attnonly.analysis.discovery.pruning import _node_of_input
+
+    mask = {k: m.clone() for k, m in mask.items()}
+    while True:
+        has_in, has_out = set(), set()
+        for src, dst in graph.blocks():
+            m = mask[(src.key, dst.key)]
+            has_out.update(src.labels[u] for u in m.any(1).nonzero().flatten().tolist())
+            for v in m.any(0).nonzero().flatten().tolist():
+                has_in.update(_node_of_input(graph, dst, v))
+        changed = False
+        for src, dst in graph.blocks():
+            m = mask[(src.key, dst.key)]
+            dead_u = torch.tensor([s.kind != EMBED and lab not in has_in
+                                   for s in [src] for lab in src.labels])  # fmt: skip
+            dead_v = torch.tensor([
+                dst.kind != LOGITS and not any(n in has_out for n in _node_of_input(graph, dst, v))
+                for v in range(len(dst.labels))
+            ])  # fmt: skip
+            new = m & ~dead_u[:, None] & ~dead_v[None, :]
+            if not torch.equal(new, m):
+                mask[(src.key, dst.key)] = new
+                changed = True
+        if not changed:
+            return mask
+
+
+@pytest.mark.parametrize("graph_kind", ["coarse", "neurons", "restricted", "positions"])
+@pytest.mark.parametrize("name", ["llama", "gqa"])
+def test_dropping_dangling_edges_all_at_once_is_the_per_block_definition(name, graph_kind):
+    """Random masks of several densities on coarse, neuron-level, restricted and position-
+    resolved graphs (grouped-query: a key or value input read by a group of heads)."""
+    from tl_attnonly.analysis.discovery.graph import HeadGraph
+
+    model = dict(_models())[name]
+    graph = {
+        "coarse": lambda: HeadGraph(model, neuron_level=False),
+        "neurons": lambda: HeadGraph(model),
+        "restricted": lambda: HeadGraph(model, nodes=["L0H1", "L0N3", "L1H0", "L1N2", "L1N5"]),
+        "positions": lambda: HeadGraph(model, neuron_level=False, positions=("a", "b")),
+    }[graph_kind]()
+    g = torch.Generator().manual_seed(0)
+    for density in (0.002, 0.02, 0.1, 0.5):
+        mask = graph.full_mask(False)
+        for key, block in mask.items():
+            mask[key] = torch.rand(block.shape, generator=g) < density
+        got, want = drop_dangling_edges(graph, mask), _dangling_reference(graph, mask)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), (density, key)
+        assert mask_size(got) <= mask_size(mask)
