@@ -62,6 +62,7 @@ run, so check ``Circuit.ceiling``.
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -524,6 +525,10 @@ def discover_circuit(
     return circuit
 
 
+#: A neuron node of a layer (``"L{l}N{j}"``, a neuron-head ``"L{l}N{j}..."``): its layer.
+_NEURON_OF_LAYER = re.compile(r"L(\d+)N")
+
+
 def _name_neurons(
     model: AttnOnlyModel,
     coarse: Circuit,
@@ -546,10 +551,13 @@ def _name_neurons(
     auto = opts.neurons_per_mlp == "auto"
     count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
     named: dict[int, list[str]] = {}
+    of_layer: dict[int, list[str]] = {li: [] for li in layers}
+    for label in node_scores.index.tolist():  # one pass: "L{l}N..." is a neuron of layer l
+        found = _NEURON_OF_LAYER.match(label)
+        if found and int(found.group(1)) in of_layer:
+            of_layer[int(found.group(1))].append(label)
     for li in layers:
-        prefix = f"L{li}N"
-        layer = node_scores[[i for i in node_scores.index if i.startswith(prefix)]]
-        ranked = layer.abs().sort_values(ascending=False, kind="stable")
+        ranked = node_scores[of_layer[li]].abs().sort_values(ascending=False, kind="stable")
         named[li] = list(ranked.index[:count])
     stage: dict = {}
     cut: set[int] = set()
