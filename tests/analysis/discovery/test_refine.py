@@ -22,7 +22,12 @@ from tl_attnonly.analysis import (
     faithfulness,
     logit_diff_metric,
 )
-from tl_attnonly.analysis.discovery.pruning import drop_dangling_edges, mask_size
+from tl_attnonly.analysis.discovery.pruning import (
+    drop_dangling_edges,
+    drop_dangling_flat,
+    flatten_blocks,
+    mask_size,
+)
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
 from tl_attnonly.analysis.discovery.search import coarse_nodes
 
@@ -317,3 +322,6 @@ def test_dropping_dangling_edges_all_at_once_is_the_per_block_definition(name, g
         for key in want:
             assert torch.equal(got[key], want[key]), (density, key)
         assert mask_size(got) <= mask_size(mask)
+        for keys in (list(want), list(want)[::-1]):  # the flat form, in graph and other orders
+            flat = drop_dangling_flat(graph, flatten_blocks(mask, keys), keys)
+            assert torch.equal(flat, flatten_blocks(want, keys))

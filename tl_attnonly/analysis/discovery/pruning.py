@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
+from jaxtyping import Bool
 
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, HeadGraph, InputGroup
 from tl_attnonly.analysis.discovery.sites import Mask
@@ -148,6 +149,12 @@ class _EdgeNodes:
 _EDGE_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _edge_nodes(graph: HeadGraph) -> _EdgeNodes:
+    if graph not in _EDGE_NODES:
+        _EDGE_NODES[graph] = _EdgeNodes(graph)
+    return _EDGE_NODES[graph]
+
+
 def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
     """Remove edges that cannot change the circuit metric (see :func:`prune`): repeatedly, every
     edge whose source node has no kept input edge (the embedding excepted) or whose input is
@@ -156,10 +163,22 @@ def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
     All edges at once, as node ids (:class:`_EdgeNodes`, built once per graph): a few tensor
     operations per round on the whole mask, not several per block (a coarse graph of
     SmolLM2-135M has about 3,700 blocks; pruning calls this once per candidate)."""
-    if graph not in _EDGE_NODES:
-        _EDGE_NODES[graph] = _EdgeNodes(graph)
-    flat = flatten_blocks(mask, _EDGE_NODES[graph].keys)
-    index = _EDGE_NODES[graph].to(flat.device)
+    keys = _edge_nodes(graph).keys
+    return unflatten_blocks(drop_dangling_flat(graph, flatten_blocks(mask, keys), keys), mask, keys)
+
+
+def drop_dangling_flat(
+    graph: HeadGraph, flat: Bool[torch.Tensor, " n_edges"], keys: list[tuple[str, str]]
+) -> Bool[torch.Tensor, " n_edges"]:
+    """:func:`drop_dangling_edges` on a flat mask (:func:`flatten_blocks` in ``keys`` order),
+    returned flat in the same order (a new tensor)."""
+    index = _edge_nodes(graph)
+    if keys != index.keys:  # another order: through the blocks
+        shapes = {(s.key, d.key): (len(s.labels), len(d.labels)) for s, d in graph.blocks()}
+        like = {k: torch.empty(shapes[k], dtype=torch.bool, device="meta") for k in keys}
+        blocks = unflatten_blocks(flat, like, keys)
+        return flatten_blocks(drop_dangling_edges(graph, blocks), keys)
+    index = index.to(flat.device)
     alive = flat.clone()
     valid = index.col_nodes >= 0
     while True:
@@ -174,7 +193,7 @@ def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
         dead_col = ~read_on & ~index.logits_col
         new = alive & ~dead_node[index.src] & ~dead_col[index.col]
         if torch.equal(new, alive):
-            return unflatten_blocks(alive, mask, index.keys)
+            return alive
         alive = new
 
 
@@ -224,6 +243,7 @@ def mask_size(mask: Mask) -> int:
 __all__ = [
     "RANKINGS",
     "drop_dangling_edges",
+    "drop_dangling_flat",
     "flatten_blocks",
     "mask_size",
     "metric_direction",

@@ -32,7 +32,7 @@ from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import (
-    drop_dangling_edges,
+    drop_dangling_flat,
     flatten_blocks,
     ranking_values,
     unflatten_blocks,
@@ -113,8 +113,7 @@ def prune_by_runs(
         for size in sizes:
             flat = cur.clone()
             flat[live[:size]] = False
-            dropped = drop_dangling_edges(scores.graph, unflatten_blocks(flat, mask, keys))
-            candidates.append(flatten_blocks(dropped, keys))
+            candidates.append(drop_dangling_flat(scores.graph, flat, keys))
         values = circuit_metrics(
             model, [unflatten_blocks(c, mask, keys) for c in candidates], clean_tokens,
             corrupted_tokens, metric, neuron_level=neuron_level, nodes=nodes,
