@@ -322,6 +322,28 @@ def test_refuses_unsupported_experts_naming_the_layer():
     assert bridge.blocks[0].mlp.original_component.experts is experts
 
 
+def test_experts_without_layout_flags_are_refused_naming_the_transformers_version():
+    """transformers 5.17's grouped experts (Mixtral's and the others') lack a layout flag
+    (``has_post_expert_norm``): refused before any change, saying to upgrade (seen with the lent
+    GPU machine's transformers 5.17; here, on any version, a flag is taken away)."""
+    import transformers
+    from bridge_models import build_bridge_from_module
+
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+    )  # fmt: skip
+    bridge = build_bridge_from_module(
+        transformers.MixtralForCausalLM(config).eval(), "MixtralForCausalLM", hf_config=config
+    )
+    experts = bridge.blocks[0].mlp.original_component.experts
+    experts.is_transposed = None
+    match = r"blocks\.0\.mlp\.experts .*its layout \(\w+\).*transformers [\d.]+.*pip install -U"
+    with pytest.raises(NotImplementedError, match=match):
+        tl_attnonly.convert(bridge)
+    assert bridge.blocks[0].mlp.original_component.experts is experts
+
+
 @pytest.mark.parametrize("act", ["tanh", "relu2"])
 def test_refuses_unsupported_activation_before_any_work(act):
     bridge = make_bridge("llama", hidden_act=act)

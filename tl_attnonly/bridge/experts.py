@@ -566,9 +566,13 @@ def check_experts_layout(
     for flag in (*SUPPORTED_LAYOUT, *LAYOUT_FLAGS):
         value = getattr(hf_experts, flag, None)
         if value is None:
+            import transformers
+
             raise NotImplementedError(
                 f"{what} does not declare its layout ({flag}): not a transformers grouped "
-                f"experts module. {_SUPPORTED}"
+                "experts module, or one from a transformers without the layout flags (this is "
+                f"transformers {transformers.__version__}; 5.17 lacks has_post_expert_norm, 5.24 "
+                f"declares them all: pip install -U transformers). {_SUPPORTED}"
             )
         if flag in SUPPORTED_LAYOUT and bool(value) != SUPPORTED_LAYOUT[flag]:
             raise NotImplementedError(
