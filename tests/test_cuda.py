@@ -139,6 +139,7 @@ def test_patching_attribution_and_path_patching(pair):
     results = []
     for model, c, k in ((cpu, clean, corrupted), (gpu, clean_gpu, corrupted_gpu)):
         _, cache = model.run_with_cache(c)
+        c, k = c.cpu(), k.cpu()  # CPU tokens for the GPU model too: the entry points move them
         patched = A.get_act_patch_neuron_heads(model, k, cache, patch_metric, layers=[1])
         scores, labels = A.attribution_patch(model, cache, k, patch_metric)
         path = A.path_patch(model, c, k, ["L0H1", "L0N5"], "L1H2", patch_metric)

@@ -101,22 +101,24 @@ def check_token_pair(clean: torch.Tensor, corrupted: torch.Tensor) -> None:
         )
 
 
+def on_model_device(model: torch.nn.Module, tokens: _Tokens) -> _Tokens:
+    """``tokens`` (``[batch, pos]``, or ``None``) on the device of the model's first parameter,
+    its embedding's: where ``HookedTransformer.forward`` moves a batch's tokens (block 0's
+    device under ``n_devices``). A ``TransformerBridge`` does not move them, and the analysis
+    keeps its scores and masks on the tokens' device: tokens built on the CPU (a tokenizer's, a
+    dataset's) then run on a model on a GPU as they do on the CPU. Not tensors: unchanged (the
+    caller's checks refuse them)."""
+    device = next(model.parameters()).device
+    if not isinstance(tokens, torch.Tensor) or tokens.device == device:
+        return tokens
+    return tokens.to(device)  # type: ignore[return-value]
+
+
 def tokens_on_model_device(
     model: torch.nn.Module, clean: _Tokens, corrupted: _Tokens
 ) -> tuple[_Tokens, _Tokens]:
-    """Clean and corrupted tokens (``[batch, pos]``, or ``None``) on the device of the model's
-    first parameter, its embedding's: where ``HookedTransformer.forward`` moves a batch's tokens
-    (block 0's device under ``n_devices``). A ``TransformerBridge`` does not move them, and the
-    analysis keeps its scores and masks on the tokens' device: tokens built on the CPU (a
-    tokenizer's, a dataset's) then run on a model on a GPU as they do on the CPU."""
-    device = next(model.parameters()).device
-
-    def moved(tokens: _Tokens) -> _Tokens:
-        if not isinstance(tokens, torch.Tensor) or tokens.device == device:
-            return tokens  # None, or not tensors (refused by the caller's checks)
-        return tokens.to(device)  # type: ignore[return-value]
-
-    return moved(clean), moved(corrupted)
+    """Clean and corrupted tokens on the model's device (:func:`on_model_device`)."""
+    return on_model_device(model, clean), on_model_device(model, corrupted)
 
 
 def replace_options(options: _D, changes: dict[str, Any], unknown_message: str) -> _D:
@@ -151,5 +153,6 @@ __all__ = [
     "check_kinds",
     "check_token_pair",
     "check_tokens",
+    "on_model_device",
     "tokens_on_model_device",
 ]

@@ -99,7 +99,10 @@ class _EdgeNodes:
 
     def __init__(self, graph: HeadGraph):
         ids: dict[str, int] = {}
-        src, col, col_nodes, logits_col = [], [], [], []
+        src: list[torch.Tensor] = []
+        col: list[torch.Tensor] = []
+        col_nodes: list[list[int]] = []
+        logits_col: list[bool] = []
         blocks = list(graph.blocks())
         self.keys = [(s.key, d.key) for s, d in blocks]
         col_start: dict[str, int] = {}

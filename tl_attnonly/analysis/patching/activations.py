@@ -36,7 +36,7 @@ from transformer_lens.patching import (
     layer_pos_head_vector_patch_setter,
 )
 
-from tl_attnonly._types import FwdHooks, Metric, check_tokens
+from tl_attnonly._types import FwdHooks, Metric, check_tokens, on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import PatchUnit, get_act_patch_outputs
@@ -217,6 +217,7 @@ def get_act_patch_neuron_heads(
     max_bytes = opts.max_bytes
     progress = opts.progress
     model = analysis_model(model)
+    corrupted_tokens = on_model_device(model, corrupted_tokens)
     check_tokens(corrupted_tokens)
     index_df = neuron_head_patch_index(
         model,
@@ -348,6 +349,7 @@ def run_patches(
         MemoryError: If ``patches_per_pass`` copies (or one) exceed ``max_bytes``.
     """
     model = analysis_model(model)
+    corrupted_tokens = on_model_device(model, corrupted_tokens)
     check_tokens(corrupted_tokens)
     batch, pos = corrupted_tokens.shape
     step = patches_per_pass_for(model, batch, pos, patches_per_pass, max_bytes)
@@ -413,6 +415,7 @@ def get_act_patch_all_heads(
         (``K > 1``), use :func:`~tl_attnonly.analysis.get_act_patch_outputs` (``level="neuron"``).
     """
     model = analysis_model(model)
+    corrupted_tokens = on_model_device(model, corrupted_tokens)
     K = model.n_heads_per_neuron
     refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
     if can_resume(model):  # decoders: passes start at the patched layer (output deltas)

@@ -32,6 +32,7 @@ from tl_attnonly._types import (
     Metric,
     check_kinds,
     check_token_pair,
+    on_model_device,
     tokens_on_model_device,
 )
 from tl_attnonly.adapt import analysis_model
@@ -123,6 +124,7 @@ def attribution_patch(
     per_position = opts.per_position
     progress = opts.progress
     model = analysis_model(model)
+    corrupted_tokens = on_model_device(model, corrupted_tokens)
     if activation_name not in ATTRIBUTION_KINDS:
         raise ValueError(
             f"activation_name must be one of {sorted(ATTRIBUTION_KINDS)}, got {activation_name!r}."

@@ -30,7 +30,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import Metric, check_tokens
+from tl_attnonly._types import Metric, check_tokens, on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.resume import (
@@ -173,6 +173,7 @@ def get_act_patch_outputs(
     max_bytes = opts.max_bytes
     progress = opts.progress
     model = analysis_model(model)
+    corrupted_tokens = on_model_device(model, corrupted_tokens)
     check_tokens(corrupted_tokens)
     if not can_resume(model):
         raise TypeError(

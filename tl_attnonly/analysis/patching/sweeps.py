@@ -15,7 +15,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 
-from tl_attnonly._types import FwdHooks, Metric
+from tl_attnonly._types import FwdHooks, Metric, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.paths import (
@@ -76,6 +76,7 @@ def path_patch_sweep(
         :func:`path_patch_receiver_sweep`.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_patching_options(
         "path_patch_sweep",
         options,
@@ -141,6 +142,7 @@ def path_patch_receiver_sweep(
         :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_patching_options(
         "path_patch_receiver_sweep",
         options,
@@ -277,6 +279,7 @@ def path_patch_grid(
         ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
     """
     model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_patching_options(
         "path_patch_grid",
         options,
