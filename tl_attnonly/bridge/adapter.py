@@ -592,9 +592,7 @@ class _BlockCalls:
             # a cache may come by keyword or by position (transformers 5.17's GPT-2 passes it
             # second): either way the second call gets none
             kwargs = {
-                k: None if _is_kv_cache(v) else v
-                for k, v in kwargs.items()
-                if k != "hidden_states"
+                k: None if _is_kv_cache(v) else v for k, v in kwargs.items() if k != "hidden_states"
             }
             if "use_cache" in kwargs:
                 kwargs["use_cache"] = False
