@@ -7,6 +7,7 @@ A mask is ``(source group, input group) -> bool [n_sources, n_inputs]`` over
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -133,30 +134,29 @@ class _EdgeNodes:
         self.col_nodes = padded
         self.logits_col = torch.tensor(logits_col, dtype=torch.bool)
         self.embed = embed
-        self._on: dict[torch.device, _EdgeNodes] = {}
 
     def to(self, device: torch.device) -> _EdgeNodes:
-        """The index on ``device`` (made once per device)."""
-        if self.src.device == device:
-            return self
-        if device not in self._on:
-            moved = object.__new__(_EdgeNodes)
-            moved.__dict__.update(self.__dict__)
-            for name in ("src", "col", "col_nodes", "logits_col", "embed"):
-                setattr(moved, name, getattr(self, name).to(device))
-            moved._on = {}
-            self._on[device] = moved
-        return self._on[device]
+        """A copy of the index with its tensors on ``device``."""
+        moved = copy.copy(self)
+        for name in ("src", "col", "col_nodes", "logits_col", "embed"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
 
 
-#: graph -> its :class:`_EdgeNodes` (built on the first pruning of the graph)
+#: graph -> device -> its :class:`_EdgeNodes` (built on the first pruning of the graph)
 _EDGE_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _edge_nodes(graph: HeadGraph) -> _EdgeNodes:
-    if graph not in _EDGE_NODES:
-        _EDGE_NODES[graph] = _EdgeNodes(graph)
-    return _EDGE_NODES[graph]
+def _edge_nodes(graph: HeadGraph, device: torch.device | None = None) -> _EdgeNodes:
+    """The graph's edge index (on the CPU, or on ``device``), made once per graph and device."""
+    on = _EDGE_NODES.setdefault(graph, {})
+    cpu = torch.device("cpu")
+    if cpu not in on:
+        on[cpu] = _EdgeNodes(graph)
+    device = cpu if device is None else device
+    if device not in on:
+        on[device] = on[cpu].to(device)
+    return on[device]
 
 
 def drop_dangling_edges(graph: HeadGraph, mask: Mask) -> Mask:
@@ -182,7 +182,7 @@ def drop_dangling_flat(
         like = {k: torch.empty(shapes[k], dtype=torch.bool, device="meta") for k in keys}
         blocks = unflatten_blocks(flat, like, keys)
         return flatten_blocks(drop_dangling_edges(graph, blocks), keys)
-    index = index.to(flat.device)
+    index = _edge_nodes(graph, flat.device)
     alive = flat.clone()
     valid = index.col_nodes >= 0
     while True:
