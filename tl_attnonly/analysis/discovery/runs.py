@@ -270,7 +270,6 @@ def circuit_metric(
         The metric summed over batches.
     """
     model = analysis_model(model)
-    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     return circuit_metrics(
         model, [mask], clean_tokens, corrupted_tokens, metric, neuron_level=neuron_level,
         nodes=nodes, batch_size=batch_size, block_bytes=block_bytes, progress=progress,
