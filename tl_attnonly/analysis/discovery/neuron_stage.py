@@ -75,6 +75,7 @@ from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.discovery.profiles import parse_neuron_label
 from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
 
@@ -98,7 +99,7 @@ Cuts = dict[int, set[str]]
 def neuron_mask(d_mlp: int, names: Iterable[str]) -> torch.Tensor:
     """``bool [d_mlp]``: True at the neurons ``names`` (``L{l}N{i}``, one layer's)."""
     keep = torch.zeros(d_mlp, dtype=torch.bool)
-    keep[[int(n.split("N")[1]) for n in names]] = True
+    keep[[parse_neuron_label(n)[1] for n in names]] = True
     return keep
 
 
@@ -110,7 +111,7 @@ def kept_neurons(cuts: Cuts, d_mlp: int) -> dict[int, torch.Tensor]:
 
 def _cut(cuts: Cuts, layer: int, keep: set[str]) -> Cuts:
     """``cuts`` with layer ``layer``'s remainder cut and its named neurons not in ``keep``."""
-    return {**cuts, layer: set(keep)}
+    return _cut_all(cuts, {layer: keep})
 
 
 def _cut_all(cuts: Cuts, keep: dict[int, set[str]]) -> Cuts:
