@@ -287,6 +287,9 @@ class _Ruled(NeuronStage):
         named = {li: len(cuts.get(li, self.ranked[li])) for li in self.ranked}
         return self.rule(rest, named)
 
+    def keep(self, cuts, below=None) -> None:  # no run to keep
+        pass
+
     def faithfulness(self, circuits) -> list[float]:
         self.n_runs += len(circuits)
         return [self._value(c) for c in circuits]

@@ -137,6 +137,92 @@ def test_a_layer_whose_kept_neurons_differ_changes_every_input_above_it():
     assert not any(key.startswith(("attn.1", "mlp.1")) for key in shared)
 
 
+def _block_runs(model, layer: int) -> tuple[list[int], object]:
+    """A counter of block ``layer``'s forward calls (a torch forward hook, removed by the
+    returned handle)."""
+    from tl_attnonly.adapt import analysis_model
+
+    calls = [0]
+
+    def count(module, args, output):
+        calls[0] += 1
+
+    return calls, analysis_model(model).model.blocks[layer].register_forward_hook(count)
+
+
+@pytest.mark.parametrize("kind", ["hooked", "bridge"])
+def test_a_kept_run_serves_later_calls_with_the_same_values(kind):
+    """``kept_run=``: the calls' circuits take what they share with a kept circuit's run (made
+    once per batch, in the first call): the values are those of calls without it, fp64, on both
+    model kinds, and circuits that differ from the kept one in layer 1 only never run block 0
+    again (without it, each call's first circuit does)."""
+    hooked, bridge = make_pair("llama_gqa")
+    model = hooked if kind == "hooked" else bridge
+    if model is None:
+        pytest.skip("no HookedTransformer on TransformerLens 4.x")
+    clean, corrupted = make_kind_tokens(3, 6, seed=0), make_kind_tokens(3, 6, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+    nodes = coarse_nodes(model)
+    mask = _random_mask(HeadGraph(model, nodes=nodes), 0.6, seed=3)
+    kept = _kept(model)
+    reference = kept[1]  # layer 0 cut but for 3 named neurons
+    later = [{**reference, 1: k[1]} for k in kept if 1 in k]  # layer 1 as well
+    apart = [
+        circuit_metrics(model, [mask], clean, corrupted, metric, nodes=nodes, kept_neurons=[k])[0]
+        for k in [reference, *later]
+    ]
+    assert len({round(v, 9) for v in apart}) == len(apart)  # the circuits differ
+    store = runs.KeptRun(mask, reference)
+
+    def calls(kept_run) -> tuple[list[float], list[int]]:
+        corrupted_runs = runs.CorruptedRuns()  # made in the first call: not counted later
+        values, counts = [], []
+        for k in [reference, *later]:  # one call each, two batches each
+            blocks, handle = _block_runs(model, 0)
+            try:
+                values += circuit_metrics(
+                    model, [mask], clean, corrupted, metric, nodes=nodes, kept_neurons=[k],
+                    batch_size=2, kept_run=kept_run, corrupted_runs=corrupted_runs,
+                )  # fmt: skip
+            finally:
+                handle.remove()
+            counts.append(blocks[0])
+        return values, counts
+
+    plain, plain_counts = calls(None)
+    values, counts = calls(store)
+    assert plain == pytest.approx(apart, rel=1e-10, abs=1e-12)
+    assert values == pytest.approx(apart, rel=1e-10, abs=1e-12)
+    # each later call: without a kept run, each batch's (only) circuit is a full run; with it,
+    # block 0 does not run (the kept circuit ran in the first call)
+    assert [c - k for c, k in zip(plain_counts[1:], counts[1:], strict=True)] == [2] * len(later)
+    assert len(store._runs) == 2 and store.kept_bytes > 0
+
+
+def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_tokens():
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    nodes = coarse_nodes(model)
+    mask = _random_mask(HeadGraph(model, nodes=nodes), 0.6, seed=3)
+    kept = _kept(model)
+    apart = circuit_metrics(model, [mask] * len(kept), CLEAN, CORRUPTED, METRIC, nodes=nodes,
+                            kept_neurons=kept)  # fmt: skip
+    store = runs.KeptRun(mask, kept[4], budget=0)
+    for _ in range(2):
+        got = circuit_metrics(
+            model, [mask] * len(kept), CLEAN, CORRUPTED, METRIC, nodes=nodes, kept_neurons=kept,
+            kept_run=store,
+        )  # fmt: skip
+        assert got == pytest.approx(apart, rel=1e-10, abs=1e-12)
+        assert store.kept_bytes == 0 and not store._runs
+    with pytest.raises(ValueError, match="use one per search"):
+        circuit_metrics(
+            model, [mask], CLEAN.clone(), CORRUPTED, METRIC, nodes=nodes, kept_run=store
+        )
+    with pytest.raises(ValueError, match="use one per search"):
+        full = HeadGraph(model).full_mask()  # another graph: every neuron a node
+        circuit_metrics(model, [full], CLEAN, CORRUPTED, METRIC, kept_run=store)
+
+
 def test_kept_neurons_refused_where_they_cannot_be_run():
     model = make_converted("silu", **GATED_ZOO["llama"])
     nodes = coarse_nodes(model)

@@ -382,3 +382,42 @@ def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch,
             assert got[column].to_numpy() == pytest.approx(want[column].to_numpy(), abs=1e-10)
         assert n_alone == batched.extra["neuron_stage_runs"]  # every run counted
         assert n_batched < n_alone  # fewer calls (corrupted runs), the same choice
+
+
+@pytest.mark.parametrize("search", sorted(AUTO_CASES))
+def test_auto_neuron_stage_runs_from_its_kept_circuits(monkeypatch, search):
+    """The adaptive stage keeps a circuit's run (``NeuronStage.keep``: the coarse circuit, then
+    each trimmed or checked layer's base) that its calls' circuits start from: the same choice
+    as without, with block 0 run less often."""
+    from tl_attnonly.analysis import discover_circuit
+    from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
+
+    config, caps, _ = AUTO_CASES[search]
+    model = make_converted("silu", **{**config, "n_layers": 4})  # layers above the first cut
+    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+
+    def found():
+        calls, handle = _first_block_runs(model)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the circuit's notes are not the subject
+                circuit = discover_circuit(
+                    model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
+                    max_neurons_per_mlp=caps[-1], neuron_search=search, progress=False,
+                )  # fmt: skip
+        finally:
+            handle.remove()
+        return circuit, calls[0]
+
+    kept, n_kept = found()
+    monkeypatch.setattr(NeuronStage, "keep", lambda self, cuts, below=None: None)
+    plain, n_plain = found()
+    assert kept.extra["named"] == plain.extra["named"]
+    assert kept.faithfulness == pytest.approx(plain.faithfulness, rel=1e-10)
+    got, want = kept.extra["neuron_stage"], plain.extra["neuron_stage"]
+    assert got[["node", "named", "remainder"]].equals(want[["node", "named", "remainder"]])
+    assert got["remainder_share"].to_numpy() == pytest.approx(
+        want["remainder_share"].to_numpy(), abs=1e-10
+    )
+    assert n_kept < n_plain

@@ -59,6 +59,12 @@ corrupted run shared): the doubling runs ``k``, ``2k`` and ``4k`` together, the 
 middle and both halves' middles; they are read in the order of one at a time, so the choice is
 that of one run at a time, and some runs are made that the choice did not need.
 
+Each call's circuits start from a kept run (:class:`~.runs.KeptRun`, :meth:`NeuronStage.keep`):
+the coarse circuit's in steps 1 to 3, the returned circuit's so far before each layer's trim
+and before the check of step 5 (``"layers"``: the layers resolved so far; made again only where
+it differs below the layer), so a circuit runs the blocks from its first layer cut otherwise
+than in the kept one, not from block 0.
+
 Every search is monotone only where the faithfulness is: the ``k`` found reaches the goal and
 ``k - 1`` (when run) does not, but a smaller ``k`` below the last failing one might.
 """
@@ -76,7 +82,7 @@ from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.profiles import parse_neuron_label
-from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics
+from tl_attnonly.analysis.discovery.runs import CorruptedRuns, KeptRun, circuit_metrics
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
 
 if TYPE_CHECKING:
@@ -160,15 +166,31 @@ class NeuronStage:
         self.nodes = nodes
         self.goal = min(opts.target, coarse.faithfulness)
         self.n_runs = 0
+        self.kept: tuple[Cuts, KeptRun] | None = None
+
+    def keep(self, cuts: Cuts, below: int | None = None) -> None:
+        """Keep the run of ``cuts`` (:class:`~.runs.KeptRun`): the next calls' circuits start at
+        their first layer cut otherwise than in ``cuts`` instead of at block 0 (the run is made
+        in the next call). ``below``: the next circuits differ from ``cuts`` in layers
+        ``>= below`` only; the run kept already serves them as well where it agrees with
+        ``cuts`` below that layer, and is kept instead."""
+        if self.kept is not None and below is not None:
+            old = self.kept[0]
+            layers = {li for li in set(old) | set(cuts) if li < below}
+            if all(li in old and li in cuts and old[li] == cuts[li] for li in layers):
+                return
+        d_mlp = int(self.model.cfg.d_mlp or 0)
+        self.kept = (dict(cuts), KeptRun(self.coarse.mask, kept_neurons(cuts, d_mlp)))
 
     def faithfulness(self, circuits: list[Cuts]) -> list[float]:
-        """The exact faithfulness of each circuit, in one call."""
+        """The exact faithfulness of each circuit, in one call (from the run of :meth:`keep`)."""
         d_mlp = int(self.model.cfg.d_mlp or 0)
         kept = [kept_neurons(cuts, d_mlp) for cuts in circuits]
         values = circuit_metrics(
             self.model, [self.coarse.mask] * len(circuits), self.clean, self.corrupted,
             self.metric, nodes=self.nodes, batch_size=self.opts.batch_size,
             positions=self.positions, corrupted_runs=self.corrupted_runs, kept_neurons=kept,
+            kept_run=None if self.kept is None else self.kept[1],
         )  # fmt: skip
         self.n_runs += len(circuits)
         c = self.coarse
@@ -269,6 +291,7 @@ def resolve_neurons(
         def build(k: int, base=cuts, li=li, order=order) -> Cuts:
             return _cut(base, li, set(order[:k]))
 
+        stage.keep(cuts, below=li)  # the runs differ from it in layer li only
         k, tried = _smallest(stage.sizes(build), 1, len(order), stage.goal)
         if k is None:  # the remainder is needed: name them all, keep it
             named[li] = list(order)
@@ -304,6 +327,7 @@ def resolve_neurons_jointly(
     base: Cuts = {}  # the coarse circuit
     goal = stage.goal
     candidates = {li: set(ranked[li]) for li in layers}
+    stage.keep(base)  # steps 1-3 cut layers of the coarse circuit: each run from its lowest
     # 1. each layer's remainder cut alone
     alone = stage.faithfulness([_cut(base, li, candidates[li]) for li in layers])
     share_alone = {li: coarse.faithfulness - f for li, f in zip(layers, alone, strict=True)}
@@ -349,6 +373,7 @@ def resolve_neurons_jointly(
             def trimmed(k: int, li=li, mine=mine, others=others) -> Cuts:
                 return _cut_all(base, {**others, li: set(mine[:k])})
 
+            stage.keep(final_cuts, below=li)  # the runs differ from it in layer li only
             k, tried_k = _smallest(
                 stage.sizes(trimmed), 0, len(mine), goal, passing=(final_cuts, final)
             )
@@ -362,6 +387,8 @@ def resolve_neurons_jointly(
     dropped: list[int] = []
     while True:
         circuits = [_cut(final_cuts, li, set()) for li in kept]
+        if kept:
+            stage.keep(final_cuts, below=min(kept))
         without = dict(zip(kept, stage.faithfulness(circuits) if circuits else [], strict=True))
         share = {li: final - without[li] for li in kept}
         if not kept or min(share.values()) >= 0:

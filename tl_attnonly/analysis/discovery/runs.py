@@ -292,6 +292,7 @@ def circuit_metrics(
     positions: PositionClasses | None = None,
     corrupted_runs: CorruptedRuns | None = None,
     kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None = None,
+    kept_run: KeptRun | None = None,
 ) -> list[float]:
     """:func:`circuit_metric` of several circuits; the corrupted run is made once per batch
     (once per search with ``corrupted_runs``, a :class:`CorruptedRuns` shared by its calls).
@@ -311,6 +312,12 @@ def circuit_metrics(
     :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`) they start at the first block with
     an input of their own, from the first run's residual stream (:class:`FirstRun`): the blocks
     below are not run again.
+
+    ``kept_run`` (a :class:`KeptRun`, shared by the calls of one search): every circuit of the
+    call, the first included, takes all that from the kept circuit's run instead of from the
+    call's first run (the kept circuit is run once per batch, in the first call that meets the
+    batch): where the calls' circuits differ from a kept circuit only in high layers, none of
+    them runs the blocks below.
     """
     model = analysis_model(model)
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
@@ -333,20 +340,30 @@ def circuit_metrics(
             )
     kept = _check_kept(model, graph, kept_neurons, len(masks), clean_tokens.device)
     totals = [0.0] * len(masks)
-    # per later mask: the inputs it takes from the first mask's run (the same up to its first
+    if kept_run is not None:  # every run takes from the kept circuit's run
+        kept_run.bind(model, clean_tokens, metric, graph)
+        reference_mask = kept_run.mask
+        reference_kept = _check_kept(model, graph, [kept_run.kept], 1, clean_tokens.device)[0]
+        reference_plan = kept_run.plan(graph)
+        later = list(range(len(masks)))
+    else:  # the later runs take from the first run
+        reference_mask, reference_kept = masks[0], kept[0]
+        reference_plan = CircuitPlan(graph, masks[0])
+        later = list(range(1, len(masks)))
+    # per later mask: the inputs it takes from the reference run (the same up to its first
     # change), and the residual position below which its sources' edges and changes are the
-    # first run's
-    prefixes = [
-        _shared_prefix(graph, masks[0], mask, kept[0], kept[i])
-        for i, mask in enumerate(masks[1:], 1)
-    ]
-    shared: list[set[str]] = [set()] + [keys for keys, _ in prefixes]
-    same_below = [0.0] + [below for _, below in prefixes]
-    plans = [CircuitPlan(graph, masks[0])]
-    plans += [CircuitPlan(graph, m, plans[0], b) for m, b in zip(masks[1:], same_below[1:])]
-    # the block each later run starts at, from the first run's residual stream entering it
-    starts = [0] + [_start_layer(graph, keys) for keys in shared[1:]]
-    resume = model.can_resume and any(starts)
+    # reference run's
+    shared: list[set[str]] = [set() for _ in masks]
+    same_below = [0.0] * len(masks)
+    plans = [reference_plan] * len(masks)
+    for i in later:
+        shared[i], same_below[i] = _shared_prefix(
+            graph, reference_mask, masks[i], reference_kept, kept[i]
+        )
+        plans[i] = CircuitPlan(graph, masks[i], reference_plan, same_below[i])
+    # the block each later run starts at, from the reference run's residual stream entering it
+    starts = [_start_layer(graph, shared[i]) if i in later else 0 for i in range(len(masks))]
+    resume = model.can_resume and (kept_run is not None or any(starts))
     if not resume:
         starts = [0] * len(masks)
     names = _corrupted_names(model, graph)
@@ -363,20 +380,40 @@ def circuit_metrics(
                 if positions is None
                 else {p: positions.mask(p, idx, clean_tokens.device) for p in positions.names}
             )
-            first = FirstRun(
-                set().union(*shared),
-                {s for s in starts if s},
-                model.layer_runs(clean_tokens[idx]) if resume else None,
-                keep_changes=any(below > 0 for below in same_below[1:]),
-            )
             reads = logit_positions(metric, idx, clean_tokens.shape[1])
+            runner = model.layer_runs(clean_tokens[idx]) if resume else None
+            if kept_run is not None:
+                first = kept_run.first_run(idx)
+                if first is None:  # the kept circuit's run of this batch, kept whole
+                    first = FirstRun(
+                        {d.key for d in graph.inputs if d.labels},
+                        set(range(1, graph.n_layers)),
+                        runner,
+                        keep_changes=True,
+                    )
+                    logits = _circuit_run(
+                        model, graph, reference_mask, clean_tokens[idx], corr, block_bytes,
+                        reference_plan, where, first=first, keep=True, reads=reads,
+                        kept=reference_kept,
+                    )  # fmt: skip
+                    if reads is not None and resume:
+                        check_logit_positions(metric, logits, idx, reads)
+                    kept_run.keep(idx, first)
+            else:
+                first = FirstRun(
+                    set().union(*shared),
+                    {s for s in starts if s},
+                    runner,
+                    keep_changes=any(below > 0 for below in same_below[1:]),
+                )
             for i, mask in enumerate(masks):
+                lead = i == 0 and kept_run is None
                 logits = _circuit_run(
                     model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
-                    first=first, keep=i == 0, shared=shared[i], start=starts[i], reads=reads,
+                    first=first, keep=lead, shared=shared[i], start=starts[i], reads=reads,
                     kept=kept[i],
                 )  # fmt: skip
-                if i == 0 and reads is not None and resume:
+                if lead and reads is not None and resume:
                     check_logit_positions(metric, logits, idx, reads)
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
@@ -517,6 +554,90 @@ class FirstRun:
         self.sources: dict[str, torch.Tensor] = {}  # source hook -> its activation
         self.resid: dict[int, torch.Tensor] = {}  # block -> [batch, pos, d_model] entering it
         self.memo: dict = {}  # what does not depend on the mask (PlanRun)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors it holds (each storage once)."""
+        tensors = [*self.outputs.values(), *self.sources.values(), *self.resid.values()]
+        if self.reference is not None and self.reference.changes is not None:
+            tensors.append(self.reference.changes)
+        seen: dict[int, int] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+
+class KeptRun:
+    """One circuit's exact run, per batch, kept across :func:`circuit_metrics` calls
+    (``kept_run=``): each circuit of a call takes from it what a later run of one call takes
+    from the call's first run (:class:`FirstRun`: the input groups below its first change, the
+    merged changes of the sources below its first source with other edges, the residual stream
+    entering the block it starts at), so every circuit of the call, the first included, starts
+    at its own first block with other edges or kept neurons (:func:`_shared_prefix`).
+
+    The kept circuit is run once per batch, in the first call that meets the batch, and all of
+    that run is kept (every input group's hook output, every block's entering residual stream,
+    the merged changes: about ``(n_input_groups + n_layers + n_merged_rows) * batch * pos *
+    d_model`` floats) up to ``budget`` bytes in all; a batch beyond it runs the kept circuit
+    again in each call. Bound to the first model, clean tokens, metric and graph it serves
+    (others are refused). Used by the adaptive neuron stage (:mod:`.neuron_stage`), whose
+    circuits differ from the one it keeps in one layer's kept neurons.
+
+    Args:
+        mask: The kept circuit (a mask of the calls' graph).
+        kept_neurons: Its :func:`circuit_metrics` ``kept_neurons`` entry (None: every neuron
+            passes its change on).
+        budget: Most bytes kept.
+    """
+
+    def __init__(
+        self,
+        mask: Mask,
+        kept_neurons: Mapping[int, torch.Tensor] | None = None,
+        budget: int = 4 * BLOCK_BUDGET,
+    ):
+        self.mask, self.kept = mask, kept_neurons
+        self.budget = budget
+        self.kept_bytes = 0
+        self._bound: tuple[Any, ...] | None = None
+        self._plan: CircuitPlan | None = None
+        self._runs: dict[tuple[int, ...], FirstRun] = {}
+
+    def bind(self, model: AttnOnlyModel, clean_tokens: torch.Tensor, metric, graph: HeadGraph):
+        """Bind to the call's model, clean tokens, metric and graph (the first call's), or
+        refuse others.
+
+        Raises:
+            ValueError: If they are not those it was first used with.
+        """
+        signature = (graph.neuron_level, tuple(graph.node_labels()), graph.positions)
+        bound = (model.model, clean_tokens, metric, signature)
+        if self._bound is None:
+            self._bound = bound
+        elif any(a is not b for a, b in zip(self._bound[:3], bound[:3])) or (
+            self._bound[3] != signature
+        ):
+            raise ValueError(
+                "This KeptRun holds a run of another model, other clean tokens, another metric "
+                "or another graph (nodes=, positions=): use one per search."
+            )
+
+    def plan(self, graph: HeadGraph) -> CircuitPlan:
+        """The kept circuit's :class:`~.run_plan.CircuitPlan` (built once)."""
+        if self._plan is None:
+            self._plan = CircuitPlan(graph, self.mask)
+        return self._plan
+
+    def first_run(self, idx: torch.Tensor) -> FirstRun | None:
+        """The kept run of batch ``idx``, if it is kept."""
+        return self._runs.get(tuple(idx.tolist()))
+
+    def keep(self, idx: torch.Tensor, run: FirstRun) -> None:
+        """Keep batch ``idx``'s run, if within the budget."""
+        size = run.nbytes()
+        if self.kept_bytes + size <= self.budget:
+            self._runs[tuple(idx.tolist())] = run
+            self.kept_bytes += size
 
 
 def _circuit_run(
@@ -951,6 +1072,7 @@ def path_gate_value_split(
 __all__ = [
     "Circuit",
     "CorruptedRuns",
+    "KeptRun",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",
