@@ -384,9 +384,9 @@ def circuit_metrics(
             runner = model.layer_runs(clean_tokens[idx]) if resume else None
             if kept_run is not None:
                 first = kept_run.first_run(idx)
-                if first is None:  # the kept circuit's run of this batch, kept whole
+                if first is None:  # the kept circuit's run of this batch
                     first = FirstRun(
-                        {d.key for d in graph.inputs if d.labels},
+                        (),  # the input groups a run rebuilds: those of the block it starts at
                         set(range(1, graph.n_layers)),
                         runner,
                         keep_changes=True,
@@ -570,16 +570,18 @@ class FirstRun:
 class KeptRun:
     """One circuit's exact run, per batch, kept across :func:`circuit_metrics` calls
     (``kept_run=``): each circuit of a call takes from it what a later run of one call takes
-    from the call's first run (:class:`FirstRun`: the input groups below its first change, the
-    merged changes of the sources below its first source with other edges, the residual stream
-    entering the block it starts at), so every circuit of the call, the first included, starts
+    from the call's first run (:class:`FirstRun`: the merged changes of the sources below its
+    first source with other edges, the residual stream entering the block it starts at, the
+    sources' activations below it), so every circuit of the call, the first included, starts
     at its own first block with other edges or kept neurons (:func:`_shared_prefix`).
 
-    The kept circuit is run once per batch, in the first call that meets the batch, and all of
-    that run is kept (every input group's hook output, every block's entering residual stream,
-    the merged changes: about ``(n_input_groups + n_layers + n_merged_rows) * batch * pos *
-    d_model`` floats) up to ``budget`` bytes in all; a batch beyond it runs the kept circuit
-    again in each call. Bound to the first model, clean tokens, metric and graph it serves
+    The kept circuit is run once per batch, in the first call that meets the batch, and what
+    later runs take of it is kept (every block's entering residual stream, the sources'
+    activations and the merged changes: about ``(n_layers + n_merged_rows) * batch * pos *
+    d_model`` floats and the sources' hooks) up to ``budget`` bytes in all; a batch beyond it
+    runs the kept circuit again in each call. Its input groups' hook outputs are not kept (one
+    per group, each up to ``n_heads`` residual streams): a run rebuilds the groups of the block
+    it starts at. Bound to the first model, clean tokens, metric and graph it serves
     (others are refused). Used by the adaptive neuron stage (:mod:`.neuron_stage`), whose
     circuits differ from the one it keeps in one layer's kept neurons.
 
