@@ -70,8 +70,8 @@ Usage::
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
         [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
-        [--coarse-target T] [--fresh 64] [--fresh-seed N] [--bridge]
-        [--profiles N [--profiles-figure PATH]]
+        [--neuron-ranking attribution|relp] [--coarse-target T] [--fresh 64] [--fresh-seed N]
+        [--bridge] [--profiles N [--profiles-figure PATH]]
 """
 
 from __future__ import annotations
@@ -309,6 +309,11 @@ DISCOVER_OPTIONS: dict[str, dict] = {
         type=neurons_per_mlp, default=8,
         help="discover: neurons named per MLP node, or auto (discover_circuit's default: 8)",
     ),
+    "--neuron-ranking": dict(
+        default="attribution", choices=["attribution", "relp"],
+        help="discover: how each MLP node's neurons are ranked (default attribution; relp: RelP "
+        "relevance)",
+    ),
     "--coarse-target": dict(
         type=float, default=None,
         help="discover: the coarse circuit's target (default --target); above it, room for "
@@ -371,7 +376,8 @@ def config_line(script: str, task: str, args) -> str:
         f"config: {script}; {task}; search prompts {args.prompts} "
         f"(seed {args.seed + 1}); fresh prompts {fresh}; target {args.target}; positions "
         f"{args.positions}; ranking {args.ranking}; prune_runs {args.prune_runs}; "
-        f"neurons_per_mlp {args.neurons_per_mlp}; coarse_target {args.coarse_target}; "
+        f"neurons_per_mlp {args.neurons_per_mlp}; neuron_ranking {args.neuron_ranking}; "
+        f"coarse_target {args.coarse_target}; "
         f"batch_size {args.batch_size}; threads "
         f"{args.threads}; fp32"
     )
@@ -404,7 +410,7 @@ def stage_discover(model, data, args, fresh=None, task: str | None = None) -> Ci
         model, data.tokens, data.corrupted_tokens, data.additive_metric(), target=args.target,
         batch_size=args.batch_size, positions=positions, ranking=args.ranking,
         prune_runs=args.prune_runs, neurons_per_mlp=args.neurons_per_mlp,
-        coarse_target=args.coarse_target,
+        coarse_target=args.coarse_target, neuron_ranking=args.neuron_ranking,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     where = f"resolved by position class {positions.names}" if positions else "every position"

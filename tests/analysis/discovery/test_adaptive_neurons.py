@@ -338,3 +338,43 @@ def test_joint_search_cuts_a_kept_layer_whose_share_turns_negative():
         {"L0MLP": 0.5, "L1MLP": 0.12, "L2MLP": 0.0, "L3MLP": 0.0}
     )
     assert runs == stage.n_runs
+
+
+def test_neuron_ranking_option_is_checked():
+    assert DiscoveryOptions().neuron_ranking == "attribution"
+    with pytest.raises(ValueError, match="neuron_ranking must be one of"):
+        DiscoveryOptions(neuron_ranking="gradient")
+    with pytest.raises(ValueError, match="graph='coarse'"):
+        DiscoveryOptions(graph="neurons", neuron_ranking="relp")
+
+
+@pytest.mark.parametrize("neurons_per_mlp", [3, "auto"])
+def test_relp_ranking_names_the_neurons_of_largest_relevance(neurons_per_mlp):
+    """``neuron_ranking="relp"``: each MLP node's named neurons (fixed count) or candidates
+    (adaptive: the named ones are a prefix of them) are its neurons by ``|RelP relevance|``,
+    which here differs from the attribution ranking; the circuit's faithfulness is that of the
+    circuit it names, run here."""
+    from tl_attnonly.analysis.discovery.relevance import neuron_relevance
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    relp = _discover(model, neurons_per_mlp=neurons_per_mlp, neuron_ranking="relp",
+                     max_neurons_per_mlp=3)  # fmt: skip
+    relevance = neuron_relevance(model, CLEAN, CORRUPTED, METRIC, rule="relp")
+    layers = sorted(relp.extra["named"])
+    assert layers
+    differs = False
+    for li in layers:
+        order = relevance[li].abs().argsort(descending=True, stable=True).tolist()
+        by_relp = [f"L{li}N{i}" for i in order[:3]]
+        named = relp.extra["named"][li]
+        assert named == by_relp[: len(named)]
+        if neurons_per_mlp == 3:
+            assert len(named) == 3
+        differs |= by_relp != _ranking(model, li)[:3]
+    assert differs  # the two rankings name other neurons here
+    if neurons_per_mlp == "auto":
+        table = relp.extra["neuron_stage"].set_index("node")
+        cut = {li for li in layers if not table.loc[f"L{li}MLP", "remainder"]}
+        named = {li: relp.extra["named"][li] for li in layers}
+        expected = _resolved_faithfulness(model, relp.extra["coarse"], named, cut)
+        assert relp.faithfulness == pytest.approx(expected, rel=1e-9, abs=1e-12)

@@ -2,8 +2,9 @@
 keep the circuit's exact faithfulness at the goal, no layer remainder where none is needed.
 
 Inside each MLP node ``L{l}MLP`` of the coarse circuit, the layer's neurons are ranked by their
-node attribution ``|score|`` (:func:`~.search.top_nodes`, the ranking of the fixed stage) and the
-best ``max_neurons_per_mlp`` are the candidates. A layer's remainder is ``L{l}MLP`` (the neurons
+node attribution ``|score|`` (:func:`~.search.top_nodes`, the ranking of the fixed stage; or
+``|relevance|`` by RelP, ``neuron_ranking="relp"``) and the best ``max_neurons_per_mlp`` are the
+candidates. A layer's remainder is ``L{l}MLP`` (the neurons
 not named); *cutting* it removes its outgoing edges, and a named neuron left out loses its
 outgoing edges too, so both read the corrupted run. The goal is ``min(target, coarse
 faithfulness)``; every figure is an exact circuit run (:func:`~.runs.circuit_metrics`), made on

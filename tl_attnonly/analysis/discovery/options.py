@@ -19,6 +19,8 @@ GRAPHS = ("coarse", "neurons")
 REDUCTIONS = ("sum", "mean")
 #: How ``neurons_per_mlp="auto"`` chooses the named neurons (:mod:`.neuron_stage`).
 NEURON_SEARCHES = ("joint", "layers")
+#: How the named neurons of an MLP node are ranked (``graph="coarse"``).
+NEURON_RANKINGS = ("attribution", "relp")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,13 @@ class DiscoveryOptions:
             a remainder kept only where its layer's ``max_neurons_per_mlp`` candidates cannot
             replace it (``circuit.extra["neuron_stage"]``).
         max_neurons_per_mlp: ``neurons_per_mlp="auto"``: most neurons named per MLP node (its
-            candidates, the best by node attribution ``|score|``).
+            candidates, the best by ``neuron_ranking``).
+        neuron_ranking: ``graph="coarse"``: how each MLP node's neurons are ranked (the fixed
+            count's names, the adaptive stage's candidates and its order across layers):
+            ``"attribution"`` (default: node attribution patching ``|score|``,
+            :func:`~.search.top_nodes`) or ``"relp"`` (``|relevance|`` by RelP,
+            :func:`~.relevance.neuron_relevance`: one more backward pass with its rules; decoders
+            with dense neuron-head layers).
         neuron_search: ``neurons_per_mlp="auto"``: ``"joint"`` (default: every layer's
             remainder cut alone, then the fewest remainders kept and the fewest named neurons
             across the layers, each by exact runs) or ``"layers"`` (one layer at a time, lowest
@@ -100,6 +108,7 @@ class DiscoveryOptions:
     neurons_per_mlp: int | str = 8
     max_neurons_per_mlp: int = 256
     neuron_search: str = "joint"
+    neuron_ranking: str = "attribution"
     neuron_trim: bool = True
     neuron_method: str = "eap"
     batch_size: int | None = None
@@ -161,6 +170,15 @@ class DiscoveryOptions:
             raise ValueError(
                 f"neuron_search must be one of {NEURON_SEARCHES}, got {self.neuron_search!r}."
             )
+        if self.neuron_ranking not in NEURON_RANKINGS:
+            raise ValueError(
+                f"neuron_ranking must be one of {NEURON_RANKINGS}, got {self.neuron_ranking!r}."
+            )
+        if self.neuron_ranking != "attribution" and self.graph != "coarse":
+            raise ValueError(
+                "neuron_ranking= ranks the neurons named in the coarse circuit's MLP nodes: give "
+                "graph='coarse' with it (graph='neurons' ranks nodes by node attribution)."
+            )
         if self.max_neurons_per_mlp < 1:
             raise ValueError(f"max_neurons_per_mlp must be >= 1, got {self.max_neurons_per_mlp}.")
         if self.graph == "coarse" and (
@@ -217,4 +235,4 @@ def resolve_options(
     return options.with_overrides(**overrides)
 
 
-__all__ = ["DiscoveryOptions", "GRAPHS", "NEURON_SEARCHES", "REDUCTIONS"]
+__all__ = ["DiscoveryOptions", "GRAPHS", "NEURON_RANKINGS", "NEURON_SEARCHES", "REDUCTIONS"]

@@ -121,7 +121,9 @@ def relp_hooks(model: ModelLike) -> list[Hook]:
     return [(name, fn) for name, fn in hooks if name in model.hook_dict]
 
 
-def _check(model: AttnOnlyModel, rule: str, layers: Sequence[int], ig_steps: int | None) -> None:
+def check_relevance(
+    model: AttnOnlyModel, rule: str, layers: Sequence[int], ig_steps: int | None
+) -> None:
     """Refuse, before any work, what :func:`neuron_relevance` cannot compute."""
     if rule not in RELEVANCE_RULES:
         raise ValueError(f"rule must be one of {RELEVANCE_RULES}, got {rule!r}.")
@@ -242,7 +244,7 @@ def neuron_relevance(
             f"{tuple(corrupted_tokens.shape)}."
         )
     layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
-    _check(model, rule, layers, ig_steps)
+    check_relevance(model, rule, layers, ig_steps)
     batches = batch_indices(clean_tokens.shape[0], batch_size)
     check_additive(model, clean_tokens, metric, batches)
     post = {li: neuron_act_name("post", li) for li in layers}

@@ -19,14 +19,14 @@ fine:
    run's, and ``circuit.extra["swept"]`` / ``["pruning"]`` hold the sweep's circuit and every
    pruning run.
 3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
-   largest node attribution ``|score|`` are named: the graph is rebuilt with them as nodes (the
-   rest of the layer stays one node ``L{l}MLP``), and every coarse edge into or out of
-   ``L{l}MLP`` becomes the same edge into or out of each named neuron and the remainder. That
-   circuit computes exactly what the coarse one does (the layer's output is the sum of its
-   neurons'), so its faithfulness is the coarse circuit's; the edges are scored again
-   (``neuron_method``, plain EAP by default: one gradient pass; the named neurons' gate and value
-   edges apart) and the gate/value split
-   (:func:`~.runs.circuit_gate_value_split`) is run for the named neurons.
+   largest node attribution ``|score|`` (or RelP relevance: ``neuron_ranking="relp"``) are named:
+   the graph is rebuilt with them as nodes (the rest of the layer stays one node ``L{l}MLP``), and
+   every coarse edge into or out of ``L{l}MLP`` becomes the same edge into or out of each named
+   neuron and the remainder. That circuit computes exactly what the coarse one does (the layer's
+   output is the sum of its neurons'), so its faithfulness is the coarse circuit's; the edges are
+   scored again (``neuron_method``, plain EAP by default: one gradient pass; the named neurons' gate
+   and value edges apart) and the gate/value split (:func:`~.runs.circuit_gate_value_split`) is run
+   for the named neurons.
    With ``neurons_per_mlp="auto"`` the counts are chosen by exact runs instead
    (:mod:`.neuron_stage`; ``neuron_search="joint"``, default: all layers together): as few as
    keep the faithfulness at the target with the rest of their layers cut, a remainder kept (its
@@ -89,6 +89,7 @@ from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_opt
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import prune_ranked
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
+from tl_attnonly.analysis.discovery.relevance import check_relevance, neuron_relevance
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     CorruptedRuns,
@@ -350,6 +351,8 @@ def discover_circuit(
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_options(options, overrides)
     check_discoverable(model, opts.neuron_level)
+    if opts.neuron_ranking == "relp":  # refused before any work where RelP cannot run
+        check_relevance(model, "relp", range(model.cfg.n_layers), None)
     batches = batch_indices(clean_tokens.shape[0], opts.batch_size)
     if opts.metric_reduction == "mean":
         metric = _weighted_by_batch(metric, clean_tokens.shape[0])
@@ -529,6 +532,24 @@ def discover_circuit(
 _NEURON_OF_LAYER = re.compile(r"L(\d+)N")
 
 
+def _neuron_scores(
+    model: AttnOnlyModel, clean, corrupted, metric, opts: DiscoveryOptions, layers: list[int]
+) -> pd.Series:
+    """Every neuron's score by ``opts.neuron_ranking`` (``L{l}N{i}`` -> score; RelP: the
+    neurons of ``layers`` only): node attribution (:func:`top_nodes`) or RelP relevance
+    (:func:`~.relevance.neuron_relevance`)."""
+    if opts.neuron_ranking == "attribution":
+        return top_nodes(
+            model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
+        )[1]
+    relevance = neuron_relevance(
+        model, clean, corrupted, metric, layers=layers, rule="relp", batch_size=opts.batch_size
+    )
+    return pd.Series(
+        {f"L{li}N{i}": float(v) for li in layers for i, v in enumerate(relevance[li].tolist())}
+    )
+
+
 def _name_neurons(
     model: AttnOnlyModel,
     coarse: Circuit,
@@ -545,9 +566,7 @@ def _name_neurons(
     if not layers:
         coarse.extra["named"] = {}
         return coarse, coarse_nodes(model)
-    _, node_scores = top_nodes(
-        model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
-    )
+    node_scores = _neuron_scores(model, clean, corrupted, metric, opts, layers)
     auto = opts.neurons_per_mlp == "auto"
     count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
     named: dict[int, list[str]] = {}
