@@ -70,8 +70,8 @@ Usage::
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
         [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
-        [--neuron-ranking attribution|relp] [--coarse-target T] [--fresh 64] [--fresh-seed N]
-        [--bridge] [--profiles N [--profiles-figure PATH]]
+        [--max-neurons-per-mlp 256] [--neuron-ranking attribution|relp] [--coarse-target T]
+        [--fresh 64] [--fresh-seed N] [--bridge] [--profiles N [--profiles-figure PATH]]
 """
 
 from __future__ import annotations
@@ -309,6 +309,10 @@ DISCOVER_OPTIONS: dict[str, dict] = {
         type=neurons_per_mlp, default=8,
         help="discover: neurons named per MLP node, or auto (discover_circuit's default: 8)",
     ),
+    "--max-neurons-per-mlp": dict(
+        type=int, default=256,
+        help="discover: with --neurons-per-mlp auto, the candidates per MLP node (default 256)",
+    ),
     "--neuron-ranking": dict(
         default="attribution", choices=["attribution", "relp"],
         help="discover: how each MLP node's neurons are ranked (default attribution; relp: RelP "
@@ -376,7 +380,8 @@ def config_line(script: str, task: str, args) -> str:
         f"config: {script}; {task}; search prompts {args.prompts} "
         f"(seed {args.seed + 1}); fresh prompts {fresh}; target {args.target}; positions "
         f"{args.positions}; ranking {args.ranking}; prune_runs {args.prune_runs}; "
-        f"neurons_per_mlp {args.neurons_per_mlp}; neuron_ranking {args.neuron_ranking}; "
+        f"neurons_per_mlp {args.neurons_per_mlp} (at most {args.max_neurons_per_mlp}); "
+        f"neuron_ranking {args.neuron_ranking}; "
         f"coarse_target {args.coarse_target}; "
         f"batch_size {args.batch_size}; threads "
         f"{args.threads}; fp32"
@@ -411,6 +416,7 @@ def stage_discover(model, data, args, fresh=None, task: str | None = None) -> Ci
         batch_size=args.batch_size, positions=positions, ranking=args.ranking,
         prune_runs=args.prune_runs, neurons_per_mlp=args.neurons_per_mlp,
         coarse_target=args.coarse_target, neuron_ranking=args.neuron_ranking,
+        max_neurons_per_mlp=args.max_neurons_per_mlp,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     where = f"resolved by position class {positions.names}" if positions else "every position"
