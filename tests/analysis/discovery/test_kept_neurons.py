@@ -199,7 +199,7 @@ def test_a_kept_run_serves_later_calls_with_the_same_values(kind):
     assert len(store._runs) == 2 and store.kept_bytes > 0
 
 
-def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_tokens():
+def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_inputs():
     model = make_converted("silu", **GATED_ZOO["llama"])
     nodes = coarse_nodes(model)
     mask = _random_mask(HeadGraph(model, nodes=nodes), 0.6, seed=3)
@@ -218,6 +218,13 @@ def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_tokens():
         circuit_metrics(
             model, [mask], CLEAN.clone(), CORRUPTED, METRIC, nodes=nodes, kept_run=store
         )
+    with pytest.raises(ValueError, match="use one per search"):
+        circuit_metrics(
+            model, [mask], CLEAN, CORRUPTED.clone(), METRIC, nodes=nodes, kept_run=store
+        )
+    with pytest.raises(ValueError, match="use one per search"):
+        circuit_metrics(model, [mask], CLEAN, CORRUPTED, lambda x: METRIC(x), nodes=nodes,
+                        kept_run=store)  # fmt: skip
     with pytest.raises(ValueError, match="use one per search"):
         full = HeadGraph(model).full_mask()  # another graph: every neuron a node
         circuit_metrics(model, [full], CLEAN, CORRUPTED, METRIC, kept_run=store)

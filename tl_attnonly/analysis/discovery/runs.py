@@ -341,7 +341,7 @@ def circuit_metrics(
     kept = _check_kept(model, graph, kept_neurons, len(masks), clean_tokens.device)
     totals = [0.0] * len(masks)
     if kept_run is not None:  # every run takes from the kept circuit's run
-        kept_run.bind(model, clean_tokens, metric, graph)
+        kept_run.bind(model, clean_tokens, corrupted_tokens, metric, graph, positions)
         reference_mask = kept_run.mask
         reference_kept = _check_kept(model, graph, [kept_run.kept], 1, clean_tokens.device)[0]
         reference_plan = kept_run.plan(graph)
@@ -581,8 +581,8 @@ class KeptRun:
     d_model`` floats and the sources' hooks) up to ``budget`` bytes in all; a batch beyond it
     runs the kept circuit again in each call. Its input groups' hook outputs are not kept (one
     per group, each up to ``n_heads`` residual streams): a run rebuilds the groups of the block
-    it starts at. Bound to the first model, clean tokens, metric and graph it serves
-    (others are refused). Used by the adaptive neuron stage (:mod:`.neuron_stage`), whose
+    it starts at. Bound to the first model, tokens, metric, graph and position classes it
+    serves (others are refused). Used by the adaptive neuron stage (:mod:`.neuron_stage`), whose
     circuits differ from the one it keeps in one layer's kept neurons.
 
     Args:
@@ -605,23 +605,31 @@ class KeptRun:
         self._plan: CircuitPlan | None = None
         self._runs: dict[tuple[int, ...], FirstRun] = {}
 
-    def bind(self, model: AttnOnlyModel, clean_tokens: torch.Tensor, metric, graph: HeadGraph):
-        """Bind to the call's model, clean tokens, metric and graph (the first call's), or
-        refuse others.
+    def bind(
+        self,
+        model: AttnOnlyModel,
+        clean_tokens: torch.Tensor,
+        corrupted_tokens: torch.Tensor,
+        metric: DiscoveryMetric,
+        graph: HeadGraph,
+        positions: PositionClasses | None,
+    ) -> None:
+        """Bind to the call's model, tokens, metric, graph and position classes (the first
+        call's), or refuse others (the kept run and its constants were computed with them).
 
         Raises:
             ValueError: If they are not those it was first used with.
         """
         signature = (graph.neuron_level, tuple(graph.node_labels()), graph.positions)
-        bound = (model.model, clean_tokens, metric, signature)
+        bound = (model.model, clean_tokens, corrupted_tokens, metric, positions, signature)
         if self._bound is None:
             self._bound = bound
-        elif any(a is not b for a, b in zip(self._bound[:3], bound[:3])) or (
-            self._bound[3] != signature
+        elif any(a is not b for a, b in zip(self._bound[:5], bound[:5])) or (
+            self._bound[5] != signature
         ):
             raise ValueError(
-                "This KeptRun holds a run of another model, other clean tokens, another metric "
-                "or another graph (nodes=, positions=): use one per search."
+                "This KeptRun holds a run of another model, other clean or corrupted tokens, "
+                "another metric or another graph (nodes=, positions=): use one per search."
             )
 
     def plan(self, graph: HeadGraph) -> CircuitPlan:
