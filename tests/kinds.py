@@ -174,3 +174,20 @@ def make_pair(family: str, dtype: torch.dtype = torch.float64, seed: int = 0):
 def make_tokens(batch: int = 2, pos: int = 8, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, D_VOCAB, (batch, pos), generator=generator)
+
+
+def kind_with_task(kind: str, family: str = "llama_gqa", batch: int = 3, pos: int = 6):
+    """``(model, clean, corrupted, metric)``: the ``kind`` (``"hooked"`` or ``"bridge"``) of
+    :func:`make_pair`'s models (the test is skipped where TransformerLens has no
+    ``HookedTransformer``), ``batch`` clean and corrupted prompts and a logit-difference metric."""
+    import pytest
+
+    from tl_attnonly.analysis import logit_diff_metric
+
+    hooked, bridge = make_pair(family)
+    model = hooked if kind == "hooked" else bridge
+    if model is None:
+        pytest.skip("no HookedTransformer on TransformerLens 4.x")
+    clean, corrupted = make_tokens(batch, pos, seed=0), make_tokens(batch, pos, seed=1)
+    metric = logit_diff_metric(torch.arange(1, batch + 1), torch.arange(5, batch + 5))
+    return model, clean, corrupted, metric

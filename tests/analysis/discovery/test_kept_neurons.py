@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GATED_ZOO
-from kinds import make_pair
+from kinds import kind_with_task, make_pair
 from kinds import make_tokens as make_kind_tokens
 from models import make_converted
 from test_circuit_runs_reference import CLEAN, CORRUPTED, METRIC, _random_mask, _reference
+from test_run_reuse import _first_block_runs
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
 from tl_attnonly.analysis.discovery import runs
@@ -137,31 +138,13 @@ def test_a_layer_whose_kept_neurons_differ_changes_every_input_above_it():
     assert not any(key.startswith(("attn.1", "mlp.1")) for key in shared)
 
 
-def _block_runs(model, layer: int) -> tuple[list[int], object]:
-    """A counter of block ``layer``'s forward calls (a torch forward hook, removed by the
-    returned handle)."""
-    from tl_attnonly.adapt import analysis_model
-
-    calls = [0]
-
-    def count(module, args, output):
-        calls[0] += 1
-
-    return calls, analysis_model(model).model.blocks[layer].register_forward_hook(count)
-
-
 @pytest.mark.parametrize("kind", ["hooked", "bridge"])
 def test_a_kept_run_serves_later_calls_with_the_same_values(kind):
     """``kept_run=``: the calls' circuits take what they share with a kept circuit's run (made
     once per batch, in the first call): the values are those of calls without it, fp64, on both
     model kinds, and circuits that differ from the kept one in layer 1 only never run block 0
     again (without it, each call's first circuit does)."""
-    hooked, bridge = make_pair("llama_gqa")
-    model = hooked if kind == "hooked" else bridge
-    if model is None:
-        pytest.skip("no HookedTransformer on TransformerLens 4.x")
-    clean, corrupted = make_kind_tokens(3, 6, seed=0), make_kind_tokens(3, 6, seed=1)
-    metric = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+    model, clean, corrupted, metric = kind_with_task(kind)
     nodes = coarse_nodes(model)
     mask = _random_mask(HeadGraph(model, nodes=nodes), 0.6, seed=3)
     kept = _kept(model)
@@ -178,7 +161,7 @@ def test_a_kept_run_serves_later_calls_with_the_same_values(kind):
         corrupted_runs = runs.CorruptedRuns()  # made in the first call: not counted later
         values, counts = [], []
         for k in [reference, *later]:  # one call each, two batches each
-            blocks, handle = _block_runs(model, 0)
+            blocks, handle = _first_block_runs(model)
             try:
                 values += circuit_metrics(
                     model, [mask], clean, corrupted, metric, nodes=nodes, kept_neurons=[k],

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import GATED_ZOO, make_tokens
-from kinds import make_pair
+from kinds import kind_with_task, make_pair
 from kinds import make_tokens as make_kind_tokens
 from models import make_converted
 from test_circuit_runs_reference import _random_mask, _record_source_values, _reference
@@ -123,12 +123,7 @@ def test_later_runs_start_at_their_first_changed_block(kind):
     """Runs that share the first run's inputs below a block start there: on a HookedTransformer
     the first block runs as often for seven circuits as for one (once per batch, besides the
     corrupted runs), and on both kinds the values are those of full runs one by one."""
-    hooked, bridge = make_pair("llama_gqa")
-    model = hooked if kind == "hooked" else bridge
-    if model is None:
-        pytest.skip("no HookedTransformer on TransformerLens 4.x")
-    clean, corrupted = make_kind_tokens(3, 6, seed=0), make_kind_tokens(3, 6, seed=1)
-    metric = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+    model, clean, corrupted, metric = kind_with_task(kind)
     nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
     _, masks = _layer_variants(model, nodes)
     apart = _one_call_each(model, masks, nodes, clean, corrupted, metric)
