@@ -381,14 +381,13 @@ def circuit_metrics(
                 else {p: positions.mask(p, idx, clean_tokens.device) for p in positions.names}
             )
             reads = logit_positions(metric, idx, clean_tokens.shape[1])
-            runner = model.layer_runs(clean_tokens[idx]) if resume else None
             if kept_run is not None:
                 first = kept_run.first_run(idx)
                 if first is None:  # the kept circuit's run of this batch
                     first = FirstRun(
                         (),  # the input groups a run rebuilds: those of the block it starts at
                         set(range(1, graph.n_layers)),
-                        runner,
+                        model.layer_runs(clean_tokens[idx]) if resume else None,
                         keep_changes=True,
                     )
                     logits = _circuit_run(
@@ -403,7 +402,7 @@ def circuit_metrics(
                 first = FirstRun(
                     set().union(*shared),
                     {s for s in starts if s},
-                    runner,
+                    model.layer_runs(clean_tokens[idx]) if resume else None,
                     keep_changes=any(below > 0 for below in same_below[1:]),
                 )
             for i, mask in enumerate(masks):
