@@ -177,8 +177,7 @@ class NeuronStage:
         ``cuts`` below that layer, and is kept instead."""
         if self.kept is not None and below is not None:
             old = self.kept[0]
-            layers = {li for li in set(old) | set(cuts) if li < below}
-            if all(li in old and li in cuts and old[li] == cuts[li] for li in layers):
+            if all(old.get(li) == cuts.get(li) for li in set(old) | set(cuts) if li < below):
                 return
         d_mlp = int(self.model.cfg.d_mlp or 0)
         self.kept = (dict(cuts), KeptRun(self.coarse.mask, kept_neurons(cuts, d_mlp)))
