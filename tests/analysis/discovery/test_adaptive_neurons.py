@@ -277,7 +277,7 @@ class _Ruled(NeuronStage):
         from types import SimpleNamespace
 
         self.ranked = {li: [f"L{li}N{i}" for i in range(per_layer)] for li in range(n_layers)}
-        self.rule, self.n_runs = rule, 0
+        self.rule, self.n_runs, self.held = rule, 0, False
         self.opts = DiscoveryOptions(neurons_per_mlp="auto")
         self.coarse = SimpleNamespace(faithfulness=self._value({}))
         self.goal = min(self.opts.target, self.coarse.faithfulness)
@@ -378,3 +378,44 @@ def test_relp_ranking_names_the_neurons_of_largest_relevance(neurons_per_mlp):
         named = {li: relp.extra["named"][li] for li in layers}
         expected = _resolved_faithfulness(model, relp.extra["coarse"], named, cut)
         assert relp.faithfulness == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def _search_sizes(values: torch.Tensor, goal: float, passing: bool, speculate: bool):
+    """``_smallest`` over sizes ``0..len(values) - 1`` whose faithfulness is ``values``: its
+    ``k``, the sizes run and the sizes of each call."""
+    from tl_attnonly.analysis.discovery.neuron_stage import _smallest
+
+    cap = len(values) - 1
+    calls: list[list[int]] = []
+
+    def evaluate(ks):
+        calls.append(list(ks))
+        return {k: ({}, float(values[k])) for k in ks}
+
+    known = ({}, float(values[cap])) if passing else None
+    k, tried = _smallest(evaluate, 0, cap, goal, passing=known, speculate=speculate)
+    return k, tried, calls
+
+
+@pytest.mark.parametrize("passing", [False, True])
+def test_smallest_one_size_per_call_chooses_as_with_speculative_sizes(passing):
+    """The doubling and bisection read their sizes in the same order with or without the
+    speculative sizes of a call: the same ``k`` (a faithfulness that is not monotone too) from
+    the runs of a subset of the sizes, one per call."""
+    saved = 0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        cap = int(torch.randint(1, 300, (1,), generator=g))
+        values = torch.rand(cap + 1, generator=g, dtype=torch.float64)
+        if seed % 2:  # monotone in k
+            values = values.sort().values
+        goal = float(values[int(torch.randint(0, cap + 1, (1,), generator=g))])
+        if passing:  # the known passing size
+            values[cap] = max(float(values[cap]), goal)
+        k, tried, _ = _search_sizes(values, goal, passing, speculate=True)
+        k1, tried1, calls1 = _search_sizes(values, goal, passing, speculate=False)
+        assert k1 == k
+        assert set(tried1) <= set(tried)
+        assert all(len(c) == 1 for c in calls1)
+        saved += len(tried) - len(tried1)
+    assert saved > 0

@@ -190,13 +190,18 @@ def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_inputs():
     apart = circuit_metrics(model, [mask] * len(kept), CLEAN, CORRUPTED, METRIC, nodes=nodes,
                             kept_neurons=kept)  # fmt: skip
     store = runs.KeptRun(mask, kept[4], budget=0)
-    for _ in range(2):
+    n_batches = 0
+    for call in range(2):
         got = circuit_metrics(
             model, [mask] * len(kept), CLEAN, CORRUPTED, METRIC, nodes=nodes, kept_neurons=kept,
             kept_run=store,
         )  # fmt: skip
         assert got == pytest.approx(apart, rel=1e-10, abs=1e-12)
         assert store.kept_bytes == 0 and not store._runs
+        if call == 0:
+            n_batches = store.missed  # each batch's run made and not kept
+            assert n_batches >= 1
+    assert store.missed == 2 * n_batches  # made again in the second call
     with pytest.raises(ValueError, match="use one per search"):
         circuit_metrics(
             model, [mask], CLEAN.clone(), CORRUPTED, METRIC, nodes=nodes, kept_run=store

@@ -416,3 +416,39 @@ def test_auto_neuron_stage_runs_from_its_kept_circuits(monkeypatch, search):
         want["remainder_share"].to_numpy(), abs=1e-10
     )
     assert n_kept < n_plain
+
+
+@pytest.mark.parametrize("search", sorted(AUTO_CASES))
+def test_auto_neuron_stage_runs_one_size_per_call_from_held_runs(monkeypatch, search):
+    """Where the stage's kept runs hold every batch (``NeuronStage.speculate`` False), its
+    searches run one size per call: the same choice as with the speculative sizes of a call,
+    in fewer runs; without kept runs it runs those sizes."""
+    from tl_attnonly.analysis import discover_circuit
+    from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
+
+    config, caps, _ = AUTO_CASES[search]
+    model = make_converted("silu", **{**config, "n_layers": 4})
+    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+
+    def found():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the circuit's notes are not the subject
+            return discover_circuit(
+                model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
+                max_neurons_per_mlp=caps[-1], neuron_search=search, progress=False,
+            )  # fmt: skip
+
+    held = found()
+    with monkeypatch.context() as m:
+        m.setattr(NeuronStage, "speculate", property(lambda self: True))
+        speculating = found()
+    with monkeypatch.context() as m:  # no kept run: the stage speculates by itself
+        m.setattr(NeuronStage, "keep", lambda self, cuts, below=None: None)
+        unkept = found()
+    assert held.extra["named"] == speculating.extra["named"] == unkept.extra["named"]
+    assert held.faithfulness == pytest.approx(speculating.faithfulness, rel=1e-10)
+    got, want = held.extra["neuron_stage"], speculating.extra["neuron_stage"]
+    assert got[["node", "named", "remainder"]].equals(want[["node", "named", "remainder"]])
+    runs = [c.extra["neuron_stage_runs"] for c in (held, speculating, unkept)]
+    assert runs[0] < runs[1] == runs[2]

@@ -55,16 +55,19 @@ then ``share_alone`` (joint: lost when the remainder beyond the candidates is cu
 ``dropped`` (joint: kept by step 2, cut by step 5) or ``faithfulness`` (layers: after that layer
 was resolved) and ``runs`` (layers).
 
-The runs are made a few at a time, in one :func:`~.runs.circuit_metrics` call each (one
-corrupted run shared): the doubling runs ``k``, ``2k`` and ``4k`` together, the bisection its
-middle and both halves' middles; they are read in the order of one at a time, so the choice is
-that of one run at a time, and some runs are made that the choice did not need.
-
 Each call's circuits start from a kept run (:class:`~.runs.KeptRun`, :meth:`NeuronStage.keep`):
 the coarse circuit's in steps 1 to 3, the returned circuit's so far before each layer's trim
 and before the check of step 5 (``"layers"``: the layers resolved so far; made again only where
 it differs below the layer), so a circuit runs the blocks from its first layer cut otherwise
 than in the kept one, not from block 0.
+
+The doublings and bisections run one size per :func:`~.runs.circuit_metrics` call where the
+kept runs are held (every batch's: :attr:`NeuronStage.speculate`): the circuits of one call
+then share nothing that those of the next do not. Where a batch's kept run is beyond its budget
+(run again in each call that meets it), a call runs several sizes (its kept circuit's run
+shared): the doubling ``k``, ``2k`` and ``4k`` together, the bisection its middle and both
+halves' middles; they are read in the order of one at a time, so the choice is the same either
+way, and some runs are made that the choice did not need.
 
 Every search is monotone only where the faithfulness is: the ``k`` found reaches the goal and
 ``k - 1`` (when run) does not, but a smaller ``k`` below the last failing one might.
@@ -89,7 +92,7 @@ from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
 
-#: Doubling sizes run in one call (``k``, ``2k``, ``4k``).
+#: Doubling sizes run in one call where the stage speculates (``k``, ``2k``, ``4k``).
 LADDER = 3
 
 #: The per-layer table of ``neuron_search="layers"``.
@@ -168,6 +171,15 @@ class NeuronStage:
         self.goal = min(opts.target, coarse.faithfulness)
         self.n_runs = 0
         self.kept: tuple[Cuts, KeptRun] | None = None
+        self.held = False  # the last call's kept run held every batch's run
+
+    @property
+    def speculate(self) -> bool:
+        """Whether a search runs several sizes per call (:func:`_smallest`): not where the
+        last call's kept run held every batch, so that each call's circuits start from it and
+        share nothing more within the call; else the sizes of one call share its kept circuit's
+        run (made again in each call that meets a batch beyond the kept run's budget)."""
+        return not self.held
 
     def keep(self, cuts: Cuts, below: int | None = None) -> None:
         """Keep the run of ``cuts`` (:class:`~.runs.KeptRun`): the next calls' circuits start at
@@ -193,6 +205,7 @@ class NeuronStage:
             kept_run=None if self.kept is None else self.kept[1],
         )  # fmt: skip
         self.n_runs += len(circuits)
+        self.held = self.kept is not None and self.kept[1].missed == 0
         c = self.coarse
         return [faithfulness(v, c.metric_clean, c.metric_corrupted) for v in values]
 
@@ -214,12 +227,16 @@ def _smallest(
     cap: int,
     goal: float,
     passing: tuple[Cuts, float] | None = None,
+    speculate: bool = True,
 ) -> tuple[int | None, dict[int, tuple[Cuts, float]]]:
     """The smallest ``k`` in ``[first, cap]`` whose run reaches ``goal``: doubling from
-    ``first`` (``LADDER`` sizes per call), then bisection between the last failing and the first
-    passing size (two steps per call), down to one. ``evaluate(ks)`` runs the sizes ``ks`` in
-    one call and returns ``{k: (circuit, faithfulness)}``. ``passing``: ``cap``'s run, known to
-    reach the goal: no doubling, bisection between ``first - 1`` and ``cap``.
+    ``first``, then bisection between the last failing and the first passing size, down to one.
+    ``evaluate(ks)`` runs the sizes ``ks`` in one call and returns ``{k: (circuit,
+    faithfulness)}``. ``passing``: ``cap``'s run, known to reach the goal: no doubling,
+    bisection between ``first - 1`` and ``cap``. ``speculate``: each call runs the next
+    ``LADDER`` sizes of the doubling, or the bisection's middle and both halves' middles (two
+    steps), some of which the choice does not need; else one size per call. The sizes are read
+    in the same order either way: the same ``k``.
 
     Returns:
         ``(k, tried)``: ``k`` (None where even ``cap`` fails) and every run made.
@@ -239,9 +256,9 @@ def _smallest(
         tried[cap], hi = passing, cap
     while hi is None:
         k = min(k, cap)
-        if k not in tried:  # the next LADDER sizes of the doubling in one call
+        if k not in tried:  # the next sizes of the doubling in one call
             ladder = [k]
-            for _ in range(LADDER - 1):
+            for _ in range(LADDER - 1 if speculate else 0):
                 ladder.append(min(grow(ladder[-1]), cap))
             run(ladder)
         if tried[k][1] >= goal:
@@ -251,10 +268,11 @@ def _smallest(
         else:
             lo, k = k, grow(k)
     while hi is not None and hi - lo > 1:
-        # two bisection steps in one call: the middle, then either half's middle
+        # speculating, two bisection steps in one call: the middle, then either half's middle
         mid = (lo + hi) // 2
-        run([m for m in (mid, (lo + mid) // 2, (mid + hi) // 2) if lo < m < hi])
-        for _ in range(2):
+        ahead = ((lo + mid) // 2, (mid + hi) // 2) if speculate else ()
+        run([m for m in (mid, *ahead) if lo < m < hi])
+        for _ in range(2 if speculate else 1):
             if hi - lo <= 1:
                 break
             mid = (lo + hi) // 2
@@ -292,7 +310,9 @@ def resolve_neurons(
             return _cut(base, li, set(order[:k]))
 
         stage.keep(cuts, below=li)  # the runs differ from it in layer li only
-        k, tried = _smallest(stage.sizes(build), 1, len(order), stage.goal)
+        k, tried = _smallest(
+            stage.sizes(build), 1, len(order), stage.goal, speculate=stage.speculate
+        )
         if k is None:  # the remainder is needed: name them all, keep it
             named[li] = list(order)
             share = current - tried[len(order)][1]
@@ -337,7 +357,9 @@ def resolve_neurons_jointly(
     def keep_remainders(q: int) -> Cuts:
         return _cut_all(base, {li: candidates[li] for li in by_share[: len(layers) - q]})
 
-    q, tried_q = _smallest(stage.sizes(keep_remainders), 0, len(layers), goal)
+    q, tried_q = _smallest(
+        stage.sizes(keep_remainders), 0, len(layers), goal, speculate=stage.speculate
+    )
     if q is None:  # rounding below a goal the coarse circuit sits on: keep every remainder
         q, tried_q = len(layers), {len(layers): (base, coarse.faithfulness)}
     cut = sorted(by_share[: len(layers) - q])
@@ -355,7 +377,7 @@ def resolve_neurons_jointly(
 
     n_named = len(pool)
     if pool:
-        found, tried_n = _smallest(stage.sizes(top), 0, len(pool), goal)
+        found, tried_n = _smallest(stage.sizes(top), 0, len(pool), goal, speculate=stage.speculate)
         if found is not None:
             n_named = found
             final_cuts, final = tried_n[found]
@@ -375,8 +397,9 @@ def resolve_neurons_jointly(
 
             stage.keep(final_cuts, below=li)  # the runs differ from it in layer li only
             k, tried_k = _smallest(
-                stage.sizes(trimmed), 0, len(mine), goal, passing=(final_cuts, final)
-            )
+                stage.sizes(trimmed), 0, len(mine), goal, passing=(final_cuts, final),
+                speculate=stage.speculate,
+            )  # fmt: skip
             assert k is not None  # len(mine) passes
             named[li] = mine[:k]
             final_cuts, final = tried_k[k]

@@ -589,6 +589,9 @@ class KeptRun:
         kept_neurons: Its :func:`circuit_metrics` ``kept_neurons`` entry (None: every neuron
             passes its change on).
         budget: Most bytes kept.
+
+    Attributes:
+        missed: How many times a batch's run was made and not kept (beyond the budget).
     """
 
     def __init__(
@@ -600,6 +603,7 @@ class KeptRun:
         self.mask, self.kept = mask, kept_neurons
         self.budget = budget
         self.kept_bytes = 0
+        self.missed = 0  # batches whose run was beyond the budget (made again in each call)
         self._bound: tuple[Any, ...] | None = None
         self._plan: CircuitPlan | None = None
         self._runs: dict[tuple[int, ...], FirstRun] = {}
@@ -642,11 +646,13 @@ class KeptRun:
         return self._runs.get(tuple(idx.tolist()))
 
     def keep(self, idx: torch.Tensor, run: FirstRun) -> None:
-        """Keep batch ``idx``'s run, if within the budget."""
+        """Keep batch ``idx``'s run, if within the budget (else count it in ``missed``)."""
         size = run.nbytes()
         if self.kept_bytes + size <= self.budget:
             self._runs[tuple(idx.tolist())] = run
             self.kept_bytes += size
+        else:
+            self.missed += 1
 
 
 def _circuit_run(
