@@ -194,7 +194,7 @@ def _check_joint(model, circuit, **kw) -> None:
         fewer = {**first, **{li: [n for n in first[li] if n in pool[: n_named - 1]] for li in cut}}
         assert _resolved_faithfulness(model, coarse, fewer, cut) < goal
     # 4. the trim, replayed: most named first, each layer its fewest own top neurons holding the
-    # goal with the others as they then are; one fewer fails
+    # goal with the others as they then are; one fewer fails, and so does none
     state = {li: list(first[li]) for li in layers}
     for li in sorted(cut, key=lambda li: (-len(first[li]), li)):
         k = len(named[li])
@@ -204,6 +204,9 @@ def _check_joint(model, circuit, **kw) -> None:
         if k >= 1:
             less = _resolved_faithfulness(model, coarse, {**state, li: state[li][: k - 1]}, cut)
             assert less < goal
+            # none of the layer's neurons, run first: fails
+            none = _resolved_faithfulness(model, coarse, {**state, li: []}, cut)
+            assert none < goal
         state[li] = state[li][:k]
     assert state == named
 
@@ -419,3 +422,36 @@ def test_smallest_one_size_per_call_chooses_as_with_speculative_sizes(passing):
         assert all(len(c) == 1 for c in calls1)
         saved += len(tried) - len(tried1)
     assert saved > 0
+
+
+def test_smallest_runs_none_first_and_otherwise_bisects_as_before():
+    """``none_first`` (the trim): the size ``first`` alone first, returned where it reaches the
+    goal (one run, where the bisection could have missed it on a faithfulness that is not
+    monotone); where it fails, the same bisection, one run more."""
+    flat = torch.full((200,), 0.81, dtype=torch.float64)
+    flat[[99, 149]] = 0.79  # not monotone: the bisection's middles fail, size 0 passes
+    k, tried, calls = _search_sizes(flat, 0.8, passing=True, speculate=False)
+    assert k != 0  # without it: a larger size
+    k0, tried0, _ = _search_sizes_none_first(flat, 0.8)
+    assert (k0, sorted(tried0)) == (0, [0, 199])
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        values = torch.rand(int(torch.randint(2, 300, (1,), generator=g)), generator=g).sort()
+        values = values.values.double()
+        goal = float(values[int(torch.randint(1, len(values), (1,), generator=g))])
+        k, tried, _ = _search_sizes(values, goal, passing=True, speculate=False)
+        k1, tried1, _ = _search_sizes_none_first(values, goal)
+        assert k1 == k and set(tried1) - set(tried) <= {0}
+
+
+def _search_sizes_none_first(values: torch.Tensor, goal: float):
+    from tl_attnonly.analysis.discovery.neuron_stage import _smallest
+
+    cap = len(values) - 1
+
+    def evaluate(ks):
+        return {k: ({}, float(values[k])) for k in ks}
+
+    known = ({}, float(values[cap]))
+    k, tried = _smallest(evaluate, 0, cap, goal, passing=known, speculate=False, none_first=True)
+    return k, tried, None
