@@ -70,7 +70,7 @@ Usage::
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
         [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
-        [--max-neurons-per-mlp 256] [--neuron-ranking attribution|relp] [--coarse-target T]
+        [--max-neurons-per-mlp 256] [--neuron-ranking attribution|relp|circuit] [--coarse-target T]
         [--fresh 64] [--fresh-seed N] [--bridge] [--profiles N [--profiles-figure PATH]]
 """
 
@@ -104,6 +104,7 @@ from tl_attnonly.analysis.discovery.node_circuits import (
     node_attribution_scores,
     node_circuit_metrics,
 )
+from tl_attnonly.analysis.discovery.options import NEURON_RANKINGS
 from tl_attnonly.analysis.discovery.runs import Circuit
 from tl_attnonly.analysis.ioi import ATTENTION_SCORES, IOI_TEMPLATES, IOI_TEMPLATES_HELDOUT, ROLES
 from tl_attnonly.smollm2 import load_smollm2_pair, use_bridge
@@ -314,9 +315,9 @@ DISCOVER_OPTIONS: dict[str, dict] = {
         help="discover: with --neurons-per-mlp auto, the candidates per MLP node (default 256)",
     ),
     "--neuron-ranking": dict(
-        default="attribution", choices=["attribution", "relp"],
+        default="attribution", choices=list(NEURON_RANKINGS),
         help="discover: how each MLP node's neurons are ranked (default attribution; relp: RelP "
-        "relevance)",
+        "relevance; circuit: attribution along the node's circuit edges)",
     ),
     "--coarse-target": dict(
         type=float, default=None,

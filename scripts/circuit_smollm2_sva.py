@@ -41,8 +41,9 @@ Usage::
     python scripts/circuit_smollm2_sva.py [--templates package|heldout]
         [--attractor opposite|same|random] [--prompts 16] [--fresh 64] [--fresh-seed N]
         [--target 0.8] [--positions none|roles] [--ranking signed|absolute] [--prune-runs 30]
-        [--neurons-per-mlp 8|auto] [--max-neurons-per-mlp 256] [--neuron-ranking attribution|relp]
-        [--coarse-target T] [--batch-size N] [--threads 2] [--bridge]
+        [--neurons-per-mlp 8|auto] [--max-neurons-per-mlp 256]
+        [--neuron-ranking attribution|relp|circuit] [--coarse-target T] [--batch-size N]
+        [--threads 2] [--bridge]
         [--profiles N [--profiles-figure PATH]]
 """
 

@@ -383,6 +383,42 @@ def test_relp_ranking_names_the_neurons_of_largest_relevance(neurons_per_mlp):
         assert relp.faithfulness == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("neurons_per_mlp", [3, "auto"])
+def test_circuit_ranking_names_the_neurons_of_largest_circuit_score(neurons_per_mlp):
+    """``neuron_ranking="circuit"``: each MLP node's named neurons (fixed count) or candidates
+    (adaptive: the named ones are a prefix of them) are its neurons by ``|score|`` along the
+    node's edges in the coarse circuit (:func:`circuit_neuron_scores` on the returned coarse
+    circuit), which here differs from the attribution ranking; the circuit's faithfulness is
+    that of the circuit it names, run here."""
+    from tl_attnonly.analysis.discovery import circuit_neuron_scores
+
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    found = _discover(model, neurons_per_mlp=neurons_per_mlp, neuron_ranking="circuit",
+                      max_neurons_per_mlp=3)  # fmt: skip
+    coarse = found.extra["coarse"]
+    layers = sorted(found.extra["named"])
+    assert layers
+    scores = circuit_neuron_scores(
+        model, coarse.graph, coarse.mask, CLEAN, CORRUPTED, METRIC, layers
+    )
+    differs = False
+    for li in layers:
+        mine = scores[[f"L{li}N{i}" for i in range(model.cfg.d_mlp)]]
+        by_circuit = list(mine.abs().sort_values(ascending=False, kind="stable").index[:3])
+        named = found.extra["named"][li]
+        assert named == by_circuit[: len(named)]
+        if neurons_per_mlp == 3:
+            assert len(named) == 3
+        differs |= by_circuit != _ranking(model, li)[:3]
+    assert differs  # the two rankings name other neurons here
+    if neurons_per_mlp == "auto":
+        table = found.extra["neuron_stage"].set_index("node")
+        cut = {li for li in layers if not table.loc[f"L{li}MLP", "remainder"]}
+        named = {li: found.extra["named"][li] for li in layers}
+        expected = _resolved_faithfulness(model, coarse, named, cut)
+        assert found.faithfulness == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
 def _search_sizes(values: torch.Tensor, goal: float, passing: bool, speculate: bool):
     """``_smallest`` over sizes ``0..len(values) - 1`` whose faithfulness is ``values``: its
     ``k``, the sizes run and the sizes of each call."""

@@ -11,6 +11,7 @@
 :mod:`.evaluate`         evaluate_circuit: a found circuit's exact faithfulness on other prompts
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
 :mod:`.relevance`        neuron relevance: RelP / attribution patching / EAP-IG, gate and value
+:mod:`.circuit_neurons`  each neuron's attribution along its MLP node's circuit edges
 :mod:`.options`          DiscoveryOptions: how discover_circuit searches
 :mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
 :mod:`.sweep`            the sweep: exact runs of top-n circuits up to the faithfulness target
@@ -20,6 +21,7 @@
 =======================  ======================================================================
 """
 
+from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
 from tl_attnonly.analysis.discovery.edge_scores import (
     EdgeScores,
     check_discoverable,
@@ -121,6 +123,7 @@ __all__ = [
     "mlp_rest_label",
     "ModelInputs",
     "NEURON_INPUTS",
+    "circuit_neuron_scores",
     "neuron_relevance",
     "node_attribution_scores",
     "node_circuit_metrics",

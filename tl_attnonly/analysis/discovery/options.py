@@ -20,7 +20,7 @@ REDUCTIONS = ("sum", "mean")
 #: How ``neurons_per_mlp="auto"`` chooses the named neurons (:mod:`.neuron_stage`).
 NEURON_SEARCHES = ("joint", "layers")
 #: How the named neurons of an MLP node are ranked (``graph="coarse"``).
-NEURON_RANKINGS = ("attribution", "relp")
+NEURON_RANKINGS = ("attribution", "relp", "circuit")
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,11 @@ class DiscoveryOptions:
         neuron_ranking: ``graph="coarse"``: how each MLP node's neurons are ranked (the fixed
             count's names, the adaptive stage's candidates and its order across layers):
             ``"attribution"`` (default: node attribution patching ``|score|``,
-            :func:`~.search.top_nodes`) or ``"relp"`` (``|relevance|`` by RelP,
+            :func:`~.search.top_nodes`), ``"relp"`` (``|relevance|`` by RelP,
             :func:`~.relevance.neuron_relevance`: one more backward pass with its rules; decoders
-            with dense neuron-head layers).
+            with dense neuron-head layers) or ``"circuit"`` (``|score|`` along the MLP node's
+            edges in the coarse circuit only, the readers a named neuron passes its change on to:
+            :func:`~.circuit_neurons.circuit_neuron_scores`, by ``neuron_method``).
         neuron_search: ``neurons_per_mlp="auto"``: ``"joint"`` (default: every layer's
             remainder cut alone, then the fewest remainders kept and the fewest named neurons
             across the layers, each by exact runs) or ``"layers"`` (one layer at a time, lowest
@@ -75,7 +77,7 @@ class DiscoveryOptions:
             about ``log2(count)`` more exact runs per resolved layer).
         neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
             gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
-            expanded, with its exact faithfulness).
+            expanded, with its exact faithfulness), and the scores of ``neuron_ranking="circuit"``.
         batch_size: Examples per pass; default all at once.
         metric_reduction: ``"sum"`` (default): the metric is additive over examples (a sum, or a
             dataset mean written as a sum divided by the dataset size), checked before any work

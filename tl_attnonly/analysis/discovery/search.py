@@ -19,7 +19,8 @@ fine:
    run's, and ``circuit.extra["swept"]`` / ``["pruning"]`` hold the sweep's circuit and every
    pruning run.
 3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
-   largest node attribution ``|score|`` (or RelP relevance: ``neuron_ranking="relp"``) are named:
+   largest node attribution ``|score|`` (or RelP relevance, or the score along the node's circuit
+   edges: ``neuron_ranking="relp"``, ``"circuit"``) are named:
    the graph is rebuilt with them as nodes (the rest of the layer stays one node ``L{l}MLP``), and
    every coarse edge into or out of ``L{l}MLP`` becomes the same edge into or out of each named
    neuron and the remainder. That circuit computes exactly what the coarse one does (the layer's
@@ -74,6 +75,7 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
 from tl_attnonly.analysis.discovery.edge_scores import (
     edge_attribution_scores,
     mask_size,
@@ -533,15 +535,29 @@ _NEURON_OF_LAYER = re.compile(r"L(\d+)N")
 
 
 def _neuron_scores(
-    model: AttnOnlyModel, clean, corrupted, metric, opts: DiscoveryOptions, layers: list[int]
+    model: AttnOnlyModel,
+    clean,
+    corrupted,
+    metric,
+    opts: DiscoveryOptions,
+    layers: list[int],
+    coarse: Circuit,
+    positions: PositionClasses | None = None,
 ) -> pd.Series:
-    """Every neuron's score by ``opts.neuron_ranking`` (``L{l}N{i}`` -> score; RelP: the
-    neurons of ``layers`` only): node attribution (:func:`top_nodes`) or RelP relevance
-    (:func:`~.relevance.neuron_relevance`)."""
+    """Every neuron's score by ``opts.neuron_ranking`` (``L{l}N{i}`` -> score; RelP and circuit:
+    the neurons of ``layers`` only): node attribution (:func:`top_nodes`), RelP relevance
+    (:func:`~.relevance.neuron_relevance`) or the score along the ``coarse`` circuit's edges of
+    the neuron's MLP node (:func:`~.circuit_neurons.circuit_neuron_scores`)."""
     if opts.neuron_ranking == "attribution":
         return top_nodes(
             model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
         )[1]
+    if opts.neuron_ranking == "circuit":
+        return circuit_neuron_scores(
+            model, coarse.graph, coarse.mask, clean, corrupted, metric, layers,
+            method=opts.neuron_method, ig_steps=opts.ig_steps, batch_size=opts.batch_size,
+            positions=positions, progress=opts.progress,
+        )  # fmt: skip
     relevance = neuron_relevance(
         model, clean, corrupted, metric, layers=layers, rule="relp", batch_size=opts.batch_size
     )
@@ -566,7 +582,7 @@ def _name_neurons(
     if not layers:
         coarse.extra["named"] = {}
         return coarse, coarse_nodes(model)
-    node_scores = _neuron_scores(model, clean, corrupted, metric, opts, layers)
+    node_scores = _neuron_scores(model, clean, corrupted, metric, opts, layers, coarse, positions)
     auto = opts.neurons_per_mlp == "auto"
     count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
     named: dict[int, list[str]] = {}
