@@ -351,71 +351,60 @@ def test_neuron_ranking_option_is_checked():
         DiscoveryOptions(graph="neurons", neuron_ranking="relp")
 
 
-@pytest.mark.parametrize("neurons_per_mlp", [3, "auto"])
-def test_relp_ranking_names_the_neurons_of_largest_relevance(neurons_per_mlp):
-    """``neuron_ranking="relp"``: each MLP node's named neurons (fixed count) or candidates
-    (adaptive: the named ones are a prefix of them) are its neurons by ``|RelP relevance|``,
-    which here differs from the attribution ranking; the circuit's faithfulness is that of the
-    circuit it names, run here."""
+def _orders(model, found, ranking: str, layers: list[int]) -> dict[int, list[str]]:
+    """Per layer, its neurons best first by ``ranking`` ("relp": ``|RelP relevance|``;
+    "circuit": ``|score|`` along the node's edges in the returned coarse circuit)."""
+    from tl_attnonly.analysis.discovery import circuit_neuron_scores
     from tl_attnonly.analysis.discovery.relevance import neuron_relevance
 
-    model = make_converted("silu", **GATED_ZOO["llama"])
-    relp = _discover(model, neurons_per_mlp=neurons_per_mlp, neuron_ranking="relp",
-                     max_neurons_per_mlp=3)  # fmt: skip
-    relevance = neuron_relevance(model, CLEAN, CORRUPTED, METRIC, rule="relp")
-    layers = sorted(relp.extra["named"])
-    assert layers
-    differs = False
-    for li in layers:
-        order = relevance[li].abs().argsort(descending=True, stable=True).tolist()
-        by_relp = [f"L{li}N{i}" for i in order[:3]]
-        named = relp.extra["named"][li]
-        assert named == by_relp[: len(named)]
-        if neurons_per_mlp == 3:
-            assert len(named) == 3
-        differs |= by_relp != _ranking(model, li)[:3]
-    assert differs  # the two rankings name other neurons here
-    if neurons_per_mlp == "auto":
-        table = relp.extra["neuron_stage"].set_index("node")
-        cut = {li for li in layers if not table.loc[f"L{li}MLP", "remainder"]}
-        named = {li: relp.extra["named"][li] for li in layers}
-        expected = _resolved_faithfulness(model, relp.extra["coarse"], named, cut)
-        assert relp.faithfulness == pytest.approx(expected, rel=1e-9, abs=1e-12)
-
-
-@pytest.mark.parametrize("neurons_per_mlp", [3, "auto"])
-def test_circuit_ranking_names_the_neurons_of_largest_circuit_score(neurons_per_mlp):
-    """``neuron_ranking="circuit"``: each MLP node's named neurons (fixed count) or candidates
-    (adaptive: the named ones are a prefix of them) are its neurons by ``|score|`` along the
-    node's edges in the coarse circuit (:func:`circuit_neuron_scores` on the returned coarse
-    circuit), which here differs from the attribution ranking; the circuit's faithfulness is
-    that of the circuit it names, run here."""
-    from tl_attnonly.analysis.discovery import circuit_neuron_scores
-
-    model = make_converted("silu", **GATED_ZOO["llama"])
-    found = _discover(model, neurons_per_mlp=neurons_per_mlp, neuron_ranking="circuit",
-                      max_neurons_per_mlp=3)  # fmt: skip
+    if ranking == "relp":
+        relevance = neuron_relevance(model, CLEAN, CORRUPTED, METRIC, rule="relp")
+        return {
+            li: [f"L{li}N{i}" for i in relevance[li].abs().argsort(descending=True, stable=True)]
+            for li in layers
+        }
     coarse = found.extra["coarse"]
-    layers = sorted(found.extra["named"])
-    assert layers
     scores = circuit_neuron_scores(
         model, coarse.graph, coarse.mask, CLEAN, CORRUPTED, METRIC, layers
     )
+    return {
+        li: list(
+            scores[[f"L{li}N{i}" for i in range(model.cfg.d_mlp)]]
+            .abs()
+            .sort_values(ascending=False, kind="stable")
+            .index
+        )
+        for li in layers
+    }
+
+
+@pytest.mark.parametrize("ranking", ["relp", "circuit"])
+@pytest.mark.parametrize("neurons_per_mlp", [3, "auto"])
+def test_other_rankings_name_the_neurons_they_rank_first(ranking, neurons_per_mlp):
+    """``neuron_ranking="relp"`` / ``"circuit"``: each MLP node's named neurons (fixed count) or
+    candidates (adaptive: the named ones are a prefix of them) are its neurons by ``|RelP
+    relevance|`` / by ``|score|`` along the node's edges in the coarse circuit
+    (:func:`circuit_neuron_scores` on the returned coarse circuit), which here differs from the
+    attribution ranking; the circuit's faithfulness is that of the circuit it names, run here."""
+    model = make_converted("silu", **GATED_ZOO["llama"])
+    found = _discover(model, neurons_per_mlp=neurons_per_mlp, neuron_ranking=ranking,
+                      max_neurons_per_mlp=3)  # fmt: skip
+    layers = sorted(found.extra["named"])
+    assert layers
+    orders = _orders(model, found, ranking, layers)
     differs = False
     for li in layers:
-        mine = scores[[f"L{li}N{i}" for i in range(model.cfg.d_mlp)]]
-        by_circuit = list(mine.abs().sort_values(ascending=False, kind="stable").index[:3])
         named = found.extra["named"][li]
-        assert named == by_circuit[: len(named)]
+        assert named == orders[li][: len(named)]
         if neurons_per_mlp == 3:
             assert len(named) == 3
-        differs |= by_circuit != _ranking(model, li)[:3]
+        differs |= orders[li][:3] != _ranking(model, li)[:3]
     assert differs  # the two rankings name other neurons here
     if neurons_per_mlp == "auto":
         table = found.extra["neuron_stage"].set_index("node")
         cut = {li for li in layers if not table.loc[f"L{li}MLP", "remainder"]}
         named = {li: found.extra["named"][li] for li in layers}
-        expected = _resolved_faithfulness(model, coarse, named, cut)
+        expected = _resolved_faithfulness(model, found.extra["coarse"], named, cut)
         assert found.faithfulness == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 

@@ -8,29 +8,22 @@ position, ``eap`` and ``eap-ig``, on both model kinds."""
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import GATED_ZOO, make_tokens
 from kinds import kind_with_task
 from models import make_converted
+from test_circuit_runs_reference import METRIC, _random_mask
 from test_positions import CLASSES
 
 from tl_attnonly.analysis import (
     DiscoveryOptions,
     HeadGraph,
     edge_attribution_scores,
-    logit_diff_metric,
     top_nodes,
 )
 from tl_attnonly.analysis.discovery import circuit_neuron_scores
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 
 CLEAN, CORRUPTED = make_tokens(3, 8, seed=0), make_tokens(3, 8, seed=1)
-METRIC = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
-
-
-def _random_mask(graph: HeadGraph, p: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return {k: torch.rand(v.shape, generator=g) < p for k, v in graph.full_mask().items()}
 
 
 def _summed_edge_scores(model, graph, mask, layers, method, positions=None) -> dict[str, float]:
