@@ -74,7 +74,8 @@ class DiscoveryOptions:
             first); :mod:`~.neuron_stage`.
         neuron_trim: ``neuron_search="joint"``: after the count across layers, trim each
             resolved layer to the fewest of its own top named neurons that keep the goal (default;
-            about ``log2(count)`` more exact runs per resolved layer).
+            one more exact run per resolved layer where it needs none of them, else about
+            ``1 + log2(count)``).
         neuron_method: Edge scores of the graph with named neurons (``"eap"``, default: one
             gradient pass; they rank and list its edges, the circuit itself is the coarse one's,
             expanded, with its exact faithfulness), and the scores of ``neuron_ranking="circuit"``.
