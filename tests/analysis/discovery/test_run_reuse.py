@@ -422,7 +422,8 @@ def test_auto_neuron_stage_runs_from_its_kept_circuits(monkeypatch, search):
 def test_auto_neuron_stage_runs_one_size_per_call_from_held_runs(monkeypatch, search):
     """Where the stage's kept runs hold every batch (``NeuronStage.speculate`` False), its
     searches run one size per call: the same choice as with the speculative sizes of a call,
-    in fewer runs; without kept runs it runs those sizes."""
+    in no more runs (fewer wherever a search bisects: ``test_adaptive_neurons``'s rule); without
+    kept runs it runs those sizes."""
     from tl_attnonly.analysis import discover_circuit
     from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
 
@@ -451,4 +452,4 @@ def test_auto_neuron_stage_runs_one_size_per_call_from_held_runs(monkeypatch, se
     got, want = held.extra["neuron_stage"], speculating.extra["neuron_stage"]
     assert got[["node", "named", "remainder"]].equals(want[["node", "named", "remainder"]])
     runs = [c.extra["neuron_stage_runs"] for c in (held, speculating, unkept)]
-    assert runs[0] < runs[1] == runs[2]
+    assert runs[0] <= runs[1] == runs[2]

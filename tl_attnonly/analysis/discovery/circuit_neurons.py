@@ -31,7 +31,7 @@ import torch
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.edge_scores import _read, _read_direction, attribution_terms
+from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, read_directions
 from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.sites import (
@@ -123,7 +123,7 @@ def circuit_neuron_scores(
                     g, lin, *class_rows = reads[dst.key]
                     if dst.key not in readers:
                         readers[dst.key] = reader_matrix(model, dst, graph, g)
-                    H = _read_direction(_read(g[:, cols], readers[dst.key][cols]), lin).sum(1)
+                    H = read_directions(g[:, cols], readers[dst.key][cols], lin).sum(1)
                     if li not in summed:
                         rows = deltas[sources[li].key].shape[0]
                         summed[li] = H.new_zeros(rows, H.shape[-1])

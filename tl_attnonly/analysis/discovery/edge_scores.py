@@ -202,6 +202,14 @@ def _read_direction(G: torch.Tensor, lin) -> torch.Tensor:
     return Gw * inv[:, None, None] - x_hat[:, None, :] * (inv[:, None] * beta)[:, :, None] / d
 
 
+def read_directions(g: torch.Tensor, R: torch.Tensor, lin) -> torch.Tensor:
+    """``H [B, v, d]``: the residual direction each of ``v`` inputs reads, its gradient ``g [B, v,
+    s]`` read back through its reader ``R [v, d, s]`` and its normalisation ``lin`` linearised at
+    each of the ``B`` rows: a source writing ``W [B, u, d]`` into the residual stream has the EAP
+    score ``einsum("bud,bvd->uv", W, H)`` on these inputs."""
+    return _read_direction(_read(g, R), lin)
+
+
 # ---------------------------------------------------------------------------------------------
 # edge attribution patching
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +368,7 @@ def edge_attribution_scores(
                 g, lin = reads[dst.key][:2]
                 if dst.key not in readers:
                     readers[dst.key] = reader_matrix(model, dst, graph, g)
-                H = _read_direction(_read(g, readers[dst.key]), lin) * weight
+                H = read_directions(g, readers[dst.key], lin) * weight
                 if dst.key in summed:
                     summed[dst.key] += H
                 elif weight < 1 and kept + H.numel() * H.element_size() <= 4 * block_bytes:
