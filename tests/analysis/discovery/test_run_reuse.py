@@ -330,19 +330,33 @@ AUTO_CASES = {
         ["node", "named", "remainder", "remainder_share", "share_alone"],
     ),
 }  # fmt: skip
+#: The adaptive-stage tests' prompts and metric
+AUTO_CLEAN, AUTO_CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
+AUTO_METRIC = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
+
+
+def _auto(model, search: str, max_neurons_per_mlp: int):
+    """``discover_circuit(..., neurons_per_mlp="auto")`` on the adaptive-stage prompts (its
+    notes, which are not the subject, silenced)."""
+    from tl_attnonly.analysis import discover_circuit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return discover_circuit(
+            model, AUTO_CLEAN, AUTO_CORRUPTED, AUTO_METRIC, neurons_per_mlp="auto",
+            gate_value=False, max_neurons_per_mlp=max_neurons_per_mlp, neuron_search=search,
+            progress=False,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("search", sorted(AUTO_CASES))
 def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch, search):
     """``neurons_per_mlp="auto"`` runs its candidates a few per call; the choice (named
     neurons, remainders, faithfulness) is the one of one run per call."""
-    from tl_attnonly.analysis import discover_circuit
     from tl_attnonly.analysis.discovery import neuron_stage
 
     config, caps, columns = AUTO_CASES[search]
     model = make_converted("silu", **config)
-    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
-    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
     calls = [0]
 
     def counted(model, masks, *args, **kwargs):
@@ -358,12 +372,7 @@ def test_auto_neuron_stage_in_few_calls_chooses_as_one_run_per_call(monkeypatch,
     def found(runner, max_neurons_per_mlp: int):
         calls[0] = 0
         monkeypatch.setattr(neuron_stage, "circuit_metrics", runner)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the circuit's notes are not the subject
-            return discover_circuit(
-                model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
-                max_neurons_per_mlp=max_neurons_per_mlp, neuron_search=search, progress=False,
-            ), calls[0]  # fmt: skip
+        return _auto(model, search, max_neurons_per_mlp), calls[0]
 
     for cap in caps:  # a remainder kept, then none (on TransformerLens 3.9's random weights)
         batched, n_batched = found(counted, cap)
@@ -384,23 +393,15 @@ def test_auto_neuron_stage_runs_from_its_kept_circuits(monkeypatch, search):
     """The adaptive stage keeps a circuit's run (``NeuronStage.keep``: the coarse circuit, then
     each trimmed or checked layer's base) that its calls' circuits start from: the same choice
     as without, with block 0 run less often."""
-    from tl_attnonly.analysis import discover_circuit
     from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
 
     config, caps, _ = AUTO_CASES[search]
     model = make_converted("silu", **{**config, "n_layers": 4})  # layers above the first cut
-    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
-    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
 
     def found():
         calls, handle = _first_block_runs(model)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the circuit's notes are not the subject
-                circuit = discover_circuit(
-                    model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
-                    max_neurons_per_mlp=caps[-1], neuron_search=search, progress=False,
-                )  # fmt: skip
+            circuit = _auto(model, search, caps[-1])
         finally:
             handle.remove()
         return circuit, calls[0]
@@ -424,29 +425,17 @@ def test_auto_neuron_stage_runs_one_size_per_call_from_held_runs(monkeypatch, se
     searches run one size per call: the same choice as with the speculative sizes of a call,
     in no more runs (fewer wherever a search bisects: ``test_adaptive_neurons``'s rule); without
     kept runs it runs those sizes."""
-    from tl_attnonly.analysis import discover_circuit
     from tl_attnonly.analysis.discovery.neuron_stage import NeuronStage
 
     config, caps, _ = AUTO_CASES[search]
     model = make_converted("silu", **{**config, "n_layers": 4})
-    clean, corrupted = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
-    metric = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
-
-    def found():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the circuit's notes are not the subject
-            return discover_circuit(
-                model, clean, corrupted, metric, neurons_per_mlp="auto", gate_value=False,
-                max_neurons_per_mlp=caps[-1], neuron_search=search, progress=False,
-            )  # fmt: skip
-
-    held = found()
+    held = _auto(model, search, caps[-1])
     with monkeypatch.context() as m:
         m.setattr(NeuronStage, "speculate", property(lambda self: True))
-        speculating = found()
+        speculating = _auto(model, search, caps[-1])
     with monkeypatch.context() as m:  # no kept run: the stage speculates by itself
         m.setattr(NeuronStage, "keep", lambda self, cuts, below=None: None)
-        unkept = found()
+        unkept = _auto(model, search, caps[-1])
     assert held.extra["named"] == speculating.extra["named"] == unkept.extra["named"]
     assert held.faithfulness == pytest.approx(speculating.faithfulness, rel=1e-10)
     got, want = held.extra["neuron_stage"], speculating.extra["neuron_stage"]
