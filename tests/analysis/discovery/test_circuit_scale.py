@@ -132,6 +132,36 @@ def test_restricted_graphs_refuse_unknown_nodes_and_name_the_fix():
     assert heads.node_labels() == ["L0N5.1", "L1H0"]
 
 
+@pytest.mark.parametrize("neuron_level", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_restricted_groups_are_the_full_graphs_kept_entries(neuron_level, seed):
+    """Every group of a restricted graph holds exactly the full group's nodes named in
+    ``nodes=``, in the full group's order, at their full positions; an MLP remainder the layer's
+    neurons not named (the graph looks neurons up by label instead of testing each)."""
+    model = _model("ln_gelu")
+    full = HeadGraph(model, neuron_level=neuron_level)
+    labels = [label for g in full.sources if g.kind != "embed" for label in g.labels]
+    gen = torch.Generator().manual_seed(seed)
+    picked = [labels[i] for i in torch.randperm(len(labels), generator=gen)[:40].tolist()]
+    nodes = picked + ["L1MLP"] * seed  # seed 1: layer 1's remainder too
+    graph = HeadGraph(model, neuron_level=neuron_level, nodes=nodes)
+    groups = [(g, full.source_by_key) for g in graph.sources]
+    groups += [(g, full.input_by_key) for g in graph.inputs if not (full.gqa and g.input in "kv")]
+    for group, of_full in groups:  # (key/value heads of a GQA model go with their query heads)
+        if group.kind == "mlp":
+            whole = full.source_by_key[f"neuron.{group.layer}"]
+            named = {j for j, label in enumerate(whole.labels) if label in nodes}
+            assert group.index == tuple(j for j in range(whole.size) if j not in named)
+            continue
+        kin = of_full[group.key]
+        fixed = group.kind in ("embed", "logits")
+        expected = tuple(j for j, label in enumerate(kin.labels) if fixed or label in nodes)
+        assert group.index == expected, group.key
+        assert group.labels == tuple(kin.labels[j] for j in expected), group.key
+        assert group.size == kin.size
+    assert any(g.kind == "mlp" for g in graph.sources) == bool(seed)
+
+
 @pytest.mark.slow
 def test_gpt2_small_sized_two_stage_discovery_runs_where_the_full_graph_is_refused():
     """12 layers, d_model 768, d_mlp 3072 (GELU, K=4), vocab 1000, fp32 (TL 4: a GPT-2 bridge of

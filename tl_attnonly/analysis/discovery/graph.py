@@ -29,6 +29,7 @@ edges instead.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
@@ -55,6 +56,40 @@ MLP_REST = "mlp"
 def mlp_rest_label(layer: int) -> str:
     """``"L{layer}MLP"``: the node of a layer's neurons left out of a restricted graph."""
     return f"L{layer}MLP"
+
+
+class _Labels(tuple):
+    """One layer's neuron (or neuron-head) labels, in order, with ``position``: label -> its index
+    (a graph of few kept nodes looks them up instead of testing every label)."""
+
+    position: dict[str, int]
+
+
+@functools.lru_cache(maxsize=8)
+def _neuron_labels(n_layers: int, n_heads: int, d_mlp: int, K: int) -> tuple[_Labels, ...]:
+    """Per layer, its neurons' labels ``L{l}N{i}`` (``K == 0``) or its neuron-heads' (``K``
+    per neuron), made once per model shape (``n_heads`` only keys the cache like
+    :func:`_known_labels`)."""
+    out = []
+    for li in range(n_layers):
+        labels = _Labels(
+            [f"L{li}N{i}" for i in range(d_mlp)]
+            if K == 0
+            else [neuron_head_label(li, h, K) for h in range(d_mlp * K)]
+        )
+        labels.position = {label: j for j, label in enumerate(labels)}
+        out.append(labels)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _known_labels(n_layers: int, n_heads: int, d_mlp: int, K: int) -> frozenset[str]:
+    """Every node label of a graph of this shape (:func:`_neuron_labels`): attention heads,
+    neurons (or neuron-heads) and MLP remainders."""
+    known = {attn_head_label(li, h) for li in range(n_layers) for h in range(n_heads)}
+    known.update(label for layer in _neuron_labels(n_layers, n_heads, d_mlp, K) for label in layer)
+    known.update(mlp_rest_label(li) for li in range(n_layers))
+    return frozenset(known)
 
 
 @dataclass(frozen=True)
@@ -156,21 +191,11 @@ class HeadGraph:
         self.gqa = n_kv != cfg.n_heads
         K = self.n_heads_per_neuron
         d_mlp = cast(int, cfg.d_mlp)  # set for every model with neuron-heads
-        if self.neuron_level:
-            neuron_labels = [[f"L{li}N{i}" for i in range(d_mlp)] for li in range(cfg.n_layers)]
-        else:
-            neuron_labels = [
-                [neuron_head_label(li, h, K) for h in range(d_mlp * K)]
-                for li in range(cfg.n_layers)
-            ]
+        shape = (cfg.n_layers, cfg.n_heads, d_mlp, 0 if self.neuron_level else K)
+        neuron_labels = _neuron_labels(*shape)
         keep = None if nodes is None else set(nodes)
         if keep is not None:
-            known = {
-                attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)
-            }
-            known.update(label for layer in neuron_labels for label in layer)
-            known.update(mlp_rest_label(li) for li in range(cfg.n_layers))
-            unknown = sorted(keep - known - {EMBED, LOGITS})
+            unknown = sorted(keep - _known_labels(*shape) - {EMBED, LOGITS})
             if unknown:
                 raise ValueError(
                     f"nodes names {len(unknown)} node(s) this graph does not have, e.g. "
@@ -181,11 +206,14 @@ class HeadGraph:
 
         def pick(labels, kept_by=None):
             """(labels, index, size) of the kept nodes; ``kept_by(j)``: whether node j is kept."""
-            idx = tuple(
-                j
-                for j, label in enumerate(labels)
-                if keep is None or (kept_by(j) if kept_by else label in keep)
-            )
+            if keep is None:
+                idx = tuple(range(len(labels)))
+            elif kept_by is not None:
+                idx = tuple(j for j in range(len(labels)) if kept_by(j))
+            elif isinstance(labels, _Labels):  # a layer's neurons: look up the few kept
+                idx = tuple(sorted(labels.position[n] for n in keep if n in labels.position))
+            else:
+                idx = tuple(j for j, label in enumerate(labels) if label in keep)
             return tuple(labels[j] for j in idx), idx, len(labels)
 
         # order: embed 0; attn of layer l at 3l+1 (reads < 3l+1); mlp at 3l+2 (reads < 3l+2,
@@ -220,7 +248,7 @@ class HeadGraph:
                 SourceGroup(f"attn.{li}", "attn", li, kept_heads, 3 * li + 1, index, size)
             )
             mlp_order = 3 * li + 1 if self.parallel else 3 * li + 2
-            neurons = pick(tuple(neuron_labels[li]))
+            neurons = pick(neuron_labels[li])
             for inp in NEURON_INPUTS:
                 self.inputs.append(
                     InputGroup(
@@ -230,9 +258,11 @@ class HeadGraph:
             self.sources.append(
                 SourceGroup(f"neuron.{li}", "neuron", li, neurons[0], 3 * li + 2, *neurons[1:])
             )
-            kept = set(neurons[1])
-            rest = tuple(j for j in range(neurons[2]) if j not in kept)
-            if keep is not None and mlp_rest_label(li) in keep and rest:
+            if keep is not None and mlp_rest_label(li) in keep:
+                rest = tuple(sorted(set(range(neurons[2])).difference(neurons[1])))
+            else:
+                rest = ()
+            if rest:
                 label = (mlp_rest_label(li),)
                 for inp in NEURON_INPUTS:
                     self.inputs.append(
