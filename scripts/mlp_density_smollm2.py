@@ -8,10 +8,12 @@ neurons alone carry, the rest of their layers cut (their outgoing edges removed,
 corrupted run):
 
 * **One layer** (``--layers``, default 0): the layer's top ``k`` neurons by node attribution
-  ``|score|`` (:func:`~tl_attnonly.analysis.top_nodes`) and by RelP relevance ``|R|``
-  (:func:`~tl_attnonly.analysis.discovery.neuron_relevance`) named, its remainder cut, every
-  other layer whole, for ``k`` in ``--sizes``: the circuit's faithfulness (the coarse circuit at
-  ``k`` = ``d_mlp``).
+  ``|score|`` (:func:`~tl_attnonly.analysis.top_nodes`), by RelP relevance ``|R|``
+  (:func:`~tl_attnonly.analysis.discovery.neuron_relevance`) and by attribution along the coarse
+  circuit's edges (:func:`~tl_attnonly.analysis.discovery.circuit_neuron_scores`, the three
+  ``neuron_ranking`` choices of the adaptive stage) named, its remainder cut, every other layer
+  whole, for ``k`` in ``--sizes``: the circuit's faithfulness (the coarse circuit at ``k`` =
+  ``d_mlp``).
 * **Every layer** (``--across``): the top ``--cap`` neurons of each MLP node as candidates, every
   remainder cut, the top ``N`` candidates by ``|score|`` across layers named; and the same with
   one layer (``--keep``, default 0) kept whole.
@@ -39,7 +41,7 @@ from tl_attnonly.analysis import (
     make_ioi_dataset,
     top_nodes,
 )
-from tl_attnonly.analysis.discovery import neuron_relevance
+from tl_attnonly.analysis.discovery import circuit_neuron_scores, neuron_relevance
 from tl_attnonly.analysis.discovery.neuron_stage import kept_neurons
 from tl_attnonly.analysis.discovery.search import coarse_nodes
 from tl_attnonly.analysis.ioi import IOI_TEMPLATES
@@ -100,7 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         relevance = neuron_relevance(converted, clean, corrupted, metric, layers=[layer])[layer]
         order = torch.argsort(relevance.abs(), descending=True, stable=True).tolist()
         by_relp = [f"L{layer}N{i}" for i in order]
-        for name, neurons in (("|score|", by_score), ("RelP |R|", by_relp)):
+        along = circuit_neuron_scores(
+            converted, coarse.graph, coarse.mask, clean, corrupted, metric, [layer], progress=False
+        )
+        by_circuit = list(along.abs().sort_values(ascending=False, kind="stable").index)
+        rankings = (("|score|", by_score), ("RelP |R|", by_relp), ("circuit |score|", by_circuit))
+        for name, neurons in rankings:
             keeps = [{layer: set(neurons[:k])} for k in args.sizes]
             values = run(keeps)
             print(
