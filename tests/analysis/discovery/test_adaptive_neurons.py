@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import GATED_ZOO, make_tokens
 from models import make_converted
+from tqdm.auto import tqdm
 
 from tl_attnonly.analysis import (
     DiscoveryOptions,
@@ -284,6 +285,7 @@ class _Ruled(NeuronStage):
         self.opts = DiscoveryOptions(neurons_per_mlp="auto")
         self.coarse = SimpleNamespace(faithfulness=self._value({}))
         self.goal = min(self.opts.target, self.coarse.faithfulness)
+        self.bar = tqdm(disable=True)
 
     def _value(self, cuts) -> float:
         rest = {li: li not in cuts for li in self.ranked}
@@ -512,3 +514,27 @@ def _search_sizes_none_first(values: torch.Tensor, goal: float):
     known = ({}, float(values[cap]))
     k, tried = _smallest(evaluate, 0, cap, goal, passing=known, speculate=False, none_first=True)
     return k, tried, None
+
+
+@pytest.mark.parametrize("search", ["joint", "layers"])
+def test_the_stage_shows_one_progress_bar_of_its_runs_and_steps(search, capsys):
+    """With ``progress=True`` the stage's exact runs count on one bar (their calls show none of
+    their own), which names the step running and ends with the goal and the names chosen."""
+    model = make_converted("silu", **TWO_MLPS)
+    circuit = discover_circuit(
+        model, CLEAN, CORRUPTED, METRIC, gate_value=False, neurons_per_mlp="auto",
+        max_neurons_per_mlp=16, neuron_search=search, progress=True,
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if "neuron stage" in line]
+    assert lines, "no neuron stage bar"
+    n_runs = circuit.extra["neuron_stage_runs"]
+    named = sum(map(len, circuit.extra["named"].values()))
+    kept = int(circuit.extra["neuron_stage"].remainder.sum())
+    last = lines[-1]
+    assert f"neuron stage: {n_runs} runs " in last, last
+    assert f"goal {min(0.8, circuit.extra['coarse'].faithfulness):.3f}, {named:,} named" in last
+    assert f"{kept} remainder(s) kept" in last
+    steps = ["1/5 shares", "2/5 which remainders go", "5/5 kept layers"]
+    expected = steps if search == "joint" else ["L0MLP"]
+    assert all(any(f"neuron stage: {s}" in line for line in lines) for s in expected), lines

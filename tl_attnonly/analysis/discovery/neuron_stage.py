@@ -72,6 +72,10 @@ shared): the doubling ``k``, ``2k`` and ``4k`` together, the bisection its middl
 halves' middles; they are read in the order of one at a time, so the choice is the same either
 way, and some runs are made that the choice did not need.
 
+With ``progress`` (the search's option) one bar counts the stage's exact runs (their number is
+known only at the end), names the step running (joint: ``1/5`` to ``5/5``, the trim per layer;
+layers: the layer) and ends with the goal, the named neurons and the remainders kept.
+
 Every search is monotone only where the faithfulness is: the ``k`` found reaches the goal and
 ``k - 1`` (when run) does not, but a smaller ``k`` below the last failing one might.
 """
@@ -83,6 +87,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
@@ -175,6 +180,19 @@ class NeuronStage:
         self.n_runs = 0
         self.kept: tuple[Cuts, KeptRun] | None = None
         self.held = False  # the last call's kept run held every batch's run
+        # one bar over the stage's exact runs (their number is known only at the end)
+        self.bar = tqdm(desc="neuron stage", unit=" runs", disable=not opts.progress)
+        self.bar.set_postfix_str(f"goal {self.goal:.3f}")
+
+    def step(self, name: str) -> None:
+        """Show the search's current step on the progress bar (``opts.progress``)."""
+        self.bar.set_description_str(f"neuron stage: {name}")
+
+    def close(self, summary: str = "") -> None:
+        """Close the progress bar, with ``summary`` (e.g. the names chosen) beside the goal."""
+        self.bar.set_description_str("neuron stage")
+        self.bar.set_postfix_str(f"goal {self.goal:.3f}" + (f", {summary}" if summary else ""))
+        self.bar.close()
 
     @property
     def speculate(self) -> bool:
@@ -208,6 +226,7 @@ class NeuronStage:
             kept_run=None if self.kept is None else self.kept[1],
         )  # fmt: skip
         self.n_runs += len(circuits)
+        self.bar.update(len(circuits))
         self.held = self.kept is not None and self.kept[1].missed == 0
         c = self.coarse
         return [faithfulness(v, c.metric_clean, c.metric_corrupted) for v in values]
@@ -321,6 +340,7 @@ def resolve_neurons(
             return _cut(base, li, set(order[:k]))
 
         stage.keep(cuts, below=li)  # the runs differ from it in layer li only
+        stage.step(f"L{li}MLP")
         k, tried = _smallest(
             stage.sizes(build), 1, len(order), stage.goal, speculate=stage.speculate
         )
@@ -333,6 +353,7 @@ def resolve_neurons(
         named[li] = list(order[:k])
         cut.add(li)
         rows.append((mlp_rest_label(li), k, False, 0.0, current, len(tried)))
+    stage.close(_summary(named, len(ranked) - len(cut)))
     return named, cut, pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -360,6 +381,7 @@ def resolve_neurons_jointly(
     candidates = {li: set(ranked[li]) for li in layers}
     stage.keep(base)  # steps 1-3 cut layers of the coarse circuit: each run from its lowest
     # 1. each layer's remainder cut alone
+    stage.step("1/5 shares")
     alone = stage.faithfulness([_cut(base, li, candidates[li]) for li in layers])
     share_alone = {li: coarse.faithfulness - f for li, f in zip(layers, alone, strict=True)}
     # 2. the fewest kept remainders (largest shares kept)
@@ -368,6 +390,7 @@ def resolve_neurons_jointly(
     def keep_remainders(q: int) -> Cuts:
         return _cut_all(base, {li: candidates[li] for li in by_share[: len(layers) - q]})
 
+    stage.step("2/5 which remainders go")
     q, tried_q = _smallest(
         stage.sizes(keep_remainders), 0, len(layers), goal, speculate=stage.speculate
     )
@@ -388,6 +411,7 @@ def resolve_neurons_jointly(
 
     n_named = len(pool)
     if pool:
+        stage.step("3/5 how many neurons")
         found, tried_n = _smallest(stage.sizes(top), 0, len(pool), goal, speculate=stage.speculate)
         if found is not None:
             n_named = found
@@ -407,6 +431,7 @@ def resolve_neurons_jointly(
                 return _cut_all(base, {**others, li: set(mine[:k])})
 
             stage.keep(final_cuts, below=li)  # the runs differ from it in layer li only
+            stage.step(f"4/5 trim L{li}MLP")
             k, tried_k = _smallest(
                 stage.sizes(trimmed), 0, len(mine), goal, passing=(final_cuts, final),
                 speculate=stage.speculate, none_first=True,
@@ -419,6 +444,7 @@ def resolve_neurons_jointly(
     # above the goal) and the others' shares are measured again
     kept = [li for li in layers if li not in cut]
     dropped: list[int] = []
+    stage.step("5/5 kept layers")
     while True:
         circuits = [_cut(final_cuts, li, set()) for li in kept]
         if kept:
@@ -439,7 +465,13 @@ def resolve_neurons_jointly(
         for li in layers
     ]  # fmt: skip
     cut_all = set(cut) | set(dropped)
+    stage.close(_summary(named, len(kept)))
     return named, cut_all, pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
+
+
+def _summary(named: dict[int, list[str]], n_kept: int) -> str:
+    """``"469 named, 14 remainders kept"``: the progress bar's last words."""
+    return f"{sum(map(len, named.values())):,} named, {n_kept} remainder(s) kept"
 
 
 __all__ = [

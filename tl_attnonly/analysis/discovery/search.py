@@ -601,11 +601,14 @@ def _name_neurons(
             model, coarse, named, clean, corrupted, metric, opts, coarse_nodes(model),
             positions, corrupted_runs,
         )  # fmt: skip
-        if opts.neuron_search == "joint":
-            named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
-        else:
-            named, cut, table = resolve_neurons(ground)
-            n_runs = int(table.runs.sum())
+        try:
+            if opts.neuron_search == "joint":
+                named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
+            else:
+                named, cut, table = resolve_neurons(ground)
+                n_runs = int(table.runs.sum())
+        finally:
+            ground.bar.close()  # closed with its summary unless the search raised
         stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
