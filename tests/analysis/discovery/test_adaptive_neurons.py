@@ -538,3 +538,46 @@ def test_the_stage_shows_one_progress_bar_of_its_runs_and_steps(search, capsys):
     steps = ["1/5 shares", "2/5 which remainders go", "5/5 kept layers"]
     expected = steps if search == "joint" else ["L0MLP"]
     assert all(any(f"neuron stage: {s}" in line for line in lines) for s in expected), lines
+
+
+def test_the_split_table_takes_the_runs_the_stage_made(monkeypatch):
+    """The returned circuit and each kept layer without it were run by the stage (its last
+    step): the split table (``Circuit.mlp_split``) does not run them again, nor any other run
+    the stage made; its figures are still those of runs on the graph with the named neurons
+    (``test_kept_neurons``' split test)."""
+    from tl_attnonly.analysis.discovery import neuron_stage, search
+    from tl_attnonly.analysis.discovery.neuron_stage import kept_key
+
+    def counting(module, into: list):
+        real = module.circuit_metrics
+
+        def counted(*args, **kw):
+            into.extend(kw.get("kept_neurons") or [])
+            return real(*args, **kw)
+
+        monkeypatch.setattr(module, "circuit_metrics", counted)
+
+    stage_runs: list = []
+    split_runs: list = []  # search's calls: the sweep's and pruning's have no kept neurons
+    counting(neuron_stage, stage_runs)
+    counting(search, split_runs)
+    model = make_converted("silu", **TWO_MLPS)
+    circuit = _discover(model, neurons_per_mlp="auto", max_neurons_per_mlp=5)
+    table = circuit.extra["neuron_stage"]
+    assert table.remainder.any(), "the case needs a kept remainder"
+    made = {kept_key(k) for k in stage_runs}
+    assert not made & {kept_key(k) for k in split_runs}
+    d_mlp = int(model.cfg.d_mlp)
+    named = circuit.extra["named"]
+    base = {
+        li: neuron_stage.neuron_mask(d_mlp, named[li])
+        for li, kept in zip(table.node.str[1:-3].astype(int), table.remainder, strict=True)
+        if not kept
+    }
+    assert kept_key(base) in made
+    for li in table.node[table.remainder].str[1:-3].astype(int):
+        assert kept_key({**base, li: torch.zeros(d_mlp, dtype=torch.bool)}) in made
+    # the split's figures: the layer cut is the circuit minus its share
+    row = table[table.remainder].iloc[0]
+    split = circuit.mlp_split.set_index("node")
+    assert split.loc[row.node, "layer_effect"] == pytest.approx(row.remainder_share, abs=1e-12)

@@ -127,6 +127,16 @@ def kept_neurons(cuts: Cuts, d_mlp: int) -> dict[int, torch.Tensor]:
     return {layer: neuron_mask(d_mlp, names) for layer, names in cuts.items()}
 
 
+def kept_key(kept: dict[int, torch.Tensor]) -> tuple[tuple[int, bytes], ...]:
+    """A key of a :func:`~.runs.circuit_metrics` ``kept_neurons`` entry: equal for entries of
+    the same run (a layer keeping every neuron is a layer absent)."""
+    return tuple(
+        (layer, mask.cpu().numpy().tobytes())
+        for layer, mask in sorted(kept.items())
+        if not bool(mask.all())
+    )
+
+
 def _cut(cuts: Cuts, layer: int, keep: set[str]) -> Cuts:
     """``cuts`` with layer ``layer``'s remainder cut and its named neurons not in ``keep``."""
     return _cut_all(cuts, {layer: keep})
@@ -178,6 +188,9 @@ class NeuronStage:
         self.nodes = nodes
         self.goal = min(opts.target, coarse.faithfulness)
         self.n_runs = 0
+        #: every run's metric value (:func:`kept_key` of its kept neurons -> value), for the
+        #: returned circuit's table of the same runs (:func:`~.search.discover_circuit`)
+        self.measured: dict[tuple[tuple[int, bytes], ...], float] = {}
         self.kept: tuple[Cuts, KeptRun] | None = None
         self.held = False  # the last call's kept run held every batch's run
         # one bar over the stage's exact runs (their number is known only at the end)
@@ -227,6 +240,7 @@ class NeuronStage:
         )  # fmt: skip
         self.n_runs += len(circuits)
         self.bar.update(len(circuits))
+        self.measured.update((kept_key(k), v) for k, v in zip(kept, values, strict=True))
         self.held = self.kept is not None and self.kept[1].missed == 0
         c = self.coarse
         return [faithfulness(v, c.metric_clean, c.metric_corrupted) for v in values]
@@ -476,6 +490,7 @@ def _summary(named: dict[int, list[str]], n_kept: int) -> str:
 
 __all__ = [
     "NeuronStage",
+    "kept_key",
     "kept_neurons",
     "neuron_mask",
     "resolve_neurons",

@@ -83,6 +83,7 @@ from tl_attnonly.analysis.discovery.edge_scores import (
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
 from tl_attnonly.analysis.discovery.neuron_stage import (
     NeuronStage,
+    kept_key,
     neuron_mask,
     resolve_neurons,
     resolve_neurons_jointly,
@@ -596,6 +597,7 @@ def _name_neurons(
         named[li] = list(ranked.index[:count])
     stage: dict = {}
     cut: set[int] = set()
+    measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
     if auto:
         ground = NeuronStage(
             model, coarse, named, clean, corrupted, metric, opts, coarse_nodes(model),
@@ -610,6 +612,7 @@ def _name_neurons(
         finally:
             ground.bar.close()  # closed with its summary unless the search raised
         stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
+        measured = ground.measured
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
@@ -654,11 +657,16 @@ def _name_neurons(
     if set(layers) - cut:
         kept.append({**base, **{li: neurons(li) for li in layers}})
         named_only = len(kept) - 1
-    values = circuit_metrics(
-        model, [coarse.mask] * len(kept), clean, corrupted, metric, nodes=coarse_nodes(model),
+    # the runs the adaptive stage made already (the returned circuit; without each kept layer,
+    # its step 5) are not made again
+    todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
+    fresh = circuit_metrics(
+        model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=coarse_nodes(model),
         batch_size=opts.batch_size, progress=opts.progress, positions=positions,
-        corrupted_runs=corrupted_runs, kept_neurons=kept,
-    )  # fmt: skip
+        corrupted_runs=corrupted_runs, kept_neurons=todo,
+    ) if todo else []  # fmt: skip
+    known = {**measured, **{kept_key(k): v for k, v in zip(todo, fresh, strict=True)}}
+    values = [known[kept_key(k)] for k in kept]
     m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
     denom = m_clean - m_corr
     m_fine = values[0]
