@@ -182,6 +182,44 @@ def test_a_kept_run_serves_later_calls_with_the_same_values(kind):
     assert len(store._runs) == 2 and store.kept_bytes > 0
 
 
+@pytest.mark.parametrize("kind", ["hooked", "bridge"])
+def test_a_kept_run_made_from_its_parent_starts_where_they_differ(kind):
+    """``KeptRun(parent=...)``: the kept circuit, differing from the parent's in layer 1 only,
+    is run from the parent's run of each batch, past block 0 (a kept run without a parent runs
+    block 0 once per batch); the calls' values are those of full runs one by one, fp64, on both
+    model kinds, and the parent is let go after the first call."""
+    model, clean, corrupted, metric = kind_with_task(kind)
+    nodes = coarse_nodes(model)
+    mask = _random_mask(HeadGraph(model, nodes=nodes), 0.6, seed=3)
+    kept = _kept(model)
+    parent_kept = kept[1]  # layer 0 cut but for 3 named neurons
+    child_kept = {**parent_kept, 1: kept[5][1]}  # and layer 1 cut but for one
+    circuits = [child_kept, *({**parent_kept, 1: k[1]} for k in kept if 1 in k)]
+    apart = [
+        circuit_metrics(model, [mask], clean, corrupted, metric, nodes=nodes, kept_neurons=[k])[0]
+        for k in circuits
+    ]
+    corrupted_runs = runs.CorruptedRuns()
+    parent = runs.KeptRun(mask, parent_kept)
+    kw = dict(nodes=nodes, batch_size=2, corrupted_runs=corrupted_runs)
+    circuit_metrics(model, [mask], clean, corrupted, metric, kept_neurons=[parent_kept],
+                    kept_run=parent, **kw)  # fmt: skip
+    counts = []
+    for store in (runs.KeptRun(mask, child_kept, parent=parent), runs.KeptRun(mask, child_kept)):
+        blocks, handle = _first_block_runs(model)
+        try:
+            values = circuit_metrics(
+                model, [mask] * len(circuits), clean, corrupted, metric, kept_neurons=circuits,
+                kept_run=store, **kw,
+            )  # fmt: skip
+        finally:
+            handle.remove()
+        assert values == pytest.approx(apart, rel=1e-10, abs=1e-12)
+        assert store.parent is None
+        counts.append(blocks[0])
+    assert counts[1] - counts[0] == 2  # two batches: block 0 run for each without the parent
+
+
 def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_inputs():
     model = make_converted("silu", **GATED_ZOO["llama"])
     nodes = coarse_nodes(model)

@@ -220,13 +220,18 @@ class NeuronStage:
         their first layer cut otherwise than in ``cuts`` instead of at block 0 (the run is made
         in the next call). ``below``: the next circuits differ from ``cuts`` in layers
         ``>= below`` only; the run kept already serves them as well where it agrees with
-        ``cuts`` below that layer, and is kept instead."""
+        ``cuts`` below that layer, and is kept instead. A new kept run is made from the old
+        one (``parent``): from the first block where their circuits differ, not from block 0."""
         if self.kept is not None and below is not None:
             old = self.kept[0]
             if all(old.get(li) == cuts.get(li) for li in set(old) | set(cuts) if li < below):
                 return
         d_mlp = int(self.model.cfg.d_mlp or 0)
-        self.kept = (dict(cuts), KeptRun(self.coarse.mask, kept_neurons(cuts, d_mlp)))
+        parent = None if self.kept is None else self.kept[1]  # its runs start from the old's
+        self.kept = (
+            dict(cuts),
+            KeptRun(self.coarse.mask, kept_neurons(cuts, d_mlp), parent=parent),
+        )
 
     def faithfulness(self, circuits: list[Cuts]) -> list[float]:
         """The exact faithfulness of each circuit, in one call (from the run of :meth:`keep`)."""

@@ -340,11 +340,24 @@ def circuit_metrics(
             )
     kept = _check_kept(model, graph, kept_neurons, len(masks), clean_tokens.device)
     totals = [0.0] * len(masks)
+    parent: KeptRun | None = None
+    parent_start = 0
     if kept_run is not None:  # every run takes from the kept circuit's run
         kept_run.bind(model, clean_tokens, corrupted_tokens, metric, graph, positions)
         reference_mask = kept_run.mask
         reference_kept = _check_kept(model, graph, [kept_run.kept], 1, clean_tokens.device)[0]
-        reference_plan = kept_run.plan(graph)
+        parent = kept_run.parent if model.can_resume else None
+        if parent is not None and parent.serves(kept_run):
+            # the kept circuit's runs start where it differs from the parent's
+            parent_kept = _check_kept(model, graph, [parent.kept], 1, clean_tokens.device)[0]
+            shared_with_parent, parent_below = _shared_prefix(
+                graph, parent.mask, reference_mask, parent_kept, reference_kept
+            )
+            parent_start = _start_layer(graph, shared_with_parent)
+            reference_plan = kept_run.plan(graph, parent.plan(graph), parent_below)
+        else:
+            parent = None
+            reference_plan = kept_run.plan(graph)
         later = list(range(len(masks)))
     else:  # the later runs take from the first run
         reference_mask, reference_kept = masks[0], kept[0]
@@ -384,16 +397,23 @@ def circuit_metrics(
             if kept_run is not None:
                 first = kept_run.first_run(idx)
                 if first is None:  # the kept circuit's run of this batch
+                    base = None if parent is None else parent.first_run(idx)
                     first = FirstRun(
                         (),  # the input groups a run rebuilds: those of the block it starts at
                         set(range(1, graph.n_layers)),
-                        model.layer_runs(clean_tokens[idx]) if resume else None,
+                        base.runner
+                        if base is not None
+                        else (model.layer_runs(clean_tokens[idx]) if resume else None),
                         keep_changes=True,
                     )
+                    start = 0
+                    if base is not None and parent_start > 0:  # from the parent's run
+                        first.chain(base, parent_start)
+                        start = parent_start
                     logits = _circuit_run(
                         model, graph, reference_mask, clean_tokens[idx], corr, block_bytes,
                         reference_plan, where, first=first, keep=True, reads=reads,
-                        kept=reference_kept,
+                        kept=reference_kept, start=start,
                     )  # fmt: skip
                     if reads is not None and resume:
                         check_logit_positions(metric, logits, idx, reads)
@@ -417,6 +437,8 @@ def circuit_metrics(
                 totals[i] += call_metric(metric, logits, idx).item()
                 bar.update()
     bar.close()
+    if kept_run is not None:  # every batch met: the parent's runs are not needed again
+        kept_run.parent = None
     return totals
 
 
@@ -553,6 +575,19 @@ class FirstRun:
         self.sources: dict[str, torch.Tensor] = {}  # source hook -> its activation
         self.resid: dict[int, torch.Tensor] = {}  # block -> [batch, pos, d_model] entering it
         self.memo: dict = {}  # what does not depend on the mask (PlanRun)
+        # a kept run made from another's (chain): that run's merged changes, copied where the
+        # plan took its rows
+        self.base_reference: PlanRun | None = None
+
+    def chain(self, base: FirstRun, start: int) -> None:
+        """Take from ``base`` (another kept circuit's run of the same batch, whose circuit
+        agrees with this one below block ``start``: :func:`_shared_prefix`) what a run starting
+        at block ``start`` needs: the residual stream entering the blocks up to it, the sources'
+        activations, its merged changes (copied where the plan took its rows) and its memo."""
+        self.resid.update({layer: t for layer, t in base.resid.items() if layer <= start})
+        self.sources = dict(base.sources)
+        self.memo = base.memo
+        self.base_reference = base.reference
 
     def nbytes(self) -> int:
         """Bytes of the tensors it holds (each storage once)."""
@@ -584,11 +619,17 @@ class KeptRun:
     serves (others are refused). Used by the adaptive neuron stage (:mod:`.neuron_stage`), whose
     circuits differ from the one it keeps in one layer's kept neurons.
 
+    A kept run made with a ``parent`` (the kept run it replaces, bound to the same model,
+    tokens, metric and graph) runs the kept circuit, in its first call, from the first block
+    where the two circuits differ, from the parent's run of the batch where the parent holds
+    it (the parent is then let go); else from block 0.
+
     Args:
         mask: The kept circuit (a mask of the calls' graph).
         kept_neurons: Its :func:`circuit_metrics` ``kept_neurons`` entry (None: every neuron
             passes its change on).
         budget: Most bytes kept.
+        parent: Another kept run whose runs this one's start from (see above).
 
     Attributes:
         missed: How many times a batch's run was made and not kept (beyond the budget).
@@ -599,8 +640,10 @@ class KeptRun:
         mask: Mask,
         kept_neurons: Mapping[int, torch.Tensor] | None = None,
         budget: int = 4 * BLOCK_BUDGET,
+        parent: KeptRun | None = None,
     ):
         self.mask, self.kept = mask, kept_neurons
+        self.parent = parent
         self.budget = budget
         self.kept_bytes = 0
         self.missed = 0  # batches whose run was beyond the budget (made again in each call)
@@ -635,11 +678,25 @@ class KeptRun:
                 "another metric or another graph (nodes=, positions=): use one per search."
             )
 
-    def plan(self, graph: HeadGraph) -> CircuitPlan:
-        """The kept circuit's :class:`~.run_plan.CircuitPlan` (built once)."""
+    def plan(
+        self, graph: HeadGraph, reference: CircuitPlan | None = None, same_below: float = 0
+    ) -> CircuitPlan:
+        """The kept circuit's :class:`~.run_plan.CircuitPlan` (built once; from the parent's
+        ``reference`` plan below ``same_below``, as a later run's)."""
         if self._plan is None:
-            self._plan = CircuitPlan(graph, self.mask)
+            self._plan = CircuitPlan(graph, self.mask, reference, same_below)
         return self._plan
+
+    def serves(self, child: KeptRun) -> bool:
+        """Whether ``child``'s runs can start from this run's (``parent=``): bound to the same
+        model, tokens, metric, graph and position classes."""
+        mine, theirs = self._bound, child._bound
+        return (
+            mine is not None
+            and theirs is not None
+            and all(a is b for a, b in zip(mine[:5], theirs[:5], strict=True))
+            and mine[5] == theirs[5]
+        )
 
     def first_run(self, idx: torch.Tensor) -> FirstRun | None:
         """The kept run of batch ``idx``, if it is kept."""
@@ -695,7 +752,7 @@ def _circuit_run(
     run = PlanRun(
         model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes,
         None if first is None else first.memo,
-        reference=None if first is None or keep else first.reference,
+        reference=None if first is None else first.base_reference if keep else first.reference,
         is_reference=is_reference, kept=kept,
     )  # fmt: skip
     if is_reference:
