@@ -10,6 +10,9 @@ per call and one by one.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import GATED_ZOO
@@ -204,8 +207,14 @@ def test_a_kept_run_made_from_its_parent_starts_where_they_differ(kind):
     kw = dict(nodes=nodes, batch_size=2, corrupted_runs=corrupted_runs)
     circuit_metrics(model, [mask], clean, corrupted, metric, kept_neurons=[parent_kept],
                     kept_run=parent, **kw)  # fmt: skip
+    # the parent's merged changes (each batch's) are let go once the child's runs are made
+    gone = [
+        weakref.ref(parent.first_run(idx).reference)
+        for idx in (torch.arange(2), torch.arange(2, 3))
+    ]
     counts = []
-    for store in (runs.KeptRun(mask, child_kept, parent=parent), runs.KeptRun(mask, child_kept)):
+    child = runs.KeptRun(mask, child_kept, parent=parent)
+    for store in (child, runs.KeptRun(mask, child_kept)):
         blocks, handle = _first_block_runs(model)
         try:
             values = circuit_metrics(
@@ -218,6 +227,10 @@ def test_a_kept_run_made_from_its_parent_starts_where_they_differ(kind):
         assert store.parent is None
         counts.append(blocks[0])
     assert counts[1] - counts[0] == 2  # two batches: block 0 run for each without the parent
+    del parent
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]  # while the child lives
+    assert len(child._runs) == 2
 
 
 def test_a_kept_run_beyond_its_budget_is_made_again_and_refuses_other_inputs():

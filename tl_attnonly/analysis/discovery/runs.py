@@ -904,6 +904,8 @@ def _circuit_run(
     else:
         logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
     run.built.clear()  # the reference keeps its changes, not its inputs
+    if is_reference and first is not None:  # the rows it copied are its own now: let go of
+        run.reference = first.base_reference = None  # the run they came from (and its chain)
     return logits
 
 
