@@ -687,10 +687,16 @@ class KeptRun:
             self._plan = CircuitPlan(graph, self.mask, reference, same_below)
         return self._plan
 
+    @property
+    def bound(self) -> tuple[Any, ...] | None:
+        """What it is bound to (:meth:`bind`): the model, clean and corrupted tokens, metric,
+        position classes and the graph's signature; None before its first call."""
+        return self._bound
+
     def serves(self, child: KeptRun) -> bool:
         """Whether ``child``'s runs can start from this run's (``parent=``): bound to the same
         model, tokens, metric, graph and position classes."""
-        mine, theirs = self._bound, child._bound
+        mine, theirs = self._bound, child.bound
         return (
             mine is not None
             and theirs is not None
