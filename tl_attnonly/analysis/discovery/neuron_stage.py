@@ -489,7 +489,7 @@ def resolve_neurons_jointly(
 
 
 def _summary(named: dict[int, list[str]], n_kept: int) -> str:
-    """``"469 named, 14 remainders kept"``: the progress bar's last words."""
+    """``"469 named, 14 remainder(s) kept"``: the progress bar's last words."""
     return f"{sum(map(len, named.values())):,} named, {n_kept} remainder(s) kept"
 
 

@@ -670,9 +670,7 @@ class KeptRun:
         bound = (model.model, clean_tokens, corrupted_tokens, metric, positions, signature)
         if self._bound is None:
             self._bound = bound
-        elif any(a is not b for a, b in zip(self._bound[:5], bound[:5])) or (
-            self._bound[5] != signature
-        ):
+        elif not _same_binding(self._bound, bound):
             raise ValueError(
                 "This KeptRun holds a run of another model, other clean or corrupted tokens, "
                 "another metric or another graph (nodes=, positions=): use one per search."
@@ -697,12 +695,7 @@ class KeptRun:
         """Whether ``child``'s runs can start from this run's (``parent=``): bound to the same
         model, tokens, metric, graph and position classes."""
         mine, theirs = self._bound, child.bound
-        return (
-            mine is not None
-            and theirs is not None
-            and all(a is b for a, b in zip(mine[:5], theirs[:5], strict=True))
-            and mine[5] == theirs[5]
-        )
+        return mine is not None and theirs is not None and _same_binding(mine, theirs)
 
     def first_run(self, idx: torch.Tensor) -> FirstRun | None:
         """The kept run of batch ``idx``, if it is kept."""
@@ -716,6 +709,12 @@ class KeptRun:
             self.kept_bytes += size
         else:
             self.missed += 1
+
+
+def _same_binding(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two :meth:`KeptRun.bind` bindings are the same: the same model, tokens, metric and
+    position classes (objects), and equal graph signatures."""
+    return all(x is y for x, y in zip(a[:5], b[:5], strict=True)) and a[5] == b[5]
 
 
 def _circuit_run(
