@@ -66,10 +66,9 @@ class _Labels(tuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _neuron_labels(n_layers: int, n_heads: int, d_mlp: int, K: int) -> tuple[_Labels, ...]:
+def _neuron_labels(n_layers: int, d_mlp: int, K: int) -> tuple[_Labels, ...]:
     """Per layer, its neurons' labels ``L{l}N{i}`` (``K == 0``) or its neuron-heads' (``K``
-    per neuron), made once per model shape (``n_heads`` only keys the cache like
-    :func:`_known_labels`)."""
+    per neuron), made once per model shape."""
     out = []
     for li in range(n_layers):
         labels = _Labels(
@@ -87,7 +86,7 @@ def _known_labels(n_layers: int, n_heads: int, d_mlp: int, K: int) -> frozenset[
     """Every node label of a graph of this shape (:func:`_neuron_labels`): attention heads,
     neurons (or neuron-heads) and MLP remainders."""
     known = {attn_head_label(li, h) for li in range(n_layers) for h in range(n_heads)}
-    known.update(label for layer in _neuron_labels(n_layers, n_heads, d_mlp, K) for label in layer)
+    known.update(label for layer in _neuron_labels(n_layers, d_mlp, K) for label in layer)
     known.update(mlp_rest_label(li) for li in range(n_layers))
     return frozenset(known)
 
@@ -191,11 +190,12 @@ class HeadGraph:
         self.gqa = n_kv != cfg.n_heads
         K = self.n_heads_per_neuron
         d_mlp = cast(int, cfg.d_mlp)  # set for every model with neuron-heads
-        shape = (cfg.n_layers, cfg.n_heads, d_mlp, 0 if self.neuron_level else K)
-        neuron_labels = _neuron_labels(*shape)
+        k_labels = 0 if self.neuron_level else K  # neurons, or K neuron-heads each
+        neuron_labels = _neuron_labels(cfg.n_layers, d_mlp, k_labels)
         keep = None if nodes is None else set(nodes)
         if keep is not None:
-            unknown = sorted(keep - _known_labels(*shape) - {EMBED, LOGITS})
+            known = _known_labels(cfg.n_layers, cfg.n_heads, d_mlp, k_labels)
+            unknown = sorted(keep - known - {EMBED, LOGITS})
             if unknown:
                 raise ValueError(
                     f"nodes names {len(unknown)} node(s) this graph does not have, e.g. "
