@@ -13,8 +13,9 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
   sublayer (Gemma 2's ``ln1_post`` / ``ln2_post``), parallel blocks, grouped-query attention.
 * **Runs from a block** (:class:`BridgeLayerRunner`). A run from block ``l`` calls the
   bridge's blocks from ``l`` on with the arguments a full pass of the batch gave them (rotary
-  tables, masks, ALiBi biases; recorded once per batch, key-value caches left out), then the
-  final norm and the unembedding: the blocks below ``l`` are not run. Where that does not give
+  tables, masks, ALiBi biases; recorded once per batch; a key-value cache as a new empty copy of
+  the one the pass began with, for each run), then the final norm and the unembedding: the
+  blocks below ``l`` are not run. Where that does not give
   the full pass's logits exactly (checked once per bridge: a forward that does more after
   its blocks, such as Gemma 2's logit soft-cap), TransformerLens 4.x's ``start_at_layer`` runs
   it (which still runs the blocks below), and on 3.x a full pass of the tokens whose residual
@@ -32,6 +33,7 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator
@@ -564,11 +566,29 @@ class BridgeHooks:
 RESUMABLE = ("standard", "rotary")
 
 
+class _EmptyCache:
+    """Stands in a recorded call for the key-value cache the full pass gave a block: that
+    cache as it was when the pass began (empty), copied anew for each run (:meth:`fresh`)."""
+
+    def __init__(self, cache: Any):
+        self.cache = copy.deepcopy(cache)
+
+    def fresh(self, made: dict[int, Any]) -> Any:
+        """This run's copy: one per run, given to every block of it (``made``: the run's)."""
+        if id(self) not in made:
+            made[id(self)] = copy.deepcopy(self.cache)
+        return made[id(self)]
+
+
 class _BlockCalls:
     """What a bridge's blocks received in a full pass of one token batch, to call them again
     from a given residual stream: per block, the arguments after the hidden states (rotary
     tables, position ids, attention masks, ALiBi biases: whatever the model's forward gives
-    them), with key-value caches left out (a second call would attend to the first pass's keys).
+    them). A key-value cache is not given again (a second call would attend to the first pass's
+    keys): each run gets a new copy of it as the pass began, empty, so the blocks compute as in
+    the pass (with a cache, attention reads keys and values from the cache's own copies, which
+    round differently on some CPUs than the projections' views; without one, 5e-7 apart on
+    GPT-J, GPT-Neo and OPT on an AVX-512 machine).
 
     Args:
         bridge: The bridge.
@@ -585,19 +605,23 @@ class _BlockCalls:
         """Record the blocks' arguments in the pass run inside the ``with`` block (PyTorch
         forward pre-hooks on the blocks, removed after it)."""
 
+        empty: dict[int, _EmptyCache] = {}  # id of a pass's cache -> it as the pass began
+
+        def stand_in(value: Any) -> Any:
+            if not _is_kv_cache(value):
+                return value
+            if id(value) not in empty:  # first seen by block 0, before any block filled it
+                empty[id(value)] = _EmptyCache(value)
+            return empty[id(value)]
+
         def record(args: tuple, kwargs: dict, layer: int) -> None:
             hidden = args[0] if args else kwargs.get("hidden_states")
             if layer in keep_entering and isinstance(hidden, torch.Tensor):
                 self.entering[layer] = hidden
             # a cache may come by keyword or by position (transformers 5.17's GPT-2 passes it
-            # second): either way the second call gets none
-            kwargs = {
-                k: None if _is_kv_cache(v) else v for k, v in kwargs.items() if k != "hidden_states"
-            }
-            if "use_cache" in kwargs:
-                kwargs["use_cache"] = False
-            rest = tuple(None if _is_kv_cache(value) else value for value in args[1:])
-            self.calls[layer] = (rest, kwargs)
+            # second): either way a run gets a new empty one
+            kwargs = {k: stand_in(v) for k, v in kwargs.items() if k != "hidden_states"}
+            self.calls[layer] = (tuple(stand_in(value) for value in args[1:]), kwargs)
 
         handles = [
             block.register_forward_pre_hook(
@@ -625,9 +649,16 @@ class _BlockCalls:
         per row; the final norm and the unembedding see ``[batch, 1, d_model]``), the others
         NaN."""
         hidden = resid
+        made: dict[int, Any] = {}  # this run's new empty caches
+
+        def given(value: Any) -> Any:
+            return value.fresh(made) if isinstance(value, _EmptyCache) else value
+
         for index in range(layer, len(self.bridge.blocks)):
             args, kwargs = self.calls[index]
-            out = self.bridge.blocks[index](hidden, *args, **kwargs)
+            out = self.bridge.blocks[index](
+                hidden, *map(given, args), **{k: given(v) for k, v in kwargs.items()}
+            )
             hidden = out[0] if isinstance(out, tuple) else out
         if positions is None:
             return self.bridge.unembed(self.bridge.ln_final(hidden))
