@@ -7,7 +7,9 @@ recomputed on those prompts and the circuit's mask is run once, exactly
 (:func:`~.runs.circuit_metrics`), over the circuit's own graph (its nodes, its position classes).
 On the search prompts themselves (and the search's ``batch_size``) it gives
 ``circuit.faithfulness`` back, up to float rounding where the search took the circuit's figure
-from a run that reused another run's inputs (:func:`~.runs.circuit_metrics`).
+from a run that reused another run's inputs (:func:`~.runs.circuit_metrics`) or from its run on
+the coarse graph (the neuron stage's figure: this run, on the graph with the neurons named, sums
+each layer's named neurons and remainder apart).
 """
 
 from __future__ import annotations
