@@ -28,7 +28,7 @@ What it does:
    ``pythonpath`` (it would import the sdist's copy of ``transformer_lens``, not the installed
    one), and with ``-p tl_suite_plugin``. Exit status: pytest's. A failure not on the allow-list
    (``allowlist.py``; ``allowlist_tl4.py`` on 4.x) fails the run; an allow-listed test that
-   passes fails it too (stale entry).
+   passes fails it too (stale entry), unless the allow-list names it in ``ROUNDING``.
 
 Usage (from the repository root; the package importable, e.g. ``pip install -e .``)::
 
