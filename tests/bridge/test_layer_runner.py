@@ -144,10 +144,17 @@ def test_a_full_pass_under_recording_gives_the_blocks_arguments():
     assert torch.equal(got, full)
 
 
-class _Echo(torch.nn.Module):
-    """A block that returns its hidden states (only its arguments matter here)."""
+class _Filling(torch.nn.Module):
+    """A block that writes its hidden states into the cache it is given by position (its layer:
+    its own index) and returns them; ``received`` lists the caches the blocks were given."""
+
+    def __init__(self, layer: int, received: list):
+        super().__init__()
+        self.layer, self.received = layer, received
 
     def forward(self, hidden, past=None, mask=None, use_cache=True):
+        self.received.append(past)
+        past.update(hidden[:, None], hidden[:, None], self.layer)
         return hidden
 
 
@@ -160,14 +167,9 @@ def test_a_cache_given_by_position_is_replaced_too():
 
     from transformers.cache_utils import DynamicCache
 
-    class _Filling(_Echo):
-        def forward(self, hidden, past=None, mask=None, use_cache=True):
-            received.append(past)
-            past.update(hidden[:, None], hidden[:, None], len(received) - 1)
-            return hidden
-
     received: list = []
-    calls = _BlockCalls(SimpleNamespace(blocks=torch.nn.ModuleList([_Filling(), _Filling()])))
+    blocks = torch.nn.ModuleList([_Filling(0, received), _Filling(1, received)])
+    calls = _BlockCalls(SimpleNamespace(blocks=blocks))
     hidden, mask, cache = torch.zeros(1, 3, 4), torch.ones(1, 1, 3, 3), DynamicCache()
     with calls.recording():
         for block in calls.bridge.blocks:

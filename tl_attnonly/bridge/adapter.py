@@ -15,11 +15,11 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
   bridge's blocks from ``l`` on with the arguments a full pass of the batch gave them (rotary
   tables, masks, ALiBi biases; recorded once per batch; a key-value cache as a new empty copy of
   the one the pass began with, for each run), then the final norm and the unembedding: the
-  blocks below ``l`` are not run. Where that does not give
-  the full pass's logits exactly (checked once per bridge: a forward that does more after
-  its blocks, such as Gemma 2's logit soft-cap), TransformerLens 4.x's ``start_at_layer`` runs
-  it (which still runs the blocks below), and on 3.x a full pass of the tokens whose residual
-  stream entering block ``l`` is replaced. Passes never skip leading positions
+  blocks below ``l`` are not run. Where that does not give the full pass's logits exactly
+  (checked once per bridge: a forward that does more after its blocks, such as Gemma 2's logit
+  soft-cap), TransformerLens 4.x's ``start_at_layer`` runs it (which still runs the blocks
+  below), and on 3.x a full pass of the tokens whose residual stream entering block ``l`` is
+  replaced. Passes never skip leading positions
   (``prefix_reuse`` is false): the bridge has no frozen key-value cache.
 * **Hooks by name.** ``run_with_hooks`` and ``hooks`` resolve hook names once
   (:class:`BridgeHooks`) instead of once per hook as the bridge's own ``run_with_hooks`` does on
