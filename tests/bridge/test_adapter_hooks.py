@@ -13,7 +13,8 @@ from bridge_models import make_bridge, make_tokens
 import tl_attnonly
 from tl_attnonly._compat import BRIDGE_STARTS_AT_LAYER
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.bridge.adapter import BridgeAdapter, named_hooks
+from tl_attnonly.bridge.adapter import BridgeAdapter
+from tl_attnonly.bridge.hook_names import named_hooks
 
 #: Aliases and canonical names, the embedding, attention, neuron-head and final-norm stages.
 NAMES = (

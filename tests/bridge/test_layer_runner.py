@@ -15,7 +15,7 @@ import torch
 from zoo import ZOO, build_bridge, tokens
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.bridge.adapter import _BlockCalls, blocks_can_be_called
+from tl_attnonly.bridge.layer_runner import _BlockCalls, blocks_can_be_called
 
 DECODERS = [name for name, spec in ZOO.items() if not spec.encoder and not spec.broken]
 #: Whose forward does more than the final norm and the unembedding after the blocks (Gemma 2's
