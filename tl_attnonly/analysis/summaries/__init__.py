@@ -19,8 +19,11 @@ by dataset statistics (:meth:`~NeuronHeadSummaries.rank`; pass the result as ``h
 views in :mod:`tl_attnonly.vis`), and renders an HTML page per head
 (:func:`tl_attnonly.vis.summaries.summary_html`).
 
-Modules: :mod:`~tl_attnonly.analysis.summaries.collect` (streaming the corpus) and
-:mod:`~tl_attnonly.analysis.summaries.results` (:class:`NeuronHeadSummaries`).
+Modules: :mod:`~tl_attnonly.analysis.summaries.collect` (streaming the corpus),
+:mod:`~tl_attnonly.analysis.summaries.results` (:class:`NeuronHeadSummaries`) and
+:mod:`~tl_attnonly.analysis.summaries.experts` (a mixture-of-experts layer's expert neuron-heads,
+each over the tokens routed to it: :class:`~.experts.ExpertNeuronHeadSummaries`; not imported
+here: it reads :mod:`tl_attnonly.analysis.experts`, whose package imports it).
 """
 
 from tl_attnonly.analysis.summaries.collect import (
