@@ -23,7 +23,12 @@ import torch
 from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import replace_options
-from tl_attnonly.analysis.cache.views import DEFAULT_CHUNK, STACK_BUDGET
+
+#: Default memory budget (bytes) for a stacked tensor of per-head results.
+STACK_BUDGET = 2 * 2**30
+
+#: Default number of neuron-heads materialised at once (``chunk * batch * pos * d_model``).
+DEFAULT_CHUNK = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,4 +122,4 @@ def resolve_stack_options(
     return resolved
 
 
-__all__ = ["StackOptions", "resolve_stack_options"]
+__all__ = ["DEFAULT_CHUNK", "STACK_BUDGET", "StackOptions", "resolve_stack_options"]

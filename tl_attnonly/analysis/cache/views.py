@@ -38,17 +38,12 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
+from tl_attnonly.analysis.cache.options import DEFAULT_CHUNK, STACK_BUDGET
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.cache.options import StackOptions
     from tl_attnonly.protocol import AttnOnlyModel
-
-#: Default memory budget (bytes) for a stacked tensor of per-head results.
-STACK_BUDGET = 2 * 2**30
-
-#: Default number of neuron-heads materialised at once (``chunk * batch * pos * d_model``).
-DEFAULT_CHUNK = 1024
 
 
 # ------------------------------------------------------------------------------------------------
