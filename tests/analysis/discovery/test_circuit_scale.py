@@ -324,13 +324,13 @@ def test_mlp_remainders_sum_their_neurons_and_run_exactly(name):
 def test_block_scores_by_pairs_and_by_rows_agree(norm):
     """The two ways of scoring one block (writer x reader products, or each row's residual
     vectors) give the same scores, chunked or not."""
-    from tl_attnonly.analysis.discovery.edge_scores import (
+    from tl_attnonly.analysis.discovery.eap_blocks import (
         _block_scores_from_rows,
         _read,
         _read_direction,
-        _written,
         block_scores,
     )
+    from tl_attnonly.analysis.discovery.edge_scores import _written
 
     g = torch.Generator().manual_seed(3)
 

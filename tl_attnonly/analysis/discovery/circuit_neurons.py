@@ -31,7 +31,8 @@ import torch
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, read_directions
+from tl_attnonly.analysis.discovery.eap_blocks import read_directions
+from tl_attnonly.analysis.discovery.edge_scores import attribution_terms
 from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.sites import (

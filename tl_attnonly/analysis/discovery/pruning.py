@@ -20,7 +20,7 @@ from tl_attnonly.analysis.discovery.sites import Mask
 from tl_attnonly.hooks import attn_head_label
 
 if TYPE_CHECKING:
-    from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
+    from tl_attnonly.analysis.discovery.scored_edges import EdgeScores
 
 
 def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:

@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.edge_scores import attribution_terms, block_scores
+from tl_attnonly.analysis.discovery.eap_blocks import block_scores
+from tl_attnonly.analysis.discovery.edge_scores import attribution_terms
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
