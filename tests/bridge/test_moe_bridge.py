@@ -19,7 +19,7 @@ import torch
 from zoo import REFUSALS, ZOO, build_bridge, build_hf_model, convert_zoo_bridge, make_config, tokens
 
 from tl_attnonly.bridge import neuron_head_layers, unconvert_bridge
-from tl_attnonly.bridge.experts import EXPERT_HOOKS, BridgeNeuronHeadExperts
+from tl_attnonly.bridge.expert_modules import EXPERT_HOOKS, BridgeNeuronHeadExperts
 from tl_attnonly.components import ClampActiveWarning
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "deepseek_v3"]
