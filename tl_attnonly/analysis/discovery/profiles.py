@@ -31,46 +31,36 @@ c. **sign quadrants** for gated neurons (GLUScope): every corpus position falls 
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from jaxtyping import Int
-from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import HeadGraph
-from tl_attnonly.analysis.discovery.runs import Circuit, circuit_gate_value_split
-from tl_attnonly.analysis.summaries.collect import (
-    merge_top,
-    padded_batches,
-    token_rows,
-    token_text,
+from tl_attnonly.analysis.discovery.profile_stats import (
+    ALL,
+    NEURON_LABEL,
+    QUADRANTS,
+    collect_stats,
+    parse_neuron_label,
+    profile_examples,
+    top_tokens_text,
 )
-from tl_attnonly.analysis.summaries.results import TopContexts
-from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.analysis.discovery.runs import Circuit, circuit_gate_value_split
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.discovery.positions import PositionClasses
     from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
     from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
-#: Sign quadrants of a gated neuron: sign of the gate ``g``, sign of the linear branch ``u``.
-QUADRANTS = ("g+u+", "g+u-", "g-u+", "g-u-")
-
-#: The ranking of :meth:`NeuronProfiles.contexts` over every position (not one quadrant).
-ALL = "all"
-
 #: The columns of the gate/value split copied from ``circuit.gate_value``.
 GATE_VALUE_COLUMNS = ("gate", "value", "both", "interaction", "n_gate_edges", "n_value_edges")
-
-_NEURON = re.compile(r"^L(\d+)N(\d+)$")
 
 #: What :meth:`NeuronProfiles.figure` calls: set by :mod:`tl_attnonly.vis.neuron_circuit`.
 _figure_builder: Callable[..., Any] | None = None
@@ -83,18 +73,6 @@ def register_profiles_figure_builder(builder: Callable[..., Any]) -> None:
     _figure_builder = builder
 
 
-def parse_neuron_label(label: str) -> tuple[int, int]:
-    """``"L3N17"`` -> ``(3, 17)``.
-
-    Raises:
-        ValueError: For anything but a neuron label (a neuron-head ``"L3N17.1"`` included).
-    """
-    match = _NEURON.match(label)
-    if match is None:
-        raise ValueError(f"Not a neuron label 'L{{layer}}N{{index}}': {label!r}.")
-    return int(match.group(1)), int(match.group(2))
-
-
 def named_neurons(circuit: Circuit) -> list[str]:
     """The neurons named as nodes of ``circuit``: the neuron stage's (``circuit.extra["named"]``,
     lowest layer first, each layer in its ranking order), then any other neuron with a circuit
@@ -102,7 +80,7 @@ def named_neurons(circuit: Circuit) -> list[str]:
     named = circuit.extra.get("named") or {}
     out = [label for layer in sorted(named) for label in named[layer]]
     seen = set(out)
-    others = [n for n in circuit.nodes() if _NEURON.match(n) and n not in seen]
+    others = [n for n in circuit.nodes() if NEURON_LABEL.match(n) and n not in seen]
     return out + sorted(others, key=parse_neuron_label)
 
 
@@ -193,171 +171,6 @@ class NeuronProfiles:
             f"NeuronProfiles({len(self.table)} neurons, {self.n_positions} positions in "
             f"{self.n_rows} rows" + (f", {len(self.notes)} note(s)" if self.notes else "") + ")"
         )
-
-
-@dataclass
-class _LayerStats:
-    """Running statistics of one layer's profiled neurons (``n`` of them)."""
-
-    index: torch.Tensor  # [n] neuron indices
-    labels: list[str]
-    gated: bool
-    top: dict[str, TopContexts]
-    fire: torch.Tensor  # [n]
-    out_sum: torch.Tensor  # [n] float64
-    max_abs: torch.Tensor  # [n] float64
-    quad_count: torch.Tensor  # [n, 4]
-    quad_sum: torch.Tensor  # [n, 4] float64
-    quad_abs: torch.Tensor  # [n, 4] float64
-    token_sum: torch.Tensor | None  # [n, d_vocab] float64
-    token_count: torch.Tensor | None  # [d_vocab]
-
-
-def _empty_top(n: int, k: int, window: int) -> TopContexts:
-    """Empty top contexts whose windows keep ``o`` and the self weight in float64 (the ranked
-    values are float32, as in the summaries)."""
-    top = TopContexts.empty(n, k, window)
-    return replace(top, self_weight=top.self_weight.double(), z=top.z.double())
-
-
-def _gated(model: AttnOnlyModel, layer: int) -> bool:
-    return isinstance(model.blocks[layer].mlp, GatedNeuronHeadMLP)
-
-
-def _collect(
-    model: AttnOnlyModel,
-    neurons: Sequence[str],
-    corpus: Iterable[str | torch.Tensor],
-    *,
-    k: int,
-    before: int,
-    after: int,
-    max_len: int,
-    batch_size: int,
-    max_rows: int | None,
-    token_stats: bool,
-    progress: bool,
-) -> tuple[dict[int, _LayerStats], int, int]:
-    """Stream ``corpus`` once; every statistic of the module docstring's (b) and (c)."""
-    K = model.n_heads_per_neuron
-    V = model.cfg.d_vocab
-    by_layer: dict[int, list[tuple[int, str]]] = {}
-    for label in neurons:
-        layer, index = parse_neuron_label(label)
-        by_layer.setdefault(layer, []).append((index, label))
-    window = before + after + 1
-    stats: dict[int, _LayerStats] = {}
-    for layer, members in by_layer.items():
-        n = len(members)
-        gated = _gated(model, layer)
-        rankings = (ALL, *QUADRANTS) if gated else (ALL,)
-        stats[layer] = _LayerStats(
-            index=torch.tensor([i for i, _ in members]),
-            labels=[label for _, label in members],
-            gated=gated,
-            top={r: _empty_top(n, k, window) for r in rankings},
-            fire=torch.zeros(n, dtype=torch.long),
-            out_sum=torch.zeros(n, dtype=torch.float64),
-            max_abs=torch.zeros(n, dtype=torch.float64),
-            quad_count=torch.zeros(n, 4, dtype=torch.long),
-            quad_sum=torch.zeros(n, 4, dtype=torch.float64),
-            quad_abs=torch.zeros(n, 4, dtype=torch.float64),
-            token_sum=torch.zeros(n, V, dtype=torch.float64) if token_stats else None,
-            token_count=torch.zeros(V, dtype=torch.long) if token_stats else None,
-        )
-    names = set()
-    for layer, st in stats.items():
-        names |= {neuron_act_name("pattern", layer), neuron_act_name("z", layer)}
-        if st.gated:
-            names |= {neuron_act_name("pre", layer), neuron_act_name("pre_linear", layer)}
-    n_positions = n_rows = 0
-    bar = tqdm(desc="neuron profiles (rows)", disable=not progress, unit="row")
-    rows = token_rows(model, corpus, max_len)
-    for tokens, lengths, valid in padded_batches(rows, batch_size, max_rows):
-        n_batch, pad = tokens.shape
-        with torch.no_grad():
-            _, cache = model.run_with_cache(
-                tokens.to(model.cfg.device), names_filter=lambda name: name in names
-            )
-        for layer, st in stats.items():
-            n = len(st.labels)
-            heads = (st.index[:, None] * K + torch.arange(K)).flatten()  # [n * K]
-            z = cache[neuron_act_name("z", layer)][..., heads, 0].double().cpu()
-            out = z.reshape(n_batch, pad, n, K).sum(-1)  # [batch, pos, n]: sum_k z_k
-            pattern = cache[neuron_act_name("pattern", layer)][:, heads, :, 0].double().cpu()
-            self_w = pattern.reshape(n_batch, n, K, pad).mean(2).transpose(1, 2)  # [b, pos, n]
-            out = out.masked_fill(~valid[..., None], 0.0)
-            st.fire += ((self_w > 0.5) & valid[..., None]).sum((0, 1))
-            st.out_sum += out.sum((0, 1))
-            st.max_abs = torch.maximum(st.max_abs, out.abs().amax((0, 1)))
-            if st.token_sum is not None and st.token_count is not None:
-                flat = tokens[valid]
-                st.token_sum.index_add_(1, flat, out[valid].T)
-                st.token_count += torch.bincount(flat, minlength=V)
-            ranked = {ALL: out.abs()}
-            if st.gated:
-                g = cache[neuron_act_name("pre", layer)][..., st.index].cpu()
-                u = cache[neuron_act_name("pre_linear", layer)][..., st.index].cpu()
-                for j, q in enumerate(QUADRANTS):
-                    inside = ((g > 0) if q[1] == "+" else ~(g > 0)) & (
-                        (u > 0) if q[3] == "+" else ~(u > 0)
-                    )
-                    inside &= valid[..., None]
-                    st.quad_count[:, j] += inside.sum((0, 1))
-                    st.quad_sum[:, j] += out.masked_fill(~inside, 0.0).sum((0, 1))
-                    st.quad_abs[:, j] += out.abs().masked_fill(~inside, 0.0).sum((0, 1))
-                    ranked[q] = out.abs().masked_fill(~inside, -math.inf)
-            for ranking, values in ranked.items():
-                st.top[ranking] = merge_top(
-                    st.top[ranking], values, tokens, self_w, out, lengths, n_rows, before, after
-                )
-        n_positions += int(valid.sum())
-        n_rows += n_batch
-        bar.update(n_batch)
-    bar.close()
-    return stats, n_positions, n_rows
-
-
-def _examples(
-    stats: dict[int, _LayerStats], tokenizer: Any, before: int
-) -> tuple[pd.DataFrame, dict[str, list[str]]]:
-    """Every kept context as a row; and per neuron its best contexts' texts (ranking ``all``)."""
-    rows = []
-    best: dict[str, list[str]] = {}
-    for st in stats.values():
-        for ranking, top in st.top.items():
-            for j, label in enumerate(st.labels):
-                for r in range(top.values.shape[1]):
-                    if top.values[j, r] == -math.inf:
-                        break
-                    window = top.tokens[j, r].tolist()
-                    pieces = [
-                        (
-                            f"⟦{token_text(tokenizer, t)}⟧"
-                            if i == before
-                            else token_text(tokenizer, t)
-                        )
-                        for i, t in enumerate(window)
-                        if t >= 0
-                    ]
-                    text = "".join(pieces)
-                    rows.append(
-                        dict(
-                            neuron=label,
-                            ranking=ranking,
-                            rank=r,
-                            output=float(top.z[j, r, before]),
-                            self_weight=float(top.self_weight[j, r, before]),
-                            document=int(top.document[j, r]),
-                            position=int(top.position[j, r]),
-                            token=token_text(tokenizer, window[before]),
-                            text=text,
-                        )
-                    )
-                    if ranking == ALL:
-                        best.setdefault(label, []).append(text)
-    columns = ["neuron", "ranking", "rank", "output", "self_weight", "document", "position"]
-    return pd.DataFrame(rows, columns=[*columns, "token", "text"]), best
 
 
 def _gate_value(
@@ -492,7 +305,7 @@ def neuron_profiles(
     bad = [
         n
         for n in chosen
-        if not _NEURON.match(n)
+        if not NEURON_LABEL.match(n)
         or not (parse_neuron_label(n)[0] < model.cfg.n_layers and parse_neuron_label(n)[1] < d_mlp)
     ]
     if bad:
@@ -535,7 +348,7 @@ def neuron_profiles(
             run_batch_size, progress, notes,
         )  # fmt: skip
     notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-    stats, n_positions, n_rows = _collect(
+    stats, n_positions, n_rows = collect_stats(
         model, chosen, corpus, k=k, before=before, after=after,
         max_len=max_len or model.cfg.n_ctx, batch_size=batch_size, max_rows=max_rows,
         token_stats=token_stats, progress=progress,
@@ -543,7 +356,7 @@ def neuron_profiles(
     if n_positions == 0:
         raise ValueError("The corpus gave no token (an empty corpus, or max_rows=0).")
     tokenizer = getattr(model, "tokenizer", None)
-    examples, best = _examples(stats, tokenizer, before)
+    examples, best = profile_examples(stats, tokenizer, before)
     rows = {}
     for layer, st in stats.items():
         for j, label in enumerate(st.labels):
@@ -556,7 +369,7 @@ def neuron_profiles(
             row["firing_fraction"] = float(st.fire[j]) / n_positions
             row["mean_output"] = float(st.out_sum[j]) / n_positions
             row["max_abs_output"] = float(st.max_abs[j])
-            row["top_tokens"] = _top_tokens(st, j, tokenizer, n_top_tokens, min_token_count)
+            row["top_tokens"] = top_tokens_text(st, j, tokenizer, n_top_tokens, min_token_count)
             row["top_contexts"] = " | ".join(best.get(label, [])[:3])
             for q_i, q in enumerate(QUADRANTS):
                 if st.gated:
@@ -571,21 +384,6 @@ def neuron_profiles(
             rows[label] = row
     table = pd.DataFrame([rows[label] for label in chosen])
     return NeuronProfiles(table, examples, circuit, n_positions, n_rows, notes)
-
-
-def _top_tokens(st: _LayerStats, j: int, tokenizer: Any, n: int, min_count: int) -> str:
-    """``"' the' +0.53 (n=12), ..."``: the tokens with the largest mean ``|output|``."""
-    if st.token_sum is None or st.token_count is None or n <= 0:
-        return ""
-    count = st.token_count.double()
-    mean = st.token_sum[j] / count.clamp(min=1)
-    score = mean.abs().masked_fill(count < max(min_count, 1), -1.0)
-    values, idx = score.topk(min(n, score.numel()))
-    return ", ".join(
-        f"{token_text(tokenizer, int(t))!r} {float(mean[t]):+.3g} (n={int(count[t])})"
-        for v, t in zip(values, idx, strict=True)
-        if v >= 0
-    )
 
 
 __all__ = [
