@@ -30,7 +30,7 @@ from tl_attnonly.analysis.discovery.node_circuits import (
     pair_cosine_metric,
 )
 from tl_attnonly.analysis.summaries import summarize_neuron_heads
-from tl_attnonly.encoder import convert_encoder
+from tl_attnonly.hooked.encoder import convert_encoder
 from tl_attnonly.minilm import load_minilm
 
 #: (sentence, paraphrase, sentence with one word swapped).

@@ -7,8 +7,8 @@ import torch
 from conftest import make_model, make_tokens
 
 from tl_attnonly import convert
-from tl_attnonly.derived_cache import CacheRunOptions, run_with_derived_cache
-from tl_attnonly.model import AttnOnlyTransformer
+from tl_attnonly.hooked.derived_cache import CacheRunOptions, run_with_derived_cache
+from tl_attnonly.hooked.model import AttnOnlyTransformer
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,9 @@ def test_convert_function_is_not_shadowed_by_its_module():
     assert callable(tl_attnonly.convert) and tl_attnonly.convert.__module__ == "tl_attnonly.convert"
     assert (
         cli.CONVERSION_FILE
-        == __import__("tl_attnonly.neuron_head_model", fromlist=["CONVERSION_FILE"]).CONVERSION_FILE
+        == __import__(
+            "tl_attnonly.hooked.neuron_head_model", fromlist=["CONVERSION_FILE"]
+        ).CONVERSION_FILE
     )
 
 

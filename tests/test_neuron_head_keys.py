@@ -22,7 +22,7 @@ from kinds import make_bridge, make_pair, make_tokens  # noqa: E402
 
 import tl_attnonly  # noqa: E402
 from tl_attnonly.bridge import set_use_neuron_result  # noqa: E402
-from tl_attnonly.derived_cache import NeuronHeadActivationCache  # noqa: E402
+from tl_attnonly.hooked.derived_cache import NeuronHeadActivationCache  # noqa: E402
 from tl_attnonly.hooks import neuron_act_name  # noqa: E402
 
 #: Neuron-head hooks a tuple key with layer type "mlp" reaches.

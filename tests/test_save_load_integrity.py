@@ -14,7 +14,7 @@ import tl_attnonly
 import tl_attnonly._version
 import tl_attnonly.activations as activations
 from tl_attnonly import AttnOnlyTransformer, convert
-from tl_attnonly.conversion_record import SavedModelError
+from tl_attnonly.hooked.conversion_record import SavedModelError
 
 
 def _bundled_tokenizer():

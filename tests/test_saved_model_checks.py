@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from tl_attnonly import AttnOnlyTransformer, convert
 from tl_attnonly.activations import FIT_RANGE, head_coefficients
-from tl_attnonly.conversion_record import SavedModelError
-from tl_attnonly.saving import pending_coefficients as _pending_coefficients
+from tl_attnonly.hooked.conversion_record import SavedModelError
+from tl_attnonly.hooked.saving import pending_coefficients as _pending_coefficients
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_edited_custom_coefficients_with_their_error_fail_the_checksum(tmp_path)
 def test_a_save_from_before_the_clamp_option_loads(saved, tokens):
     """Saves written before ``ConversionOptions.clamp`` existed (format 2, checksummed, no
     ``options.clamp``) still load, with the option's default."""
-    from tl_attnonly.conversion_record import checksums
+    from tl_attnonly.hooked.conversion_record import checksums
 
     model, directory = saved
     path = directory / "conversion.json"

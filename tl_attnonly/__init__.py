@@ -30,14 +30,14 @@ _LAZY = {
     "NEURON_HEAD_HOOKS": "tl_attnonly.components.neuron_heads",
     "NeuronHeadMLP": "tl_attnonly.components.neuron_heads",
     "GatedNeuronHeadMLP": "tl_attnonly.components.gated_neuron_heads",
-    "AttnOnlyEncoder": "tl_attnonly.encoder",
-    "convert_encoder": "tl_attnonly.encoder",
-    "neuron_head_cache": "tl_attnonly.derived_cache",
+    "AttnOnlyEncoder": "tl_attnonly.hooked.encoder",
+    "convert_encoder": "tl_attnonly.hooked.encoder",
+    "neuron_head_cache": "tl_attnonly.hooked.derived_cache",
     "dense_neuron_pattern": "tl_attnonly.hooks",
     "neuron_act_name": "tl_attnonly.hooks",
     "LiteralTransformer": "tl_attnonly.literal",
     "to_literal": "tl_attnonly.literal",
-    "AttnOnlyTransformer": "tl_attnonly.model",
+    "AttnOnlyTransformer": "tl_attnonly.hooked.model",
     "ConversionOptions": "tl_attnonly.options",
     "LiteralOptions": "tl_attnonly.options",
 }
@@ -51,11 +51,11 @@ if TYPE_CHECKING:
     )
     from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
     from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS, NeuronHeadMLP
-    from tl_attnonly.derived_cache import neuron_head_cache
-    from tl_attnonly.encoder import AttnOnlyEncoder, convert_encoder
+    from tl_attnonly.hooked.derived_cache import neuron_head_cache
+    from tl_attnonly.hooked.encoder import AttnOnlyEncoder, convert_encoder
+    from tl_attnonly.hooked.model import AttnOnlyTransformer
     from tl_attnonly.hooks import dense_neuron_pattern, neuron_act_name
     from tl_attnonly.literal import LiteralTransformer, to_literal
-    from tl_attnonly.model import AttnOnlyTransformer
     from tl_attnonly.options import ConversionOptions, LiteralOptions
 
 __all__ = [

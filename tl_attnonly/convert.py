@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from transformer_lens import HookedEncoder, HookedTransformer
 
     from tl_attnonly._compat import TransformerBridge
-    from tl_attnonly.encoder import AttnOnlyEncoder
+    from tl_attnonly.hooked.encoder import AttnOnlyEncoder
+    from tl_attnonly.hooked.model import AttnOnlyTransformer
     from tl_attnonly.literal import LiteralTransformer
-    from tl_attnonly.model import AttnOnlyTransformer
     from tl_attnonly.options import ConversionOptions, LiteralOptions
 
 
@@ -164,7 +164,7 @@ def convert(
     share_weights = bool(share_weights)
     literal_given = literal is not None or bool(literal_kwargs)
     if isinstance(model, HookedEncoder) and form == "structured" and not literal_given:
-        from tl_attnonly.encoder import convert_encoder
+        from tl_attnonly.hooked.encoder import convert_encoder
 
         return convert_encoder(model, conversion=options, share_weights=share_weights)
     if not isinstance(model, HookedTransformer):
@@ -203,7 +203,7 @@ def convert(
 def _convert_structured(
     model: HookedTransformer, options: ConversionOptions, share_weights: bool = False
 ) -> AttnOnlyTransformer:
-    from tl_attnonly.model import AttnOnlyTransformer
+    from tl_attnonly.hooked.model import AttnOnlyTransformer
 
     converted = AttnOnlyTransformer._converted_copy(model, options, share_weights=share_weights)
     if model.cfg.use_attn_result:

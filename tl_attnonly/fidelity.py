@@ -34,8 +34,8 @@ from jaxtyping import Float
 from transformer_lens import HookedEncoder
 
 from tl_attnonly.corpora import load_sentences
-from tl_attnonly.encoder import convert_encoder
 from tl_attnonly.fidelity_lm import to_markdown
+from tl_attnonly.hooked.encoder import convert_encoder
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.minilm import DEFAULT_MAX_LENGTH, encode_sentences, tokenize
 from tl_attnonly.options import ConversionOptions

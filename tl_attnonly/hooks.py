@@ -19,7 +19,7 @@ from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
 
 if TYPE_CHECKING:
-    from tl_attnonly.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.hooked.neuron_head_model import NeuronHeadModelMixin
     from tl_attnonly.protocol import AttnOnlyModel
 
 #: Neuron-head hook -> shape, for docs and checks.

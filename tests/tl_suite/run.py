@@ -2,7 +2,7 @@
 
 The drop-in check. On TransformerLens 3.x, TransformerLens's tests, written for
 ``HookedTransformer`` and ``HookedEncoder``, run against :class:`~tl_attnonly.AttnOnlyTransformer`
-and :class:`~tl_attnonly.encoder.AttnOnlyEncoder` (``tl_suite_plugin.py`` swaps the classes). On
+and :class:`~tl_attnonly.AttnOnlyEncoder` (``tl_suite_plugin.py`` swaps the classes). On
 TransformerLens 4.x (no ``HookedTransformer``), its tests run with every ``TransformerBridge``
 they build converted right after it is built (``bridge_conversion.py``).
 

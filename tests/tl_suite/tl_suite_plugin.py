@@ -8,7 +8,7 @@ would otherwise put first on ``sys.path``), and
   ``transformer_lens.HookedTransformer``
   (the package attribute) and ``transformer_lens.HookedTransformer.HookedTransformer`` (the
   module attribute) become :class:`~tl_attnonly.AttnOnlyTransformer`; the same for
-  ``HookedEncoder`` and :class:`~tl_attnonly.encoder.AttnOnlyEncoder`. ``HookedTransformer(cfg)``
+  ``HookedEncoder`` and :class:`~tl_attnonly.AttnOnlyEncoder`. ``HookedTransformer(cfg)``
   and ``HookedTransformer.from_pretrained(...)`` in TL's tests then build converted models.
   Module attributes only: no forward pass or method is patched. ``TL_SUITE_ORIGINAL=1`` leaves TL
   as it is (the baseline run);
@@ -66,7 +66,7 @@ HUB_TEXT = (
 
 def _swap() -> None:
     from tl_attnonly import AttnOnlyTransformer
-    from tl_attnonly.encoder import AttnOnlyEncoder
+    from tl_attnonly.hooked.encoder import AttnOnlyEncoder
 
     swaps = {"HookedTransformer": AttnOnlyTransformer, "HookedEncoder": AttnOnlyEncoder}
     for name, cls in swaps.items():

@@ -162,7 +162,7 @@ def convert_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
     if _is_local_name(args.model):
         original = _load_local(args.model)
         if args.model == "minilm":
-            from tl_attnonly.encoder import convert_encoder
+            from tl_attnonly.hooked.encoder import convert_encoder
 
             model = convert_encoder(original, **options)
         else:
@@ -200,7 +200,7 @@ def _load_converted_dir(directory: Path, bridge: bool) -> tuple[Any, Any, str]:
             "--bridge). A TransformerBridge is verified by model: `tl-attnonly verify MODEL` "
             "(bundled, smollm2, or a model name)."
         )
-    from tl_attnonly.conversion_record import SavedModelError, read_json
+    from tl_attnonly.hooked.conversion_record import SavedModelError, read_json
 
     try:
         record = read_json(conversion)

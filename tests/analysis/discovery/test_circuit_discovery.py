@@ -501,7 +501,7 @@ def test_node_circuits_on_an_encoder_are_exact_and_split_gate_and_value():
         node_labels,
         pair_cosine_metric,
     )
-    from tl_attnonly.encoder import convert_encoder
+    from tl_attnonly.hooked.encoder import convert_encoder
 
     model = convert_encoder(
         make_encoder("gelu", n_layers=2, d_model=16, n_heads=2, d_head=8, d_mlp=12)
