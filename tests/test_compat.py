@@ -139,3 +139,36 @@ def test_put_tensor_puts_the_tensor_itself_and_keeps_buffer_persistence():
     put_tensor(root, "0.scratch", scratch, buffer=True)
     assert root[0].weight is weight and root[0].scratch is scratch
     assert "0.scratch" not in root.state_dict()  # still non-persistent
+
+
+class TransformerBridge(torch.nn.Module):
+    """A look-alike: named ``TransformerBridge``, but not TransformerLens's."""
+
+
+def test_is_transformer_bridge_says_yes_for_a_bridge_raw_converted_or_subclassed():
+    from kinds import make_bridge
+
+    from tl_attnonly._compat import is_transformer_bridge
+
+    bridge = make_bridge("gpt2", convert=False)  # built offline, TransformerLens 3.9 and 4.x
+    assert is_transformer_bridge(bridge)
+    assert is_transformer_bridge(convert(bridge))  # converted in place: still the bridge
+
+    class MyBridge(type(bridge)):  # a user's subclass, outside transformer_lens
+        pass
+
+    bridge.__class__ = MyBridge
+    assert is_transformer_bridge(bridge)
+
+
+def test_is_transformer_bridge_says_no_for_other_models():
+    from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER, is_transformer_bridge
+
+    assert not is_transformer_bridge(torch.nn.Module())
+    assert not is_transformer_bridge(torch.nn.Linear(2, 3))
+    assert not is_transformer_bridge(TransformerBridge())  # the name alone is not enough
+    assert not is_transformer_bridge(HookPoint())  # a transformer_lens module, not a bridge
+    if HAS_HOOKED_TRANSFORMER:  # TransformerLens 3.x
+        model = make_model(n_layers=1)
+        assert not is_transformer_bridge(model)
+        assert not is_transformer_bridge(convert(model))  # an AttnOnlyTransformer

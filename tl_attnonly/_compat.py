@@ -159,8 +159,10 @@ def mlp_config(d_model: int, d_mlp: int, act_fn: str, dtype: torch.dtype) -> Any
 
 
 def is_transformer_bridge(model: object) -> bool:
-    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (3.x or 4.x), without
-    importing the bridge package for other objects."""
+    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (3.x or 4.x), or an instance
+    of a subclass of one, without importing the bridge package for other objects: a class named
+    ``TransformerBridge`` of ``transformer_lens.model_bridge`` in its MRO. The package's one test
+    of whether a model is a bridge."""
     for cls in type(model).__mro__:
         if cls.__name__ == "TransformerBridge" and cls.__module__.startswith(
             "transformer_lens.model_bridge"

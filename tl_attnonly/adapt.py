@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tl_attnonly._compat import is_transformer_bridge
 from tl_attnonly.bridge.adapter import BridgeAdapter
 from tl_attnonly.hooked.adapter import HookedAdapter
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
@@ -45,7 +46,7 @@ def analysis_model(
             "literal model's hooks (same names: blocks.{l}.mlp.hook_pattern, ...) with "
             "run_with_cache / run_with_hooks and the tl_attnonly.hooks presets."
         )
-    elif _is_transformer_bridge(model):
+    elif is_transformer_bridge(model):
         if neuron_heads and not allow_experts:  # before the adapter reads the attention
             _refuse_experts(_bridge_layers(model))
         adapted = BridgeAdapter(model)
@@ -112,13 +113,6 @@ def _refuse_experts(layers: list[Any]) -> None:
                 "blocks.{l}.mlp.hook_expert_weights / hook_expert_indices) with run_with_cache / "
                 "run_with_hooks."
             )
-
-
-def _is_transformer_bridge(model: object) -> bool:
-    return any(
-        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens.")
-        for cls in type(model).__mro__
-    )
 
 
 def _is_hooked_root(model: object) -> bool:
