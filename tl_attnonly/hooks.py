@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 from jaxtyping import Float
@@ -17,10 +17,6 @@ from transformer_lens import HookedRootModule
 
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.components.neuron_heads import NEURON_HEAD_HOOKS
-
-if TYPE_CHECKING:
-    from tl_attnonly.hooked.neuron_head_model import NeuronHeadModelMixin
-    from tl_attnonly.protocol import AttnOnlyModel
 
 #: Neuron-head hook -> shape, for docs and checks.
 NEURON_HOOK_SHAPES = {
@@ -259,8 +255,30 @@ def neuron_head_refs(layer: int, neuron: int, n_heads_per_neuron: int = 1) -> li
     return [HeadRef("neuron", layer, h) for h in range(start, start + n_heads_per_neuron)]
 
 
+class LayerCounts(Protocol):
+    """A config's ``n_layers`` and ``n_heads`` (TransformerLens's config, or
+    :class:`~tl_attnonly.protocol.ModelFacts`)."""
+
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+
+
+class HeadCounts(Protocol):
+    """What :func:`all_head_refs` reads of a model: ``cfg.n_layers``, ``cfg.n_heads`` and
+    ``n_neuron_heads``. An :class:`~tl_attnonly.protocol.AttnOnlyModel` and a converted
+    ``HookedTransformer`` or ``HookedEncoder`` have them; this module names neither class (the
+    converted models' modules import this one)."""
+
+    @property
+    def cfg(self) -> LayerCounts: ...
+    @property
+    def n_neuron_heads(self) -> int: ...
+
+
 def all_head_refs(
-    model: AttnOnlyModel | NeuronHeadModelMixin,
+    model: HeadCounts,
     kinds: Kinds = ("attn", "neuron"),
     layers: Iterable[int] | None = None,
 ) -> list[HeadRef]:
@@ -419,7 +437,9 @@ __all__ = [
     "ATTN_HEAD_HOOKS",
     "DENSE_PATTERN_BUDGET",
     "NEURON_HOOK_SHAPES",
+    "HeadCounts",
     "HeadRef",
+    "LayerCounts",
     "NamesFilter",
     "all_head_refs",
     "attn_head_label",

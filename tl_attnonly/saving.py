@@ -10,6 +10,7 @@ from tl_attnonly.hooked.saving import (
     CONVERSION_FILE,
     TOKENIZER_DIR,
     WEIGHTS_FILE,
+    SavableModel,
     get_pending_coefficients,
     load_model,
     pending_coefficients,
@@ -25,6 +26,7 @@ warnings.warn(
 __all__ = [
     "CONFIG_FILE",
     "CONVERSION_FILE",
+    "SavableModel",
     "TOKENIZER_DIR",
     "WEIGHTS_FILE",
     "get_pending_coefficients",

@@ -17,8 +17,9 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, TypeVar
 
 import torch
 from transformer_lens import HookedTransformerConfig
@@ -28,7 +29,7 @@ from tl_attnonly.hooked import conversion_record as record
 from tl_attnonly.options import ConversionOptions
 
 if TYPE_CHECKING:
-    from tl_attnonly.hooked.neuron_head_model import NeuronHeadModelMixin
+    from tl_attnonly.components.factory import NeuronHeadLayer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -41,7 +42,36 @@ _PENDING_COEFFICIENTS: contextvars.ContextVar[NeuronHeadCoefficients | None] = (
     contextvars.ContextVar("tl_attnonly_pending_coefficients", default=None)
 )
 
-M = TypeVar("M", bound="NeuronHeadModelMixin")
+
+class SavableModel(Protocol):
+    """What :func:`save_model` and :func:`load_model` use of a converted model: a
+    :class:`~tl_attnonly.hooked.neuron_head_model.NeuronHeadModelMixin` subclass, named by this
+    protocol rather than imported (that module imports this one)."""
+
+    cfg: HookedTransformerConfig
+    conversion: ConversionOptions
+    tokenizer: Any
+
+    def __init__(
+        self,
+        cfg: HookedTransformerConfig,
+        tokenizer: Any = None,
+        move_to_device: bool = True,
+        *,
+        conversion: ConversionOptions | None = None,
+    ) -> None: ...
+    @property
+    def neuron_heads(self) -> Sequence[NeuronHeadLayer]: ...
+    @property
+    def coefficients(self) -> NeuronHeadCoefficients | None: ...
+    def state_dict(self) -> Mapping[str, torch.Tensor]: ...
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
+    def to(
+        self, device_or_dtype: torch.device | str | torch.dtype, print_details: bool = True
+    ) -> Any: ...
+
+
+M = TypeVar("M", bound=SavableModel)
 
 
 @contextlib.contextmanager
@@ -59,7 +89,7 @@ def get_pending_coefficients() -> NeuronHeadCoefficients | None:
     return _PENDING_COEFFICIENTS.get()
 
 
-def save_model(model: NeuronHeadModelMixin, directory: str | Path) -> Path:
+def save_model(model: SavableModel, directory: str | Path) -> Path:
     """:meth:`~tl_attnonly.hooked.neuron_head_model.NeuronHeadModelMixin.save_pretrained`'s work."""
     from safetensors.torch import save_file
 
@@ -187,7 +217,7 @@ def load_model(
     model.cfg.init_weights = init_weights
     model.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=True)
     if model.cfg.n_devices > 1:  # TransformerLens's own split, as its from_pretrained does
-        model.move_model_modules_to_device()  # type: ignore[operator]
+        model.move_model_modules_to_device()  # type: ignore[attr-defined]
         return model
     return model.to(device, print_details=False)
 
@@ -327,6 +357,7 @@ def _config_from_json(d: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "CONFIG_FILE",
     "CONVERSION_FILE",
+    "SavableModel",
     "TOKENIZER_DIR",
     "WEIGHTS_FILE",
     "get_pending_coefficients",
