@@ -63,7 +63,6 @@ run, so check ``Circuit.ceiling``.
 
 from __future__ import annotations
 
-import re
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -75,24 +74,20 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
-from tl_attnonly.analysis.discovery.edge_scores import (
-    edge_attribution_scores,
-    mask_size,
-)
-from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
-from tl_attnonly.analysis.discovery.neuron_stage import (
-    NeuronStage,
-    kept_key,
-    neuron_mask,
-    resolve_neurons,
-    resolve_neurons_jointly,
+from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
+from tl_attnonly.analysis.discovery.graph import EMBED, mlp_rest_label
+from tl_attnonly.analysis.discovery.naming import name_neurons
+from tl_attnonly.analysis.discovery.node_selection import (
+    coarse_nodes,
+    expand_mask,
+    node_patching_metric,
+    top_nodes,
 )
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions, resolve_options
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.discovery.pruning import prune_ranked
+from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
-from tl_attnonly.analysis.discovery.relevance import check_relevance, neuron_relevance
+from tl_attnonly.analysis.discovery.relevance import check_relevance
 from tl_attnonly.analysis.discovery.runs import (
     Circuit,
     CorruptedRuns,
@@ -102,7 +97,6 @@ from tl_attnonly.analysis.discovery.runs import (
 )
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
-    Mask,
     batch_indices,
     call_metric,
     check_additive,
@@ -111,155 +105,13 @@ from tl_attnonly.analysis.discovery.sites import (
 from tl_attnonly.analysis.discovery.sweep import FIRST_SIZE as FIRST_SIZE
 from tl_attnonly.analysis.discovery.sweep import MONOTONE_TOLERANCE as MONOTONE_TOLERANCE
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
-from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
+    from tl_attnonly.protocol import ModelLike
 
 
 #: A circuit whose faithfulness exceeds ``1 + OVERSHOOT`` is warned about (it overshoots).
 OVERSHOOT = 0.2
-
-
-def top_nodes(
-    model: ModelLike,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    metric: DiscoveryMetric,
-    n_nodes: int,
-    *,
-    neuron_level: bool = True,
-    batch_size: int | None = None,
-    progress: bool = True,
-) -> tuple[list[str], pd.Series]:
-    """The ``n_nodes`` attention heads and neurons with the largest node attribution ``|score|``.
-
-    Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
-        clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
-        metric: As in :func:`~tl_attnonly.analysis.edge_attribution_scores` (additive over
-            batches).
-        n_nodes: How many nodes to keep (attention heads and neurons together).
-        neuron_level: Return neurons ``L{l}N{i}`` (default), or all their neuron-heads
-            ``L{l}N{i}.{k}`` (for a head-level graph).
-        batch_size: Examples per forward/backward pass; default all at once.
-        progress: Progress bar over batches.
-
-    Returns:
-        ``(labels, scores)``: the kept nodes' labels, best first, and every node's score
-        (``pd.Series`` indexed by label; ``"embed"`` included, never kept: the graph always has
-        it).
-    """
-    model = analysis_model(model)
-    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
-    from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
-
-    check_discoverable(model, neuron_level)
-    if n_nodes < 1:
-        raise ValueError(f"n_nodes must be >= 1, got {n_nodes}.")
-    batches = batch_indices(clean_tokens.shape[0], batch_size)
-    check_additive(model, clean_tokens, metric, batches)
-    total: pd.Series | None = None
-    for idx in tqdm(batches, desc="node attribution", disable=not progress):
-
-        def node_metric(out, inputs, idx=idx):
-            return call_metric(metric, out, idx)
-
-        scores = node_attribution_scores(
-            model, ModelInputs(clean_tokens[idx]), ModelInputs(corrupted_tokens[idx]), node_metric
-        ).scores
-        total = scores if total is None else total + scores
-    if total is None:
-        raise ValueError("No examples: clean_tokens has 0 rows.")
-    ranked = total.drop(EMBED).abs().sort_values(ascending=False, kind="stable")
-    labels = list(ranked.index[:n_nodes])
-    K = model.n_heads_per_neuron
-    if not neuron_level and K > 1:
-        labels = [f"{lab}.{k}" if "N" in lab else lab for lab in labels for k in range(K)]
-        labels = list(dict.fromkeys(labels))
-    return labels, total
-
-
-def coarse_nodes(model: ModelLike) -> list[str]:
-    """The coarse graph's nodes: every attention head and every MLP layer as one node."""
-    model = analysis_model(model)
-    cfg = model.cfg
-    heads = [attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)]
-    return heads + [mlp_rest_label(li) for li in range(cfg.n_layers)]
-
-
-def node_patching_metric(
-    model: ModelLike,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    metric: DiscoveryMetric,
-    nodes: list[str],
-    *,
-    batch_size: int | None = None,
-) -> float:
-    """The metric of the corrupted run with the clean outputs of ``nodes`` patched in.
-
-    Plain node patching, the baseline a circuit is compared with: every other node is recomputed
-    (not frozen to the corrupted run as in a circuit run).
-
-    Args:
-        nodes: Attention heads ``L{l}H{h}``, neurons ``L{l}N{i}``, MLP layers ``L{l}MLP`` (every
-            neuron of the layer); ``"embed"`` patches the token and position embeddings.
-            :func:`discover_circuit` gives the circuit's sources (a neuron-head's whole neuron at
-            neuron-head level).
-        Others: As in :func:`~tl_attnonly.analysis.circuit_metric`.
-
-    Returns:
-        The metric summed over batches.
-    """
-    model = analysis_model(model)
-    heads: dict[int, list[int]] = {}
-    neurons: dict[int, list[int] | None] = {}
-    embed = False
-    for label in nodes:
-        if label == EMBED:
-            embed = True
-        elif label.endswith("MLP"):
-            neurons[int(label[1:-3])] = None
-        elif "H" in label:
-            li, h = map(int, label[1:].split("H"))
-            heads.setdefault(li, []).append(h)
-        elif "N" in label and "." not in label:
-            li, i = map(int, label[1:].split("N"))
-            if neurons.get(li, []) is not None:
-                neurons.setdefault(li, []).append(i)  # type: ignore[union-attr]
-        else:
-            raise ValueError(
-                f"node_patching_metric patches heads 'L0H1', neurons 'L0N5', MLP layers 'L0MLP' "
-                f"and 'embed'; got {label!r}."
-            )
-    names: dict[str, list[int] | None] = {}
-    if embed:
-        names["hook_embed"] = None
-        if model.cfg.positional_embedding_type == "standard":
-            names["hook_pos_embed"] = None
-    for li, hs in heads.items():
-        names[head_act_name("z", li, "attn")] = hs
-    for li, idx in neurons.items():
-        names[neuron_act_name("post", li)] = idx
-    total = 0.0
-    for rows in batch_indices(clean_tokens.shape[0], batch_size):
-        with torch.no_grad():
-            _, cache = model.run_with_cache(clean_tokens[rows], names_filter=lambda n: n in names)
-
-            def patch(act, hook, cache=cache):
-                which = names[hook.name]
-                act = act.clone()
-                if which is None:
-                    return cache[hook.name].to(act.dtype)
-                act[:, :, which] = cache[hook.name][:, :, which].to(act.dtype)
-                return act
-
-            logits = model.run_with_hooks(
-                corrupted_tokens[rows], fwd_hooks=[(n, patch) for n in names]
-            )
-            total += call_metric(metric, logits, rows).item()
-    return total
 
 
 def _weighted_by_batch(metric: DiscoveryMetric, n_examples: int) -> DiscoveryMetric:
@@ -271,36 +123,6 @@ def _weighted_by_batch(metric: DiscoveryMetric, n_examples: int) -> DiscoveryMet
     if hasattr(metric, "logit_positions"):  # the same logits read
         additive.logit_positions = metric.logit_positions  # type: ignore[attr-defined]
     return additive
-
-
-def _coarse_key(key: str) -> str:
-    """The coarse group key of a fine group key (a layer's neurons belong to its MLP node)."""
-    return "mlp." + key.split(".", 1)[1] if key.startswith("neuron.") else key
-
-
-def expand_mask(coarse: HeadGraph, mask: Mask, fine: HeadGraph) -> Mask:
-    """A coarse circuit on a finer graph: each edge into or out of ``L{l}MLP`` goes into or out of
-    each of the layer's named neurons and its remainder (the same circuit, computed exactly)."""
-
-    def rows_of(fine_group, coarse_group) -> list[int]:
-        if coarse_group.kind == MLP_REST:
-            return [0] * len(fine_group.labels)
-        where = {label: i for i, label in enumerate(coarse_group.labels)}
-        return [where[label] for label in fine_group.labels]
-
-    out = {}
-    for src, dst in fine.blocks():
-        c_src = coarse.source_by_key[_coarse_key(src.key)]
-        c_dst = coarse.input_by_key[_coarse_key(dst.key)]
-        block = mask[(c_src.key, c_dst.key)]
-        rows = torch.tensor(rows_of(src, c_src), dtype=torch.long, device=block.device)
-        cols = torch.tensor(rows_of(dst, c_dst), dtype=torch.long, device=block.device)
-        out[(src.key, dst.key)] = block[rows][:, cols].clone()
-    return out
-
-
-def _without_sources(mask: Mask, keys: set[str]) -> Mask:
-    return {k: (torch.zeros_like(m) if k[0] in keys else m) for k, m in mask.items()}
 
 
 def discover_circuit(
@@ -476,7 +298,7 @@ def discover_circuit(
     fine_nodes = nodes
     if opts.graph == "coarse" and opts.neurons_per_mlp != 0:
         t = time.perf_counter()
-        circuit, fine_nodes = _name_neurons(
+        circuit, fine_nodes = name_neurons(
             model,
             circuit,
             clean_tokens,
@@ -529,169 +351,6 @@ def discover_circuit(
                     )
     circuit.extra["seconds"] = seconds
     return circuit
-
-
-#: A neuron node of a layer (``"L{l}N{j}"``, a neuron-head ``"L{l}N{j}..."``): its layer.
-_NEURON_OF_LAYER = re.compile(r"L(\d+)N")
-
-
-def _neuron_scores(
-    model: AttnOnlyModel,
-    clean,
-    corrupted,
-    metric,
-    opts: DiscoveryOptions,
-    layers: list[int],
-    coarse: Circuit,
-    positions: PositionClasses | None = None,
-) -> pd.Series:
-    """Every neuron's score by ``opts.neuron_ranking`` (``L{l}N{i}`` -> score; RelP and circuit:
-    the neurons of ``layers`` only): node attribution (:func:`top_nodes`), RelP relevance
-    (:func:`~.relevance.neuron_relevance`) or the score along the ``coarse`` circuit's edges of
-    the neuron's MLP node (:func:`~.circuit_neurons.circuit_neuron_scores`)."""
-    if opts.neuron_ranking == "attribution":
-        return top_nodes(
-            model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
-        )[1]
-    if opts.neuron_ranking == "circuit":
-        return circuit_neuron_scores(
-            model, coarse.graph, coarse.mask, clean, corrupted, metric, layers,
-            method=opts.neuron_method, ig_steps=opts.ig_steps, batch_size=opts.batch_size,
-            positions=positions, progress=opts.progress,
-        )  # fmt: skip
-    relevance = neuron_relevance(
-        model, clean, corrupted, metric, layers=layers, rule="relp", batch_size=opts.batch_size
-    )
-    return pd.Series(
-        {f"L{li}N{i}": float(v) for li in layers for i, v in enumerate(relevance[li].tolist())}
-    )
-
-
-def _name_neurons(
-    model: AttnOnlyModel,
-    coarse: Circuit,
-    clean,
-    corrupted,
-    metric,
-    opts: DiscoveryOptions,
-    positions: PositionClasses | None = None,
-    corrupted_runs: CorruptedRuns | None = None,
-):
-    """Step 3 and 4 of the module docstring: the circuit on the graph with named neurons."""
-    layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
-    coarse.extra["coarse"] = coarse
-    if not layers:
-        coarse.extra["named"] = {}
-        return coarse, coarse_nodes(model)
-    node_scores = _neuron_scores(model, clean, corrupted, metric, opts, layers, coarse, positions)
-    auto = opts.neurons_per_mlp == "auto"
-    count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
-    named: dict[int, list[str]] = {}
-    of_layer: dict[int, list[str]] = {li: [] for li in layers}
-    for label in node_scores.index.tolist():  # one pass: "L{l}N..." is a neuron of layer l
-        found = _NEURON_OF_LAYER.match(label)
-        if found and int(found.group(1)) in of_layer:
-            of_layer[int(found.group(1))].append(label)
-    for li in layers:
-        ranked = node_scores[of_layer[li]].abs().sort_values(ascending=False, kind="stable")
-        named[li] = list(ranked.index[:count])
-    stage: dict = {}
-    cut: set[int] = set()
-    measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
-    if auto:
-        ground = NeuronStage(
-            model, coarse, named, clean, corrupted, metric, opts, coarse_nodes(model),
-            positions, corrupted_runs,
-        )  # fmt: skip
-        try:
-            if opts.neuron_search == "joint":
-                named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
-            else:
-                named, cut, table = resolve_neurons(ground)
-                n_runs = int(table.runs.sum())
-        finally:
-            ground.bar.close()  # closed with its summary unless the search raised
-        stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
-        measured = ground.measured
-    fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
-    scores = edge_attribution_scores(
-        model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
-        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress, positions=positions,
-    )  # fmt: skip
-    mask = _without_sources(
-        expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
-    )
-    # Per layer, the circuit without its named neurons' edges, its remainder's, both. Where a
-    # run would repeat another (a cut remainder: without it is the circuit itself; no named
-    # neuron: the same), it is not made. Each is run on the coarse graph, each layer's MLP node
-    # passing on the changes of the neurons whose edges the circuit keeps (the same runs as on
-    # the graph with named neurons: circuit_metrics' kept_neurons).
-    d_mlp = int(model.cfg.d_mlp or 0)
-
-    def neurons(li: int, named_in: bool = True, rest_in: bool = False) -> torch.Tensor:
-        """``bool [d_mlp]``: layer ``li``'s named neurons if ``named_in``, the others if
-        ``rest_in``."""
-        mine = neuron_mask(d_mlp, named[li])
-        return (mine & named_in) | (~mine & rest_in)
-
-    def without(li: int, named_out: bool, rest_out: bool) -> dict[int, torch.Tensor]:
-        """The circuit's kept neurons without layer ``li``'s named neurons and/or remainder."""
-        return {**base, li: neurons(li, not named_out, li not in cut and not rest_out)}
-
-    base = {li: neurons(li) for li in cut}  # a cut layer passes on its named neurons only
-    kept: list[dict[int, torch.Tensor]] = [base]
-    runs: list[tuple[int, int, int]] = []
-    for li in layers:
-        j_named = j_layer = j_rest = 0
-        if named[li]:
-            kept.append(without(li, named_out=True, rest_out=False))
-            j_named = j_layer = len(kept) - 1
-        if li not in cut:
-            kept.append(without(li, named_out=False, rest_out=True))
-            j_rest = j_layer = len(kept) - 1
-            if named[li]:
-                kept.append(without(li, named_out=True, rest_out=True))
-                j_layer = len(kept) - 1
-        runs.append((j_named, j_rest, j_layer))
-    named_only = 0
-    if set(layers) - cut:
-        kept.append({**base, **{li: neurons(li) for li in layers}})
-        named_only = len(kept) - 1
-    # the runs the adaptive stage made already (the returned circuit; without each kept layer,
-    # its step 5) are not made again
-    todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
-    fresh = circuit_metrics(
-        model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=coarse_nodes(model),
-        batch_size=opts.batch_size, progress=opts.progress, positions=positions,
-        corrupted_runs=corrupted_runs, kept_neurons=todo,
-    ) if todo else []  # fmt: skip
-    known = {**measured, **{kept_key(k): v for k, v in zip(todo, fresh, strict=True)}}
-    values = [known[kept_key(k)] for k in kept]
-    m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
-    denom = m_clean - m_corr
-    m_fine = values[0]
-    rows = []
-    for li, (i_named, i_rest, i_layer) in zip(layers, runs, strict=True):
-        no_named, no_rest, no_layer = values[i_named], values[i_rest], values[i_layer]
-        rows.append(
-            dict(
-                node=mlp_rest_label(li),
-                named=", ".join(named[li]),
-                named_effect=(m_fine - no_named) / denom,
-                rest_effect=(m_fine - no_rest) / denom,
-                layer_effect=(m_fine - no_layer) / denom,
-            )
-        )
-    columns = ["node", "named", "named_effect", "rest_effect", "layer_effect"]
-    split = pd.DataFrame(rows, columns=columns)
-    fine = Circuit(
-        scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
-        extra={**coarse.extra, "named": named, **stage,
-               "faithfulness_named_only": faithfulness(values[named_only], m_clean, m_corr)},
-        ceiling=coarse.ceiling, curve=coarse.curve, warnings=list(coarse.warnings),
-        mlp_split=split,
-    )  # fmt: skip
-    return fine, fine_nodes
 
 
 __all__ = [

@@ -1,0 +1,214 @@
+"""Naming neurons in a coarse circuit: each MLP node split into named neurons and a remainder.
+
+Steps 3 and 4 of :func:`~.search.discover_circuit` (:mod:`.search`' module docstring): inside each
+MLP node of the coarse circuit the best neurons by ``opts.neuron_ranking`` (node attribution,
+RelP relevance, or the score along the node's circuit edges) are named, a fixed number or
+(``neurons_per_mlp="auto"``) as many as exact runs need (:mod:`.neuron_stage`); the graph is
+rebuilt with them as nodes, the coarse circuit expanded onto it (:func:`~.node_selection.
+expand_mask`), its edges scored again, and per layer the exact effect of the named neurons'
+edges, the remainder's and both is measured (``Circuit.mlp_split``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import torch
+
+from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
+from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
+from tl_attnonly.analysis.discovery.graph import mlp_rest_label
+from tl_attnonly.analysis.discovery.neuron_stage import (
+    NeuronStage,
+    kept_key,
+    neuron_mask,
+    resolve_neurons,
+    resolve_neurons_jointly,
+)
+from tl_attnonly.analysis.discovery.node_selection import coarse_nodes, expand_mask, top_nodes
+from tl_attnonly.analysis.discovery.options import DiscoveryOptions
+from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.discovery.relevance import neuron_relevance
+from tl_attnonly.analysis.discovery.runs import (
+    Circuit,
+    CorruptedRuns,
+    circuit_metrics,
+    faithfulness,
+)
+from tl_attnonly.analysis.discovery.sites import Mask
+
+if TYPE_CHECKING:
+    from tl_attnonly.protocol import AttnOnlyModel
+
+
+def _without_sources(mask: Mask, keys: set[str]) -> Mask:
+    return {k: (torch.zeros_like(m) if k[0] in keys else m) for k, m in mask.items()}
+
+
+#: A neuron node of a layer (``"L{l}N{j}"``, a neuron-head ``"L{l}N{j}..."``): its layer.
+_NEURON_OF_LAYER = re.compile(r"L(\d+)N")
+
+
+def _neuron_scores(
+    model: AttnOnlyModel,
+    clean,
+    corrupted,
+    metric,
+    opts: DiscoveryOptions,
+    layers: list[int],
+    coarse: Circuit,
+    positions: PositionClasses | None = None,
+) -> pd.Series:
+    """Every neuron's score by ``opts.neuron_ranking`` (``L{l}N{i}`` -> score; RelP and circuit:
+    the neurons of ``layers`` only): node attribution (:func:`top_nodes`), RelP relevance
+    (:func:`~.relevance.neuron_relevance`) or the score along the ``coarse`` circuit's edges of
+    the neuron's MLP node (:func:`~.circuit_neurons.circuit_neuron_scores`)."""
+    if opts.neuron_ranking == "attribution":
+        return top_nodes(
+            model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
+        )[1]
+    if opts.neuron_ranking == "circuit":
+        return circuit_neuron_scores(
+            model, coarse.graph, coarse.mask, clean, corrupted, metric, layers,
+            method=opts.neuron_method, ig_steps=opts.ig_steps, batch_size=opts.batch_size,
+            positions=positions, progress=opts.progress,
+        )  # fmt: skip
+    relevance = neuron_relevance(
+        model, clean, corrupted, metric, layers=layers, rule="relp", batch_size=opts.batch_size
+    )
+    return pd.Series(
+        {f"L{li}N{i}": float(v) for li in layers for i, v in enumerate(relevance[li].tolist())}
+    )
+
+
+def name_neurons(
+    model: AttnOnlyModel,
+    coarse: Circuit,
+    clean,
+    corrupted,
+    metric,
+    opts: DiscoveryOptions,
+    positions: PositionClasses | None = None,
+    corrupted_runs: CorruptedRuns | None = None,
+):
+    """Step 3 and 4 of :mod:`.search`' module docstring: the circuit on the graph with named
+    neurons."""
+    layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
+    coarse.extra["coarse"] = coarse
+    if not layers:
+        coarse.extra["named"] = {}
+        return coarse, coarse_nodes(model)
+    node_scores = _neuron_scores(model, clean, corrupted, metric, opts, layers, coarse, positions)
+    auto = opts.neurons_per_mlp == "auto"
+    count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
+    named: dict[int, list[str]] = {}
+    of_layer: dict[int, list[str]] = {li: [] for li in layers}
+    for label in node_scores.index.tolist():  # one pass: "L{l}N..." is a neuron of layer l
+        found = _NEURON_OF_LAYER.match(label)
+        if found and int(found.group(1)) in of_layer:
+            of_layer[int(found.group(1))].append(label)
+    for li in layers:
+        ranked = node_scores[of_layer[li]].abs().sort_values(ascending=False, kind="stable")
+        named[li] = list(ranked.index[:count])
+    stage: dict = {}
+    cut: set[int] = set()
+    measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
+    if auto:
+        ground = NeuronStage(
+            model, coarse, named, clean, corrupted, metric, opts, coarse_nodes(model),
+            positions, corrupted_runs,
+        )  # fmt: skip
+        try:
+            if opts.neuron_search == "joint":
+                named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
+            else:
+                named, cut, table = resolve_neurons(ground)
+                n_runs = int(table.runs.sum())
+        finally:
+            ground.bar.close()  # closed with its summary unless the search raised
+        stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
+        measured = ground.measured
+    fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
+    scores = edge_attribution_scores(
+        model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
+        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress, positions=positions,
+    )  # fmt: skip
+    mask = _without_sources(
+        expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
+    )
+    # Per layer, the circuit without its named neurons' edges, its remainder's, both. Where a
+    # run would repeat another (a cut remainder: without it is the circuit itself; no named
+    # neuron: the same), it is not made. Each is run on the coarse graph, each layer's MLP node
+    # passing on the changes of the neurons whose edges the circuit keeps (the same runs as on
+    # the graph with named neurons: circuit_metrics' kept_neurons).
+    d_mlp = int(model.cfg.d_mlp or 0)
+
+    def neurons(li: int, named_in: bool = True, rest_in: bool = False) -> torch.Tensor:
+        """``bool [d_mlp]``: layer ``li``'s named neurons if ``named_in``, the others if
+        ``rest_in``."""
+        mine = neuron_mask(d_mlp, named[li])
+        return (mine & named_in) | (~mine & rest_in)
+
+    def without(li: int, named_out: bool, rest_out: bool) -> dict[int, torch.Tensor]:
+        """The circuit's kept neurons without layer ``li``'s named neurons and/or remainder."""
+        return {**base, li: neurons(li, not named_out, li not in cut and not rest_out)}
+
+    base = {li: neurons(li) for li in cut}  # a cut layer passes on its named neurons only
+    kept: list[dict[int, torch.Tensor]] = [base]
+    runs: list[tuple[int, int, int]] = []
+    for li in layers:
+        j_named = j_layer = j_rest = 0
+        if named[li]:
+            kept.append(without(li, named_out=True, rest_out=False))
+            j_named = j_layer = len(kept) - 1
+        if li not in cut:
+            kept.append(without(li, named_out=False, rest_out=True))
+            j_rest = j_layer = len(kept) - 1
+            if named[li]:
+                kept.append(without(li, named_out=True, rest_out=True))
+                j_layer = len(kept) - 1
+        runs.append((j_named, j_rest, j_layer))
+    named_only = 0
+    if set(layers) - cut:
+        kept.append({**base, **{li: neurons(li) for li in layers}})
+        named_only = len(kept) - 1
+    # the runs the adaptive stage made already (the returned circuit; without each kept layer,
+    # its step 5) are not made again
+    todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
+    fresh = circuit_metrics(
+        model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=coarse_nodes(model),
+        batch_size=opts.batch_size, progress=opts.progress, positions=positions,
+        corrupted_runs=corrupted_runs, kept_neurons=todo,
+    ) if todo else []  # fmt: skip
+    known = {**measured, **{kept_key(k): v for k, v in zip(todo, fresh, strict=True)}}
+    values = [known[kept_key(k)] for k in kept]
+    m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
+    denom = m_clean - m_corr
+    m_fine = values[0]
+    rows = []
+    for li, (i_named, i_rest, i_layer) in zip(layers, runs, strict=True):
+        no_named, no_rest, no_layer = values[i_named], values[i_rest], values[i_layer]
+        rows.append(
+            dict(
+                node=mlp_rest_label(li),
+                named=", ".join(named[li]),
+                named_effect=(m_fine - no_named) / denom,
+                rest_effect=(m_fine - no_rest) / denom,
+                layer_effect=(m_fine - no_layer) / denom,
+            )
+        )
+    columns = ["node", "named", "named_effect", "rest_effect", "layer_effect"]
+    split = pd.DataFrame(rows, columns=columns)
+    fine = Circuit(
+        scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
+        extra={**coarse.extra, "named": named, **stage,
+               "faithfulness_named_only": faithfulness(values[named_only], m_clean, m_corr)},
+        ceiling=coarse.ceiling, curve=coarse.curve, warnings=list(coarse.warnings),
+        mlp_split=split,
+    )  # fmt: skip
+    return fine, fine_nodes
+
+
+__all__ = ["name_neurons"]
