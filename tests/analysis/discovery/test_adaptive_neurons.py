@@ -545,7 +545,8 @@ def test_the_split_table_takes_the_runs_the_stage_made(monkeypatch):
     step): the split table (``Circuit.mlp_split``) does not run them again, nor any other run
     the stage made; its figures are still those of runs on the graph with the named neurons
     (``test_kept_neurons``' split test)."""
-    from tl_attnonly.analysis.discovery import neuron_stage, search
+    from tl_attnonly.analysis.discovery import naming as search  # the split table's runs
+    from tl_attnonly.analysis.discovery import neuron_stage
     from tl_attnonly.analysis.discovery.neuron_stage import kept_key
 
     def counting(module, into: list):
