@@ -4,6 +4,8 @@
 :mod:`.graph`            the unified graph: embeddings, attention heads, neuron-heads, logits
 :mod:`.sites`            where each node of the graph reads and writes the residual stream
 :mod:`.edge_scores`      edge attribution patching (EAP, EAP-IG) over that graph
+:mod:`.eap_blocks`       the linear algebra of one block's EAP scores (writers, readers, rows)
+:mod:`.scored_edges`     EdgeScores: every edge of a graph with its estimated effect
 :mod:`.pruning`          top edges by rank (signed or |score|) to a circuit mask, no dangling edges
 :mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
 :mod:`.runs`             exact circuit runs (full or restricted graphs), gate/value splits
@@ -14,6 +16,8 @@
 :mod:`.circuit_neurons`  each neuron's attribution along its MLP node's circuit edges
 :mod:`.options`          DiscoveryOptions: how discover_circuit searches
 :mod:`.search`           discover_circuit: coarse graph, sweep to a faithfulness target, neurons
+:mod:`.node_selection`   top_nodes, coarse_nodes, expand_mask, the node-patching baseline
+:mod:`.naming`           the coarse circuit's MLP nodes split into named neurons and a remainder
 :mod:`.sweep`            the sweep: exact runs of top-n circuits up to the faithfulness target
 :mod:`.refine`           pruning by exact runs: the sweep's circuit less what it does not need
 :mod:`.neuron_stage`     neurons_per_mlp="auto": named neurons per MLP node chosen by exact runs
