@@ -9,14 +9,18 @@ call :func:`tl_attnonly.adapt.analysis_model` once, at their entry, and read eve
 ``cfg``                         :class:`ModelFacts`: TransformerLens's config names for the few
                                 facts analysis reads (sizes, positions, norms, parallel blocks)
 ``blocks[l]``                   :class:`Block`: ``attn`` (:class:`AttentionWeights`, TL shapes),
-                                ``mlp`` (the neuron-head layer, or the MLP of an unconverted
-                                model), ``ln1`` / ``ln2`` (:class:`Norm` or ``None``)
+                                ``mlp`` (:class:`NeuronHeadLayerView`; every MLP says through
+                                :class:`MLPLayer` whether it is converted, gated, experts),
+                                ``ln1`` / ``ln2`` (:class:`Norm` or ``None``)
 ``ln_final``                    :class:`Norm` or ``None``
 ``W_E``, ``W_U``, ``b_U``       embedding and unembedding, TransformerLens orientation
-``neuron_heads``                one neuron-head layer per block (``W_Q``, ``W_V``, ``W_O``,
-                                coefficients; :class:`~tl_attnonly.NeuronHeadMLP` and subclasses)
+``neuron_heads``                one neuron-head layer per block (:class:`NeuronHeadLayerView`;
+                                a mixture of experts: :class:`ExpertsLayerView`)
 ``run_with_hooks`` / ``...``    the model's own ``__call__``, ``run_with_hooks``,
                                 ``run_with_cache``, ``to_tokens``, ``to_str_tokens``, tokenizer
+``tokenize`` / ``str_tokens``   a text's token ids with the forward arguments that go with them
+                                (an encoder's), the string tokens of ids, an encoder's
+                                ``encoder_output``
 ``layer_runs(tokens)``          runs that resume from a block's residual stream
                                 (:class:`LayerRunner`)
 ==============================  ==================================================================
@@ -31,7 +35,9 @@ call :func:`tl_attnonly.adapt.analysis_model` once, at their entry, and read eve
   unconverted one for the tools that need no neuron-heads.
 
 Where the two kinds differ, the adapter says so through the interface (``can_resume``,
-``prefix_reuse``, ``is_encoder``, ``cfg.post_norm``), never through its class.
+``prefix_reuse``, ``is_encoder``, ``cfg.post_norm``), never through its class; where layers differ
+(plain or gated, dense or experts, converted or not), the layer says so (:class:`MLPLayer`), never
+through its class either.
 """
 
 from __future__ import annotations
@@ -39,13 +45,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
 
-if TYPE_CHECKING:
-    from tl_attnonly.components.factory import NeuronHeadLayer
+from tl_attnonly.mlp_protocol import (
+    ConvertedMLP,
+    ExpertsLayerView,
+    GatedNeuronHeadLayerView,
+    MLPLayer,
+    NeuronHeadLayerView,
+    PlainNeuronHeadLayerView,
+    UnconvertedMLP,
+)
 
 Tensor = torch.Tensor
 #: Forward hooks: ``(hook name or filter, function)`` pairs, as ``run_with_hooks`` takes them.
@@ -154,9 +167,14 @@ class Block:
 
     #: The attention layer's weights.
     attn: AttentionWeights
-    #: The neuron-head layer (``W_Q``, ``W_V``, ``W_O``, ``W_in``, ``W_out``, ``b_O``, ...), or the
-    #: MLP of an unconverted model.
-    mlp: Any
+    #: The block's MLP: the dense neuron-head layer, which the tools read. Every MLP says what it
+    #: is (:class:`MLPLayer`); two kinds have no dense neuron-heads and are refused by
+    #: :func:`tl_attnonly.adapt.analysis_model` unless the tool asks for them, so a tool that took
+    #: its model from it reads a :class:`NeuronHeadLayerView` here: a mixture of experts
+    #: (``is_mixture_of_experts``: an :class:`ExpertsLayerView`, with ``allow_experts=True``) and
+    #: an unconverted model's MLP (``converted`` false: an :class:`UnconvertedMLP`, with
+    #: ``neuron_heads=False``).
+    mlp: NeuronHeadLayerView
     #: The attention layer's input normalisation (``None``: none).
     ln1: Norm | None
     #: The MLP's input normalisation (``None``: none).
@@ -231,7 +249,10 @@ class AttnOnlyModel(Protocol):
     @property
     def is_converted(self) -> bool: ...
     @property
-    def neuron_heads(self) -> list[NeuronHeadLayer]: ...
+    def neuron_heads(self) -> list[ConvertedMLP]:
+        """Every block's neuron-head layer (``[]`` for a model that is not converted)."""
+        ...
+
     @property
     def n_heads_per_neuron(self) -> int: ...
     @property
@@ -254,6 +275,29 @@ class AttnOnlyModel(Protocol):
     def to_tokens(self, *args: Any, **kwargs: Any) -> Any: ...
     def to_str_tokens(self, *args: Any, **kwargs: Any) -> Any: ...
     def to_single_token(self, string: str) -> int: ...
+
+    def tokenize(
+        self, text: str | list[str]
+    ) -> tuple[Int[torch.Tensor, "batch pos"], dict[str, Any]]:
+        """The token ids of ``text``, and the keyword arguments a forward pass of them takes
+        with them (an encoder's ``token_type_ids`` and ``one_zero_attention_mask``; none for a
+        decoder)."""
+        ...
+
+    def str_tokens(self, tokens: Int[torch.Tensor, " pos"]) -> list[str]:
+        """The string token of each id (the id as text where the model has no tokenizer)."""
+        ...
+
+    def encoder_output(
+        self,
+        tokens: Int[torch.Tensor, "batch pos"],
+        token_type_ids: Int[torch.Tensor, "batch pos"] | None = None,
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        """An encoder's final hidden states (``HookedEncoder.encoder_output``: its blocks'
+        output, without the head), with the hooks in force."""
+        ...
+
     def parameters(self) -> Any: ...
     def tokens_to_residual_directions(self, tokens: Any) -> torch.Tensor: ...
     def set_use_neuron_result(self, use_neuron_result: bool) -> None: ...
@@ -277,6 +321,7 @@ class AdapterBase:
     cfg: ModelFacts
     blocks: list[Block]
     ln_final: Norm | None
+    is_encoder: bool
 
     @property
     def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:
@@ -322,6 +367,30 @@ class AdapterBase:
     def to_single_token(self, string: str) -> int:
         return self.model.to_single_token(string)
 
+    def tokenize(
+        self, text: str | list[str]
+    ) -> tuple[Int[torch.Tensor, "batch pos"], dict[str, Any]]:
+        """The model's ``to_tokens(text)``; a decoder's forward takes nothing else with them."""
+        return self.model.to_tokens(text), {}
+
+    def str_tokens(self, tokens: Int[torch.Tensor, " pos"]) -> list[str]:
+        """The model's ``to_str_tokens``; an encoder (which has none): its tokenizer's
+        ``convert_ids_to_tokens``; no tokenizer: the ids as text."""
+        if self.tokenizer is None:
+            return [str(int(t)) for t in tokens]
+        if self.is_encoder:
+            return list(self.tokenizer.convert_ids_to_tokens(tokens.tolist()))
+        return list(self.to_str_tokens(tokens))
+
+    def encoder_output(
+        self,
+        tokens: Int[torch.Tensor, "batch pos"],
+        token_type_ids: Int[torch.Tensor, "batch pos"] | None = None,
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        """The model's own ``encoder_output`` (a ``HookedEncoder``'s; a decoder has none)."""
+        return self.model.encoder_output(tokens, token_type_ids, attention_mask)
+
     def parameters(self) -> Any:
         return self.model.parameters()
 
@@ -343,7 +412,14 @@ __all__ = [
     "AttentionWeights",
     "AttnOnlyModel",
     "Block",
+    "ConvertedMLP",
+    "ExpertsLayerView",
+    "GatedNeuronHeadLayerView",
     "LayerRunner",
+    "MLPLayer",
     "ModelFacts",
+    "NeuronHeadLayerView",
     "Norm",
+    "PlainNeuronHeadLayerView",
+    "UnconvertedMLP",
 ]

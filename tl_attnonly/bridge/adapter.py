@@ -6,7 +6,8 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
 * **Weights.** The bridge's attention components give TransformerLens-shaped ``W_Q`` ... ``W_O``
   (TL 3.9 and 4.x); :class:`BridgeAttention` fills absent biases with zeros and repeats grouped
   key/value heads per query head, as ``GroupedQueryAttention.W_K`` does. The neuron-head layers
-  are the converted bridge's (:func:`tl_attnonly.bridge.neuron_head_layers`).
+  are the converted bridge's (:func:`tl_attnonly.bridge.neuron_head_layers`); an unconverted
+  MLP is its Hugging Face module wrapped as an :class:`~tl_attnonly.mlp_protocol.UnconvertedMLP`.
 * **Norms.** :class:`BridgeNorm` is the bridge's own normalisation maths (TransformerLens's
   python path: LayerNorm or RMSNorm, Gemma's ``1 + weight``), computed without firing hooks.
 * **Facts** the bridge's config does not state are read from its structure: norms after each
@@ -33,9 +34,18 @@ import torch.nn as nn
 from jaxtyping import Float, Int
 
 from tl_attnonly._compat import BRIDGE_STARTS_AT_LAYER, child_module
+from tl_attnonly.bridge.experts import mounted_experts
 from tl_attnonly.bridge.hook_names import RUN_OPTIONS, BridgeHooks, HookAs, named_hooks
 from tl_attnonly.bridge.layer_runner import RESUMABLE, BridgeLayerRunner, blocks_can_be_called
-from tl_attnonly.protocol import AdapterBase, Block, ModelFacts
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.protocol import (
+    AdapterBase,
+    Block,
+    ConvertedMLP,
+    ModelFacts,
+    NeuronHeadLayerView,
+    UnconvertedMLP,
+)
 
 
 class BridgeNorm:
@@ -206,9 +216,32 @@ def _norm(component: Any, eps: float) -> BridgeNorm | None:
     return BridgeNorm(component, eps)
 
 
-def _facts(bridge: Any) -> ModelFacts:
-    from tl_attnonly.bridge.modules import BridgeGatedNeuronHeadMLP
+def bridge_mlp(component: Any, cfg: Any) -> NeuronHeadLayerView:
+    """A block's MLP component as :attr:`~tl_attnonly.protocol.Block.mlp` holds it: the converted
+    bridge's neuron-head layer (a mixture of experts: the neuron-head experts mounted in it); an
+    unconverted one (or none) its Hugging Face module as an
+    :class:`~tl_attnonly.mlp_protocol.UnconvertedMLP`, gated as the config says.
 
+    Args:
+        component: The bridge's MLP component (``blocks[l].mlp``), or ``None``.
+        cfg: The bridge's config.
+    """
+    experts = None if component is None else mounted_experts(component)
+    if experts is not None:
+        return cast(NeuronHeadLayerView, experts)
+    layer = getattr(component, "original_component", None)
+    if isinstance(layer, NeuronHeadBase):
+        return cast(NeuronHeadLayerView, layer)
+    unconverted = UnconvertedMLP(
+        layer,
+        gated=layer is not None and bool(getattr(cfg, "gated_mlp", False)),
+        is_mixture_of_experts=type(component).__name__ == "MoEBridge",
+    )
+    return cast(NeuronHeadLayerView, unconverted)  # its flags say what it is (Block.mlp)
+
+
+def _facts(bridge: Any, gated_mlp: bool) -> ModelFacts:
+    """The facts of ``bridge``; ``gated_mlp``: what its blocks' MLPs say (``gated``)."""
     cfg = bridge.cfg
     blocks = list(bridge.blocks)
     first = blocks[0]
@@ -227,7 +260,6 @@ def _facts(bridge: Any) -> ModelFacts:
         for block in blocks
         for name in ("q_norm", "k_norm")
     )
-    mlp_layers = [getattr(child_module(b, "mlp"), "original_component", None) for b in blocks]
     n_kv = n_key_value_heads(attn, cfg.n_heads) if attn is not None else cfg.n_heads
     W_E = bridge.W_E
     return ModelFacts(
@@ -249,8 +281,7 @@ def _facts(bridge: Any) -> ModelFacts:
         post_norm=post_norm,
         use_qk_norm=qk_norm,
         attn_only=False,
-        gated_mlp=any(isinstance(m, BridgeGatedNeuronHeadMLP) for m in mlp_layers)
-        or bool(getattr(cfg, "gated_mlp", False)),
+        gated_mlp=gated_mlp,
         default_prepend_bos=bool(getattr(cfg, "default_prepend_bos", True)),
         device=W_E.device,
         dtype=W_E.dtype,
@@ -271,7 +302,8 @@ class BridgeAdapter(AdapterBase):
 
     def __init__(self, bridge: Any):
         self.model = bridge
-        self.cfg = _facts(bridge)
+        mlps = [bridge_mlp(child_module(block, "mlp"), bridge.cfg) for block in bridge.blocks]
+        self.cfg = _facts(bridge, gated_mlp=any(mlp.gated for mlp in mlps))
         #: A BERT-style encoder (post-LN, bidirectional): TL 4 says ``attention_dir``; TL 3.9's
         #: BERT bridge does not, but its Hugging Face model cannot generate (a masked LM).
         self.is_encoder = self.cfg.attention_dir == "bidirectional" or not bool(
@@ -281,14 +313,13 @@ class BridgeAdapter(AdapterBase):
         self.can_resume = not self.is_encoder
         eps = float(getattr(bridge.cfg, "eps", 1e-5))
         self.blocks: list[Block] = []
-        for block in bridge.blocks:
-            mlp = child_module(block, "mlp")
+        for block, mlp in zip(bridge.blocks, mlps):
             self.blocks.append(
                 Block(
                     attn=BridgeAttention(
                         child_module(block, "attn"), self.cfg.n_heads, self.cfg.d_model
                     ),
-                    mlp=getattr(mlp, "original_component", None),
+                    mlp=mlp,
                     ln1=_norm(child_module(block, "ln1"), eps),
                     ln2=_norm(child_module(block, "ln2"), eps),
                 )
@@ -307,7 +338,7 @@ class BridgeAdapter(AdapterBase):
         return is_converted_bridge(self.model)
 
     @property
-    def neuron_heads(self) -> list[Any]:
+    def neuron_heads(self) -> list[ConvertedMLP]:
         from tl_attnonly.bridge.convert import neuron_head_layers
 
         return list(neuron_head_layers(self.model)) if self.is_converted else []
@@ -373,5 +404,6 @@ __all__ = [
     "BridgeNorm",
     "HookAs",
     "blocks_can_be_called",
+    "bridge_mlp",
     "named_hooks",
 ]

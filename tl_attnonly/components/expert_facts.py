@@ -10,7 +10,7 @@ on every TransformerLens version.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from jaxtyping import Int
@@ -76,6 +76,12 @@ class ExpertFlag:
 class ExpertFacts:
     """Mixin of an experts container: coefficients, heads per neuron and flags of its experts."""
 
+    #: Marks a mixture of experts for checks that must not import its class
+    #: (:func:`tl_attnonly.adapt.analysis_model`; :class:`~tl_attnonly.mlp_protocol.MLPLayer`).
+    is_mixture_of_experts: ClassVar[bool] = True
+    #: Its experts run as neuron-heads (:class:`~tl_attnonly.mlp_protocol.MLPLayer`).
+    converted: ClassVar[bool] = True
+
     def expert_list(self) -> list[Any]:
         """The routed experts, in order (each a gated neuron-head layer)."""
         raise NotImplementedError
@@ -88,6 +94,11 @@ class ExpertFacts:
     def coefficients(self) -> NeuronHeadCoefficients:
         """The per-head coefficients every expert's neurons use."""
         return self.expert_list()[0].coefficients
+
+    @property
+    def gated(self) -> bool:
+        """Whether its experts are gated MLPs (:class:`~tl_attnonly.mlp_protocol.MLPLayer`)."""
+        return bool(self.expert_list()[0].gated)
 
     @property
     def n_heads_per_neuron(self) -> int:

@@ -77,6 +77,7 @@ class GatedNeuronHeadMLP(NeuronHeadBase):
     """
 
     derive_inputs = ("hook_pre", "hook_pre_linear")
+    gated = True
 
     def __init__(
         self,

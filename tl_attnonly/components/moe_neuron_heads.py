@@ -18,7 +18,7 @@ tokens routed to it, so its "positions" are those tokens, in the order TL's ``Mo
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, cast
+from typing import Dict, cast
 
 import torch
 import torch.nn as nn
@@ -105,9 +105,6 @@ class NeuronHeadMoE(ExpertFacts, MoE):
     """
 
     experts: nn.ModuleList
-    #: Marks a mixture of experts for checks that must not import this class
-    #: (:func:`tl_attnonly.adapt.analysis_model`).
-    is_mixture_of_experts: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -58,6 +58,12 @@ class NeuronHeadBase(CanBeUsedAsMLP):
     #: The hook points whose values determine every derivable neuron-head quantity, in the order
     #: :meth:`_head_z` takes them (a gated layer adds ``hook_pre_linear``).
     derive_inputs: ClassVar[tuple[str, ...]] = ("hook_pre",)
+    #: What the layer says of itself to the analysis tools, which never ask its class
+    #: (:class:`~tl_attnonly.mlp_protocol.MLPLayer`): a neuron-head layer, plain (a gated layer
+    #: says so), dense.
+    converted: ClassVar[bool] = True
+    gated: ClassVar[bool] = False
+    is_mixture_of_experts: ClassVar[bool] = False
 
     hook_post: HookPoint
     hook_q: HookPoint

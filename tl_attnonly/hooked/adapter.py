@@ -2,7 +2,8 @@
 :class:`~tl_attnonly.protocol.AttnOnlyModel`.
 
 The adapter is thin: the blocks' attention modules already have TransformerLens's weight
-properties, and the neuron-head layers are the blocks' MLPs. It adds the norms as
+properties, and the neuron-head layers are the blocks' MLPs (an unconverted MLP is wrapped as an
+:class:`~tl_attnonly.mlp_protocol.UnconvertedMLP`). It adds the norms as
 :class:`~tl_attnonly.protocol.Norm` views and the runs that resume from a block
 (``forward(resid, start_at_layer=l)``, with TransformerLens's frozen key-value cache for a shared
 prefix). TransformerLens 3.x is imported only when a method needs it: this module imports on 4.x.
@@ -11,13 +12,25 @@ prefix). TransformerLens 3.x is imported only when a method needs it: this modul
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from jaxtyping import Float, Int
 
-from tl_attnonly.protocol import AdapterBase, Block, Hooks, ModelFacts, Norm, Tensor
+from tl_attnonly.components.expert_facts import ExpertFacts
+from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.protocol import (
+    AdapterBase,
+    Block,
+    ConvertedMLP,
+    Hooks,
+    ModelFacts,
+    NeuronHeadLayerView,
+    Norm,
+    Tensor,
+    UnconvertedMLP,
+)
 
 
 class HookedNorm:
@@ -59,7 +72,30 @@ def hooked_norm(module: Any) -> Norm | None:
     return HookedNorm(module)
 
 
-def _facts(model: Any) -> ModelFacts:
+def hooked_mlp(model: Any, block: Any) -> NeuronHeadLayerView:
+    """A block's MLP as :attr:`~tl_attnonly.protocol.Block.mlp` holds it: a neuron-head layer
+    (or mixture of neuron-head experts) as it is; TransformerLens's own MLP (or none, in an
+    attention-only block) as an :class:`~tl_attnonly.mlp_protocol.UnconvertedMLP`, gated and a
+    mixture of experts as the config says.
+
+    Args:
+        model: The model (its config).
+        block: One of its blocks.
+    """
+    mlp = getattr(block, "mlp", None)
+    if isinstance(mlp, (NeuronHeadBase, ExpertFacts)):
+        return cast(NeuronHeadLayerView, mlp)
+    cfg = model.cfg
+    unconverted = UnconvertedMLP(
+        mlp,
+        gated=mlp is not None and bool(cfg.gated_mlp),
+        is_mixture_of_experts=mlp is not None and bool(getattr(cfg, "num_experts", None)),
+    )
+    return cast(NeuronHeadLayerView, unconverted)  # its flags say what it is (Block.mlp)
+
+
+def _facts(model: Any, gated_mlp: bool) -> ModelFacts:
+    """The facts of ``model``; ``gated_mlp``: what its blocks' MLPs say (``gated``)."""
     from tl_attnonly._compat import POST_NORM_ARCHITECTURES
 
     cfg = model.cfg
@@ -82,7 +118,7 @@ def _facts(model: Any) -> ModelFacts:
         or cfg.original_architecture in POST_NORM_ARCHITECTURES,
         use_qk_norm=bool(getattr(cfg, "use_qk_norm", False)),
         attn_only=bool(cfg.attn_only),
-        gated_mlp=bool(cfg.gated_mlp),
+        gated_mlp=gated_mlp,
         default_prepend_bos=bool(cfg.default_prepend_bos),
         device=torch.device(cfg.device) if cfg.device is not None else model.W_E.device,
         dtype=cfg.dtype,
@@ -102,7 +138,6 @@ class HookedAdapter(AdapterBase):
 
     def __init__(self, model: Any):
         self.model = model
-        self.cfg = _facts(model)
         self.is_encoder = hasattr(model, "encoder_output") or type(model).__name__.endswith(
             "Encoder"
         )
@@ -110,12 +145,13 @@ class HookedAdapter(AdapterBase):
         self.blocks: list[Block] = [
             Block(
                 attn=block.attn,
-                mlp=getattr(block, "mlp", None),
+                mlp=hooked_mlp(model, block),
                 ln1=hooked_norm(getattr(block, "ln1", None)),
                 ln2=hooked_norm(getattr(block, "ln2", None)),
             )
             for block in model.blocks
         ]
+        self.cfg = _facts(model, gated_mlp=any(block.mlp.gated for block in self.blocks))
         self.ln_final = hooked_norm(getattr(model, "ln_final", None))
 
     # ------------------------------------------------------------------ neuron-heads
@@ -125,7 +161,7 @@ class HookedAdapter(AdapterBase):
         return isinstance(neuron_heads, property) and bool(self.model.neuron_heads)
 
     @property
-    def neuron_heads(self) -> list[Any]:
+    def neuron_heads(self) -> list[ConvertedMLP]:
         return list(self.model.neuron_heads) if self.is_converted else []
 
     @property
@@ -138,6 +174,17 @@ class HookedAdapter(AdapterBase):
 
     def set_use_neuron_result(self, use_neuron_result: bool) -> None:
         self.model.set_use_neuron_result(use_neuron_result)
+
+    # ------------------------------------------------------------------ encoders
+    def tokenize(
+        self, text: str | list[str]
+    ) -> tuple[Int[torch.Tensor, "batch pos"], dict[str, Any]]:
+        """The model's ``to_tokens(text)``: a ``HookedEncoder``'s gives ``(tokens,
+        token_type_ids, attention_mask)``, the last two the forward's keyword arguments."""
+        if not self.is_encoder:
+            return super().tokenize(text)
+        tokens, token_type_ids, mask = self.model.to_tokens(text)
+        return tokens, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
 
     def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> HookedLayerRunner:
         if not self.can_resume:
@@ -239,4 +286,4 @@ class HookedLayerRunner:
         return TransformerLensKeyValueCache(entries, mask, frozen=True)
 
 
-__all__ = ["HookedAdapter", "HookedLayerRunner", "HookedNorm", "hooked_norm"]
+__all__ = ["HookedAdapter", "HookedLayerRunner", "HookedNorm", "hooked_mlp", "hooked_norm"]
