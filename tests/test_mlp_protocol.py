@@ -4,7 +4,8 @@ Both adapters' ``blocks[l].mlp`` satisfy :class:`~tl_attnonly.mlp_protocol.MLPLa
 gated, a mixture of experts); a converted dense layer is a ``NeuronHeadLayerView`` (gated: a
 ``GatedNeuronHeadLayerView``), an unconverted MLP an ``UnconvertedMLP``; the layers' ``gated`` is
 the model's ``gated_mlp`` (``ModelFacts`` computes it from them). An encoder's final hidden states
-come through the protocol (``encoder_output``), equal to the ``HookedEncoder``'s own.
+come through the protocol (``encoder_output``), equal to the ``HookedEncoder``'s own. The tools
+(analysis, vis, the report, the CLI) import no component class.
 """
 
 from __future__ import annotations
@@ -144,3 +145,30 @@ def test_a_bridges_mixture_of_experts_is_its_neuron_head_experts():
     for block, layer in zip(adapted.blocks, adapted.neuron_heads):
         assert block.mlp is layer and isinstance(block.mlp, ExpertsLayerView)
         assert block.mlp.converted and block.mlp.is_mixture_of_experts and block.mlp.gated
+
+
+def test_the_analysis_tools_import_no_component_class():
+    """analysis, vis, the report and the CLI ask a layer what it is (MLPLayer), never its class."""
+    import ast
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    import tl_attnonly
+
+    root = Path(tl_attnonly.__file__).parent
+    paths = [root / "report.py", *root.glob("cli*.py"), *root.glob("cli/*.py")]
+    paths += [*root.glob("analysis/**/*.py"), *root.glob("vis/**/*.py")]
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "tl_attnonly.components"
+            ):
+                module = importlib.import_module(node.module)
+                found += [
+                    f"{path.relative_to(root)}: {alias.name}"
+                    for alias in node.names
+                    if inspect.isclass(getattr(module, alias.name, None))
+                ]
+    assert not found

@@ -40,15 +40,19 @@ that position's ``u`` (``hook_pre_linear``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import torch
 from jaxtyping import Float
 from transformer_lens import FactoredMatrix
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.protocol import ModelLike
+from tl_attnonly.protocol import (
+    GatedNeuronHeadLayerView,
+    ModelLike,
+    NeuronHeadLayerView,
+    PlainNeuronHeadLayerView,
+)
 
 
 def homogeneous(x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model_plus_1"]:
@@ -79,11 +83,13 @@ def _stacked(tensors: list[torch.Tensor], layer: int | None) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # OV and QK circuits
 # ------------------------------------------------------------------------------------------------
-def value_weights(mlp: Any, per_unit_u: bool) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
+def value_weights(
+    mlp: NeuronHeadLayerView, per_unit_u: bool
+) -> Float[torch.Tensor, "n_neuron_heads d_model 1"]:
     """``W_V`` of a layer's neuron-heads; for gated layers ``W_V_per_unit_u`` if asked, else a
     ``ValueError`` saying why there is no ``W_V``."""
-    if not isinstance(mlp, GatedNeuronHeadMLP):
-        return mlp.W_V
+    if not mlp.gated:
+        return cast(PlainNeuronHeadLayerView, mlp).W_V
     if not per_unit_u:
         raise ValueError(
             "Gated neuron-heads have no OV matrix: their value (f_k g + e_k - g_k) * u is the "
@@ -92,7 +98,7 @@ def value_weights(mlp: Any, per_unit_u: bool) -> Float[torch.Tensor, "n_neuron_h
             "unit of u (W_V_per_unit_u W_O = f_k W_gate[:, i] (x) W_out[i]); multiply by a "
             "prompt's blocks.{l}.mlp.hook_pre_linear[..., i] for the circuit at that prompt."
         )
-    return mlp.W_V_per_unit_u
+    return cast(GatedNeuronHeadLayerView, mlp).W_V_per_unit_u
 
 
 def neuron_ov_circuit(
@@ -126,11 +132,15 @@ def neuron_ov_circuit(
     return FactoredMatrix(_stacked(A, layer), _stacked(B, layer))
 
 
-def _query_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads d_model_plus_1 1"]:
+def _query_homogeneous(
+    mlp: NeuronHeadLayerView,
+) -> Float[torch.Tensor, "n_neuron_heads d_model_plus_1 1"]:
     return torch.cat([mlp.W_Q, mlp.b_Q[:, None, :]], dim=-2)
 
 
-def key_homogeneous(mlp) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_1"]:
+def key_homogeneous(
+    mlp: NeuronHeadLayerView,
+) -> Float[torch.Tensor, "n_neuron_heads 1 d_model_plus_1"]:
     return torch.cat([mlp.W_K, mlp.b_K[:, None, :]], dim=-2).transpose(-2, -1)
 
 

@@ -20,7 +20,6 @@ from jaxtyping import Float
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import HeadsLike, replace_options
-from tl_attnonly.components.neuron_head_base import NeuronHeadBase
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
@@ -166,8 +165,8 @@ def neuron_head_scores(
     z = z_heads.float().abs().amax(0)
     if rank_by == "z":
         return z
-    mlp = converted_model_of(cache).neuron_heads[layer]
-    if not isinstance(mlp, NeuronHeadBase):
+    mlp = converted_model_of(cache).blocks[layer].mlp
+    if mlp.is_mixture_of_experts:
         raise NotImplementedError(
             f"rank_by='output' needs one output vector per neuron-head; layer {layer} is a "
             f"{type(mlp).__name__}, whose heads' outputs depend on the routing. Use rank_by='z'."

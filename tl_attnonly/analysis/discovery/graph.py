@@ -38,7 +38,6 @@ import pandas as pd
 import torch
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import attn_head_label, neuron_head_label
 
 if TYPE_CHECKING:
@@ -183,7 +182,7 @@ class HeadGraph:
         self.n_layers = cfg.n_layers
         self.n_heads_per_neuron = model.n_heads_per_neuron
         self.neuron_level = neuron_level or model.n_heads_per_neuron == 1
-        self.gated = any(isinstance(block.mlp, GatedNeuronHeadMLP) for block in model.blocks)
+        self.gated = model.cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
         self.parallel = bool(cfg.parallel_attn_mlp)
         n_kv = cfg.n_key_value_heads or cfg.n_heads
         self.n_kv = n_kv

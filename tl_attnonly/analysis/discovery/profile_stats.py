@@ -28,7 +28,6 @@ from tl_attnonly.analysis.summaries.collect import (
     token_text,
 )
 from tl_attnonly.analysis.summaries.results import TopContexts
-from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
 from tl_attnonly.hooks import neuron_act_name
 
 if TYPE_CHECKING:
@@ -82,10 +81,6 @@ def _empty_top(n: int, k: int, window: int) -> TopContexts:
     return replace(top, self_weight=top.self_weight.double(), z=top.z.double())
 
 
-def _gated(model: AttnOnlyModel, layer: int) -> bool:
-    return isinstance(model.blocks[layer].mlp, GatedNeuronHeadMLP)
-
-
 def collect_stats(
     model: AttnOnlyModel,
     neurons: Sequence[str],
@@ -112,7 +107,7 @@ def collect_stats(
     stats: dict[int, LayerStats] = {}
     for layer, members in by_layer.items():
         n = len(members)
-        gated = _gated(model, layer)
+        gated = model.blocks[layer].mlp.gated
         rankings = (ALL, *QUADRANTS) if gated else (ALL,)
         stats[layer] = LayerStats(
             index=torch.tensor([i for i, _ in members]),

@@ -73,8 +73,6 @@ from tl_attnonly.analysis.discovery.sites import (
     call_metric,
     check_additive,
 )
-from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
@@ -116,7 +114,7 @@ def relp_hooks(model: ModelLike) -> list[Hook]:
     for li, block in enumerate(model.blocks):
         hooks.append((f"blocks.{li}.attn.hook_pattern", _constant))
         hooks.append((neuron_act_name("pattern", li), _constant))
-        if isinstance(block.mlp, GatedNeuronHeadMLP):
+        if block.mlp.gated:
             hooks.append((neuron_act_name("v", li), _half))
     return [(name, fn) for name, fn in hooks if name in model.hook_dict]
 
@@ -140,7 +138,7 @@ def check_relevance(
         raise IndexError(f"layers {bad} out of range for a model of {n_layers} layers.")
     for li in layers:
         mlp = model.blocks[li].mlp
-        if not isinstance(mlp, (NeuronHeadMLP, GatedNeuronHeadMLP)):
+        if not mlp.converted or mlp.is_mixture_of_experts:
             raise NotImplementedError(
                 f"blocks.{li}.mlp is a {type(mlp).__name__}; neuron_relevance supports dense "
                 "neuron-head layers (NeuronHeadMLP, GatedNeuronHeadMLP) only."
@@ -152,7 +150,7 @@ def _bias_values(
 ) -> Float[torch.Tensor, " n_neuron_heads"]:
     """The bias token's value of every neuron-head of layer ``li`` (0 for gated layers)."""
     mlp = model.blocks[li].mlp
-    if isinstance(mlp, GatedNeuronHeadMLP):
+    if mlp.gated:
         return like.new_zeros(mlp.n_neuron_heads)
     g = mlp.coefficient_tensors(like)[4]  # [K]
     return g.repeat(mlp.d_mlp)

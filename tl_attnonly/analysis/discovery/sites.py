@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -25,12 +25,16 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
-from tl_attnonly.components.gated_neuron_heads import GatedNeuronHeadMLP
-from tl_attnonly.components.neuron_heads import NeuronHeadMLP
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import AttnOnlyModel, ModelLike, Norm
+    from tl_attnonly.protocol import (
+        AttnOnlyModel,
+        GatedNeuronHeadLayerView,
+        ModelLike,
+        NeuronHeadLayerView,
+        Norm,
+    )
 
 Mask = dict[tuple[str, str], torch.Tensor]
 DiscoveryMetric = Callable[..., torch.Tensor]
@@ -80,9 +84,9 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     for li, block in enumerate(model.blocks):
-        if not isinstance(block.mlp, (NeuronHeadMLP, GatedNeuronHeadMLP)):
+        if not block.mlp.converted or block.mlp.is_mixture_of_experts:
             problems.append(f"blocks.{li}.mlp is a {type(block.mlp).__name__}")
-    gated = any(isinstance(block.mlp, GatedNeuronHeadMLP) for block in model.blocks)
+    gated = model.cfg.gated_mlp
     if gated and not neuron_level and model.n_heads_per_neuron > 1:
         problems.append(
             f"neuron_level=False on gated MLPs with K={model.n_heads_per_neuron} heads per neuron "
@@ -254,7 +258,7 @@ def batch_indices(n: int, batch_size: int | None) -> list[torch.Tensor]:
     return [torch.arange(s, min(n, s + size)) for s in range(0, n, size)]
 
 
-def neuron_head_coef(mlp: NeuronHeadMLP, like: torch.Tensor, which: int) -> torch.Tensor:
+def neuron_head_coef(mlp: NeuronHeadLayerView, like: torch.Tensor, which: int) -> torch.Tensor:
     """One coefficient ``[K]`` of the neuron-heads (0: b, 1: d, 2: f, 3: e, 4: g)."""
     return mlp.coefficient_tensors(like)[which]
 
@@ -366,7 +370,9 @@ def neuron_read_matrix(
     """``[d_model, d_mlp]`` read by a neuron input: ``W_gate`` (gated ``gate``) or ``W_in``."""
     model = analysis_model(model)
     mlp = model.blocks[dst.layer].mlp
-    return mlp.W_gate if graph.gated and dst.input == "gate" else mlp.W_in
+    if graph.gated and dst.input == "gate":
+        return cast("GatedNeuronHeadLayerView", mlp).W_gate
+    return mlp.W_in
 
 
 def reader_matrix(
