@@ -1,44 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.cli.common`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.cli.common` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.cli.common import *  # noqa: F403
+from tl_attnonly.cli.common import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.cli.common import (
-    CONVERSION_FILE,
-    DEFAULT_PROMPT,
-    EXIT_FAIL,
-    EXIT_USAGE,
-    HUB_TIMEOUT,
-    LOCAL_MODELS,
-    START,
-    CommandError,
-    Probes,
-    has_hooked_transformer,
-    hub_unreachable,
-    print_table,
-    print_verdicts,
-)
-
-warnings.warn(
-    "tl_attnonly.cli_common is deprecated: import from tl_attnonly.cli.common.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = [
-    "CONVERSION_FILE",
-    "CommandError",
-    "DEFAULT_PROMPT",
-    "EXIT_FAIL",
-    "EXIT_USAGE",
-    "HUB_TIMEOUT",
-    "LOCAL_MODELS",
-    "Probes",
-    "START",
-    "has_hooked_transformer",
-    "hub_unreachable",
-    "print_table",
-    "print_verdicts",
-]
+warn_moved(__name__, "tl_attnonly.cli.common")

@@ -1,16 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.cli.convert`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.cli.convert` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.cli.convert import *  # noqa: F403
+from tl_attnonly.cli.convert import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.cli.convert import convert_cmd, verify_cmd
-
-warnings.warn(
-    "tl_attnonly.cli_convert is deprecated: import from tl_attnonly.cli.convert.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = ["convert_cmd", "verify_cmd"]
+warn_moved(__name__, "tl_attnonly.cli.convert")

@@ -1,16 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.cli.demo`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.cli.demo` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.cli.demo import *  # noqa: F403
+from tl_attnonly.cli.demo import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.cli.demo import DEMO_MODELS, SMOLLM2_PROMPT, demo
-
-warnings.warn(
-    "tl_attnonly.cli_demo is deprecated: import from tl_attnonly.cli.demo.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = ["DEMO_MODELS", "SMOLLM2_PROMPT", "demo"]
+warn_moved(__name__, "tl_attnonly.cli.demo")

@@ -1,45 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.hooked.conversion_record`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.hooked.conversion_record` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.hooked.conversion_record import *  # noqa: F403
+from tl_attnonly.hooked.conversion_record import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.hooked.conversion_record import (
-    CHECKSUM_ALGORITHM,
-    ERROR_ATOL,
-    ERROR_RTOL,
-    FORMAT_VERSION,
-    SavedModelError,
-    check_coefficients,
-    checksums,
-    coefficients_record,
-    read_json,
-    saved_coefficients,
-    validate_record,
-    verify_checksums,
-    warn_unversioned,
-)
-
-warnings.warn(
-    "tl_attnonly.conversion_record is deprecated: import from "
-    "tl_attnonly.hooked.conversion_record.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = [
-    "CHECKSUM_ALGORITHM",
-    "ERROR_ATOL",
-    "ERROR_RTOL",
-    "FORMAT_VERSION",
-    "SavedModelError",
-    "check_coefficients",
-    "checksums",
-    "coefficients_record",
-    "read_json",
-    "saved_coefficients",
-    "validate_record",
-    "verify_checksums",
-    "warn_unversioned",
-]
+warn_moved(__name__, "tl_attnonly.hooked.conversion_record")

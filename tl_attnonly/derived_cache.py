@@ -1,36 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.hooked.derived_cache`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.hooked.derived_cache` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.hooked.derived_cache import *  # noqa: F403
+from tl_attnonly.hooked.derived_cache import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.hooked.derived_cache import (
-    NEURON_TUPLE_KINDS,
-    CacheBatchDimError,
-    CacheRunOptions,
-    DerivingDict,
-    NeuronHeadActivationCache,
-    Transform,
-    as_names_filter,
-    neuron_head_cache,
-    run_with_derived_cache,
-)
-
-warnings.warn(
-    "tl_attnonly.derived_cache is deprecated: import from tl_attnonly.hooked.derived_cache.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = [
-    "NEURON_TUPLE_KINDS",
-    "CacheBatchDimError",
-    "CacheRunOptions",
-    "DerivingDict",
-    "NeuronHeadActivationCache",
-    "Transform",
-    "as_names_filter",
-    "neuron_head_cache",
-    "run_with_derived_cache",
-]
+warn_moved(__name__, "tl_attnonly.hooked.derived_cache")

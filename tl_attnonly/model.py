@@ -1,16 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.hooked.model`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.hooked.model` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.hooked.model import *  # noqa: F403
+from tl_attnonly.hooked.model import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.hooked.model import AttnOnlyTransformer
-
-warnings.warn(
-    "tl_attnonly.model is deprecated: import from tl_attnonly.hooked.model.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = ["AttnOnlyTransformer"]
+warn_moved(__name__, "tl_attnonly.hooked.model")

@@ -1,33 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.hooked.neuron_head_model`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.hooked.neuron_head_model` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.hooked.neuron_head_model import *  # noqa: F403
+from tl_attnonly.hooked.neuron_head_model import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.hooked.neuron_head_model import (
-    CONFIG_FILE,
-    CONVERSION_FILE,
-    TOKENIZER_DIR,
-    WEIGHTS_FILE,
-    NeuronHeadModelMixin,
-    pending_options,
-    resolve_options,
-)
-
-warnings.warn(
-    "tl_attnonly.neuron_head_model is deprecated: import from "
-    "tl_attnonly.hooked.neuron_head_model.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = [
-    "CONFIG_FILE",
-    "CONVERSION_FILE",
-    "TOKENIZER_DIR",
-    "WEIGHTS_FILE",
-    "NeuronHeadModelMixin",
-    "pending_options",
-    "resolve_options",
-]
+warn_moved(__name__, "tl_attnonly.hooked.neuron_head_model")

@@ -1,36 +1,7 @@
-"""Deprecated: moved to :mod:`tl_attnonly.hooked.saving`; importing this module warns.
+"""Deprecated alias of :mod:`tl_attnonly.hooked.saving` (importing it warns)."""
 
-Re-exports the moved names so that old imports keep working.
-"""
+from tl_attnonly._deprecated import warn_moved
+from tl_attnonly.hooked.saving import *  # noqa: F403
+from tl_attnonly.hooked.saving import __all__ as __all__  # its public names
 
-import warnings
-
-from tl_attnonly.hooked.saving import (
-    CONFIG_FILE,
-    CONVERSION_FILE,
-    TOKENIZER_DIR,
-    WEIGHTS_FILE,
-    SavableModel,
-    get_pending_coefficients,
-    load_model,
-    pending_coefficients,
-    save_model,
-)
-
-warnings.warn(
-    "tl_attnonly.saving is deprecated: import from tl_attnonly.hooked.saving.",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-__all__ = [
-    "CONFIG_FILE",
-    "CONVERSION_FILE",
-    "SavableModel",
-    "TOKENIZER_DIR",
-    "WEIGHTS_FILE",
-    "get_pending_coefficients",
-    "load_model",
-    "pending_coefficients",
-    "save_model",
-]
+warn_moved(__name__, "tl_attnonly.hooked.saving")

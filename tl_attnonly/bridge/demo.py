@@ -6,17 +6,14 @@ package imports nothing from above it.
 """
 
 import importlib
-import warnings
 from typing import Any
+
+from tl_attnonly._deprecated import warn_moved
 
 #: Where the names now live.
 _NEW = "tl_attnonly.cli.bridge_demo"
 
-warnings.warn(
-    f"tl_attnonly.bridge.demo is deprecated: import from {_NEW}.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, _NEW)
 
 #: Defined in :mod:`tl_attnonly.cli.bridge_demo`, reached through ``__getattr__``.
 __all__ = [  # noqa: F822 - the names are looked up lazily, below
