@@ -274,7 +274,8 @@ def _patching(model: AttnOnlyModel, tokens: torch.Tensor, corrupted_prompt: str 
         return logprobs.gather(-1, clean_ids.unsqueeze(-1)).mean()
 
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    z_names = set(head_names_filter("z").resolve(model.model))
+    z_filter = head_names_filter("z")
+    z_names = {name for name in model.hook_dict if z_filter(name)}  # the adapter's: read once
     with torch.inference_mode():
         _, clean_cache = model.run_with_cache(tokens, names_filter=lambda n: n in z_names)
     scores, _ = attribution_patch(model, clean_cache, corrupted, metric)

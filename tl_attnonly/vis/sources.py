@@ -98,8 +98,8 @@ def cache_and_tokens(
     if isinstance(tokens, (list, tuple)):
         raise TypeError("With a model, pass the prompt as text or token ids, not string tokens.")
     run_kwargs: dict[str, Any] = {}
-    if isinstance(tokens, str):
-        ids, run_kwargs = _encode(model, tokens)
+    if isinstance(tokens, str):  # an encoder's forward also takes its token types and mask
+        ids, run_kwargs = model.tokenize(tokens)
     else:
         ids = torch.as_tensor(tokens)
     if ids.ndim == 1:
@@ -111,19 +111,7 @@ def cache_and_tokens(
     return cache, _str_tokens(model, ids, batch_index)
 
 
-def _encode(model: Any, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Token ids of ``text``, and the forward arguments that go with them.
-
-    A ``HookedEncoder``'s ``to_tokens`` returns ``(tokens, token_type_ids, attention_mask)``.
-    """
-    encoded = model.to_tokens(text)
-    if isinstance(encoded, tuple):
-        ids, token_type_ids, mask = encoded
-        return ids, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
-    return encoded, {}
-
-
-def _check_layer(model: Any, layer: int) -> None:
+def _check_layer(model: AttnOnlyModel, layer: int) -> None:
     n_layers = model.cfg.n_layers
     if not 0 <= layer < n_layers:
         raise IndexError(
@@ -132,19 +120,15 @@ def _check_layer(model: Any, layer: int) -> None:
         )
 
 
-def _str_tokens(model: Any, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
+def _str_tokens(model: AttnOnlyModel, tokens: str | torch.Tensor, batch_index: int) -> list[str]:
     if isinstance(tokens, str):
         if not model.is_encoder:
             return list(model.to_str_tokens(tokens))
-        tokens = _encode(model, tokens)[0]  # HookedEncoder: no to_str_tokens
+        tokens = model.tokenize(tokens)[0]  # an encoder: no to_str_tokens of a text
     ids = torch.as_tensor(tokens)
     if ids.ndim == 2:
         ids = ids[batch_index]
-    if model.tokenizer is None:
-        return [str(int(t)) for t in ids]
-    if model.is_encoder:  # HookedEncoder: no to_str_tokens
-        return list(model.tokenizer.convert_ids_to_tokens(ids.tolist()))
-    return list(model.to_str_tokens(ids))
+    return model.str_tokens(ids)
 
 
 __all__ = [

@@ -188,13 +188,14 @@ def get_attn_head_results(
     however stores ``[batch, pos, n_heads, d_model]`` for every layer in the cache. Uses
     ``blocks.{layer}.attn.hook_result`` instead if it was cached (``use_attn_result``).
     """
+    model = model_of_cache(cache, neuron_heads=False)  # attention heads: any model
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
     name = head_act_name("result", layer, "attn")
     cached = cache.cache_dict.get(name)
-    if cached is not None and cached.ndim >= 3 and cached.shape[-2] == cache.model.cfg.n_heads:
+    if cached is not None and cached.ndim >= 3 and cached.shape[-2] == model.cfg.n_heads:
         return pos_slice.apply(cached, dim=-3)
     z = pos_slice.apply(cache[head_act_name("z", layer, "attn")], dim=-3)  # [..., head, d_head]
-    W_O = cache.model.blocks[layer].attn.W_O  # [head, d_head, d_model]
+    W_O = model.blocks[layer].attn.W_O  # [head, d_head, d_model]
     return torch.einsum("...hd,hdm->...hm", z, W_O)
 
 
@@ -253,7 +254,7 @@ def _template(cache: ActivationCache, pos_slice: Slice) -> torch.Tensor:
 
 
 def _target_resid(cache: ActivationCache, layer: int, mlp_input: bool) -> torch.Tensor:
-    n_layers = cache.model.cfg.n_layers
+    n_layers = model_of_cache(cache, neuron_heads=False).cfg.n_layers
     if layer == n_layers:
         return cache[("resid_post", n_layers - 1)]
     return cache[("resid_mid" if mlp_input else "resid_pre", layer)]

@@ -34,7 +34,6 @@ from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import head_act_name, neuron_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.encoder import AttnOnlyEncoder
     from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: A node-circuit metric: ``metric(output, inputs) -> scalar``.
@@ -63,10 +62,7 @@ def _forward(model: AttnOnlyModel, inputs: ModelInputs, fwd_hooks) -> torch.Tens
     """Decoder logits, or the encoder's final hidden states, with ``fwd_hooks`` attached."""
     if _is_encoder(model):
         with model.hooks(fwd_hooks=fwd_hooks):
-            encoder = cast("AttnOnlyEncoder", model.model)
-            return encoder.encoder_output(
-                inputs.tokens, inputs.token_type_ids, inputs.attention_mask
-            )
+            return model.encoder_output(inputs.tokens, inputs.token_type_ids, inputs.attention_mask)
     return model.run_with_hooks(inputs.tokens, fwd_hooks=fwd_hooks)
 
 
