@@ -99,7 +99,7 @@ def main() -> None:
         for ref in refs:
             value = get_act_patch_neuron_heads(
                 model, corrupted, clean_cache, metric, "z", layers=[ref.layer],
-                heads=[ref.head], patches_per_pass=1,
+                heads=[ref.head], patches_per_pass=1, level="head",
             )  # fmt: skip
             out.append(float(value.item()))
         return torch.tensor(out, dtype=torch.float64)

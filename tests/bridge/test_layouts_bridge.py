@@ -342,8 +342,9 @@ def test_analysis_tools_patch_neuron_heads_as_plain_hooks_do(name):
     layers, heads = [0, bridge.cfg.n_layers - 1], [3, 57]
     with torch.no_grad():
         scores = get_act_patch_neuron_heads(
-            bridge, corrupted, clean_cache, metric, layers=layers, heads=heads, progress=False
-        )
+            bridge, corrupted, clean_cache, metric, layers=layers, heads=heads, level="head",
+            progress=False,
+        )  # fmt: skip
         expected = torch.zeros(len(layers), len(heads), dtype=torch.float64)
         for i, layer in enumerate(layers):
             for j, head in enumerate(heads):

@@ -45,7 +45,7 @@ MAX_HEADS_PER_VIEW = 256
 RANK_BY = ("z", "self", "contrast", "output")
 
 _RANK_DESCRIPTIONS = {
-    "z": "max |z| over tokens (the neuron's activation, for K = 1)",
+    "z": "max |z| over tokens (the neuron's activation: the sum of its heads' z)",
     "self": "max weight on self over tokens",
     "contrast": "max - min weight on self over tokens",
     "output": "max |z| * |W_O| over tokens (size of what it writes)",
@@ -135,7 +135,9 @@ def neuron_head_scores(
         cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run holding
             ``blocks.{layer}.mlp.hook_pattern`` (and ``hook_z`` for ``"z"``/``"output"``).
         layer: Layer index.
-        rank_by: ``"z"``: max over tokens of ``|z|`` (for ``K = 1`` the neuron's activation);
+        rank_by: ``"z"``: max over tokens of ``|z|`` (at ``level="neuron"``, of the sum of the
+            neuron's ``K`` heads' ``z``: the neuron's activation for any ``K``; at ``"head"``,
+            one head's part of it, the neuron's activation only where ``K = 1``);
             ``"self"``: max weight on self; ``"contrast"``: max minus min weight on self (heads that
             switch between self and the bias token); ``"output"``: max ``|z| * |W_O|`` (size of
             what the head writes to the residual stream).
@@ -424,7 +426,12 @@ def neuron_head_attention_view(
     )
     labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
     what = "neurons" if level == "neuron" and k_per_neuron > 1 else "heads"
-    how = "chosen" if heads is not None else f"{what} ranked by {_RANK_DESCRIPTIONS[rank_by]}"
+    description = _RANK_DESCRIPTIONS[rank_by]
+    if rank_by == "z" and what == "heads" and k_per_neuron > 1:  # one head is not the neuron
+        description = (
+            f"max |z| over tokens (one head's part of its neuron's activation, K = {k_per_neuron})"
+        )
+    how = "chosen" if heads is not None else f"{what} ranked by {description}"
     caption = (
         f"Layer {layer}: neuron-heads {page * page_size + 1}-{page * page_size + len(shown)} of "
         f"{len(ranked)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "

@@ -180,8 +180,9 @@ def test_all_heads_of_a_multi_head_neuron_equal_its_post():
     )
     torch.testing.assert_close(grouped, post, rtol=1e-6, atol=1e-7, check_dtype=False)
     single = get_act_patch_neuron_heads(
-        converted, corrupted, cc, metric, "z", layers=[1], heads=[4 * K], patches_per_pass=2
-    )
+        converted, corrupted, cc, metric, "z", layers=[1], heads=[4 * K], patches_per_pass=2,
+        level="head",
+    )  # fmt: skip
     assert single.item() != pytest.approx(grouped[1].item(), abs=1e-5)  # one head is not all K
 
 

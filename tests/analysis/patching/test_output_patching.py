@@ -133,7 +133,7 @@ def test_batched_z_sweep_equals_one_patch_per_pass_in_float64():
     clean, corrupted = _tokens()
     _, cc = model.run_with_cache(clean, names_filter=head_names_filter("z", "pattern"))
     for kind, per_position in [("z", False), ("z", True), ("pattern", False)]:
-        kwargs = dict(per_position=per_position, heads=[0, 5, 77], positions=[2, 6])
+        kwargs = dict(per_position=per_position, heads=[0, 5, 77], positions=[2, 6], level="head")
         batched = get_act_patch_neuron_heads(
             model, corrupted, cc, metric, kind, progress=False, **kwargs
         )

@@ -1,10 +1,12 @@
 """Activation patching over neuron-heads (and attention heads), one patch or many per pass.
 
 Built on :func:`transformer_lens.patching.generic_activation_patch` and its patch setters: the
-index frames are custom (any subset of layers, neuron-heads and positions), and the hook names are
-the neuron-heads' ``blocks.{l}.mlp.hook_{z,v,q,pattern,attn_scores,result}``. As in
-TransformerLens, the corrupted run receives the clean activation (``clean_cache``) and the result
-is ``patching_metric(patched_logits)`` for every patch.
+index frames are custom (any subset of layers, neuron-heads or neurons, and positions), and the
+hook names are the neuron-heads' ``blocks.{l}.mlp.hook_{z,v,q,pattern,attn_scores,result}``. As
+in TransformerLens, the corrupted run receives the clean activation (``clean_cache``) and the
+result is ``patching_metric(patched_logits)`` for every patch. A patch is one neuron-head
+(``level="head"``) or the ``K`` heads of one neuron together (``level="neuron"``, the default
+where ``K > 1``: patching a neuron's ``z`` is patching its ``hook_post``).
 
 Batched mode (``patches_per_pass`` other than 1, the default): ``c`` patches share a pass as ``c``
 copies of the corrupted batch, each copy with its own patch. The rows of a batch never interact
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import torch
@@ -38,7 +40,11 @@ from transformer_lens.patching import (
 
 from tl_attnonly._types import FwdHooks, Metric, check_tokens, on_model_device
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
+from tl_attnonly.analysis.patching.options import (
+    PatchingOptions,
+    patch_level,
+    resolve_patching_options,
+)
 from tl_attnonly.analysis.patching.outputs import PatchUnit, get_act_patch_outputs
 from tl_attnonly.analysis.patching.resume import (
     PATCH_BUDGET,
@@ -111,21 +117,27 @@ def neuron_head_patch_index(
     heads: Sequence[int] | None = None,
     positions: Sequence[int] | None = None,
     n_pos: int | None = None,
+    level: Literal["neuron", "head"] | None = None,
 ) -> pd.DataFrame:
     """The index frame of a neuron-head patching sweep (one row per patch).
 
     Columns follow TransformerLens's patch setters: ``layer, pos, head`` for vector activations
     patched per position, ``layer, head`` for all positions at once, ``layer, head, dest_pos``
-    for patterns patched per query position.
+    for patterns patched per query position. At ``level="neuron"`` the ``head`` column is
+    ``neuron`` (neuron ``i`` stands for its heads ``i*K .. i*K+K-1``).
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         activation_name: One of ``z, v, q, result, pattern, attn_scores``.
         per_position: One patch per (layer, head, position) instead of per (layer, head).
         layers, heads, positions: Subsets to sweep; default all (positions need ``n_pos``).
+            At ``level="neuron"``, ``heads`` are neuron indices in ``[0, d_mlp)``.
         n_pos: Number of positions (for ``positions=None``).
+        level: ``"head"``: one row per neuron-head; ``"neuron"``: one per neuron; ``None``
+            (default): ``"neuron"`` where ``K > 1``, ``"head"`` where ``K = 1``.
     """
     model = analysis_model(model)
+    level = patch_level(level, model.n_heads_per_neuron)
     kind = neuron_hook_kind(activation_name)
     if kind not in VECTOR_KINDS + PATTERN_KINDS:
         raise ValueError(
@@ -134,8 +146,15 @@ def neuron_head_patch_index(
             "TransformerLens's own functions)."
         )
     layers = list(range(model.cfg.n_layers)) if layers is None else [int(li) for li in layers]
-    heads = list(range(model.n_neuron_heads)) if heads is None else [int(h) for h in heads]
-    columns: dict[str, list[int]] = {"layer": layers, "head": heads}
+    unit = "neuron" if level == "neuron" else "head"
+    n_units = model.n_neuron_heads // model.n_heads_per_neuron if unit == "neuron" else None
+    heads = list(range(n_units or model.n_neuron_heads)) if heads is None else list(map(int, heads))
+    if n_units is not None and any(not 0 <= n < n_units for n in heads):
+        raise IndexError(
+            f"At level='neuron', heads= are neuron indices in [0, {n_units}), got "
+            f"{[n for n in heads if not 0 <= n < n_units][:5]}; pass level='head' for neuron-heads."
+        )
+    columns: dict[str, list[int]] = {"layer": layers, unit: heads}
     if per_position:
         if positions is None:
             if n_pos is None:
@@ -143,9 +162,9 @@ def neuron_head_patch_index(
             positions = range(n_pos)
         positions = [int(p) for p in positions]
         if kind in VECTOR_KINDS:
-            columns = {"layer": layers, "pos": positions, "head": heads}
+            columns = {"layer": layers, "pos": positions, unit: heads}
         else:
-            columns = {"layer": layers, "head": heads, "dest_pos": positions}
+            columns = {"layer": layers, unit: heads, "dest_pos": positions}
     index = pd.MultiIndex.from_product(list(columns.values()), names=list(columns))
     return index.to_frame(index=False)
 
@@ -156,6 +175,18 @@ def _setter(kind: str, per_position: bool) -> Callable:
             layer_pos_head_vector_patch_setter if per_position else layer_head_vector_patch_setter
         )
     return layer_head_pos_pattern_patch_setter if per_position else layer_head_pattern_patch_setter
+
+
+def _neuron_setter(setter: Callable, column: int, K: int) -> Callable:
+    """``setter`` with the neuron at ``index[column]`` replaced by its ``K`` heads (a slice)."""
+
+    def patch(corrupted_activation, index, clean_activation):
+        index = list(index)
+        neuron = int(index[column])
+        index[column] = slice(neuron * K, neuron * K + K)
+        return setter(corrupted_activation, index, clean_activation)
+
+    return patch
 
 
 def get_act_patch_neuron_heads(
@@ -171,7 +202,12 @@ def get_act_patch_neuron_heads(
     options: PatchingOptions | None = None,
     **overrides: Any,
 ):
-    """Activation patching of neuron-heads: each one's clean activation into the corrupted run.
+    """Activation patching of neuron-heads: each one's (or each neuron's) clean activation into
+    the corrupted run.
+
+    On a model with ``K > 1`` heads per neuron (the GELU family, default ``K = 4``) one patch is
+    by default a whole neuron, all its ``K`` heads together (``level="neuron"``): patching one
+    head of a neuron patches a part of it only (``level="head"``, the per-head sweep).
 
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
@@ -179,11 +215,21 @@ def get_act_patch_neuron_heads(
         clean_cache: Cache of the clean run holding ``blocks.{l}.mlp.hook_{activation_name}``
             for the swept layers (e.g. ``names_filter=neuron_names_filter("z")``).
         patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar.
-        activation_name: ``z`` (the head's output; for ``K = 1`` the neuron's ``post``), ``v``
-            (value), ``q`` (query), ``pattern`` (its two-key pattern), ``attn_scores``, or
-            ``result`` (after ``model.set_use_neuron_result(True)``).
+        activation_name: ``z`` (the head's output; a neuron's ``hook_post`` is the sum of its
+            ``K`` heads' ``z``, plus a constant in gated layers, so at ``level="neuron"`` a ``z``
+            patch is a patch of the neuron's ``post``), ``v`` (value), ``q`` (query), ``pattern``
+            (its two-key pattern), ``attn_scores``, or ``result`` (after
+            ``model.set_use_neuron_result(True)``). At ``level="neuron"`` each is patched for all
+            ``K`` heads of the neuron at once.
         per_position: Patch one position (query position for patterns) at a time.
-        layers, heads, positions: Which to sweep; default all.
+        layers, heads, positions: Which to sweep; default all. ``heads`` are neuron-head indices
+            (``neuron * K + k``, in ``[0, n_neuron_heads)``) at ``level="head"`` and neuron
+            indices (in ``[0, d_mlp)``; neuron ``i`` is heads ``i*K .. i*K+K-1``) at
+            ``level="neuron"``.
+        level: ``"neuron"``: one patch per neuron, its ``K`` heads together; ``"head"``: one per
+            neuron-head. Default (``None``): ``"neuron"`` where ``K > 1``, ``"head"`` where
+            ``K = 1`` (the same patches; ``"head"`` keeps the index frame's ``head`` column).
+            Anything else is refused (``ValueError``) before any work.
         patches_per_pass: Patches per pass (batched mode, see the module docstring); default:
             as many as ``max_bytes`` allows. ``1`` runs TransformerLens's
             :func:`generic_activation_patch` itself (one full forward pass per patch). Batched
@@ -194,29 +240,35 @@ def get_act_patch_neuron_heads(
         return_index_df: Also return the index frame (one row per patch).
         progress: Show a progress bar in batched mode (``generic_activation_patch`` always does).
         options: A :class:`~tl_attnonly.analysis.PatchingOptions` (``per_position``, ``positions``,
-            ``patches_per_pass``, ``max_bytes``, ``progress``); each is also accepted by keyword,
-            replacing the one in ``options``.
+            ``patches_per_pass``, ``max_bytes``, ``progress``, ``level``); each is also accepted
+            by keyword, replacing the one in ``options``.
 
     Returns:
         The metric after each patch as a float64 tensor (with ``patches_per_pass=1`` its values
         pass through :func:`generic_activation_patch`'s float32 result tensor, so they are
         rounded to float32 first), shaped ``[n_layers, n_heads]``,
         ``[n_layers, pos, n_heads]`` (vectors per position) or ``[n_layers, n_heads, dest_pos]``
-        (patterns per position), with the sizes of the subsets given; and the index frame if
-        ``return_index_df``.
+        (patterns per position), with the sizes of the subsets given, where ``n_heads`` counts
+        neuron-heads (``n_neuron_heads``) at ``level="head"`` and neurons (``d_mlp``) at
+        ``level="neuron"``; and the index frame if ``return_index_df`` (its ``head`` column is
+        ``neuron`` at ``level="neuron"``).
     """
     opts = resolve_patching_options(
         "get_act_patch_neuron_heads",
         options,
         overrides,
-        supported=("per_position", "positions", "patches_per_pass", "max_bytes", "progress"),
-    )
+        supported=(
+            "per_position", "positions", "patches_per_pass", "max_bytes", "progress", "level"
+        ),
+    )  # fmt: skip
     per_position = opts.per_position
     positions = opts.positions
     patches_per_pass = opts.patches_per_pass
     max_bytes = opts.max_bytes
     progress = opts.progress
     model = analysis_model(model)
+    K = model.n_heads_per_neuron
+    level = patch_level(opts.level, K)
     corrupted_tokens = on_model_device(model, corrupted_tokens)
     check_tokens(corrupted_tokens)
     index_df = neuron_head_patch_index(
@@ -227,6 +279,7 @@ def get_act_patch_neuron_heads(
         heads=heads,
         positions=positions,
         n_pos=corrupted_tokens.shape[-1],
+        level=level,
     )
     kind = neuron_hook_kind(activation_name)
     if kind == "result" and not model.neuron_heads[0].use_neuron_result:
@@ -245,6 +298,8 @@ def get_act_patch_neuron_heads(
             f"tl_attnonly.hooks.neuron_names_filter({kind!r})."
         )
     setter = _setter(kind, per_position)
+    if level == "neuron":  # the unit column: the last but one for patterns per position
+        setter = _neuron_setter(setter, list(index_df.columns).index("neuron"), K)
     if patches_per_pass == 1:
         flat = generic_activation_patch(  # type: ignore[call-overload]  # duck-typed model, cache
             _NeuronHeadNames(model),
@@ -258,7 +313,7 @@ def get_act_patch_neuron_heads(
     elif kind == "z" and can_resume(model):
         flat = _z_by_output_deltas(
             model, corrupted_tokens, clean_cache, patching_metric, index_df, per_position,
-            patches_per_pass, max_bytes, progress,
+            patches_per_pass, max_bytes, progress, level,
         )  # fmt: skip
     else:
         patches = [
@@ -284,13 +339,19 @@ def _z_by_output_deltas(
     patches_per_pass: int | None,
     max_bytes: int,
     progress: bool,
+    level: str = "head",
 ) -> torch.Tensor:
     """``z`` patches of the index frame's rows, flat in its order, by output deltas."""
     layers = list(dict.fromkeys(int(x) for x in index_df["layer"]))
-    heads = list(dict.fromkeys(int(x) for x in index_df["head"]))
     K = model.n_heads_per_neuron
+    by_neuron = level == "neuron"  # a neuron's K heads are one unit
+    ids = list(dict.fromkeys(int(x) for x in index_df["neuron" if by_neuron else "head"]))
     units = [
-        PatchUnit(neuron_head_label(li, h, K), "neuron", li, (h,)) for li in layers for h in heads
+        PatchUnit(f"L{li}N{i}", "neuron", li, tuple(range(i * K, i * K + K)))
+        if by_neuron
+        else PatchUnit(neuron_head_label(li, i, K), "neuron", li, (i,))
+        for li in layers
+        for i in ids
     ]
     positions = list(dict.fromkeys(int(x) for x in index_df["pos"])) if per_position else None
     out, _ = get_act_patch_outputs(
@@ -299,7 +360,7 @@ def _z_by_output_deltas(
         progress=progress,
     )  # fmt: skip
     if per_position:  # [layer * head, pos] -> rows (layer, pos, head)
-        out = out.reshape(len(layers), len(heads), -1).transpose(1, 2)
+        out = out.reshape(len(layers), len(ids), -1).transpose(1, 2)
     return out.flatten()
 
 

@@ -10,6 +10,9 @@ as before, each option by keyword (``progress=False``), which replaces the one i
     effects, labels = get_act_patch_outputs(model, corrupted, cache, metric, progress=True)
 
 An option a function does not use is refused (``ValueError``) rather than ignored.
+``level`` (a neuron's ``K`` heads patched together or one head at a time) is used by
+:func:`~tl_attnonly.analysis.get_act_patch_neuron_heads` only (``get_act_patch_outputs`` and
+``attribute_then_patch`` take their own ``level=`` argument).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tl_attnonly._types import replace_options
 from tl_attnonly.analysis.patching.resume import PATCH_BUDGET
+
+#: The values of :attr:`PatchingOptions.level` other than ``None`` (``None``: by ``K``).
+PATCH_LEVELS = ("neuron", "head")
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,15 @@ class PatchingOptions:
         per_position: Patch each position separately (a ``[..., pos]`` result) instead of all
             positions at once (activation and output patching only).
         positions: With ``per_position``, only these positions (default: all).
+        level: How neuron-heads are patched (by
+            :func:`~tl_attnonly.analysis.get_act_patch_neuron_heads`): ``"neuron"``: the ``K``
+            heads of a neuron together (for ``z``: the neuron's ``hook_post``), one patch per
+            neuron; ``"head"``: one neuron-head at a time. ``None`` (default): ``"neuron"`` where
+            a neuron has ``K > 1`` heads, ``"head"`` where ``K = 1`` (there the two are the same
+            patches).
 
-    Values are checked where they are used (e.g. ``patches_per_pass`` against ``max_bytes``).
+    Values are checked where they are used (e.g. ``patches_per_pass`` against ``max_bytes``);
+    ``level`` when the options are made (``ValueError`` naming the allowed values).
     """
 
     patches_per_pass: int | None = None
@@ -44,6 +57,10 @@ class PatchingOptions:
     progress: bool = True
     per_position: bool = False
     positions: Sequence[int] | None = None
+    level: Literal["neuron", "head"] | None = None
+
+    def __post_init__(self) -> None:
+        patch_level(self.level, 1)  # refuse a bad level when the options are made
 
     def with_overrides(self, **changes: Any) -> PatchingOptions:
         """A copy with the given fields replaced (``f(..., options=o, progress=False)``).
@@ -57,6 +74,23 @@ class PatchingOptions:
             "Unknown patching option(s) {unknown}; the options are {names} "
             "(tl_attnonly.analysis.PatchingOptions).",
         )
+
+
+def patch_level(level: str | None, n_heads_per_neuron: int) -> Literal["neuron", "head"]:
+    """``level`` checked, and its default (``None``) resolved: ``"neuron"`` for neurons of
+    ``n_heads_per_neuron > 1`` heads, ``"head"`` for one head per neuron.
+
+    Raises:
+        ValueError: For a level other than ``"neuron"``, ``"head"`` and ``None``, naming them.
+    """
+    if level is None:
+        return "neuron" if n_heads_per_neuron > 1 else "head"
+    if level not in PATCH_LEVELS:
+        raise ValueError(
+            f"The patching option level must be 'neuron' or 'head' (or None: 'neuron' where a "
+            f"neuron has K > 1 heads, 'head' where K = 1), got {level!r}."
+        )
+    return "neuron" if level == "neuron" else "head"
 
 
 def resolve_patching_options(
@@ -101,4 +135,4 @@ def resolve_patching_options(
     return resolved
 
 
-__all__ = ["PatchingOptions", "resolve_patching_options"]
+__all__ = ["PATCH_LEVELS", "PatchingOptions", "patch_level", "resolve_patching_options"]
