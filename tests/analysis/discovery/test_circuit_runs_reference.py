@@ -14,9 +14,9 @@ from conftest import GATED_ZOO, make_tokens
 from models import facts, make_converted, tl3_extra
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
+from tl_attnonly.analysis.discovery.exact_run import _recompute
 from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan
-from tl_attnonly.analysis.discovery.runs import _recompute
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 from tl_attnonly.analysis.discovery.sites import (
     input_hook_name,

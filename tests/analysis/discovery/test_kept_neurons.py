@@ -23,7 +23,7 @@ from test_circuit_runs_reference import CLEAN, CORRUPTED, METRIC, _random_mask, 
 from test_run_reuse import _first_block_runs
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
-from tl_attnonly.analysis.discovery import runs
+from tl_attnonly.analysis.discovery import run_reuse, runs
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 
 #: layer -> the named neurons of the fine graph; each circuit: layer -> the named neurons kept
@@ -130,13 +130,13 @@ def test_a_layer_whose_kept_neurons_differ_changes_every_input_above_it():
     kept = _kept(model)
     # the same mask object, the same kept neurons: every input group is shared
     every = {d.key for d in graph.inputs if d.labels}
-    assert runs._shared_prefix(graph, mask, mask, kept[1], kept[1]) == (every, float("inf"))
+    assert run_reuse.shared_prefix(graph, mask, mask, kept[1], kept[1]) == (every, float("inf"))
     # layer 1's MLP passes on other neurons: the inputs up to it are shared, none above
-    shared, below = runs._shared_prefix(graph, mask, mask, {}, kept[3])
+    shared, below = run_reuse.shared_prefix(graph, mask, mask, {}, kept[3])
     mlp1 = graph.source_by_key["mlp.1"].order
     assert shared == {d.key for d in graph.inputs if d.labels and d.order <= mlp1}
     assert below == mlp1
-    shared, below = runs._shared_prefix(graph, mask, mask, kept[1], kept[2])  # layer 0
+    shared, below = run_reuse.shared_prefix(graph, mask, mask, kept[1], kept[2])  # layer 0
     assert below == graph.source_by_key["mlp.0"].order
     assert not any(key.startswith(("attn.1", "mlp.1")) for key in shared)
 

@@ -2,7 +2,7 @@
 
 ``circuit_metrics`` takes the hook outputs of the input groups below the first residual position
 at which a circuit's edges differ from the first circuit's from the first run
-(``runs._shared_prefix``) instead of rebuilding them. The metrics must be those of one run per
+(``run_reuse.shared_prefix``) instead of rebuilding them. The metrics must be those of one run per
 call (no reuse) and of the edge-by-edge definition (fp64), on both model kinds, and fewer inputs
 must be rebuilt.
 """
@@ -20,7 +20,7 @@ from models import make_converted
 from test_circuit_runs_reference import _random_mask, _record_source_values, _reference
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
-from tl_attnonly.analysis.discovery import runs
+from tl_attnonly.analysis.discovery import exact_run, run_reuse, runs
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 
 CLEAN, CORRUPTED = make_tokens(3, 7, seed=0), make_tokens(3, 7, seed=1)
@@ -49,13 +49,13 @@ def _one_call_each(model, masks, nodes, clean, corrupted, metric) -> list[float]
 
 def _count_recomputes(monkeypatch) -> list[int]:
     calls = [0]
-    recompute = runs._recompute
+    recompute = exact_run._recompute
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return recompute(*args, **kwargs)
 
-    monkeypatch.setattr(runs, "_recompute", counted)
+    monkeypatch.setattr(exact_run, "_recompute", counted)
     return calls
 
 
@@ -65,12 +65,12 @@ def test_shared_prefix_is_every_group_below_the_first_change():
     graph, masks = _layer_variants(model, nodes)
     last = masks[-1]  # the last layer's named neurons and remainder cut: only the logits change
     order = max(d.order for d in graph.inputs if d.key.startswith("neuron.1"))
-    shared, _ = runs._shared_prefix(graph, masks[0], last)
+    shared, _ = run_reuse.shared_prefix(graph, masks[0], last)
     assert shared == {d.key for d in graph.inputs if d.labels and d.order <= order}
-    assert runs._shared_prefix(graph, masks[0], masks[0])[0] == {
+    assert run_reuse.shared_prefix(graph, masks[0], masks[0])[0] == {
         d.key for d in graph.inputs if d.labels
     }
-    first_layer, _ = runs._shared_prefix(graph, masks[0], masks[1])  # L0's named neurons cut
+    first_layer, _ = run_reuse.shared_prefix(graph, masks[0], masks[1])  # L0's named neurons cut
     assert all(not key.startswith(("attn.1", "neuron.1", "mlp.1")) for key in first_layer)
 
 
@@ -178,7 +178,7 @@ def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
     _, masks = _layer_variants(model, nodes)
     apart = _one_call_each(model, masks, nodes, CLEAN, CORRUPTED, METRIC)
     gathered, recomputed = [0], set()
-    read_matrix, recompute = runs.neuron_read_matrix, runs._recompute
+    read_matrix, recompute = exact_run.neuron_read_matrix, exact_run._recompute
 
     def counted_read(*args):
         gathered[0] += 1
@@ -188,8 +188,8 @@ def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
         recomputed.add((x.shape[0], dst.key, tuple(nodes.tolist())))  # the batch by its size
         return recompute(model, dst, graph, x, nodes, *args)
 
-    monkeypatch.setattr(runs, "neuron_read_matrix", counted_read)
-    monkeypatch.setattr(runs, "_recompute", seen)
+    monkeypatch.setattr(exact_run, "neuron_read_matrix", counted_read)
+    monkeypatch.setattr(exact_run, "_recompute", seen)
     together = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
     assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
     neuron_sets = {key for key in recomputed if not key[1].startswith("attn")}
@@ -212,7 +212,7 @@ def test_later_runs_copy_the_changes_of_sources_below_their_first_change(monkeyp
     computed.clear()
     together = circuit_metrics(model, [masks[0], last], CLEAN, CORRUPTED, METRIC, nodes=nodes)
     assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
-    below = runs._shared_prefix(graph, masks[0], last)[1]
+    below = run_reuse.shared_prefix(graph, masks[0], last)[1]
     layer = model.cfg.n_layers - 1
     assert below == min(s.order for s in graph.sources if s.layer == layer and s.kind != "attn")
     # the second run: only the last layer's MLP remainder, still read by the logits (its
@@ -230,7 +230,7 @@ def test_a_later_plan_takes_the_first_plans_rows_below_its_first_change():
     graph, masks = _layer_variants(model, coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"])
     first = CircuitPlan(graph, masks[0])
     for mask in masks[1:]:
-        below = runs._shared_prefix(graph, masks[0], mask)[1]
+        below = run_reuse.shared_prefix(graph, masks[0], mask)[1]
         taken, own = CircuitPlan(graph, mask, first, below), CircuitPlan(graph, mask)
         assert taken.orders == own.orders and taken.offsets == own.offsets
         assert taken.incidence.keys() == own.incidence.keys()

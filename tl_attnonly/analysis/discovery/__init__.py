@@ -8,7 +8,11 @@
 :mod:`.scored_edges`     EdgeScores: every edge of a graph with its estimated effect
 :mod:`.pruning`          top edges by rank (signed or |score|) to a circuit mask, no dangling edges
 :mod:`.streaming`        top-n edges of graphs too large for dense scores, block by block
-:mod:`.runs`             exact circuit runs (full or restricted graphs), gate/value splits
+:mod:`.runs`             exact circuit runs (full or restricted graphs): circuit_metric
+:mod:`.exact_run`        one circuit's exact run: hooks that rebuild each input from its edges
+:mod:`.run_metrics`      circuit_metrics: several circuits' exact runs, batch by batch
+:mod:`.run_reuse`        what exact runs share: each batch's corrupted run, first runs, kept runs
+:mod:`.gate_value`       circuit_gate_value_split: a neuron's gate and value edges apart
 :mod:`.circuit`          Circuit (a found circuit, its evidence and report), faithfulness
 :mod:`.evaluate`         evaluate_circuit: a found circuit's exact faithfulness on other prompts
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)

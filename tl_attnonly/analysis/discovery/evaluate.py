@@ -24,7 +24,7 @@ from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.discovery.runs import circuit_metrics
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, batch_indices, call_metric
 
 if TYPE_CHECKING:

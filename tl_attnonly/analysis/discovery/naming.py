@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
 from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
@@ -31,12 +32,8 @@ from tl_attnonly.analysis.discovery.node_selection import coarse_nodes, expand_m
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.relevance import neuron_relevance
-from tl_attnonly.analysis.discovery.runs import (
-    Circuit,
-    CorruptedRuns,
-    circuit_metrics,
-    faithfulness,
-)
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:

@@ -94,7 +94,8 @@ from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.profiles import parse_neuron_label
-from tl_attnonly.analysis.discovery.runs import CorruptedRuns, KeptRun, circuit_metrics
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns, KeptRun
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
 
 if TYPE_CHECKING:

@@ -42,6 +42,8 @@ from jaxtyping import Int
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.circuit import Circuit
+from tl_attnonly.analysis.discovery.gate_value import circuit_gate_value_split
 from tl_attnonly.analysis.discovery.graph import HeadGraph
 from tl_attnonly.analysis.discovery.profile_stats import (
     ALL,
@@ -52,7 +54,6 @@ from tl_attnonly.analysis.discovery.profile_stats import (
     profile_examples,
     top_tokens_text,
 )
-from tl_attnonly.analysis.discovery.runs import Circuit, circuit_gate_value_split
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.discovery.positions import PositionClasses

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.circuit import faithfulness
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import (
@@ -37,7 +38,8 @@ from tl_attnonly.analysis.discovery.pruning import (
     ranking_values,
     unflatten_blocks,
 )
-from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics, faithfulness
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
 
 if TYPE_CHECKING:

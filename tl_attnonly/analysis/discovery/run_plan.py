@@ -51,7 +51,7 @@ class CircuitPlan:
         mask: ``(source group, input group) -> bool [n_sources, n_inputs]``.
         reference: Another mask's plan on the same graph, whose orders below ``same_below``
             are taken as they are (the sources there have the same outgoing edges in both
-            masks: :func:`~.runs._shared_prefix`).
+            masks: :func:`~.run_reuse.shared_prefix`).
         same_below: See ``reference``.
 
     A plan of the same mask object as its ``reference``'s takes the reference's merged rows at

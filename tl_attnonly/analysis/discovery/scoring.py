@@ -42,7 +42,7 @@ from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import RANKINGS, mask_size, prune_ranked
-from tl_attnonly.analysis.discovery.runs import circuit_metrics
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
 

@@ -74,7 +74,9 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
+from tl_attnonly.analysis.discovery.gate_value import circuit_gate_value_split
 from tl_attnonly.analysis.discovery.graph import EMBED, mlp_rest_label
 from tl_attnonly.analysis.discovery.naming import name_neurons
 from tl_attnonly.analysis.discovery.node_selection import (
@@ -88,13 +90,8 @@ from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
 from tl_attnonly.analysis.discovery.relevance import check_relevance
-from tl_attnonly.analysis.discovery.runs import (
-    Circuit,
-    CorruptedRuns,
-    circuit_gate_value_split,
-    circuit_metrics,
-    faithfulness,
-)
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
     batch_indices,

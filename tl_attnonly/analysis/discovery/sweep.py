@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.circuit import faithfulness
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
-from tl_attnonly.analysis.discovery.runs import CorruptedRuns, circuit_metrics, faithfulness
+from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:

@@ -21,12 +21,13 @@ Receivers are written as labels with an optional input suffix: ``"L2H3"`` (q, k 
 grouped-query attention a ``k``/``v`` receiver is its key/value head, shared by its group.
 
 Sweeps over many senders or receivers, and the grid, are in
-:mod:`tl_attnonly.analysis.patching.sweeps`.
+:mod:`tl_attnonly.analysis.patching.sweeps`. :func:`path_gate_value_split` splits the paths into
+neurons by the inputs they reach (gate, value, both).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -284,10 +285,78 @@ def receiver_label(receiver: Receiver, n_heads_per_neuron: int = 1) -> str:
     return f"{receiver.head.label(n_heads_per_neuron)}:{receiver.inputs}"
 
 
+def path_gate_value_split(
+    model: ModelLike,
+    clean_tokens: Int[torch.Tensor, "batch pos"],
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    senders: Sequence[str],
+    neurons: Sequence[str],
+    metric: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, float]:
+    """Gate/value split of the paths ``senders -> neurons`` by exact path patching.
+
+    With :func:`~tl_attnonly.analysis.path_patch` (clean senders into the corrupted run, effect
+    measured against the corrupted run's metric):
+
+    - ``gate``: only the neurons' queries (hence patterns) receive the paths;
+    - ``value``: only their values do;
+    - ``both``: both do;
+    - ``interaction = both - gate - value``.
+
+    On gated MLPs this patches the neuron-heads' ``q`` and ``v`` as path patching does: ``gate`` is
+    the pattern alone and ``value`` the product ``(f_k g + e_k - g_k) u`` (its ``g`` factor
+    included), not the ``g`` / ``u`` split of
+    :func:`~tl_attnonly.analysis.circuit_gate_value_split`.
+
+    Args:
+        senders: Head labels (``"L0H1"``, ``"L0N5"``, ``"L0N5.1"``).
+        neurons: Receiving neurons (``"L1N3"``: all its heads) or neuron-heads (``"L1N3.2"``).
+        metric: Logits -> scalar.
+
+    Returns:
+        ``{"gate", "value", "both", "interaction", "corrupted"}`` (metric units).
+    """
+    model = analysis_model(model)
+    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
+    K = model.n_heads_per_neuron
+    heads = []
+    for label in neurons:
+        if K > 1 and "." not in label:
+            heads += [f"{label}.{k}" for k in range(K)]
+        else:
+            heads.append(label)
+    if K > 1:
+        senders = (
+            [f"{s}.{k}" for s in senders for k in range(K)]
+            if all("N" in s and "." not in s for s in senders)
+            else list(senders)
+        )
+    caches = dict(
+        zip(
+            ("clean_cache", "corrupted_cache"),
+            path_patch_caches(model, clean_tokens, corrupted_tokens),
+            strict=True,
+        )
+    )
+    with torch.no_grad():
+        base = metric(model(corrupted_tokens)).item()
+    out = {}
+    for name, inputs in (("gate", "q"), ("value", "v"), ("both", "qv")):
+        receivers = [f"{h}:{inputs}" for h in heads]
+        out[name] = (
+            path_patch(model, clean_tokens, corrupted_tokens, senders, receivers, metric, **caches)
+            - base
+        )
+    out["interaction"] = out["both"] - out["gate"] - out["value"]
+    out["corrupted"] = base
+    return out
+
+
 __all__ = [
     "LOGITS",
     "Receiver",
     "parse_receiver",
+    "path_gate_value_split",
     "path_patch",
     "path_patch_caches",
     "path_patch_runs",
