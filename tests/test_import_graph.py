@@ -4,7 +4,8 @@ The graph is built statically with :mod:`ast` from every ``import`` in every mod
 ``tl_attnonly``: module level and inside functions (a function-level import is still a
 dependency; it only defers the loop to run time). ``from tl_attnonly.x import y`` is an edge to
 ``tl_attnonly.x.y`` when ``y`` is a submodule, else to ``tl_attnonly.x``. Imports under
-``if TYPE_CHECKING:`` are left out: they never run.
+``if TYPE_CHECKING:`` count too: they never run, but a loop of annotations is still two modules
+that cannot be read one without the other.
 
 A package's ``__init__`` that re-exports its submodules is a facade, not a layer: an edge into a
 package is kept (``from tl_attnonly.analysis import x`` depends on the whole package), but the
@@ -50,20 +51,11 @@ def _is_package(module: str) -> bool:
     return MODULES[module].name == "__init__.py"
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import node, at any depth, except those under ``if TYPE_CHECKING:``."""
+    """Every import node, at any depth, ``if TYPE_CHECKING:`` blocks included."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
@@ -189,6 +181,11 @@ def test_graph_sees_function_level_and_submodule_imports() -> None:
     assert "tl_attnonly.components.neuron_heads" in graph["tl_attnonly.hooks"]
     # ``from tl_attnonly.analysis import patching`` style: the submodule is the edge.
     assert "tl_attnonly.analysis.patching.activations" in graph["tl_attnonly.analysis.patching"]
+    # imports under ``if TYPE_CHECKING:`` count (a loop of annotations is a loop)
+    guarded = ast.parse("if TYPE_CHECKING:\n    from tl_attnonly.protocol import Block\n")
+    assert [n.module for n in _imports(guarded) if isinstance(n, ast.ImportFrom)] == [
+        "tl_attnonly.protocol"
+    ]
     found = _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
     assert found == [["a", "b", "c"]]
     assert _cycle_path({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c"]) == [
@@ -247,7 +244,8 @@ def test_bottom_layer_imports_nothing_above_it(module: str) -> None:
 UPPER = ("tl_attnonly.vis", "tl_attnonly.report", "tl_attnonly.cli")
 CORE = ("tl_attnonly.components", "tl_attnonly.literal", "tl_attnonly.hooks",
         "tl_attnonly.neuron_head_model", "tl_attnonly.derived_cache", "tl_attnonly.options",
-        "tl_attnonly.activations", "tl_attnonly.model", "tl_attnonly.encoder")  # fmt: skip
+        "tl_attnonly.activations", "tl_attnonly.model", "tl_attnonly.encoder",
+        "tl_attnonly.hooked", "tl_attnonly.bridge")  # fmt: skip
 
 
 def _in(module: str, prefixes: tuple[str, ...]) -> bool:
