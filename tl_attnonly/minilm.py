@@ -316,7 +316,7 @@ def encode_sentences(
     """Final hidden states and pooled sentence embeddings, as sentence-transformers computes them.
 
     Works for any ``HookedEncoder``, including a converted
-    :class:`~tl_attnonly.encoder.AttnOnlyEncoder`, and for a BERT ``TransformerBridge`` (e.g.
+    :class:`~tl_attnonly.hooked.encoder.AttnOnlyEncoder`, and for a BERT ``TransformerBridge`` (e.g.
     :func:`load_minilm_bridge`). The hidden states are the encoder's output
     (``model.encoder_output``, = the last ``blocks.{L-1}.hook_normalized_resid_post``; on a
     bridge, the last ``blocks.{L-1}.hook_out``) with the padding masked out of attention; the MLM

@@ -6,7 +6,7 @@ One check serves both model kinds (TransformerLens 3.x and 4.x):
   from;
 * a ``TransformerBridge`` converted with :func:`tl_attnonly.convert` against an unconverted bridge
   of the same weights. A bridge converts in place, so the reference is a second bridge
-  (:func:`tl_attnonly.bridge.demo.verify_bridge_conversion` builds one per dtype from a loader).
+  (:func:`tl_attnonly.cli.bridge_demo.verify_bridge_conversion` builds one per dtype from a loader).
 
 Both kinds have the same hook names; what differs (the reference's name in messages, whether the
 MLPs are gated, the coefficients per layer) is read through
@@ -164,7 +164,7 @@ def verify_conversion(
     Args:
         original: The model before conversion: a ``HookedTransformer``, or an unconverted
             ``TransformerBridge`` of the same weights (a bridge converts in place, so this is a
-            second bridge; see :func:`tl_attnonly.bridge.demo.verify_bridge_conversion`).
+            second bridge; see :func:`tl_attnonly.cli.bridge_demo.verify_bridge_conversion`).
         converted: Its :class:`~tl_attnonly.AttnOnlyTransformer`, or the converted bridge.
         tokens: Token ids ``[batch, pos]`` or text (tokenised by ``original``).
         dtypes: The dtypes to check in.
@@ -208,7 +208,7 @@ def _converted(original: Any, converted: Any) -> AttnOnlyModel:
         raise TypeError(
             "original and converted are the same object: a bridge converts in place, so compare "
             "it with a second, unconverted bridge of the same weights (or use "
-            "tl_attnonly.bridge.demo.verify_bridge_conversion(load, tokens), which loads one)."
+            "tl_attnonly.cli.bridge_demo.verify_bridge_conversion(load, tokens), which loads one)."
         )
     if analysis_model(original, neuron_heads=False).is_converted:
         raise TypeError(

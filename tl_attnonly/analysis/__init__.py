@@ -17,7 +17,7 @@ Four rooms, each one idea:
 ==============================  ==================================================================
 
 The derived cache (what ``run_with_cache`` derives rather than stores) lives beside the model, in
-:mod:`tl_attnonly.derived_cache`.
+:mod:`tl_attnonly.hooked.derived_cache`.
 
 Heads are labelled ``L{l}H{h}`` (attention heads, TransformerLens's style), ``L{l}N{i}`` or
 ``L{l}N{i}.{k}`` (neuron-heads, see :func:`tl_attnonly.hooks.neuron_head_label`). Wherever heads
