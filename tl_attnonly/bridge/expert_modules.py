@@ -287,9 +287,9 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
     ``blocks.{l}.mlp.experts.{e}.hook_*``.
 
     It is what :func:`tl_attnonly.bridge.neuron_head_layers` gives for a mixture-of-experts layer:
-    :attr:`is_mixture_of_experts` marks it for the analysis tools (which refuse it by name), and
-    the flags ``use_neuron_result``, ``fused``, ``compiled`` reach every expert and the block's
-    shared experts (:attr:`shared`).
+    :attr:`is_mixture_of_experts` (:class:`~tl_attnonly.components.expert_facts.ExpertFacts`)
+    marks it for the analysis tools (which refuse it by name), and the flags ``use_neuron_result``,
+    ``fused``, ``compiled`` reach every expert and the block's shared experts (:attr:`shared`).
 
     A clamped SwiGLU's experts (``clamp`` given) record where the clamp would have acted
     (:attr:`clamp_count`, :attr:`clamp_max_change`, per expert and summed here) and emit one
@@ -304,9 +304,6 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         name: The experts' hook prefix, ``blocks.{l}.mlp.experts`` (for the warning).
     """
 
-    #: Marks a mixture of experts for checks that must not import this class
-    #: (:func:`tl_attnonly.adapt.analysis_model`).
-    is_mixture_of_experts: ClassVar[bool] = True
     #: Marks a bridge's neuron-head layer (see :class:`~tl_attnonly.bridge.BridgeNeuronHeadMLP`).
     is_bridge_neuron_heads: ClassVar[bool] = True
 
