@@ -404,7 +404,9 @@ def test_a_post_norm_bridge_is_refused_by_discovery_and_decomposition():
         A.decompose_resid_heads(cache)
     # what works on it: neuron-head patching
     _, cache = bridge.run_with_cache(clean, names_filter=head_names_filter("z"))
-    out = A.get_act_patch_neuron_heads(bridge, corrupted, cache, patch_metric, layers=[1])
+    out = A.get_act_patch_neuron_heads(
+        bridge, corrupted, cache, patch_metric, layers=[1], level="head"
+    )
     assert out.shape == (1, analysis_model(bridge).n_neuron_heads)
     assert neuron_act_name("z", 1) in cache.cache_dict
 
