@@ -61,23 +61,29 @@ def test_nodes_sit_at_their_layer_with_the_symbol_of_their_kind(profiles):
     circuit = profiles.circuit
     fig = neuron_circuit_figure(profiles)
     nodes = _nodes(fig)
-    n_layers = circuit.graph.n_layers
     assert set(profiles.neurons) <= set(nodes)
     assert set(circuit.nodes()) | {"embed", "logits"} == set(nodes)
+    # each node sits at its level's tick (only occupied levels are drawn, in the stream's order)
+    ticks = dict(zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext, strict=True))
+    assert list(ticks) == sorted(ticks)
     for label, (name, symbol, _, y, _) in nodes.items():
         if label == "embed":
-            assert y == -1 and symbol == "square"
+            assert ticks[y] == "embed" and symbol == "square"
         elif label == "logits":
-            assert y == n_layers and symbol == "square"
+            assert ticks[y] == "logits" and symbol == "square"
         elif label.endswith("MLP"):
-            assert (name, symbol, y) == ("MLP remainder (neurons not named)", "diamond-open",
-                                         int(label[1:-3]) + 0.5)  # fmt: skip
+            assert (name, symbol, ticks[y]) == ("MLP remainder (neurons not named)",
+                                                "diamond-open", f"L{label[1:-3]} MLP")  # fmt: skip
         elif "N" in label:
             layer = int(label[1:].split("N")[0])
-            assert (name, symbol, y) == ("named neuron", "diamond", layer + 0.5)
+            assert (name, symbol, ticks[y]) == ("named neuron", "diamond", f"L{layer} MLP")
+        elif "KV" in label:
+            layer = int(label[1:].split("KV")[0])
+            assert (name[:15], symbol, ticks[y]) == ("key/value group", "circle-open",
+                                                     f"L{layer} attn")  # fmt: skip
         else:
-            layer = int(label[1:].split("H")[0].split("KV")[0])
-            assert (name, symbol, y) == ("attention head", "circle", layer)
+            layer = int(label[1:].split("H")[0])
+            assert (name, symbol, ticks[y]) == ("attention head", "circle", f"L{layer} attn")
     # no two nodes on one spot
     assert len({(x, y) for _, _, x, y, _ in nodes.values()}) == len(nodes)
 
@@ -112,7 +118,8 @@ def test_a_neurons_hover_carries_its_profile(profiles):
         assert f"g+u+ {100 * row['share_g+u+']:.0f}%/{100 * row['abs_share_g+u+']:.0f}%" in hover
     # a plain circuit (no profiles) draws the same nodes, hover the label alone
     plain = _nodes(neuron_circuit_figure(profiles.circuit))
-    assert set(plain) == set(nodes) and plain[profiles.neurons[0]][4] == profiles.neurons[0]
+    assert set(plain) == set(nodes)
+    assert plain[profiles.neurons[0]][4].split("<br>")[0] == profiles.neurons[0]
 
 
 def test_profiles_figure_uses_the_builder_vis_registers_and_refuses_without_one(

@@ -318,7 +318,7 @@ def test_save_html_is_self_contained(tmp_path, cache, tokens):
     text = save_figure(view, tmp_path / "view.html").read_text()
     assert text.startswith("<!DOCTYPE html>") and "var CircuitsVis=" in text
     with pytest.raises(ValueError, match=".png"):
-        save_figure(fig, tmp_path / "fig.svg")
+        save_figure(fig, tmp_path / "fig.gif")
 
 
 def test_png_falls_back_to_html_with_a_clear_message(tmp_path, monkeypatch, cache, tokens):

@@ -1,4 +1,4 @@
-"""Export: standalone HTML and PNG files, and text that is safe inside a ``<script>`` element."""
+"""Export: standalone HTML; PNG, SVG and PDF images; text safe inside a ``<script>`` element."""
 
 from __future__ import annotations
 
@@ -83,35 +83,45 @@ def save_figure(
     height: int | None = None,
     scale: float = 2.0,
 ) -> Path:
-    """Write a plotly figure or a circuitsvis view to ``.html`` or ``.png``.
+    """Write a plotly figure or a circuitsvis view to ``.html`` or ``.png`` (a plotly figure also
+    to ``.svg`` or ``.pdf``).
 
-    HTML is self-contained (plotly.js / circuitsvis's JavaScript inlined) and works offline. PNG
-    of a plotly figure needs the ``kaleido`` package (``pip install "tl-attnonly[png]"``) and a
-    Chrome it can use (``plotly_get_chrome``); PNG of a circuitsvis view needs a Chrome/Chromium
-    executable, which screenshots the whole view (its height measured first, unless given). If
-    what is needed is missing, the figure is written as HTML next to the requested path and a
-    warning names what to install.
+    HTML is self-contained (plotly.js / circuitsvis's JavaScript inlined) and works offline. PNG,
+    SVG and PDF of a plotly figure need the ``kaleido`` package (the ``[png]`` extra:
+    ``pip install "tl-attnonly[png]"``) and a Chrome it can use (``plotly_get_chrome``); PNG of a
+    circuitsvis view needs a Chrome/Chromium executable, which screenshots the whole view (its
+    height measured first, unless given). If what is needed is missing, the figure is written as
+    HTML next to the requested path and a warning names what to install.
 
     Args:
         fig: A plotly Figure or a circuitsvis RenderedHTML (e.g. a ``NeuronHeadView``).
-        path: Output path ending in ``.html`` or ``.png``.
-        width: PNG width in CSS pixels (default: the figure's, or 1000).
-        height: PNG height in CSS pixels (default: the figure's; for views, the whole view).
+        path: Output path ending in ``.html``, ``.png``, ``.svg`` or ``.pdf`` (the last two for
+            plotly figures).
+        width: Image width in CSS pixels (default: the figure's, or 1000).
+        height: Image height in CSS pixels (default: the figure's; for views, the whole view).
         scale: PNG pixel ratio.
 
     Returns:
-        The path written (``.html`` instead of ``.png`` when PNG export was not possible).
+        The path written (``.html`` instead of the image when export was not possible).
+
+    Raises:
+        ValueError: For another suffix, or ``.svg`` / ``.pdf`` of a circuitsvis view.
     """
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in (".html", ".htm", ".png"):
-        raise ValueError(f"Can write .html or .png, got {path.name!r}.")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix not in (".html", ".htm", ".png", *_VECTOR):
+        raise ValueError(f"Can write .html, .png, .svg or .pdf, got {path.name!r}.")
     is_plotly = isinstance(fig, go.Figure)
     if not is_plotly and not isinstance(fig, RenderedHTML):
         raise TypeError(
             f"save_figure takes a plotly Figure or a circuitsvis view, got {type(fig).__name__}."
         )
+    if suffix in _VECTOR and not is_plotly:
+        raise ValueError(
+            f"A circuitsvis view is written as .html or .png, got {path.name!r} (.svg and .pdf "
+            "are for plotly figures)."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
     if suffix in (".html", ".htm"):
         path.write_text(_standalone_html(fig), encoding="utf-8")
         return path
@@ -121,7 +131,7 @@ def save_figure(
         return _fallback(fig, path, "no Chrome/Chromium executable on PATH", _CHROMIUM_ADVICE)
     try:
         if is_plotly:
-            fig.write_image(str(path), width=width, height=height, scale=scale)
+            fig.write_image(str(path), format=suffix[1:], width=width, height=height, scale=scale)
         else:
             page = _standalone_html(fig)
             width = width or 1000
@@ -135,9 +145,12 @@ def save_figure(
 
 
 _KALEIDO_ADVICE = (
-    'PNG export of plotly figures needs the kaleido package (pip install "tl-attnonly[png]" or '
-    "pip install kaleido) and a Chrome it can use (run `plotly_get_chrome` once)"
+    "PNG, SVG and PDF export of plotly figures needs the kaleido package (the [png] extra: "
+    'pip install "tl-attnonly[png]", or pip install kaleido) and a Chrome it can use (run '
+    "`plotly_get_chrome` once)"
 )
+#: Vector formats (plotly figures only, through kaleido).
+_VECTOR = (".svg", ".pdf")
 _CHROMIUM_ADVICE = (
     "PNG export of circuitsvis views needs a Chrome/Chromium executable on PATH (e.g. "
     "`apt-get install chromium`)"

@@ -1,11 +1,18 @@
 """A plotly figure of a neuron circuit: the circuit's heads, named neurons and their edges by layer.
 
-The vertical axis is the residual stream's order (the embeddings at the bottom, then each layer's
-attention and MLP, the logits on top); attention heads are circles, named neurons diamonds, an MLP
-layer's remainder (its neurons not named, ``L{l}MLP``) an open diamond, the embeddings and logits
-squares. Edges are the circuit's (:meth:`~tl_attnonly.analysis.Circuit.edges`, largest
-``|score|`` first), coloured by the input they feed as in
-:func:`~tl_attnonly.vis.circuit.circuit_figure` (gate edges dashed), three widths by ``|score|``.
+The vertical axis is the residual stream's order (the embeddings at the bottom, then each occupied
+layer's attention and MLP, the logits on top; a run of layers with no node collapses into half a
+row whose tick names them); attention heads are circles, key/value groups of grouped-query
+attention (``L{l}KV{j}``) open circles, named neurons diamonds, an MLP layer's remainder (its
+neurons not named, ``L{l}MLP``) an open diamond, the embeddings and logits squares. MLP nodes are
+drawn by what they carry (:func:`~tl_attnonly.vis.circuit.mlp_markers`: size by the ``|score|`` of
+their edges out, faded by their group's share of the layer's effect where ``circuit.mlp_split``
+measured it), so named neurons that carry little are small and faint. Edges are the circuit's
+(:meth:`~tl_attnonly.analysis.Circuit.edges`, largest ``|score|`` first), coloured by the input
+they feed as in :func:`~tl_attnonly.vis.circuit.circuit_figure` (gate edges dashed), three widths
+by ``|score|``. The layout, labels placed without overlap and the title's counts are
+:mod:`tl_attnonly.vis.circuit`'s (:func:`~tl_attnonly.vis.circuit.page_layout`,
+:func:`~tl_attnonly.vis.circuit.place_labels`, :func:`~tl_attnonly.vis.circuit.circuit_counts`).
 Given :class:`~tl_attnonly.analysis.discovery.profiles.NeuronProfiles`, each neuron's hover text
 holds its profile: gate/value split, firing fraction, top tokens, best context and, for a gated
 neuron, its sign quadrants.
@@ -26,9 +33,22 @@ from tl_attnonly.analysis.discovery.runs import Circuit
 from tl_attnonly.vis.circuit import (
     EDGE_STYLES,
     INPUT_NAMES,
+    LABEL_FONT,
+    LINE_HEIGHT,
+    MAX_WIDTH,
+    NODE_NAMES,
+    NODE_SIZE,
     NODE_STYLES,
+    circuit_counts,
+    counts_text,
     kind_layer,
+    mlp_carry,
+    mlp_markers,
     node_trace,
+    occupied_levels,
+    page_layout,
+    place_labels,
+    text_size,
 )
 
 #: Marker symbol and colour of each node kind (``"rest"``: an MLP layer's remainder ``L{l}MLP``).
@@ -37,8 +57,7 @@ NEURON_CIRCUIT_NODES = {
     "rest": ("diamond-open", "#ff7f0e"),
 }
 _NODE_NAMES = {
-    EMBED: "embeddings",
-    "attn": "attention head",
+    **NODE_NAMES,
     "neuron": "named neuron",
     "rest": "MLP remainder (neurons not named)",
     LOGITS: "logits",
@@ -48,11 +67,12 @@ EDGE_WIDTHS = (1.0, 2.5, 4.5)
 
 
 def node_kind(label: str) -> str:
-    """``"embed"``, ``"attn"``, ``"neuron"``, ``"rest"`` (``L{l}MLP``) or ``"logits"``."""
+    """``"embed"``, ``"attn"``, ``"kv"`` (``L{l}KV{j}``), ``"neuron"``, ``"rest"`` (``L{l}MLP``)
+    or ``"logits"``."""
     if label in (EMBED, LOGITS):
         return label
     kind, _ = kind_layer(label)
-    return "rest" if label.endswith("MLP") else kind
+    return "rest" if label.endswith("MLP") else "kv" if "KV" in label else kind
 
 
 def node_level(label: str, n_layers: int) -> float:
@@ -98,6 +118,7 @@ def neuron_circuit_figure(
     max_edges: int = 200,
     named_only: bool = False,
     title: str | None = None,
+    max_width: int = MAX_WIDTH,
 ) -> go.Figure:
     """Draw a circuit's heads and named neurons by layer (module docstring).
 
@@ -107,7 +128,10 @@ def neuron_circuit_figure(
             profiles go into their hover text).
         max_edges: Draw at most this many edges (largest ``|score|`` first).
         named_only: Draw only the edges into or out of a named neuron.
-        title: Figure title; default states the counts and the faithfulness.
+        title: Figure title; default states the counts
+            (:func:`~tl_attnonly.vis.circuit.circuit_counts`) and the faithfulness.
+        max_width: The figure's width at most (px); nodes of a level move closer to fit, and
+            labels that then have no room are shown on hover only.
 
     Returns:
         A plotly figure; its node traces are named after :data:`NEURON_CIRCUIT_NODES`'s kinds
@@ -130,16 +154,21 @@ def neuron_circuit_figure(
         keep = set(named)
         edges = edges[edges.source.isin(keep) | edges.target.isin(keep)]
     edges = edges.head(max_edges)
-    n_layers = circuit.graph.n_layers
     labels = list(dict.fromkeys([EMBED, *edges.source, *edges.target, *named, LOGITS]))
-    rows: dict[float, list[str]] = {}
-    for label in labels:
-        rows.setdefault(node_level(label, n_layers), []).append(label)
+    levels = occupied_levels(labels, circuit.graph.n_layers)
+    widest = max(len(m) for _, _, m in levels)
+    col = max(text_size(n)[0] for n in labels) + NODE_SIZE
+    col = max(16.0, min(col, (max_width - 140) / (widest + 1)))
+    row = 2 * NODE_SIZE + 2 * LINE_HEIGHT * LABEL_FONT + 12
+    plot_w, plot_h = (
+        max(min(400.0, max_width - 140.0), (widest + 1) * col),
+        (levels[-1][0] + 1) * row,
+    )
     pos = {}
-    for level, members in rows.items():
+    for slot, _, members in levels:
         members.sort(key=lambda s: (node_kind(s) != "attn", len(s), s))
         for i, label in enumerate(members):
-            pos[label] = (i - (len(members) - 1) / 2, level)
+            pos[label] = (plot_w / 2 + (i - (len(members) - 1) / 2) * col, (slot + 0.5) * row)
     fig = go.Figure()
     top = max(float(edges.score.abs().max()) if len(edges) else 1.0, 1e-12)
     n_bins = len(EDGE_WIDTHS)
@@ -152,8 +181,8 @@ def neuron_circuit_figure(
                 continue
             xs: list[float | None] = []
             ys: list[float | None] = []
-            for row in picked.itertuples():
-                (x0, y0), (x1, y1) = pos[row.source], pos[row.target]
+            for edge in picked.itertuples():
+                (x0, y0), (x1, y1) = pos[edge.source], pos[edge.target]
                 xs += [x0, x1, None]
                 ys += [y0, y1, None]
             fig.add_trace(
@@ -170,40 +199,38 @@ def neuron_circuit_figure(
                 )
             )
             shown.add(inp)
+    mlp = [n for n in labels if node_kind(n) in ("neuron", "rest")]
+    marker = {n: (float(NODE_SIZE), 1.0, _hover(n, profiles)) for n in labels}
+    for n, size, opacity, carry in zip(mlp, *mlp_markers(mlp, mlp_carry(circuit)), strict=True):
+        marker[n] = (size, opacity, f"{marker[n][2]}<br>{carry}")
+    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "neuron": 3, "rest": 3}
+    order = sorted(labels, key=lambda n: (rank[node_kind(n)], -marker[n][0], n))
+    placed = dict(zip(order, place_labels(
+        [(*pos[n], marker[n][0], [n]) for n in order], plot_w, plot_h
+    ), strict=True))  # fmt: skip
     for kind, (symbol, colour) in NEURON_CIRCUIT_NODES.items():
         members = [label for label in labels if node_kind(label) == kind]
         if not members:
             continue
         fig.add_trace(
             node_trace(
-                [pos[m][0] for m in members],
-                [pos[m][1] for m in members],
-                members,
-                symbol,
-                colour,
-                _NODE_NAMES[kind],
-                [_hover(m, profiles) for m in members],
-                customdata=members,
+                [pos[m][0] for m in members], [pos[m][1] for m in members],
+                [placed[m][0] for m in members], symbol, colour, _NODE_NAMES[kind],
+                [marker[m][2] for m in members], customdata=members,
+                textposition=[placed[m][1] for m in members],
+                size=[marker[m][0] for m in members], opacity=[marker[m][1] for m in members],
             )
-        )
-    levels = [-1.0] + [li + s for li in range(n_layers) for s in (0.0, 0.5)] + [float(n_layers)]
-    level_text = ["embed"] + [t for li in range(n_layers) for t in (f"L{li} attn", f"L{li} MLP")]
-    widest = max(len(m) for m in rows.values())
-    fig.update_layout(
-        title=title
-        or (
-            f"Neuron circuit: {len(named)} named neurons, "
-            f"{sum(node_kind(x) == 'attn' for x in labels)} attention heads, {len(edges)} of "
-            f"{len(circuit.edges())} edges drawn, faithfulness {circuit.faithfulness:.3f} "
-            "(dashed: gate edges)"
-        ),
-        yaxis=dict(tickvals=levels, ticktext=[*level_text, "logits"], zeroline=False),
-        xaxis=dict(visible=False),
-        plot_bgcolor="white",
-        height=max(450, 70 * (2 * n_layers + 2)),
-        width=max(700, 60 * widest),
+        )  # fmt: skip
+    n_all = len(circuit.edges())
+    default = (
+        f"Neuron circuit: {counts_text(circuit_counts(circuit))}"
+        + ("" if len(edges) == n_all else f" ({len(edges)} drawn)")
+        + f"; faithfulness {circuit.faithfulness:.3f} (dashed: gate edges; MLP nodes sized by "
+        "|score| out, faded by their share of the layer's effect)"
     )
-    return fig
+    ticks = [((slot + 0.5) * row, text) for slot, text, _ in levels]
+    hidden = sum(not placed[n][0] for n in labels)
+    return page_layout(fig, title or default, (plot_w, plot_h), ticks, "y", hidden)
 
 
 # NeuronProfiles.figure() draws with this (analysis/ imports nothing from vis/; vis/ plugs in).

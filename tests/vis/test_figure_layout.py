@@ -1,0 +1,187 @@
+"""Paper-ready circuit figures: only occupied layers, a width bound, no overlapping labels, the
+title inside the figure, counts that agree with ``circuit.edges()``, and static export.
+
+The circuit is built directly (EAP scores of a 6-layer grouped-query model, edges kept among
+layers 0, 4 and 5 only), so layers 1-3 are empty; it has key/value groups and named neurons.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+
+import pytest
+import torch
+from conftest import GATED_ZOO, make_tokens
+from models import make_converted
+
+import tl_attnonly.vis  # noqa: F401 - registers the figure builders
+from tl_attnonly.analysis import logit_diff_metric
+from tl_attnonly.analysis.discovery.circuit import Circuit
+from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
+from tl_attnonly.analysis.discovery.node_selection import coarse_nodes
+from tl_attnonly.vis import circuit_figure, neuron_circuit_figure, save_figure
+from tl_attnonly.vis.circuit import (
+    LINE_HEIGHT,
+    TITLE_FONT,
+    circuit_counts,
+    label_box,
+    text_size,
+)
+
+OCCUPIED = (0, 4, 5)
+NAMED = {0: [f"L0N{i}" for i in range(6)], 4: [f"L4N{i}" for i in range(8)], 5: ["L5N0", "L5N1"]}
+
+
+@pytest.fixture(scope="module")
+def circuit():
+    model = make_converted("silu", **dict(GATED_ZOO["llama"], n_layers=6, n_heads=8))
+    metric = logit_diff_metric(torch.tensor([1, 2]), torch.tensor([5, 6]))
+    nodes = coarse_nodes(model) + [n for layer in NAMED.values() for n in layer]
+    scores = edge_attribution_scores(
+        model, make_tokens(2, 6, seed=0), make_tokens(2, 6, seed=1), metric, nodes=nodes
+    )
+
+    def kept(label: str) -> bool:
+        found = re.match(r"L(\d+)", label)
+        return found is None or int(found.group(1)) in OCCUPIED
+
+    mask = {}
+    for src, dst in scores.graph.blocks():
+        rows = torch.tensor([kept(n) for n in src.labels])[:, None]
+        cols = torch.tensor([kept(n) for n in dst.labels])[None, :]
+        mask[(src.key, dst.key)] = rows & cols
+    values = torch.cat([scores.scores[k].abs()[m] for k, m in mask.items()]).sort().values
+    cut = values[-120]  # about the 120 largest edges of the occupied layers
+    mask = {k: m & (scores.scores[k].abs() >= cut) for k, m in mask.items()}
+    return Circuit(scores, mask, 1.0, 0.0, 0.8, 0.8, extra={"named": NAMED})
+
+
+def _boxes(fig) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """Every drawn label's box in figure pixels (y up from the figure's bottom edge): the
+    trace's position in plot pixels (the axes span the plot area) plus the margins."""
+    margin = fig.layout.margin
+    plot = (fig.layout.width - margin.l - margin.r, fig.layout.height - margin.t - margin.b)
+    level, other = (fig.layout.xaxis, fig.layout.yaxis)
+    assert list(level.range) in ([0, plot[0]], [0, plot[1]])  # data units are plot pixels
+    assert list(other.range) in ([0, plot[0]], [0, plot[1]])
+    out = []
+    for trace in fig.data:
+        if trace.mode != "markers+text":
+            continue
+        sizes = trace.marker.size
+        for i, (x, y, text) in enumerate(zip(trace.x, trace.y, trace.text, strict=True)):
+            box = label_box(x, y, text, trace.textposition[i], sizes[i]) if text else None
+            marker = (x - sizes[i] / 2, y - sizes[i] / 2, x + sizes[i] / 2, y + sizes[i] / 2)
+            for b, what in ((box, text), (marker, f"marker of {trace.customdata[i]}")):
+                if b is not None:
+                    x0, y0, x1, y1 = b
+                    out.append((what, (x0 + margin.l, y0 + margin.b, x1 + margin.l, y1 + margin.b)))
+    return out
+
+
+def _check_readable(fig, axis: str) -> None:
+    assert fig.layout.width <= 1600
+    boxes = _boxes(fig)
+    labels = [(t, b) for t, b in boxes if not t.startswith("marker of")]
+    for (ta, a), (tb, b) in itertools.combinations(boxes, 2):
+        if ta.startswith("marker of") and tb.startswith("marker of"):
+            continue  # markers may touch; labels may not meet a marker or each other
+        meet = a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+        assert not meet, f"{ta!r} overlaps {tb!r}"
+    margin = fig.layout.margin
+    for text, (x0, y0, x1, y1) in labels:  # inside the plot area
+        assert margin.l <= x0 and x1 <= fig.layout.width - margin.r, text
+        assert margin.b <= y0 and y1 <= fig.layout.height - margin.t, text
+    # the title: every line fits the width, all lines fit the top margin
+    lines = fig.layout.title.text.split("<br>")
+    assert all(text_size(line, TITLE_FONT)[0] <= fig.layout.width for line in lines)
+    assert 12 + len(lines) * LINE_HEIGHT * TITLE_FONT <= margin.t
+    assert fig.layout.title.yanchor == "top" and fig.layout.title.yref == "container"
+    # only occupied layers: a tick per occupied layer's level, the empty run named once
+    ticks = (fig.layout.xaxis if axis == "x" else fig.layout.yaxis).ticktext
+    layers = {int(m.group(1)) for t in ticks if "empty" not in t for m in [re.match(r"L(\d+)", t)]
+              if m}  # fmt: skip
+    assert layers == set(OCCUPIED)
+    assert [t for t in ticks if "empty" in t] == [t for t in ticks if t.startswith("L1–3")]
+    assert len([t for t in ticks if "empty" in t]) == 1
+
+
+def test_circuit_figure_is_readable_and_compact(circuit):
+    fig = circuit_figure(circuit)
+    _check_readable(fig, "x")
+    assert fig.layout.meta["hidden_labels"] == 0  # room for every label here
+    narrow = circuit_figure(circuit, max_width=300)
+    assert narrow.layout.width <= 300
+    _check_readable(narrow, "x")
+    hidden = narrow.layout.meta["hidden_labels"]
+    assert hidden > 0 and f"{hidden} labels on hover only" in narrow.layout.title.text
+
+
+def test_neuron_circuit_figure_is_readable_and_compact(circuit):
+    fig = neuron_circuit_figure(circuit)
+    _check_readable(fig, "y")
+    assert fig.layout.height <= 1200
+    narrow = neuron_circuit_figure(circuit, max_width=300)
+    _check_readable(narrow, "y")
+    assert narrow.layout.meta["hidden_labels"] > 0
+
+
+def test_counts_agree_with_the_edges_and_the_titles(circuit):
+    frame = circuit.edges()
+    nodes = set(frame.source) | set(frame.target)
+    counts = circuit_counts(circuit)
+    assert counts == dict(
+        attention_heads=len({n for n in nodes if re.fullmatch(r"L\d+H\d+", n)}),
+        kv_groups=len({n for n in nodes if re.fullmatch(r"L\d+KV\d+", n)}),
+        mlp_layers=len(
+            {
+                int(n[1:].split("N")[0].split("M")[0])
+                for n in nodes
+                if re.fullmatch(r"L\d+(N\d+|MLP)", n)
+            }
+            | set(NAMED)
+        ),  # fmt: skip
+        named_neurons=sum(len(v) for v in NAMED.values()),
+        edges=len(frame),
+        coarse_edges=len(frame),
+    )
+    assert counts["kv_groups"] > 0  # grouped-query attention: counted apart from heads
+    # report() counts attention heads the same way
+    assert f"attention heads ({counts['attention_heads']})" in circuit.report()
+    for fig in (circuit_figure(circuit), neuron_circuit_figure(circuit)):
+        title = fig.layout.title.text.replace("<br>", " ")
+        assert f"{counts['attention_heads']} attention heads" in title
+        assert f"{counts['kv_groups']} key/value groups" in title
+        assert f"{counts['named_neurons']} named neurons, {len(frame)} edges" in title
+        names = {t.name for t in fig.data}
+        assert any(n.startswith("key/value group") for n in names)
+
+
+def test_named_neurons_are_drawn_by_what_they_carry(circuit):
+    fig = neuron_circuit_figure(circuit)
+    trace = next(t for t in fig.data if t.name == "named neuron")
+    sizes = dict(zip(trace.customdata, trace.marker.size, strict=True))
+    frame = circuit.edges()
+    carry = frame.assign(a=frame.score.abs()).groupby("source").a.sum()
+    ranked = sorted(sizes, key=lambda n: carry.get(n, 0.0))
+    assert sizes[ranked[0]] < sizes[ranked[-1]]  # not all equally prominent
+    assert [sizes[n] for n in ranked] == sorted(sizes[n] for n in ranked)
+
+
+def test_static_export_needs_the_png_extra(circuit, tmp_path, monkeypatch):
+    fig = circuit_figure(circuit)
+    if importlib.util.find_spec("kaleido") is None:
+        for suffix in (".svg", ".pdf", ".png"):
+            with pytest.warns(RuntimeWarning, match=r"tl-attnonly\[png\]"):
+                path = save_figure(fig, tmp_path / f"fig{suffix}")
+            assert path.suffix == ".html" and path.exists()
+    with pytest.raises(ValueError, match=r"\.svg or \.pdf"):
+        save_figure(fig, tmp_path / "fig.gif")
+    written = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(type(fig), "write_image", lambda self, p, **kw: written.append((p, kw)))
+    for suffix in (".svg", ".pdf"):
+        assert save_figure(fig, tmp_path / f"fig{suffix}") == tmp_path / f"fig{suffix}"
+    assert [kw["format"] for _, kw in written] == ["svg", "pdf"]
