@@ -1,0 +1,144 @@
+"""The atlas in Jupyter: :class:`Atlas` reads a site's directory; ``atlas["L1N34"]`` shows the
+neuron's page inline (static HTML, no script), ``atlas.search(token)`` lists neurons by token.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tl_attnonly.atlas.site import MANIFEST, read_js_data
+
+
+def _ctx_html(example: dict[str, Any], vocab: list[str], before: int) -> str:
+    """One context: tokens coloured by the neuron-head's self weight, the centre boxed."""
+    spans = []
+    for j, (token, act, s) in enumerate(zip(example["tokens"], example["acts"], example["self"])):
+        if token < 0:
+            continue
+        text = html.escape(vocab[token].replace("\n", "\u21b5"))
+        box = "outline:1px solid #000;" if j == before else ""
+        spans.append(f"<span style='background:rgba(220,50,32,{s:.3f});{box}' "
+                     f"title='act {act}, self {s}'>{text}</span>")  # fmt: skip
+    centre = f"<span style='color:#777'>{example['act']:.3f} </span>"
+    return f"<div style='font-family:monospace;white-space:pre'>{centre}{''.join(spans)}</div>"
+
+
+def _logit_table(rows: list[list[Any]]) -> str:
+    cells = "".join(f"<tr><td>{html.escape(repr(t))}</td><td>{v:.3f}</td></tr>" for t, v in rows)
+    return f"<table>{cells}</table>"
+
+
+@dataclass
+class NeuronPage:
+    """One neuron's record (:func:`~tl_attnonly.atlas.records.neuron_record`), shown inline."""
+
+    record: dict[str, Any]
+    vocab: list[str]
+    before: int
+
+    def __getitem__(self, key: str) -> Any:
+        return self.record[key]
+
+    def _repr_html_(self) -> str:
+        d, ctx = self.record, lambda e: _ctx_html(e, self.vocab, self.before)
+        parts = [
+            f"<h3>{d['index']}</h3><p>fires (pre &gt; 0) on "
+            f"{100 * d['activation_frequency']:.3f}% of {d['n_tokens']} tokens; activation "
+            f"min {d['act_min']}, max {d['act_max']}, mean {d['act_mean']}</p>",
+            "<div style='display:flex;gap:2em'><div><b>top logits</b>"
+            f"{_logit_table(d['top_logits'])}</div><div><b>bottom logits</b>"
+            f"{_logit_table(d['bottom_logits'])}</div></div><b>top contexts</b> (colour: self "
+            "weight)",
+            *map(ctx, d["top_examples"]),
+        ]
+        for name, quadrant in (d["quadrants"] or {}).items():
+            parts.append(f"<b>{name}</b> ({quadrant['count']} tokens)")
+            parts.extend(map(ctx, quadrant["examples"]))
+        for bucket in d["examples_quantiles"]:
+            parts.append(f"<b>activation {bucket['range'][0]} to {bucket['range'][1]}</b>")
+            parts.extend(map(ctx, bucket["examples"]))
+        return "<div>" + "".join(parts) + "</div>"
+
+
+class Atlas:
+    """A neuron atlas on disk (what :func:`~tl_attnonly.atlas.run.build_atlas` wrote).
+
+    Example:
+        >>> atlas = Atlas.load("tl_attnonly_atlas")  # doctest: +SKIP
+        >>> atlas["L1N34"]  # the neuron's page, inline  # doctest: +SKIP
+        >>> atlas.search(" return")  # doctest: +SKIP
+    """
+
+    def __init__(self, directory: Path, meta: dict[str, Any]):
+        self.directory = directory
+        self.meta = meta
+        self.manifest: dict[str, Any] = meta["manifest"]
+        self._vocab: list[str] | None = None
+        self._index: dict[str, Any] | None = None
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Atlas:
+        """The atlas in ``directory``.
+
+        Raises:
+            FileNotFoundError: If ``directory`` holds no finished atlas.
+        """
+        directory = Path(directory)
+        if not (directory / MANIFEST).is_file():
+            raise FileNotFoundError(f"No atlas in {directory} (no {MANIFEST}).")
+        return cls(directory, json.loads((directory / MANIFEST).read_text("utf-8")))
+
+    @property
+    def vocab(self) -> list[str]:
+        """Every token's text."""
+        if self._vocab is None:
+            self._vocab = read_js_data(self.directory / "vocab.js")
+        return self._vocab
+
+    def __getitem__(self, label: str) -> NeuronPage:
+        """The page of neuron ``label`` (``"L1N34"``).
+
+        Raises:
+            KeyError: For a label not of this atlas.
+        """
+        import re
+
+        match = re.fullmatch(r"L(\d+)N(\d+)", label.strip())
+        path = match and self.directory / "neurons" / f"L{match[1]}" / f"N{match[2]}.js"
+        if not path or not path.is_file():
+            raise KeyError(f"No neuron {label!r} in this atlas (labels like 'L0N0').")
+        return NeuronPage(read_js_data(path), self.vocab, self.meta["options"]["before"])
+
+    def search(self, token: str) -> Any:
+        """The neurons whose top contexts centre most often on ``token`` (its text, with or
+        without surrounding spaces): a DataFrame with ``label``, ``layer``, ``neuron``,
+        ``count`` (top contexts centred on it), ``max_act`` (their largest activation) and
+        ``activation_frequency``, most first."""
+        import pandas as pd
+
+        ids = [i for i, t in enumerate(self.vocab) if t == token or t.strip() == token.strip()]
+        before = self.meta["options"]["before"]
+        rows = []
+        for layer in range(self.manifest["n_layers"]):
+            for neuron in range(self.manifest["d_mlp"]):
+                path = self.directory / "neurons" / f"L{layer}" / f"N{neuron}.js"
+                record = read_js_data(path)
+                hits = [e["act"] for e in record["top_examples"] if e["tokens"][before] in ids]
+                if hits:
+                    rows.append((record["index"], layer, neuron, len(hits), max(hits),
+                                 record["activation_frequency"]))  # fmt: skip
+        columns = ["label", "layer", "neuron", "count", "max_act", "activation_frequency"]
+        frame = pd.DataFrame(rows, columns=columns)
+        return frame.sort_values(["count", "max_act"], ascending=False, ignore_index=True)
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (f"Atlas({m['model_name']}: {m['n_layers']} layers x {m['d_mlp']} neurons, "
+                f"{self.meta['n_tokens']} tokens, {self.directory})")  # fmt: skip
+
+
+__all__ = ["Atlas", "NeuronPage"]

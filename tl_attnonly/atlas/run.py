@@ -1,0 +1,134 @@
+""":func:`build_atlas`: one whole atlas run, from a model and a corpus to a site on disk.
+
+The run checks its output directory before any work (an atlas of another model there is refused;
+so is a directory that holds anything but an atlas), collects the state
+(:func:`~tl_attnonly.atlas.build.collect_atlas`) with a checkpoint every ``checkpoint_every``
+batches (``{out}/.checkpoint.safetensors``, written to a temporary file and renamed; a run that
+finds one of the same model and options resumes after its last row), writes the site into a
+temporary sibling directory and only then moves it into place, so a failed run leaves ``out`` as
+it was (but for the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tl_attnonly.adapt import analysis_model
+from tl_attnonly.atlas.build import (
+    CHECKPOINT_FILE,
+    AtlasState,
+    atlas_options,
+    collect_atlas,
+    logit_effect,
+    model_manifest,
+)
+from tl_attnonly.atlas.records import vocabulary
+from tl_attnonly.atlas.site import MANIFEST, write_site
+from tl_attnonly.atlas.state import AtlasOptions
+from tl_attnonly.protocol import ModelLike
+
+#: Files a directory may hold and still count as an atlas (or an atlas being built).
+_ATLAS_FILES = {MANIFEST, CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp"}
+
+
+def check_out_dir(out: Path, manifest: dict[str, Any]) -> None:
+    """Refuse ``out`` if it holds another model's atlas, or files that are not an atlas's.
+
+    Raises:
+        FileExistsError: Saying what is there.
+    """
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a directory.")
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return
+    if MANIFEST in names:
+        there = json.loads((out / MANIFEST).read_text("utf-8"))["manifest"]
+        if there != manifest:
+            raise FileExistsError(
+                f"{out} holds the atlas of another model ({there['model_name']}: "
+                f"{there['n_layers']} layers x {there['d_mlp']} neurons); this model is "
+                f"{manifest['model_name']} ({manifest['n_layers']} x {manifest['d_mlp']}). "
+                "Choose another directory, or delete it."
+            )
+        return
+    if not names <= _ATLAS_FILES:
+        raise FileExistsError(
+            f"{out} is not empty and holds no atlas ({', '.join(sorted(names)[:5])}, ...); "
+            "choose a new or empty directory."
+        )
+
+
+def build_atlas(
+    model: ModelLike,
+    corpus: Iterable[str | torch.Tensor] | None = None,
+    out_dir: str | Path = "tl_attnonly_atlas",
+    *,
+    options: AtlasOptions | None = None,
+    checkpoint_every: int | None = None,
+    progress: bool = True,
+    model_name: str | None = None,
+    **overrides: Any,
+) -> AtlasState:
+    """Stream ``corpus`` through ``model`` and write its neuron atlas to ``out_dir``.
+
+    Args:
+        model: A converted model: an :class:`~tl_attnonly.AttnOnlyTransformer` or a
+            ``TransformerBridge`` converted with :func:`tl_attnonly.convert`.
+        corpus: Strings and/or int token tensors (``[pos]`` or ``[batch, pos]``); default
+            :func:`~tl_attnonly.analysis.summaries.stdlib_corpus`. Iterated once (twice where a
+            run resumes: the rows before the checkpoint are tokenised and skipped).
+        out_dir: The site's directory (module docstring).
+        options: :class:`~tl_attnonly.atlas.state.AtlasOptions`; each also by keyword
+            (``k``, ``before``, ``after``, ``batch_size``, ``max_rows``, ...).
+        checkpoint_every: Write a checkpoint every this many batches (``None``: none).
+        progress: A progress bar in tokens, with tokens/s.
+        model_name: The name the manifest records (default: the model config's
+            ``model_name``).
+
+    Returns:
+        The :class:`~tl_attnonly.atlas.build.AtlasState` (as ``{out_dir}/state.safetensors``).
+
+    Raises:
+        FileExistsError: If ``out_dir`` holds another model's atlas or other files (before any
+            work).
+    """
+    adapted = analysis_model(model)
+    opts = atlas_options(options, overrides)
+    manifest = model_manifest(adapted, model_name)
+    out = Path(out_dir)
+    check_out_dir(out, manifest)
+    checkpoint = out / CHECKPOINT_FILE
+    state = None
+    if checkpoint_every is not None and checkpoint.exists():
+        saved = AtlasState.load(checkpoint, adapted.cfg.device)
+        if saved.manifest == manifest and saved.options == opts:
+            state = saved
+
+    def save(current: AtlasState, batches: int) -> None:
+        if checkpoint_every is not None and batches % checkpoint_every == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            current.save(checkpoint)
+
+    state = collect_atlas(adapted, corpus, options=opts, state=state, progress=progress,
+                          on_batch=save, model_name=model_name)  # fmt: skip
+    assert adapted.cfg.d_mlp is not None
+    vocab = vocabulary(adapted.tokenizer, adapted.cfg.d_vocab)
+    tmp = out.with_name(out.name + ".tmp-atlas")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_site(tmp, state, logit_effect(adapted), vocab, opts.max_len or adapted.cfg.n_ctx)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return state
+
+
+__all__ = ["build_atlas", "check_out_dir"]

@@ -1,0 +1,129 @@
+"""Writing the atlas's static site: an index, a page per layer, a data file per neuron.
+
+``{dir}/`` holds ``atlas.json`` (the manifest: the model's name and shape, the options, the token
+count), ``state.safetensors`` (the mergeable state), ``index.html`` (search by label or token,
+over ``index.js``), ``layer_{l}.html`` (a sortable table: firing frequency, min, max, top tokens;
+and the layer's firing-frequency density), ``neuron.html`` (``neuron.html#L1N34`` loads
+``neurons/L1/N34.js`` and ``vocab.js``) and the per-neuron records
+(:func:`~tl_attnonly.atlas.records.neuron_record`), each a JSON object wrapped as
+``atlasNeuron({...});`` so that a page opened from ``file://`` can load it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tl_attnonly.atlas.build import LogitEffect
+from tl_attnonly.atlas.records import label, neuron_record, top_tokens
+from tl_attnonly.atlas.templates import (
+    INDEX_BODY,
+    INDEX_JS,
+    LAYER_BODY,
+    NEURON_JS,
+    page,
+)
+
+#: The manifest's file name.
+MANIFEST = "atlas.json"
+
+
+def js_data(function: str, data: Any) -> str:
+    """``function(<data as JSON>);``."""
+    return f"{function}({json.dumps(data, separators=(',', ':'))});\n"
+
+
+def read_js_data(path: str | Path) -> Any:
+    """The JSON object of a file :func:`js_data` wrote."""
+    text = Path(path).read_text("utf-8")
+    return json.loads(text[text.index("(") + 1 : text.rindex(")")])
+
+
+def _density(freqs: list[float]) -> str:
+    """An SVG bar chart of the neurons per bin of ``log10`` firing frequency (never: first)."""
+    bins = [0] * 8  # 0, [1e-6,1e-5), ..., [0.1, 1]
+    for f in freqs:
+        bins[0 if f <= 0 else min(7, max(1, 7 + math.floor(math.log10(f))))] += 1
+    names = ["never", "<1e-5", "1e-5", "1e-4", "1e-3", "1e-2", "1e-1", "1"]
+    top = max(bins) or 1
+    heights = [round(60 * c / top) for c in bins]
+    bars = "".join(
+        f"<rect x='{i * 50}' y='{60 - heights[i]}' width='44' height='{heights[i]}'"
+        f" fill='#1a5fb4'><title>{names[i]}: {c}</title></rect>"
+        f"<text x='{i * 50}' y='75' font-size='10'>{names[i]}</text>"
+        for i, c in enumerate(bins)
+    )
+    return f"<svg width='400' height='80'>{bars}</svg>"
+
+
+def write_site(
+    out: Path,
+    state: Any,
+    logits: LogitEffect,
+    vocab: list[str],
+    max_len: int,
+) -> None:
+    """Write the site of ``state`` (an :class:`~tl_attnonly.atlas.build.AtlasState`) into the
+    directory ``out`` (created).
+
+    Args:
+        out: The directory.
+        state: The atlas's state.
+        logits: Per layer, :func:`~tl_attnonly.atlas.build.logit_effect`.
+        vocab: Every token's text.
+        max_len: The row length of the state's global token indices.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    manifest, opts = state.manifest, state.options
+    n_tokens = int(state.n_tokens)
+    meta = {"manifest": manifest, "options": opts.to_dict(), "n_tokens": n_tokens,
+            "n_rows": state.n_rows, "max_len": max_len}  # fmt: skip
+    state.save(out / "state.safetensors")
+    (out / "vocab.js").write_text(js_data("atlasVocab", vocab), "utf-8")
+    index_rows = []
+    for li, layer_state in enumerate(state.layers):
+        cpu = _to_cpu(layer_state)
+        top_v, top_i, bot_v, bot_i = (t.cpu() for t in logits[li])
+        layer_logits = (top_v, top_i, bot_v, bot_i)
+        folder = out / "neurons" / f"L{li}"
+        folder.mkdir(parents=True, exist_ok=True)
+        rows, freqs = [], []
+        for i in range(manifest["d_mlp"]):
+            record = neuron_record(cpu, li, i, opts=opts, max_len=max_len, n_tokens=n_tokens,
+                                   logits=layer_logits, vocab=vocab)  # fmt: skip
+            (folder / f"N{i}.js").write_text(js_data("atlasNeuron", record), "utf-8")
+            tops = top_tokens(record, vocab, opts.before)
+            freq = record["activation_frequency"]
+            freqs.append(freq)
+            index_rows.append([label(li, i), round(freq, 6), record["act_max"], tops])
+            cells = " | ".join(html.escape(t) for t in tops)
+            rows.append(
+                f"<tr><td data-v='{i}'><a href='neuron.html#{label(li, i)}'>{label(li, i)}</a>"
+                f"</td><td data-v='{freq}'>{100 * freq:.3f}%</td><td>{record['act_max']}</td>"
+                f"<td>{record['act_min']}</td><td>{cells}</td></tr>"
+            )
+        body = LAYER_BODY.format(model=html.escape(manifest["model_name"]), layer=li,
+                                 density=_density(freqs), rows="".join(rows))  # fmt: skip
+        (out / f"layer_{li}.html").write_text(page(f"layer {li}", body), "utf-8")
+    index = {"layers": list(range(manifest["n_layers"])), "neurons": index_rows}
+    (out / "index.js").write_text(js_data("atlasIndex", index), "utf-8")
+    body = INDEX_BODY.format(model=html.escape(manifest["model_name"]), n_tokens=n_tokens,
+                             n_layers=manifest["n_layers"], d_mlp=manifest["d_mlp"])  # fmt: skip
+    (out / "index.html").write_text(page("neuron atlas", body, INDEX_JS), "utf-8")
+    neuron_body = "<div id='main'>loading...</div>"
+    data = f"var META={json.dumps({'before': opts.before})};"
+    (out / "neuron.html").write_text(page("neuron", neuron_body, NEURON_JS, data), "utf-8")
+    (out / MANIFEST).write_text(json.dumps(meta, indent=1), "utf-8")  # last: marks it complete
+
+
+def _to_cpu(layer_state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: ({f: t.cpu() for f, t in v.items()} if isinstance(v, dict) else v.cpu())
+        for k, v in layer_state.items()
+    }
+
+
+__all__ = ["MANIFEST", "js_data", "read_js_data", "write_site"]
