@@ -389,12 +389,12 @@ def test_attribution_terms_mark_each_batchs_last_step():
     directions then), and a batch's changes are the same at every step."""
     from tl_attnonly.analysis.discovery.edge_scores import attribution_terms
     from tl_attnonly.analysis.discovery.search import coarse_nodes
+    from tl_attnonly.analysis.task import DiscoveryTask
 
     model = _model("llama")
     graph = HeadGraph(model, nodes=coarse_nodes(model))
-    terms = list(
-        attribution_terms(model, graph, CLEAN, CORRUPTED, METRIC, "eap-ig", 3, 2, False, [0.0, 0.0])
-    )
+    task = DiscoveryTask.make(model, CLEAN, CORRUPTED, METRIC, batch_size=2)
+    terms = list(attribution_terms(task, graph, "eap-ig", 3, False, [0.0, 0.0]))
     assert [done for *_, done in terms] == [False, False, True] * 2  # two batches of 2
     assert [weight for _, _, weight, _ in terms] == [pytest.approx(1 / 3)] * 6
     assert terms[0][0] is terms[2][0] and terms[3][0] is not terms[0][0]

@@ -30,6 +30,7 @@ from tl_attnonly.analysis.discovery.pruning import (
 )
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
 from tl_attnonly.analysis.discovery.search import coarse_nodes
+from tl_attnonly.analysis.task import DiscoveryTask
 
 CLEAN, CORRUPTED = make_tokens(4, 8, seed=0), make_tokens(4, 8, seed=1)
 METRIC = logit_diff_metric(torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]))
@@ -92,8 +93,8 @@ def test_every_logged_candidate_is_its_exact_run(ranking):
     start = swept.mask if ranking == "signed" else swept.graph.full_mask()
     m_start = circuit_metric(model, start, CLEAN, CORRUPTED, METRIC, nodes=nodes)
     mask, value, steps = prune_by_runs(
-        model, swept.scores, start, m_start, CLEAN, CORRUPTED, METRIC, target=0.8, max_runs=15,
-        ranking=ranking, nodes=nodes, progress=False,
+        DiscoveryTask.make(model, CLEAN, CORRUPTED, METRIC), swept.scores, start, m_start, nodes,
+        DiscoveryOptions(target=0.8, prune_runs=15, ranking=ranking, progress=False),
     )  # fmt: skip
     keys = list(swept.scores.scores)
     sign = 1.0 if swept.metric_clean >= swept.metric_corrupted else -1.0
@@ -157,8 +158,8 @@ def test_pruning_a_poorly_ranked_circuit_removes_what_it_does_not_need(name):
     full = graph.full_mask()
     m_full = circuit_metric(model, full, CLEAN, CORRUPTED, METRIC, nodes=nodes)
     mask, value, steps = prune_by_runs(
-        model, scores, full, m_full, CLEAN, CORRUPTED, METRIC, target=0.8, max_runs=30,
-        nodes=nodes, progress=False,
+        DiscoveryTask.make(model, CLEAN, CORRUPTED, METRIC), scores, full, m_full, nodes,
+        DiscoveryOptions(target=0.8, prune_runs=30, progress=False),
     )  # fmt: skip
     assert mask_size(mask) < graph.n_edges()
     assert steps.accepted.any()

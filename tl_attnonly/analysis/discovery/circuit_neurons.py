@@ -44,6 +44,7 @@ from tl_attnonly.analysis.discovery.sites import (
     reader_matrix,
     writer_matrix,
 )
+from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -114,10 +115,12 @@ def circuit_neuron_scores(
     totals = {li: torch.zeros(d_mlp, dtype=torch.float64) for li in layers}
     readers: dict[str, torch.Tensor] = {}
     summed: dict[int, torch.Tensor] = {}  # layer -> [rows, d]: the circuit readers' directions
+    task = DiscoveryTask(
+        model, clean_tokens, corrupted_tokens, metric, positions, batch_size=batch_size
+    )
     for deltas, reads, weight, batch_done in attribution_terms(
-        model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
-        progress, [0.0, 0.0], positions,
-    ):  # fmt: skip
+        task, graph, method, ig_steps, progress, [0.0, 0.0]
+    ):
         with torch.no_grad():
             for li, edges in joined.items():
                 for dst, cols in edges:

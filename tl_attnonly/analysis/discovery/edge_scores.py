@@ -75,6 +75,7 @@ from tl_attnonly.analysis.discovery.sites import (
     source_values,
     writer_matrix,
 )
+from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel, ModelLike
@@ -156,10 +157,10 @@ def edge_attribution_scores(
         for s, d in graph.blocks()
     }
     metrics = [0.0, 0.0]
-    terms = attribution_terms(
-        model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
-        progress, metrics, positions,
-    )  # fmt: skip
+    task = DiscoveryTask(
+        model, clean_tokens, corrupted_tokens, metric, positions=positions, batch_size=batch_size
+    )
+    terms = attribution_terms(task, graph, method, ig_steps, progress, metrics)
     # writing and reading matrices: weights, the same for every batch and step
     writers: dict[str, torch.Tensor] = {}
     readers: dict[str, torch.Tensor] = {}
@@ -283,31 +284,28 @@ Terms = tuple[dict[str, torch.Tensor], dict[str, tuple[Any, ...]], float, bool]
 
 
 def attribution_terms(
-    model: ModelLike,
+    task: DiscoveryTask,
     graph: HeadGraph,
-    clean_tokens: torch.Tensor,
-    corrupted_tokens: torch.Tensor,
-    metric: DiscoveryMetric,
     method: str,
     ig_steps: int,
-    batch_size: int | None,
     progress: bool,
     metrics: list[float],
-    positions: PositionClasses | None = None,
 ) -> Iterator[Terms]:
-    """The per-row terms of the EAP scores, batch by batch (``rows = batch * pos``).
+    """The per-row terms of the EAP scores of the task's model, prompts and metric, batch by
+    batch (the task's ``batch_size``; ``rows = batch * pos``).
 
     Adds each batch's clean and corrupted metric to ``metrics[0]`` and ``metrics[1]``. An input
     group of a position class (``graph.positions``) reads the gradient at its class's rows only:
     its read is ``(g, lin, rows)``, restricted to the rows (indices into ``batch * pos``) of its
     class, the only rows where its score has terms.
     """
-    model = analysis_model(model)
+    model, metric, positions = task.model, task.metric, task.positions
+    clean_tokens, corrupted_tokens = task.clean, task.corrupted
     source_names = source_hook_names(model, graph)
     input_names = sorted({input_hook_name(d, graph) for d in graph.inputs})
     site_names = sorted({input_site(model, d)[1] for d in graph.inputs})
     alphas = [1.0 * k / ig_steps for k in range(1, ig_steps + 1)] if method == "eap-ig" else [0.0]
-    batches = batch_indices(clean_tokens.shape[0], batch_size)
+    batches = task.batches()
     bar = tqdm(total=len(batches) * len(alphas), desc="edge attribution", disable=not progress)
     for idx in batches:
         clean, corrupted = clean_tokens[idx], corrupted_tokens[idx]
@@ -330,9 +328,8 @@ def attribution_terms(
         }
         for step, alpha in enumerate(alphas):
             grads, sites = _gradient_pass(
-                model, corrupted, idx, metric, input_names, site_names, clean_cache, corr_cache,
-                alpha,
-            )  # fmt: skip
+                task, corrupted, idx, input_names, site_names, clean_cache, corr_cache, alpha
+            )
             reads: dict[str, tuple[Any, ...]] = {}
             for dst in graph.inputs:
                 if not dst.labels:
@@ -353,17 +350,18 @@ def attribution_terms(
 
 
 def _gradient_pass(
-    model: AttnOnlyModel,
+    task: DiscoveryTask,
     tokens,
     idx,
-    metric,
     input_names,
     site_names,
     clean_cache,
     corr_cache,
     alpha,
 ):
-    """One forward and backward pass: gradients at every input hook, residual at every site."""
+    """One forward and backward pass of the task's model on ``tokens`` (the batch ``idx`` of
+    its corrupted tokens): gradients of its metric at every input hook, residual at every site."""
+    model, metric = task.model, task.metric
     acts: dict[str, torch.Tensor] = {}
     sites: dict[str, torch.Tensor] = {}
 

@@ -14,6 +14,7 @@ run of its call or from a kept run: :mod:`.run_reuse`.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
-from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun, source_kept
+from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun, RunCall, source_kept
 from tl_attnonly.analysis.discovery.run_reuse import FirstRun, fires_before
 from tl_attnonly.analysis.discovery.sites import (
     Mask,
@@ -152,34 +153,53 @@ def _project(
     return torch.einsum("bpmd,dm->bpm", normalised, W)
 
 
+@dataclass
+class BatchRun:
+    """What the circuit runs of one batch of a :func:`~.run_metrics.circuit_metrics` call share.
+
+    Attributes:
+        tokens: The batch's clean tokens.
+        corr: The corrupted run's activations (:func:`corrupted_names`).
+        where: Position class -> ``[batch, pos]`` bool (a graph resolved by position), or None.
+        reads: The one logit position per row a run from a block computes (the metric's
+            :func:`~.sites.logit_positions`), or None.
+        first: The batch's :class:`~.run_reuse.FirstRun` (or a kept run's), or None.
+    """
+
+    tokens: torch.Tensor
+    corr: dict[str, torch.Tensor]
+    where: dict[str, torch.Tensor] | None = None
+    reads: torch.Tensor | None = None
+    first: FirstRun | None = None
+
+
 def circuit_run(
-    model: AttnOnlyModel,
-    graph: HeadGraph,
+    call: RunCall,
+    batch: BatchRun,
     mask: Mask,
-    tokens,
-    corr,
-    block_bytes: int,
     plan: CircuitPlan | None = None,
-    where: dict[str, torch.Tensor] | None = None,
     *,
-    first: FirstRun | None = None,
     keep: bool = False,
     shared: Collection[str] = (),
     start: int = 0,
-    reads: torch.Tensor | None = None,
     kept: Mapping[int, torch.Tensor] | None = None,
 ):
     """The circuit's logits (``kept``: :func:`~.run_metrics.circuit_metrics`' ``kept_neurons``
-    entry); ``where``: position class -> ``[batch, pos]`` bool (a graph resolved by position: each
-    class's hook changes its own positions only). A run from a block computes
-    only the logits at ``reads`` (one position per row, the metric's :func:`logit_positions`;
-    the others NaN) where the model's runner can.
+    entry) on the call's model and graph (``call``) for one batch (``batch``); ``batch.where``:
+    position class -> ``[batch, pos]`` bool (a graph resolved by position: each class's hook
+    changes its own positions only). A run from a block computes only the logits at
+    ``batch.reads`` (one position per row, the metric's :func:`logit_positions`; the others NaN)
+    where the model's runner can.
 
-    ``first``: the call's :class:`FirstRun`. With ``keep`` (the first run) it receives what the
-    later runs reuse; else the input groups ``shared`` (:func:`~.run_reuse.shared_prefix`) take
-    their hook outputs from it instead of being rebuilt, the changes of the merged rows ``plan``
-    took from the first run's plan are copied from it, and with ``start > 0`` the run starts at
-    block ``start`` from the first run's residual stream there."""
+    ``batch.first``: the call's :class:`FirstRun`. With ``keep`` (the first run) it receives what
+    the later runs reuse; else the input groups ``shared`` (:func:`~.run_reuse.shared_prefix`)
+    take their hook outputs from it instead of being rebuilt, the changes of the merged rows
+    ``plan`` took from the first run's plan are copied from it, and with ``start > 0`` the run
+    starts at block ``start`` from the first run's residual stream there."""
+    model, graph, block_bytes = call.model, call.graph, call.block_bytes
+    tokens, corr, where, reads, first = (
+        batch.tokens, batch.corr, batch.where, batch.reads, batch.first
+    )  # fmt: skip
     current: dict[str, torch.Tensor] = {}
     if start:
         assert first is not None and first.runner is not None
@@ -190,7 +210,7 @@ def circuit_run(
     # each merged source row's change once per run, inputs shared by readers with equal edges
     is_reference = keep and first is not None and first.keep_changes
     run = PlanRun(
-        model, graph, plan or CircuitPlan(graph, mask), current, corr, block_bytes,
+        call, plan or CircuitPlan(graph, mask), current, corr,
         None if first is None else first.memo,
         reference=None if first is None else first.base_reference if keep else first.reference,
         is_reference=is_reference, kept=kept,
@@ -394,4 +414,4 @@ def _heads_of(graph: HeadGraph, dst: InputGroup, nodes: torch.Tensor) -> torch.T
     return (nodes[:, None] * K + torch.arange(K)).flatten()
 
 
-__all__ = ["circuit_run", "corrupted_names"]
+__all__ = ["BatchRun", "circuit_run", "corrupted_names"]

@@ -30,14 +30,12 @@ from tl_attnonly.analysis.discovery.neuron_stage import (
 )
 from tl_attnonly.analysis.discovery.node_selection import coarse_nodes, expand_mask, top_nodes
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
-from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.relevance import neuron_relevance
 from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
-from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import AttnOnlyModel
+    from tl_attnonly.analysis.task import DiscoveryTask
 
 
 def _without_sources(mask: Mask, keys: set[str]) -> Mask:
@@ -49,19 +47,13 @@ _NEURON_OF_LAYER = re.compile(r"L(\d+)N")
 
 
 def _neuron_scores(
-    model: AttnOnlyModel,
-    clean,
-    corrupted,
-    metric,
-    opts: DiscoveryOptions,
-    layers: list[int],
-    coarse: Circuit,
-    positions: PositionClasses | None = None,
+    task: DiscoveryTask, opts: DiscoveryOptions, layers: list[int], coarse: Circuit
 ) -> pd.Series:
     """Every neuron's score by ``opts.neuron_ranking`` (``L{l}N{i}`` -> score; RelP and circuit:
     the neurons of ``layers`` only): node attribution (:func:`top_nodes`), RelP relevance
     (:func:`~.relevance.neuron_relevance`) or the score along the ``coarse`` circuit's edges of
     the neuron's MLP node (:func:`~.circuit_neurons.circuit_neuron_scores`)."""
+    model, clean, corrupted, metric = task.model, task.clean, task.corrupted, task.metric
     if opts.neuron_ranking == "attribution":
         return top_nodes(
             model, clean, corrupted, metric, 1, batch_size=opts.batch_size, progress=opts.progress
@@ -70,7 +62,7 @@ def _neuron_scores(
         return circuit_neuron_scores(
             model, coarse.graph, coarse.mask, clean, corrupted, metric, layers,
             method=opts.neuron_method, ig_steps=opts.ig_steps, batch_size=opts.batch_size,
-            positions=positions, progress=opts.progress,
+            positions=task.positions, progress=opts.progress,
         )  # fmt: skip
     relevance = neuron_relevance(
         model, clean, corrupted, metric, layers=layers, rule="relp", batch_size=opts.batch_size
@@ -80,24 +72,16 @@ def _neuron_scores(
     )
 
 
-def name_neurons(
-    model: AttnOnlyModel,
-    coarse: Circuit,
-    clean,
-    corrupted,
-    metric,
-    opts: DiscoveryOptions,
-    positions: PositionClasses | None = None,
-    corrupted_runs: CorruptedRuns | None = None,
-):
+def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     """Step 3 and 4 of :mod:`.search`' module docstring: the circuit on the graph with named
-    neurons."""
+    neurons (the task's model, prompts, metric, position classes and corrupted runs)."""
+    model, clean, corrupted, metric = task.model, task.clean, task.corrupted, task.metric
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
     coarse.extra["coarse"] = coarse
     if not layers:
         coarse.extra["named"] = {}
         return coarse, coarse_nodes(model)
-    node_scores = _neuron_scores(model, clean, corrupted, metric, opts, layers, coarse, positions)
+    node_scores = _neuron_scores(task, opts, layers, coarse)
     auto = opts.neurons_per_mlp == "auto"
     count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
     named: dict[int, list[str]] = {}
@@ -113,10 +97,7 @@ def name_neurons(
     cut: set[int] = set()
     measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
     if auto:
-        ground = NeuronStage(
-            model, coarse, named, clean, corrupted, metric, opts, coarse_nodes(model),
-            positions, corrupted_runs,
-        )  # fmt: skip
+        ground = NeuronStage(task, coarse, named, opts, coarse_nodes(model))
         try:
             if opts.neuron_search == "joint":
                 named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
@@ -130,7 +111,8 @@ def name_neurons(
     fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
-        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress, positions=positions,
+        nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress,
+        positions=task.positions,
     )  # fmt: skip
     mask = _without_sources(
         expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
@@ -176,8 +158,8 @@ def name_neurons(
     todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
     fresh = circuit_metrics(
         model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=coarse_nodes(model),
-        batch_size=opts.batch_size, progress=opts.progress, positions=positions,
-        corrupted_runs=corrupted_runs, kept_neurons=todo,
+        batch_size=task.batch_size, progress=opts.progress, positions=task.positions,
+        corrupted_runs=task.corrupted_runs, kept_neurons=todo,
     ) if todo else []  # fmt: skip
     known = {**measured, **{kept_key(k): v for k, v in zip(todo, fresh, strict=True)}}
     values = [known[kept_key(k)] for k in kept]

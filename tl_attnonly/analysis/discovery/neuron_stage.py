@@ -92,14 +92,12 @@ from tqdm.auto import tqdm
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
-from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.profiles import parse_neuron_label
 from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
-from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns, KeptRun
-from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
+from tl_attnonly.analysis.discovery.run_reuse import KeptRun
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import AttnOnlyModel
+    from tl_attnonly.analysis.task import DiscoveryTask
 
 #: Doubling sizes run in one call where the stage speculates (``k``, ``2k``, ``4k``).
 LADDER = 3
@@ -160,32 +158,24 @@ class NeuronStage:
     candidates and a mask per circuit).
 
     Args:
-        model: The model.
+        task: The search's model, prompts, metric, position classes, batch size and corrupted
+            runs (:class:`~tl_attnonly.analysis.task.DiscoveryTask`).
         coarse: The coarse circuit.
         ranked: Per layer, its candidates best first (at most ``max_neurons_per_mlp``).
-        clean, corrupted, metric: The search's prompts and metric.
-        opts: The search's options (``target``, ``batch_size``, ``neuron_trim``).
+        opts: The search's options (``target``, ``neuron_trim``, ``progress``).
         nodes: The coarse graph's nodes (every head and MLP node).
-        positions: Position classes, if the graph is resolved by position.
-        corrupted_runs: A :class:`~.runs.CorruptedRuns` shared with other calls.
     """
 
     def __init__(
         self,
-        model: AttnOnlyModel,
+        task: DiscoveryTask,
         coarse: Circuit,
         ranked: dict[int, list[str]],
-        clean,
-        corrupted,
-        metric: DiscoveryMetric,
         opts: DiscoveryOptions,
         nodes: list[str],
-        positions: PositionClasses | None = None,
-        corrupted_runs: CorruptedRuns | None = None,
     ):
-        self.model, self.coarse, self.opts, self.ranked = model, coarse, opts, ranked
-        self.clean, self.corrupted, self.metric = clean, corrupted, metric
-        self.positions, self.corrupted_runs = positions, corrupted_runs
+        self.task, self.model = task, task.model
+        self.coarse, self.opts, self.ranked = coarse, opts, ranked
         self.nodes = nodes
         self.goal = min(opts.target, coarse.faithfulness)
         self.n_runs = 0
@@ -238,10 +228,11 @@ class NeuronStage:
         """The exact faithfulness of each circuit, in one call (from the run of :meth:`keep`)."""
         d_mlp = int(self.model.cfg.d_mlp or 0)
         kept = [kept_neurons(cuts, d_mlp) for cuts in circuits]
+        task = self.task
         values = circuit_metrics(
-            self.model, [self.coarse.mask] * len(circuits), self.clean, self.corrupted,
-            self.metric, nodes=self.nodes, batch_size=self.opts.batch_size,
-            positions=self.positions, corrupted_runs=self.corrupted_runs, kept_neurons=kept,
+            self.model, [self.coarse.mask] * len(circuits), task.clean, task.corrupted,
+            task.metric, nodes=self.nodes, batch_size=task.batch_size, positions=task.positions,
+            corrupted_runs=task.corrupted_runs, kept_neurons=kept,
             kept_run=None if self.kept is None else self.kept[1],
         )  # fmt: skip
         self.n_runs += len(circuits)

@@ -24,75 +24,58 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
-from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import tokens_on_model_device
-from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import faithfulness
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
-from tl_attnonly.analysis.discovery.positions import PositionClasses
+from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.pruning import (
     drop_dangling_flat,
     flatten_blocks,
     ranking_values,
     unflatten_blocks,
 )
-from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
-from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
-from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
+from tl_attnonly.analysis.discovery.run_metrics import run_circuits
+from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import ModelLike
+    from tl_attnonly.analysis.task import DiscoveryTask
 
 #: Candidates per round: the next ``k``, ``k // 2`` and ``k // 4`` untried edges.
 SHRINK = (1, 2, 4)
 
 
 def prune_by_runs(
-    model: ModelLike,
+    task: DiscoveryTask,
     scores: EdgeScores,
     mask: Mask,
     metric_circuit: float,
-    clean_tokens: Int[torch.Tensor, "batch pos"],
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    metric: DiscoveryMetric,
-    *,
-    target: float,
-    max_runs: int,
-    ranking: str = "signed",
-    nodes: list[str] | None = None,
-    neuron_level: bool = True,
-    batch_size: int | None = None,
-    positions: PositionClasses | None = None,
-    progress: bool = True,
-    corrupted_runs: CorruptedRuns | None = None,
+    nodes: list[str] | None,
+    opts: DiscoveryOptions,
 ) -> tuple[Mask, float, pd.DataFrame]:
     """Remove a circuit's edges, lowest rank first, while its exact faithfulness stays at or
-    above ``target`` (module docstring).
+    above ``opts.target`` (module docstring).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        task: The model, prompts, metric, position classes, batch size and corrupted runs
+            (:class:`~tl_attnonly.analysis.task.DiscoveryTask`).
         scores: The edge scores that rank the edges (:func:`~.edge_scores.edge_attribution_scores`).
-        mask: The circuit to prune (its faithfulness should reach ``target``).
+        mask: The circuit to prune (its faithfulness should reach ``opts.target``).
         metric_circuit: The metric of ``mask``'s exact run.
-        clean_tokens, corrupted_tokens, metric: As in :func:`~.runs.circuit_metrics`.
-        target: Faithfulness every accepted circuit keeps.
-        max_runs: Most exact circuit runs (each candidate is one run).
-        ranking: The order edges are tried in, lowest first (:func:`~.pruning.ranking_values`):
-            ``"signed"`` (default) tries the edges that work against the clean behaviour first,
-            ``"absolute"`` the smallest ``|score|``.
-        nodes, neuron_level, batch_size, positions: The graph and batches, as for ``scores``.
-        progress: Progress bar over runs.
-        corrupted_runs: A :class:`~.runs.CorruptedRuns` shared with other calls.
+        nodes: The graph's nodes, as for ``scores``.
+        opts: ``target`` (faithfulness every accepted circuit keeps), ``prune_runs`` (most exact
+            circuit runs; each candidate is one run), ``ranking`` (the order edges are tried in,
+            lowest first, :func:`~.pruning.ranking_values`: ``"signed"`` tries the edges that
+            work against the clean behaviour first, ``"absolute"`` the smallest ``|score|``),
+            ``neuron_level`` (the graph's) and ``progress`` (a bar over runs).
 
     Returns:
         ``(mask, metric_circuit, steps)``: the pruned circuit, its exact metric, and one row per
         candidate run (``round``, ``removed`` edges tried, ``edges`` of the candidate,
         ``faithfulness``, ``accepted``).
     """
-    model = analysis_model(model)
-    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
+    target, max_runs, ranking = opts.target, opts.prune_runs, opts.ranking
+    graph = task.graph(opts.neuron_level, nodes)
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     keys = list(scores.scores)
     flat_scores = flatten_blocks(ranking_values(scores, ranking), keys)
@@ -105,7 +88,7 @@ def prune_by_runs(
     k = max(1, int(cur.sum()) // 4)
     rows: list[dict[str, Any]] = []
     runs, rnd = 0, 0
-    bar = tqdm(total=max_runs, desc="pruning by exact runs", disable=not progress)
+    bar = tqdm(total=max_runs, desc="pruning by exact runs", disable=not opts.progress)
     while runs < max_runs:
         live = order[cur[order] & ~kept[order]]
         if len(live) == 0:
@@ -116,11 +99,7 @@ def prune_by_runs(
             flat = cur.clone()
             flat[live[:size]] = False
             candidates.append(drop_dangling_flat(scores.graph, flat, keys))
-        values = circuit_metrics(
-            model, [unflatten_blocks(c, mask, keys) for c in candidates], clean_tokens,
-            corrupted_tokens, metric, neuron_level=neuron_level, nodes=nodes,
-            batch_size=batch_size, positions=positions, corrupted_runs=corrupted_runs,
-        )  # fmt: skip
+        values = run_circuits(task, graph, [unflatten_blocks(c, mask, keys) for c in candidates])
         runs += len(candidates)
         bar.update(len(candidates))
         faith = [faithfulness(v, m_clean, m_corr) for v in values]

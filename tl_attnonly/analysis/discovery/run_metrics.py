@@ -16,14 +16,11 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import check_token_pair, tokens_on_model_device
-from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.exact_run import circuit_run, corrupted_names
+from tl_attnonly.analysis.discovery.exact_run import BatchRun, circuit_run, corrupted_names
 from tl_attnonly.analysis.discovery.graph import HeadGraph
 from tl_attnonly.analysis.discovery.positions import PositionClasses
-from tl_attnonly.analysis.discovery.run_plan import CircuitPlan
+from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, RunCall
 from tl_attnonly.analysis.discovery.run_reuse import (
-    CorruptedRuns,
     FirstRun,
     KeptRun,
     check_kept,
@@ -34,13 +31,12 @@ from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
     Mask,
-    batch_indices,
     call_metric,
-    check_additive,
     check_discoverable,
     check_logit_positions,
     logit_positions,
 )
+from tl_attnonly.analysis.task import CorruptedRuns, DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -88,16 +84,13 @@ def circuit_metrics(
     batch): where the calls' circuits differ from a kept circuit only in high layers, none of
     them runs the blocks below.
     """
-    model = analysis_model(model)
-    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
-    check_discoverable(model, neuron_level)
-    check_token_pair(clean_tokens, corrupted_tokens)
-    if positions is not None:
-        positions.check_tokens(clean_tokens)
-    graph = HeadGraph(
-        model, neuron_level=neuron_level, nodes=nodes,
-        positions=None if positions is None else positions.names,
+    task = DiscoveryTask.make(
+        model, clean_tokens, corrupted_tokens, metric, positions=positions,
+        batch_size=batch_size, corrupted_runs=corrupted_runs,
     )  # fmt: skip
+    check_discoverable(task.model, neuron_level)
+    task.check_tokens()
+    graph = task.graph(neuron_level, nodes)
     for mask in masks:
         missing = set(graph.block_keys()) - set(mask)
         if missing:
@@ -107,12 +100,36 @@ def circuit_metrics(
                 "(a restricted graph's mask needs the same nodes=..., and a mask resolved by "
                 "position the same positions=...)."
             )
+    return run_circuits(
+        task, graph, masks, block_bytes=block_bytes, progress=progress,
+        kept_neurons=kept_neurons, kept_run=kept_run, checked=False,
+    )  # fmt: skip
+
+
+def run_circuits(
+    task: DiscoveryTask,
+    graph: HeadGraph,
+    masks: Sequence[Mask],
+    *,
+    block_bytes: int = BLOCK_BUDGET,
+    progress: bool = False,
+    kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None = None,
+    kept_run: KeptRun | None = None,
+    checked: bool = True,
+) -> list[float]:
+    """:func:`circuit_metrics` of the task's model, tokens, metric, position classes, batch size
+    and corrupted runs on ``graph`` (``task.graph(neuron_level, nodes)``): the internal form,
+    without the checks of the task and masks a search made once. ``checked=False``: the metric's
+    additivity is checked here (:meth:`~tl_attnonly.analysis.task.DiscoveryTask.check_additive`).
+    """
+    model, positions, metric = task.model, task.positions, task.metric
+    clean_tokens, corrupted_tokens = task.clean, task.corrupted
     kept = check_kept(model, graph, kept_neurons, len(masks), clean_tokens.device)
     totals = [0.0] * len(masks)
     parent: KeptRun | None = None
     parent_start = 0
     if kept_run is not None:  # every run takes from the kept circuit's run
-        kept_run.bind(model, clean_tokens, corrupted_tokens, metric, graph, positions)
+        kept_run.bind(task, graph)
         reference_mask = kept_run.mask
         reference_kept = check_kept(model, graph, [kept_run.kept], 1, clean_tokens.device)[0]
         parent = kept_run.parent if model.can_resume else None
@@ -149,14 +166,14 @@ def circuit_metrics(
     if not resume:
         starts = [0] * len(masks)
     names = corrupted_names(model, graph)
-    if corrupted_runs is None:  # nothing kept: each batch's corrupted run for this call only
-        corrupted_runs = CorruptedRuns(budget=0)
-    batches = batch_indices(clean_tokens.shape[0], batch_size)
-    check_additive(model, clean_tokens, metric, batches)
+    call = RunCall(model, graph, block_bytes)
+    batches = task.batches()
+    if not checked:
+        task.check_additive()
     bar = tqdm(total=len(batches) * len(masks), desc="circuit runs", disable=not progress)
     for idx in batches:
         with torch.no_grad():
-            corr = corrupted_runs.activations(model, corrupted_tokens, idx, names)
+            corr = task.corrupted_runs.activations(model, corrupted_tokens, idx, names)
             where = (
                 None
                 if positions is None
@@ -180,9 +197,9 @@ def circuit_metrics(
                         first.chain(base, parent_start)
                         start = parent_start
                     logits = circuit_run(
-                        model, graph, reference_mask, clean_tokens[idx], corr, block_bytes,
-                        reference_plan, where, first=first, keep=True, reads=reads,
-                        kept=reference_kept, start=start,
+                        call, BatchRun(clean_tokens[idx], corr, where, reads, first),
+                        reference_mask, reference_plan, keep=True, kept=reference_kept,
+                        start=start,
                     )  # fmt: skip
                     if reads is not None and resume:
                         check_logit_positions(metric, logits, idx, reads)
@@ -194,11 +211,11 @@ def circuit_metrics(
                     model.layer_runs(clean_tokens[idx]) if resume else None,
                     keep_changes=any(below > 0 for below in same_below[1:]),
                 )
+            batch = BatchRun(clean_tokens[idx], corr, where, reads, first)
             for i, mask in enumerate(masks):
                 lead = i == 0 and kept_run is None
                 logits = circuit_run(
-                    model, graph, mask, clean_tokens[idx], corr, block_bytes, plans[i], where,
-                    first=first, keep=lead, shared=shared[i], start=starts[i], reads=reads,
+                    call, batch, mask, plans[i], keep=lead, shared=shared[i], start=starts[i],
                     kept=kept[i],
                 )  # fmt: skip
                 if lead and reads is not None and resume:
@@ -211,4 +228,4 @@ def circuit_metrics(
     return totals
 
 
-__all__ = ["circuit_metrics"]
+__all__ = ["circuit_metrics", "run_circuits"]

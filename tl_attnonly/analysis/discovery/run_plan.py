@@ -30,17 +30,27 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph, InputGroup, SourceGroup
 from tl_attnonly.analysis.discovery.sites import Mask, source_values, writer_matrix
 from tl_attnonly.hooks import block_act_name
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import ModelLike
+    from tl_attnonly.protocol import AttnOnlyModel
+
+
+@dataclass(frozen=True)
+class RunCall:
+    """What every exact run of one :func:`~.run_metrics.circuit_metrics` call shares: the
+    adapted model, the call's graph, and the budget for intermediate tensors (``block_bytes``)."""
+
+    model: AttnOnlyModel
+    graph: HeadGraph
+    block_bytes: int
 
 
 class CircuitPlan:
@@ -158,9 +168,10 @@ class PlanRun:
     """One circuit run's merged changes and rebuilt inputs.
 
     Args:
-        model, graph, plan: The run's model, graph and :class:`CircuitPlan`.
+        call: The call's model, graph and ``block_bytes`` (:class:`RunCall`; ``block_bytes``:
+            budget for intermediate tensors and for the inputs kept for reuse).
+        plan: The run's :class:`CircuitPlan`.
         current, corr: The current run's recorded source activations and the corrupted cache.
-        block_bytes: Budget for intermediate tensors and for the inputs kept for reuse.
         memo: A dict shared by the runs of one batch on one graph, in which what does not
             depend on the mask (each source's writer matrix and corrupted values, a scratch
             matrix for the changes) is kept once computed (default: for this run only).
@@ -177,23 +188,20 @@ class PlanRun:
 
     def __init__(
         self,
-        model: ModelLike,
-        graph: HeadGraph,
+        call: RunCall,
         plan: CircuitPlan,
         current: dict[str, torch.Tensor],
         corr: dict[str, torch.Tensor],
-        block_bytes: int,
         memo: dict | None = None,
         reference: PlanRun | None = None,
         is_reference: bool = False,
         kept: Mapping[int, torch.Tensor] | None = None,
     ):
-        model = analysis_model(model)
-        self.model, self.graph, self.plan = model, graph, plan
+        self.model, self.graph, self.plan = call.model, call.graph, plan
         self.kept = {} if kept is None else kept
         self.memo = {} if memo is None else memo
         self.reference, self.is_reference = reference, is_reference
-        self.current, self.corr, self.block_bytes = current, corr, block_bytes
+        self.current, self.corr, self.block_bytes = current, corr, call.block_bytes
         # [rows, batch*pos*d_model]: every merged row's change, rows of each order together
         self.changes: torch.Tensor | None = None
         self.filled: set[int] = set()
@@ -380,4 +388,4 @@ def _rows(
     return change[:, :, r.to(change.device)], U[r.to(U.device)]
 
 
-__all__ = ["CircuitPlan", "PlanRun", "source_kept"]
+__all__ = ["CircuitPlan", "PlanRun", "RunCall", "source_kept"]

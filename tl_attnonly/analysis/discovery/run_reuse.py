@@ -3,7 +3,8 @@
 The runs of :func:`~.run_metrics.circuit_metrics` (what a run is: :mod:`.runs`; one run:
 :mod:`.exact_run`) share
 
-* each batch's corrupted run, across the calls of one search (:class:`CorruptedRuns`);
+* each batch's corrupted run, across the calls of one search (:class:`CorruptedRuns`, owned by
+  the search's :class:`~tl_attnonly.analysis.task.DiscoveryTask`);
 * a call's first run, whose inputs, merged changes and residual stream its later runs take below
   their first change (:class:`FirstRun`; what they share: :func:`shared_prefix`, the block they
   start at: :func:`start_layer`);
@@ -21,69 +22,17 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from jaxtyping import Int
 
 from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph
-from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun
-from tl_attnonly.analysis.discovery.sites import BLOCK_BUDGET, DiscoveryMetric, Mask
+from tl_attnonly.analysis.discovery.sites import BLOCK_BUDGET, Mask
 from tl_attnonly.analysis.patching.resume import hook_layer
+
+# the task owns its corrupted runs (CorruptedRuns lives in task.py); importable from here too
+from tl_attnonly.analysis.task import CorruptedRuns, DiscoveryTask, same_binding
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
-
-
-class CorruptedRuns:
-    """The corrupted run's activations per batch, kept across the exact-run calls of one search
-    (:func:`~.search.discover_circuit`'s sweep, pruning, neuron stage and gate/value split), so
-    that each batch's corrupted run is made once instead of once per call.
-
-    Bound to the first model and corrupted tokens it serves (others are refused). Activations
-    are kept up to ``budget`` bytes in all; a batch beyond it is run again at each call.
-
-    Args:
-        budget: Most bytes of activations kept.
-    """
-
-    def __init__(self, budget: int = 4 * BLOCK_BUDGET):
-        self.budget = budget
-        self.kept_bytes = 0
-        self._bound: tuple[Any, torch.Tensor] | None = None
-        self._store: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
-        self._asked: dict[tuple[int, ...], set[str]] = {}
-
-    def activations(
-        self,
-        model: AttnOnlyModel,
-        corrupted_tokens: Int[torch.Tensor, "batch pos"],
-        idx: torch.Tensor,
-        names: Collection[str],
-    ) -> dict[str, torch.Tensor]:
-        """The corrupted run's activations at ``names`` for the batch ``idx`` (rows of
-        ``corrupted_tokens``)."""
-        if self._bound is None:
-            self._bound = (model.model, corrupted_tokens)
-        elif self._bound[0] is not model.model or self._bound[1] is not corrupted_tokens:
-            raise ValueError(
-                "This CorruptedRuns holds another model's or other tokens' corrupted runs: use "
-                "one per model and token pair."
-            )
-        key = tuple(idx.tolist())
-        have = self._store.get(key, {})
-        asked = self._asked.get(key, set())
-        missing = set(names) - asked
-        if missing:
-            _, cache = model.run_with_cache(
-                corrupted_tokens[idx], names_filter=lambda n: n in missing
-            )
-            fresh = dict(cache.cache_dict)
-            size = sum(t.numel() * t.element_size() for t in fresh.values())
-            if self.kept_bytes + size > self.budget:
-                return {**have, **fresh}
-            self.kept_bytes += size
-            have = self._store[key] = {**have, **fresh}
-            self._asked[key] = asked | missing
-        return have
 
 
 def check_kept(
@@ -296,26 +245,18 @@ class KeptRun:
         self._plan: CircuitPlan | None = None
         self._runs: dict[tuple[int, ...], FirstRun] = {}
 
-    def bind(
-        self,
-        model: AttnOnlyModel,
-        clean_tokens: torch.Tensor,
-        corrupted_tokens: torch.Tensor,
-        metric: DiscoveryMetric,
-        graph: HeadGraph,
-        positions: PositionClasses | None,
-    ) -> None:
-        """Bind to the call's model, tokens, metric, graph and position classes (the first
+    def bind(self, task: DiscoveryTask, graph: HeadGraph) -> None:
+        """Bind to the call's task (model, tokens, metric, position classes) and graph (the first
         call's), or refuse others (the kept run and its constants were computed with them).
 
         Raises:
             ValueError: If they are not those it was first used with.
         """
         signature = (graph.neuron_level, tuple(graph.node_labels()), graph.positions)
-        bound = (model.model, clean_tokens, corrupted_tokens, metric, positions, signature)
+        bound = (*task.binding(), signature)
         if self._bound is None:
             self._bound = bound
-        elif not _same_binding(self._bound, bound):
+        elif not same_binding(self._bound, bound):
             raise ValueError(
                 "This KeptRun holds a run of another model, other clean or corrupted tokens, "
                 "another metric or another graph (nodes=, positions=): use one per search."
@@ -340,7 +281,7 @@ class KeptRun:
         """Whether ``child``'s runs can start from this run's (``parent=``): bound to the same
         model, tokens, metric, graph and position classes."""
         mine, theirs = self._bound, child.bound
-        return mine is not None and theirs is not None and _same_binding(mine, theirs)
+        return mine is not None and theirs is not None and same_binding(mine, theirs)
 
     def first_run(self, idx: torch.Tensor) -> FirstRun | None:
         """The kept run of batch ``idx``, if it is kept."""
@@ -354,12 +295,6 @@ class KeptRun:
             self.kept_bytes += size
         else:
             self.missed += 1
-
-
-def _same_binding(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two :meth:`KeptRun.bind` bindings are the same: the same model, tokens, metric and
-    position classes (objects), and equal graph signatures."""
-    return all(x is y for x, y in zip(a[:5], b[:5], strict=True)) and a[5] == b[5]
 
 
 __all__ = [

@@ -43,8 +43,9 @@ from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import RANKINGS, mask_size, prune_ranked
 from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
-from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
+from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, check_discoverable
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
+from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -245,16 +246,20 @@ def compare_rankings(
             f"compare_rankings takes a Circuit or EdgeScores, got {type(found).__name__}."
         )
     _check_positions(scores, positions)
+    task = DiscoveryTask(
+        model, clean_tokens, corrupted_tokens, metric, positions, batch_size=batch_size
+    )
+    # the sweeps' exact runs check the task once (circuit_metrics' checks)
+    check_discoverable(model, True)
+    task.check_tokens()
+    task.check_additive()
     rows, curves = [], {}
     for ranking in rankings:
         opts = DiscoveryOptions(
             target=target, ranking=ranking, batch_size=batch_size, max_runs=max_runs,
             resolution=resolution, progress=progress,
         )  # fmt: skip
-        mask, m_circ, _, _, _ = sweep_to_target(
-            model, scores, clean_tokens, corrupted_tokens, metric, _graph_nodes(scores), opts,
-            positions,
-        )  # fmt: skip
+        mask, m_circ, _, _, _ = sweep_to_target(task, scores, _graph_nodes(scores), opts)
         curve = faithfulness_curve(
             model, scores, clean_tokens, corrupted_tokens, metric, ranking=ranking,
             fractions=fractions, positions=positions, batch_size=batch_size, progress=progress,

@@ -63,7 +63,6 @@ run, so check ``Circuit.ceiling``.
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -72,10 +71,8 @@ import torch
 from jaxtyping import Int
 from tqdm.auto import tqdm
 
-from tl_attnonly._types import tokens_on_model_device
-from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
-from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
+from tl_attnonly.analysis.discovery.edge_scores import EdgeScores, edge_attribution_scores
 from tl_attnonly.analysis.discovery.gate_value import circuit_gate_value_split
 from tl_attnonly.analysis.discovery.graph import EMBED, mlp_rest_label
 from tl_attnonly.analysis.discovery.naming import name_neurons
@@ -90,18 +87,14 @@ from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
 from tl_attnonly.analysis.discovery.refine import prune_by_runs
 from tl_attnonly.analysis.discovery.relevance import check_relevance
-from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_metrics import run_circuits
 from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
-from tl_attnonly.analysis.discovery.sites import (
-    DiscoveryMetric,
-    batch_indices,
-    call_metric,
-    check_additive,
-    check_discoverable,
-)
+from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, call_metric, check_discoverable
 from tl_attnonly.analysis.discovery.sweep import FIRST_SIZE as FIRST_SIZE
 from tl_attnonly.analysis.discovery.sweep import MONOTONE_TOLERANCE as MONOTONE_TOLERANCE
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
+from tl_attnonly.analysis.discovery.timing import StageTimer
+from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -169,94 +162,38 @@ def discover_circuit(
         ValueError: For options that contradict each other, or a metric that is not additive
             over examples with ``metric_reduction="sum"`` and several batches.
     """
-    model = analysis_model(model)
-    clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
+    task = DiscoveryTask.make(model, clean_tokens, corrupted_tokens, metric, positions=positions)
+    model = task.model
     opts = resolve_options(options, overrides)
+    task = task.replace(batch_size=opts.batch_size)
     check_discoverable(model, opts.neuron_level)
     if opts.neuron_ranking == "relp":  # refused before any work where RelP cannot run
         check_relevance(model, "relp", range(model.cfg.n_layers), None)
-    batches = batch_indices(clean_tokens.shape[0], opts.batch_size)
     if opts.metric_reduction == "mean":
-        metric = _weighted_by_batch(metric, clean_tokens.shape[0])
+        task = task.replace(metric=_weighted_by_batch(metric, task.n_examples))
     else:
-        check_additive(model, clean_tokens, metric, batches)
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    corrupted_runs = CorruptedRuns()  # each batch's corrupted run once for every exact run
+        task.check_additive()
+    timer = StageTimer()
+    # each batch's corrupted run once for every exact run
+    task = task.replace(corrupted_runs=CorruptedRuns())
     extra: dict = {}
-    nodes: list[str] | None
-    if opts.graph == "coarse":
-        nodes = coarse_nodes(model)
-    else:
-        if opts.mlp_rest and opts.nodes is None and opts.n_nodes is None:
-            raise ValueError(
-                "mlp_rest=True keeps the neurons left out of a restricted graph; give nodes=[...] "
-                "or n_nodes=N too (the full graph leaves none out)."
-            )
-        if opts.nodes is not None and opts.n_nodes is not None:
-            raise ValueError(
-                "Give nodes=[...] (your own) or n_nodes=N (picked by attribution), not both."
-            )
-        nodes = None if opts.nodes is None else list(opts.nodes)
-        if opts.n_nodes is not None:
-            nodes, node_scores = top_nodes(
-                model, clean_tokens, corrupted_tokens, metric, opts.n_nodes,
-                neuron_level=opts.neuron_level, batch_size=opts.batch_size,
-                progress=opts.progress,
-            )  # fmt: skip
-            extra = {"nodes": nodes, "node_scores": node_scores}
-            seconds["node attribution"] = time.perf_counter() - start
-        if opts.mlp_rest and nodes is not None:
-            nodes = [*nodes, *(mlp_rest_label(li) for li in range(model.cfg.n_layers))]
-    t = time.perf_counter()
-    scores = edge_attribution_scores(
-        model, clean_tokens, corrupted_tokens, metric, method=opts.method,
-        ig_steps=opts.ig_steps, neuron_level=opts.neuron_level, nodes=nodes,
-        batch_size=opts.batch_size, progress=opts.progress, positions=positions,
-    )  # fmt: skip
-    seconds["edge scores"] = time.perf_counter() - t
+    with timer("node attribution"):  # a stage only where n_nodes picks the nodes
+        nodes = _graph_nodes(task, opts, extra)
+    if "nodes" not in extra:
+        del timer.seconds["node attribution"]
+    with timer("edge scores"):
+        scores = edge_attribution_scores(
+            model, task.clean, task.corrupted, task.metric, method=opts.method,
+            ig_steps=opts.ig_steps, neuron_level=opts.neuron_level, nodes=nodes,
+            batch_size=opts.batch_size, progress=opts.progress, positions=positions,
+        )  # fmt: skip
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
-    t = time.perf_counter()
-    notes: list[str] = []
     # the coarse circuit's own target (coarse_target: slack for the neuron stage)
     coarse_opts = (
         opts if opts.coarse_target is None else opts.with_overrides(target=opts.coarse_target)
     )
-    if opts.top_n is None and opts.threshold is None:
-        mask, m_circ, curve, ceiling, notes = sweep_to_target(
-            model,
-            scores,
-            clean_tokens,
-            corrupted_tokens,
-            metric,
-            nodes,
-            coarse_opts,
-            positions,
-            corrupted_runs,
-        )
-    else:
-        mask = prune_ranked(scores, opts.ranking, top_n=opts.top_n, threshold=opts.threshold)
-        m_full, m_circ = circuit_metrics(
-            model, [scores.graph.full_mask(), mask], clean_tokens, corrupted_tokens, metric,
-            neuron_level=opts.neuron_level, nodes=nodes, batch_size=opts.batch_size,
-            positions=positions, corrupted_runs=corrupted_runs,
-        )  # fmt: skip
-        ceiling = faithfulness(m_full, m_clean, m_corr)
-        curve = pd.DataFrame(
-            [
-                dict(top_n=opts.top_n, edges=mask_size(mask), metric=m_circ,
-                     faithfulness=faithfulness(m_circ, m_clean, m_corr)),
-                dict(top_n=None, edges=scores.graph.n_edges(), metric=m_full,
-                     faithfulness=ceiling),
-            ]
-        )  # fmt: skip
-        if ceiling < opts.target:
-            notes.append(
-                f"the ceiling is low: the graph's every edge reaches faithfulness {ceiling:.3f} < "
-                f"target {opts.target}; the nodes left out of the graph are frozen to the "
-                "corrupted run."
-            )
-    seconds["sweep"] = time.perf_counter() - t
+    with timer("sweep"):
+        mask, m_circ, curve, ceiling, notes = _sized(task, scores, nodes, opts, coarse_opts)
     swept = faithfulness(m_circ, m_clean, m_corr)
     if (
         opts.top_n is None
@@ -264,15 +201,11 @@ def discover_circuit(
         and opts.prune_runs > 0
         and (ceiling >= coarse_opts.target and swept >= coarse_opts.target)
     ):
-        t = time.perf_counter()
-        extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
-        mask, m_circ, extra["pruning"] = prune_by_runs(
-            model, scores, mask, m_circ, clean_tokens, corrupted_tokens, metric,
-            target=coarse_opts.target, max_runs=opts.prune_runs, ranking=opts.ranking, nodes=nodes,
-            neuron_level=opts.neuron_level, batch_size=opts.batch_size, positions=positions,
-            progress=opts.progress, corrupted_runs=corrupted_runs,
-        )  # fmt: skip
-        seconds["pruning"] = time.perf_counter() - t
+        with timer("pruning"):
+            extra["swept"] = {"edges": mask_size(mask), "faithfulness": swept}
+            mask, m_circ, extra["pruning"] = prune_by_runs(
+                task, scores, mask, m_circ, nodes, coarse_opts
+            )
     found = faithfulness(m_circ, m_clean, m_corr)
     if found > 1 + OVERSHOOT:
         notes.append(
@@ -286,7 +219,7 @@ def discover_circuit(
             f"discover_circuit: {mask_size(mask):,} of {scores.graph.n_edges():,} edges, "
             f"faithfulness {faithfulness(m_circ, m_clean, m_corr):.3f} (ceiling {ceiling:.3f}; "
             f"clean {m_clean:.4g}, corrupted {m_corr:.4g}; "
-            f"{sum(seconds.values()):.0f} s so far)"
+            f"{timer.total():.0f} s so far)"
         )
     circuit = Circuit(
         scores, mask, m_clean, m_corr, m_circ, faithfulness(m_circ, m_clean, m_corr),
@@ -294,49 +227,13 @@ def discover_circuit(
     )  # fmt: skip
     fine_nodes = nodes
     if opts.graph == "coarse" and opts.neurons_per_mlp != 0:
-        t = time.perf_counter()
-        circuit, fine_nodes = name_neurons(
-            model,
-            circuit,
-            clean_tokens,
-            corrupted_tokens,
-            metric,
-            opts,
-            positions,
-            corrupted_runs,
-        )
-        seconds["neurons"] = time.perf_counter() - t
-    t = time.perf_counter()
-    # the circuit's sources (nodes with an outgoing edge); coarse: heads and whole MLP layers
-    base = circuit.extra["coarse"] if "coarse" in circuit.extra else circuit
-    patched = list(dict.fromkeys(n.split(".")[0] for n in base.edges().source))
-    circuit.node_patching = faithfulness(
-        node_patching_metric(
-            model,
-            clean_tokens,
-            corrupted_tokens,
-            metric,
-            [n for n in patched if n != EMBED],
-            batch_size=opts.batch_size,
-        ),
-        m_clean,
-        m_corr,
-    )
-    seconds["node patching"] = time.perf_counter() - t
+        with timer("neurons"):
+            circuit, fine_nodes = name_neurons(task, circuit, opts)
+    with timer("node patching"):
+        circuit.node_patching = _node_patching(task, circuit, opts)
     if opts.gate_value:
-        t = time.perf_counter()
-        frame = circuit.edges()
-        into = frame[frame.target_kind == "neuron"]
-        ranked = (
-            into.groupby("target").score.apply(lambda s: s.abs().sum()).sort_values(ascending=False)
-        )
-        circuit.gate_value = circuit_gate_value_split(
-            model, circuit.mask, clean_tokens, corrupted_tokens, metric,
-            neurons=list(ranked.index[: opts.max_gate_value_neurons]),
-            neuron_level=opts.neuron_level, nodes=fine_nodes, batch_size=opts.batch_size,
-            progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
-        )  # fmt: skip
-        seconds["gate/value"] = time.perf_counter() - t
+        with timer("gate/value"):
+            circuit.gate_value = _gate_value(task, circuit, fine_nodes, opts)
     for note in circuit.warnings:
         warnings.warn(note, stacklevel=2)
     if circuit.gate_value is not None:  # circuit_gate_value_split warned of these itself
@@ -346,8 +243,113 @@ def discover_circuit(
                     circuit.warnings.append(
                         f"{row.node}: {kind} not measured: no {kind} edge kept (NaN in gate_value)"
                     )
-    circuit.extra["seconds"] = seconds
+    circuit.extra["seconds"] = timer.seconds
     return circuit
+
+
+def _graph_nodes(task: DiscoveryTask, opts: DiscoveryOptions, extra: dict) -> list[str] | None:
+    """The nodes of the search's graph: the coarse graph's, the options' ``nodes``, or the
+    ``n_nodes`` best by node attribution (then ``extra`` gets ``"nodes"`` and
+    ``"node_scores"``); with ``mlp_rest`` each layer's remainder too."""
+    model = task.model
+    nodes: list[str] | None
+    if opts.graph == "coarse":
+        return coarse_nodes(model)
+    if opts.mlp_rest and opts.nodes is None and opts.n_nodes is None:
+        raise ValueError(
+            "mlp_rest=True keeps the neurons left out of a restricted graph; give nodes=[...] "
+            "or n_nodes=N too (the full graph leaves none out)."
+        )
+    if opts.nodes is not None and opts.n_nodes is not None:
+        raise ValueError(
+            "Give nodes=[...] (your own) or n_nodes=N (picked by attribution), not both."
+        )
+    nodes = None if opts.nodes is None else list(opts.nodes)
+    if opts.n_nodes is not None:
+        nodes, node_scores = top_nodes(
+            model, task.clean, task.corrupted, task.metric, opts.n_nodes,
+            neuron_level=opts.neuron_level, batch_size=opts.batch_size,
+            progress=opts.progress,
+        )  # fmt: skip
+        extra.update({"nodes": nodes, "node_scores": node_scores})
+    if opts.mlp_rest and nodes is not None:
+        nodes = [*nodes, *(mlp_rest_label(li) for li in range(model.cfg.n_layers))]
+    return nodes
+
+
+def _sized(
+    task: DiscoveryTask,
+    scores: EdgeScores,
+    nodes: list[str] | None,
+    opts: DiscoveryOptions,
+    coarse_opts: DiscoveryOptions,
+):
+    """The sweep's circuit (:func:`~.sweep.sweep_to_target`, to ``coarse_opts.target``), or the
+    options' ``top_n`` / ``threshold`` circuit with the full graph's run as its ceiling.
+
+    Returns ``(mask, metric_circuit, curve, ceiling, warnings)``.
+    """
+    if opts.top_n is None and opts.threshold is None:
+        return sweep_to_target(task, scores, nodes, coarse_opts)
+    m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
+    notes: list[str] = []
+    mask = prune_ranked(scores, opts.ranking, top_n=opts.top_n, threshold=opts.threshold)
+    m_full, m_circ = run_circuits(
+        task, task.graph(opts.neuron_level, nodes), [scores.graph.full_mask(), mask]
+    )
+    ceiling = faithfulness(m_full, m_clean, m_corr)
+    curve = pd.DataFrame(
+        [
+            dict(top_n=opts.top_n, edges=mask_size(mask), metric=m_circ,
+                 faithfulness=faithfulness(m_circ, m_clean, m_corr)),
+            dict(top_n=None, edges=scores.graph.n_edges(), metric=m_full,
+                 faithfulness=ceiling),
+        ]
+    )  # fmt: skip
+    if ceiling < opts.target:
+        notes.append(
+            f"the ceiling is low: the graph's every edge reaches faithfulness {ceiling:.3f} < "
+            f"target {opts.target}; the nodes left out of the graph are frozen to the "
+            "corrupted run."
+        )
+    return mask, m_circ, curve, ceiling, notes
+
+
+def _node_patching(task: DiscoveryTask, circuit: Circuit, opts: DiscoveryOptions) -> float:
+    """The node-patching baseline's faithfulness: the clean outputs of the circuit's sources
+    (nodes with an outgoing edge; coarse: heads and whole MLP layers) patched in."""
+    base = circuit.extra["coarse"] if "coarse" in circuit.extra else circuit
+    patched = list(dict.fromkeys(n.split(".")[0] for n in base.edges().source))
+    return faithfulness(
+        node_patching_metric(
+            task.model,
+            task.clean,
+            task.corrupted,
+            task.metric,
+            [n for n in patched if n != EMBED],
+            batch_size=opts.batch_size,
+        ),
+        circuit.metric_clean,
+        circuit.metric_corrupted,
+    )
+
+
+def _gate_value(
+    task: DiscoveryTask, circuit: Circuit, fine_nodes: list[str] | None, opts: DiscoveryOptions
+) -> pd.DataFrame:
+    """The gate/value split of the ``max_gate_value_neurons`` neurons with the largest summed
+    ``|score|`` of incoming circuit edges (:func:`~.gate_value.circuit_gate_value_split`)."""
+    frame = circuit.edges()
+    into = frame[frame.target_kind == "neuron"]
+    ranked = (
+        into.groupby("target").score.apply(lambda s: s.abs().sum()).sort_values(ascending=False)
+    )
+    return circuit_gate_value_split(
+        task.model, circuit.mask, task.clean, task.corrupted, task.metric,
+        neurons=list(ranked.index[: opts.max_gate_value_neurons]),
+        neuron_level=opts.neuron_level, nodes=fine_nodes, batch_size=opts.batch_size,
+        progress=opts.progress, positions=task.positions, corrupted_runs=task.corrupted_runs,
+    )  # fmt: skip
 
 
 __all__ = [

@@ -38,6 +38,7 @@ from tl_attnonly.analysis.discovery.sites import (
     reader_matrix,
     writer_matrix,
 )
+from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -155,10 +156,8 @@ def top_edges(
     metrics = [0.0, 0.0]
     deltas: dict[str, list[torch.Tensor]] = {}
     reads: dict[str, list] = {}
-    terms = attribution_terms(
-        model, graph, clean_tokens, corrupted_tokens, metric, method, ig_steps, batch_size,
-        progress, metrics,
-    )  # fmt: skip
+    task = DiscoveryTask(model, clean_tokens, corrupted_tokens, metric, batch_size=batch_size)
+    terms = attribution_terms(task, graph, method, ig_steps, progress, metrics)
     for batch_deltas, batch_reads, weight, _ in terms:
         for key, delta in batch_deltas.items():
             deltas.setdefault(key, []).append(delta)

@@ -12,18 +12,15 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import faithfulness
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
-from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import mask_size, prune_ranked
-from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
-from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
+from tl_attnonly.analysis.discovery.run_metrics import run_circuits
 from tl_attnonly.analysis.discovery.sites import Mask
 
 if TYPE_CHECKING:
-    from tl_attnonly.protocol import ModelLike
+    from tl_attnonly.analysis.task import DiscoveryTask
 
 #: A faithfulness this much below one at fewer edges counts as a fall (warning).
 MONOTONE_TOLERANCE = 0.05
@@ -48,22 +45,15 @@ def curve_warnings(curve: pd.DataFrame) -> list[str]:
 
 
 def sweep_to_target(
-    model: ModelLike,
-    scores: EdgeScores,
-    clean,
-    corrupted,
-    metric,
-    nodes,
-    opts: DiscoveryOptions,
-    positions: PositionClasses | None = None,
-    corrupted_runs: CorruptedRuns | None = None,
+    task: DiscoveryTask, scores: EdgeScores, nodes: list[str] | None, opts: DiscoveryOptions
 ):
-    """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring).
+    """Exact runs of top-``n`` circuits: geometric ``n``, then bisection (module docstring), on
+    the task's model, prompts and metric (its corrupted runs shared); ``nodes``: the graph's.
 
     Returns ``(mask, metric_circuit, curve, ceiling_metric, warnings)``.
     """
-    model = analysis_model(model)
     graph = scores.graph
+    runs_graph = task.graph(nodes=nodes)
     n_all = graph.n_edges()
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     points: dict[int, tuple[Mask, float]] = {}
@@ -78,10 +68,7 @@ def sweep_to_target(
             graph.full_mask() if n >= n_all else prune_ranked(scores, opts.ranking, top_n=n)
             for n in sizes
         ]
-        values = circuit_metrics(
-            model, masks, clean, corrupted, metric, nodes=nodes, batch_size=opts.batch_size,
-            progress=opts.progress, positions=positions, corrupted_runs=corrupted_runs,
-        )  # fmt: skip
+        values = run_circuits(task, runs_graph, masks, progress=opts.progress)
         runs += len(sizes)
         for n, mask, value in zip(sizes, masks, values, strict=True):
             points[n] = (mask, value)
