@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.summaries.collect import (
+    SummaryOptions,
     merge_top,
     padded_batches,
     token_rows,
@@ -85,18 +86,15 @@ def collect_stats(
     model: AttnOnlyModel,
     neurons: Sequence[str],
     corpus: Iterable[str | torch.Tensor],
-    *,
-    k: int,
-    before: int,
-    after: int,
-    max_len: int,
-    batch_size: int,
-    max_rows: int | None,
-    token_stats: bool,
-    progress: bool,
+    opts: SummaryOptions,
 ) -> tuple[dict[int, LayerStats], int, int]:
     """Stream ``corpus`` once; every statistic of :mod:`.profiles`' module docstring's (b) and
-    (c)."""
+    (c), with ``opts``' ``k``, ``before``, ``after``, ``max_len`` (given), ``batch_size``,
+    ``max_rows``, ``token_stats`` and ``progress``."""
+    k, before, after, max_len = opts.k, opts.before, opts.after, int(opts.max_len or 0)
+    batch_size, max_rows, token_stats, progress = (
+        opts.batch_size, opts.max_rows, opts.token_stats, opts.progress
+    )  # fmt: skip
     K = model.n_heads_per_neuron
     V = model.cfg.d_vocab
     by_layer: dict[int, list[tuple[int, str]]] = {}

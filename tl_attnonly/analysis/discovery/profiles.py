@@ -54,11 +54,20 @@ from tl_attnonly.analysis.discovery.profile_stats import (
     profile_examples,
     top_tokens_text,
 )
+from tl_attnonly.analysis.summaries.collect import SummaryOptions, summary_options
+from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.discovery.positions import PositionClasses
     from tl_attnonly.analysis.discovery.sites import DiscoveryMetric
-    from tl_attnonly.protocol import AttnOnlyModel, ModelLike
+    from tl_attnonly.protocol import ModelLike
+
+#: :func:`neuron_profiles`' own defaults for the corpus pass (fewer, shorter contexts and no
+#: progress bar, unlike :class:`~tl_attnonly.analysis.SummaryOptions`' defaults).
+PROFILE_OPTIONS = SummaryOptions(
+    k=5, before=8, after=2, max_len=None, batch_size=16, max_rows=None, token_stats=True,
+    max_bytes=2**30, progress=False,
+)  # fmt: skip
 
 #: The columns of the gate/value split copied from ``circuit.gate_value``.
 GATE_VALUE_COLUMNS = ("gate", "value", "both", "interaction", "n_gate_edges", "n_value_edges")
@@ -175,14 +184,9 @@ class NeuronProfiles:
 
 
 def _gate_value(
-    model: AttnOnlyModel,
     circuit: Circuit,
     neurons: Sequence[str],
-    clean_tokens: torch.Tensor | None,
-    corrupted_tokens: torch.Tensor | None,
-    metric: DiscoveryMetric | None,
-    positions: PositionClasses | None,
-    batch_size: int | None,
+    task: DiscoveryTask | None,
     progress: bool,
     notes: list[str],
 ) -> pd.DataFrame:
@@ -193,15 +197,16 @@ def _gate_value(
         parts.append(have.assign(gate_value_from="circuit"))
     done = set(parts[0].node) if parts else set()
     missing = [n for n in neurons if n not in done]
-    if missing and clean_tokens is not None and corrupted_tokens is not None and metric is not None:
+    if missing and task is not None:
+        model = task.model
         graph = circuit.graph
         nodes = graph.node_labels() if graph.restricted else None
         again = HeadGraph(model, nodes=nodes, positions=graph.positions)
         if again.block_keys() != graph.block_keys():  # pragma: no cover - a guard, not a path
             raise RuntimeError("The circuit's graph could not be rebuilt from its node labels.")
         measured = circuit_gate_value_split(
-            model, circuit.mask, clean_tokens, corrupted_tokens, metric, neurons=missing,
-            nodes=nodes, batch_size=batch_size, progress=progress, positions=positions,
+            model, circuit.mask, task.clean, task.corrupted, task.metric, neurons=missing,
+            nodes=nodes, batch_size=task.batch_size, progress=progress, positions=task.positions,
         )  # fmt: skip
         parts.append(measured.assign(gate_value_from="measured here"))
     elif missing:
@@ -232,17 +237,10 @@ def neuron_profiles(
     metric: DiscoveryMetric | None = None,
     positions: PositionClasses | None = None,
     run_batch_size: int | None = None,
-    k: int = 5,
-    before: int = 8,
-    after: int = 2,
-    max_len: int | None = None,
-    batch_size: int = 16,
-    max_rows: int | None = None,
-    token_stats: bool = True,
     n_top_tokens: int = 3,
     min_token_count: int = 3,
-    max_bytes: int = 2**30,
-    progress: bool = False,
+    options: SummaryOptions | None = None,
+    **overrides: Any,
 ) -> NeuronProfiles:
     """Profile every named neuron of ``circuit`` (module docstring): one table, one figure.
 
@@ -258,16 +256,19 @@ def neuron_profiles(
             gate/value split of neurons ``circuit.gate_value`` lacks (else NaN, with a note).
         run_batch_size: Examples per exact run of that split (``discover_circuit``'s
             ``batch_size``); default all at once.
-        k: Top contexts kept per neuron and ranking (every position, each quadrant).
-        before, after: Context tokens kept around each top position.
-        max_len: Longest token row (longer rows are split); default ``model.cfg.n_ctx``.
-        batch_size: Corpus rows per forward pass.
-        max_rows: Stop after this many rows.
-        token_stats: Record each neuron's mean output per token (``top_tokens``).
         n_top_tokens: Tokens listed in ``top_tokens`` (largest mean ``|output|``).
         min_token_count: Tokens seen fewer times are not listed.
-        max_bytes: Refuse, before any work, when the per-token statistics would need more.
-        progress: Progress bar over corpus rows.
+        options: A :class:`~tl_attnonly.analysis.SummaryOptions` with the corpus pass's options
+            (default :data:`PROFILE_OPTIONS`, this function's own defaults: ``k=5``,
+            ``before=8``, ``after=2``, ``progress=False``, the others ``SummaryOptions``'):
+            ``k`` (top contexts kept per neuron and ranking: every position, each quadrant),
+            ``before`` / ``after`` (context tokens kept around each top position), ``max_len``
+            (longest token row, longer rows are split; default ``model.cfg.n_ctx``),
+            ``batch_size`` (corpus rows per forward pass), ``max_rows`` (stop after this many
+            rows), ``token_stats`` (record each neuron's mean output per token:
+            ``top_tokens``), ``max_bytes`` (refuse, before any work, when the per-token
+            statistics would need more) and ``progress`` (a bar over corpus rows).
+        **overrides: Fields of ``options`` given one by one (they win), e.g. ``k=2``.
 
     Returns:
         :class:`NeuronProfiles`.
@@ -279,8 +280,20 @@ def neuron_profiles(
             ``positions``, ``k`` or ``batch_size`` below 1, or ``before`` / ``after`` below 0.
         MemoryError: When the per-token statistics would need more than ``max_bytes``.
     """
+    opts = summary_options(
+        "neuron_profiles", PROFILE_OPTIONS if options is None else options, overrides
+    )
+    k, before, after, batch_size = opts.k, opts.before, opts.after, opts.batch_size
+    token_stats, max_bytes = opts.token_stats, opts.max_bytes
     model = analysis_model(model)
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
+    task = (
+        None
+        if clean_tokens is None or corrupted_tokens is None or metric is None
+        else DiscoveryTask(
+            model, clean_tokens, corrupted_tokens, metric, positions, batch_size=run_batch_size
+        )
+    )
     if not isinstance(circuit, Circuit):
         raise TypeError(
             f"neuron_profiles profiles a Circuit from discover_circuit, got "
@@ -344,16 +357,11 @@ def neuron_profiles(
     notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        split = _gate_value(
-            model, circuit, chosen, clean_tokens, corrupted_tokens, metric, positions,
-            run_batch_size, progress, notes,
-        )  # fmt: skip
+        split = _gate_value(circuit, chosen, task, opts.progress, notes)
     notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     stats, n_positions, n_rows = collect_stats(
-        model, chosen, corpus, k=k, before=before, after=after,
-        max_len=max_len or model.cfg.n_ctx, batch_size=batch_size, max_rows=max_rows,
-        token_stats=token_stats, progress=progress,
-    )  # fmt: skip
+        model, chosen, corpus, opts.with_overrides(max_len=opts.max_len or model.cfg.n_ctx)
+    )
     if n_positions == 0:
         raise ValueError("The corpus gave no token (an empty corpus, or max_rows=0).")
     tokenizer = getattr(model, "tokenizer", None)
