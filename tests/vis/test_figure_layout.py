@@ -2,15 +2,18 @@
 title inside the figure, counts that agree with ``circuit.edges()``, and static export.
 
 The circuit is built directly (EAP scores of a 6-layer grouped-query model, edges kept among
-layers 0, 4 and 5 only), so layers 1-3 are empty; it has key/value groups and named neurons.
+layers 0, 4 and 5 only), so layers 1-3 are empty; it has key/value groups and named neurons. A
+SmolLM2-shaped circuit (30 layers, the issue's 10 heads and 96 edges; labels only) must fit a page.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import random
 import re
 
+import pandas as pd
 import pytest
 import torch
 from conftest import GATED_ZOO, make_tokens
@@ -185,3 +188,57 @@ def test_static_export_needs_the_png_extra(circuit, tmp_path, monkeypatch):
     for suffix in (".svg", ".pdf"):
         assert save_figure(fig, tmp_path / f"fig{suffix}") == tmp_path / f"fig{suffix}"
     assert [kw["format"] for _, kw in written] == ["svg", "pdf"]
+
+
+class _Layers:
+    n_layers = 30
+
+
+class _Drawn(Circuit):
+    """A circuit given by its edge table alone (what the figures read), SmolLM2's shape."""
+
+    graph = _Layers()  # type: ignore[assignment]
+
+    def edges(self):
+        return self.frame
+
+
+def _smollm2_shaped() -> Circuit:
+    """30 layers; 10 query heads, key/value groups and 6 MLP layers of 8 named neurons each,
+    96 edges (the issue's IOI circuit on SmolLM2-135M, with its labels)."""
+    rng = random.Random(0)
+    heads = ["L23H0", "L23H1", "L23H2", "L23H7", "L20H0", "L19H2", "L17H4", "L21H3", "L22H5",
+             "L18H1", "L23KV0", "L23KV2", "L20KV0", "L17KV1"]  # fmt: skip
+    named = {li: [f"L{li}N{rng.randrange(1536)}" for _ in range(8)] for li in (0, 3, 14, 25, 29)}
+    mlp = [f"L{li}MLP" for li in named] + [n for v in named.values() for n in v]
+
+    def level(n: str) -> float:
+        found = re.match(r"L(\d+)(MLP|N)?", n)
+        return -1 if n == "embed" else 99 if found is None else int(found[1]) + 0.5 * bool(found[2])
+
+    pairs = [(s, t) for s in ["embed", *heads, *mlp] for t in [*heads, *mlp, "logits"]
+             if level(s) < level(t) and "KV" not in s]  # fmt: skip
+    rows = []
+    for s, t in rng.sample(pairs, 96):
+        inp = "" if t == "logits" else "q" if "H" in t else "k" if "KV" in t else "value"
+        rows.append(dict(edge=f"{s}->{t}:{inp}", source=s, target=t, input=inp,
+                         score=rng.gauss(0, 1)))  # fmt: skip
+    circuit = _Drawn.__new__(_Drawn)
+    circuit.frame = pd.DataFrame(rows).sort_values("score", key=abs, ascending=False)
+    circuit.gate_value, circuit.faithfulness, circuit.extra = None, 0.804, {"named": named}
+    circuit.mlp_split = None
+    return circuit
+
+
+def test_a_smollm2_shaped_circuit_fits_a_page():
+    circuit = _smollm2_shaped()
+    wide, tall = circuit_figure(circuit), neuron_circuit_figure(circuit)
+    for fig in (wide, tall):  # the issue's: 5,580 x 500 and 700 x 4,340 px
+        assert fig.layout.width <= 1600 and fig.layout.height <= 1600
+        assert fig.layout.meta["hidden_labels"] == 0
+        labels = [b for t, b in _boxes(fig) if not t.startswith("marker of")]
+        assert not any(
+            a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+            for a, b in itertools.combinations(labels, 2)
+        )
+        assert "10 attention heads" in fig.layout.title.text

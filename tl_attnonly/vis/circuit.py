@@ -73,7 +73,7 @@ LABEL_FONT = 11
 #: Title font size (px).
 TITLE_FONT = 15
 #: Estimated glyph width and line height, in units of the font size (generous for plotly's fonts).
-CHAR_WIDTH, LINE_HEIGHT = 0.62, 1.3
+CHAR_WIDTH, LINE_HEIGHT = 0.65, 1.3
 #: Marker size (px) of a node; MLP nodes range from ``NODE_SIZE / 2`` to ``1.5 * NODE_SIZE``.
 NODE_SIZE = 14
 #: Where a label may sit around its marker, tried in this order.
@@ -425,15 +425,15 @@ def circuit_figure(
     kinds = {n: "kv" if _KV.match(n) else kind_layer(n)[0] for n in labels}
     mlp = [n for n in labels if kinds[n] == "neuron"]
     sizes, opacities, hover = mlp_markers(mlp, mlp_carry(circuit))
-    marker = {n: (NODE_SIZE, 1.0, n) for n in labels}
-    for n, s, o, h in zip(mlp, sizes, opacities, hover, strict=True):
-        marker[n] = (s, o, f"{n}<br>{h}")
+    marker: dict[str, tuple[float, float, str]] = {n: (NODE_SIZE, 1.0, n) for n in labels}
+    for n, size, opacity, carry in zip(mlp, sizes, opacities, hover, strict=True):
+        marker[n] = (size, opacity, f"{n}<br>{carry}")
     texts = {}
     for n in labels:
-        s = split.get(n)
-        texts[n] = [n] if s is None else [f"{n}<br>g {s.gate:.3g} / v {s.value:.3g}", n]
-        if s is not None:
-            gate_value = f"gate {s.gate:.3g} / value {s.value:.3g}"
+        gv = split.get(n)
+        texts[n] = [n] if gv is None else [f"{n}<br>g {gv.gate:.3g} / v {gv.value:.3g}", n]
+        if gv is not None:
+            gate_value = f"gate {gv.gate:.3g} / value {gv.value:.3g}"
             marker[n] = (*marker[n][:2], f"{marker[n][2]}<br>{gate_value}")
     rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "neuron": 3}
     order = sorted(labels, key=lambda n: (rank[kinds[n]], -marker[n][0], n))
