@@ -25,6 +25,7 @@ from tl_attnonly.activations import (
     head_coefficients,
     max_score_magnitude,
     relu_sigmoid_max_error,
+    representable_slopes,
 )
 
 KS = range(1, MAX_GELU_HEADS + 1)
@@ -72,7 +73,7 @@ def test_supported_activations_constant():
         "gelu_fast",
         "gelu_pytorch_tanh",
     )
-    assert DEFAULT_RELU_K == 100.0
+    assert DEFAULT_RELU_K == 1e6
     assert FIT_RANGE == 20.0
 
 
@@ -158,6 +159,37 @@ def test_relu_error_is_0_2785_over_k(k):
     assert err == pytest.approx(relu_sigmoid_max_error(k), rel=1e-9)
 
 
+def test_default_relu_k_is_exact_to_rounding():
+    """The default ReLU head ``x sigmoid(k x)`` is within 1e-6 of ReLU: the bound, and the error
+    measured on a grid dense enough to resolve its peak at ``|x| = 1.28 / k`` (spacing 1e-10 on
+    ``|x| <= 1e-4``, plus ``|x| <= 20``), in float64 and float32."""
+    assert relu_sigmoid_max_error(DEFAULT_RELU_K) <= 1e-6
+    coeffs = head_coefficients("relu")
+    assert coeffs.relu_k == DEFAULT_RELU_K
+    near = torch.linspace(-1e-4, 1e-4, 2_000_001, dtype=torch.float64)
+    x = torch.cat([near, torch.linspace(-FIT_RANGE, FIT_RANGE, 400_001, dtype=torch.float64)])
+    err = (coeffs.evaluate(x) - F.relu(x)).abs().max().item()
+    assert err <= 1e-6
+    assert err == pytest.approx(relu_sigmoid_max_error(DEFAULT_RELU_K), rel=1e-3)  # the peak
+    x32 = x.float()  # float32: the same peak (rounding adds ~1e-13 there, 0 at |x| >= 1e-4)
+    assert (coeffs.evaluate(x32).double() - F.relu(x32.double())).abs().max().item() <= 1e-6
+
+
+def test_default_relu_k_in_float16_is_held_at_its_largest_value():
+    """float16 cannot hold 1e6: the slope is held at 65504, so ``x = 0`` gives 0, not NaN
+    (``inf * 0``), and the error is ``0.2785 / 65504``."""
+    coeffs = head_coefficients("relu")
+    assert representable_slopes(coeffs.b, torch.float16) == (FP16_MAX,)
+    assert representable_slopes(coeffs.b, torch.float32) == coeffs.b
+    x = torch.cat([torch.linspace(-1, 1, 2001), torch.linspace(-1e-3, 1e-3, 20001)]).half()
+    assert (x == 0).any()
+    y = coeffs.evaluate(x)
+    assert torch.isfinite(y).all()
+    err = (y.double() - F.relu(x.double())).abs().max().item()
+    # measured 4.23e-6; 6e-8 is float16's spacing near the peak (|x| = 2e-5)
+    assert relu_sigmoid_max_error(FP16_MAX) / 2 <= err <= relu_sigmoid_max_error(FP16_MAX) + 6e-8
+
+
 def test_relu_error_constant_is_lambert_w():
     special = pytest.importorskip("scipy.special")
     assert RELU_SIGMOID_ERROR_CONSTANT == pytest.approx(
@@ -181,7 +213,9 @@ def test_gelu_error_bounded_far_outside_fit_range(name, gelu_errors):
 def test_relu_silu_bounded_far_outside_fit_range():
     x = torch.linspace(-1000, 1000, 400001, dtype=torch.float64)
     relu = head_coefficients("relu")
-    assert (relu.evaluate(x) - F.relu(x)).abs().max().item() <= relu_sigmoid_max_error(100.0)
+    assert (relu.evaluate(x) - F.relu(x)).abs().max().item() <= relu_sigmoid_max_error(
+        DEFAULT_RELU_K
+    )
     silu = head_coefficients("silu")
     assert (silu.evaluate(x) - F.silu(x)).abs().max().item() <= 1e-12
 
@@ -290,7 +324,8 @@ def test_max_score_magnitude_and_fp16():
         assert mags.value == pytest.approx(value, rel=1e-12)
         score, _ = mags  # a plain (score, value) tuple
         assert score == mags.score
-        assert fp16_safe(coeffs)
+        # (the default ReLU's scores, 2e7 at |x| = 20, pass float16's 65504)
+        assert fp16_safe(coeffs) == (coeffs.relu_k != DEFAULT_RELU_K)
     sharp = head_coefficients("relu", relu_k=1e4)
     assert max_score_magnitude(sharp).score == pytest.approx(2e5)
     assert not fp16_safe(sharp)

@@ -12,7 +12,8 @@ outputs sum to (approximately) ``act(x)``:
 
 * ``silu``: exact with one head (``x * sigmoid(x)``).
 * ``relu``: one head ``x * sigmoid(k*x)`` (= ``SiLU(k x) / k``); max error ``W(1/e) / k``
-  (``~0.2785 / k``), see :func:`relu_sigmoid_max_error`.
+  (``~0.2785 / k``), see :func:`relu_sigmoid_max_error`: 2.8e-7 at the default ``k = 1e6``
+  (:data:`DEFAULT_RELU_K`), so ReLU is exact to rounding.
 * ``gelu``, ``gelu_new``, ``gelu_fast``, ``gelu_pytorch_tanh``: minimax fits with ``K = 1..6`` heads
   (``scripts/fit_activation_heads.py``, stored in ``data/activation_fits.json``), or the paper's
   one-head ``x * sigmoid(1.702 x)`` (``gelu_method="paper"``).
@@ -61,7 +62,15 @@ METHODS: tuple[str, ...] = ("exact", "sigmoid_k", "paper", "fit")
 # (K=3: ~2.5e-4 / 2.0e-4; K=4: ~1.1e-5 for gelu, ~2.1e-5 for the tanh variants).
 DEFAULT_GELU_HEADS: int = 4
 MAX_GELU_HEADS: int = 6
-DEFAULT_RELU_K: float = 100.0
+DEFAULT_RELU_K: float = 1e6
+"""Default ``relu_k``: ``x sigmoid(1e6 x)`` is within ``0.2785 / 1e6 = 2.8e-7`` of ``relu(x)``
+everywhere, under the 1e-6 that makes ReLU exact to rounding (3.6 times under it; ``3e5`` would
+leave 7% margin, ``2.8e5`` none). 1e6 is exact in float32 (bfloat16 rounds it to 999424, error
+2.8e-7). The score ``1e6 x`` saturates the sigmoid for ``|x| > 4e-5``; an infinite score is
+harmless in the structured form. float16 cannot hold 1e6: there the slope is held at 65504
+(:func:`representable_slopes`, error 4.3e-6, under float16's rounding). The literal form in
+float16 and bfloat16 needs a smaller ``relu_k`` or a larger omega (see
+:func:`tl_attnonly.literal.omega.omega_requirement`)."""
 MIN_RELU_K: float = 1.0
 """Smallest accepted ``relu_k``: below it ``x sigmoid(k x)`` is no approximation of ReLU (max
 error ``0.2785 / k`` > 0.28)."""
@@ -101,6 +110,19 @@ def relu_sigmoid_max_error(relu_k: float) -> float:
         ``max_x |x * sigmoid(k x) - relu(x)| = W(1/e) / k`` (about ``0.2785 / k``).
     """
     return RELU_SIGMOID_ERROR_CONSTANT / float(relu_k)
+
+
+def representable_slopes(slopes: tuple[float, ...], dtype: torch.dtype) -> tuple[float, ...]:
+    """The score slopes ``b`` (all > 0) as ``dtype`` can hold them: each at most its largest
+    finite value.
+
+    Only the default ``relu_k = 1e6`` in float16 (largest finite value 65504) is affected: held
+    at 65504, its scores saturate the sigmoid for ``|x| > 2e-4`` (error ``0.2785 / 65504 =
+    4.3e-6``, under float16's own rounding), where an infinite slope would make the score of
+    ``x = 0`` NaN (``inf * 0``).
+    """
+    largest = torch.finfo(dtype).max
+    return tuple(min(float(b), largest) for b in slopes)
 
 
 def _unsupported(act_fn: str) -> ValueError:
@@ -168,6 +190,9 @@ class NeuronHeadCoefficients:
     def evaluate(self, x: Float[torch.Tensor, "..."]) -> Float[torch.Tensor, "..."]:
         """Sum of the ``K`` head outputs, computed in ``x``'s dtype and on ``x``'s device.
 
+        Slopes ``b`` beyond ``x``'s dtype are held at its largest finite value
+        (:func:`representable_slopes`), as the neuron-head layers do.
+
         Args:
             x: Neuron pre-activations (floating point, any shape).
 
@@ -181,7 +206,7 @@ class NeuronHeadCoefficients:
             return torch.tensor(values, dtype=x.dtype, device=x.device)
 
         xk = x.unsqueeze(-1)
-        s = torch.sigmoid(xk * coef(self.b) + coef(self.d))
+        s = torch.sigmoid(xk * coef(representable_slopes(self.b, x.dtype)) + coef(self.d))
         out = (xk * coef(self.f) + coef(self.e)) * s
         if any(self.g):
             out = out + coef(self.g) * (1 - s)
@@ -279,7 +304,8 @@ def check_relu_k(relu_k: Any) -> None:
     ):
         raise ValueError(
             f"relu_k must be a finite number >= {MIN_RELU_K:g} (the ReLU head x*sigmoid(relu_k x) "
-            f"has max error 0.2785 / relu_k; default {DEFAULT_RELU_K:g}), got {relu_k!r}."
+            f"has max error 0.2785 / relu_k; default {DEFAULT_RELU_K:g}, max error "
+            f"{relu_sigmoid_max_error(DEFAULT_RELU_K):.1e}), got {relu_k!r}."
         )
 
 
@@ -360,8 +386,9 @@ def activation_error_table(
 
     Returns:
         DataFrame with columns ``activation, method, n_heads, max_abs_error, coef_l1, relu_k``:
-        one row per GELU variant and K plus the paper's one-head row, a few ``k`` for ``relu``
-        (``relu_k`` column; NaN elsewhere) and one (exact, error ~0) row for ``silu``.
+        one row per GELU variant and K plus the paper's one-head row, ``k = 100, 1e4`` and the
+        default :data:`DEFAULT_RELU_K` for ``relu`` (``relu_k`` column; NaN elsewhere) and one
+        (exact, error ~0) row for ``silu``.
     """
     if act_fn is not None and act_fn not in SUPPORTED_ACTIVATIONS:
         raise _unsupported(act_fn)
@@ -373,7 +400,8 @@ def activation_error_table(
         if name == "silu":
             coeff_list.append(head_coefficients("silu"))
         elif name == "relu":
-            coeff_list += [head_coefficients("relu", relu_k=k) for k in (10.0, 100.0, 1000.0)]
+            # the earlier default (100), one between, the default
+            coeff_list += [head_coefficients("relu", relu_k=k) for k in (1e2, 1e4, DEFAULT_RELU_K)]
         else:
             coeff_list += [head_coefficients(name, k) for k in range(1, max_heads + 1)]
             coeff_list.append(head_coefficients(name, gelu_method="paper"))
@@ -440,4 +468,5 @@ __all__ = [
     "head_coefficients",
     "max_score_magnitude",
     "relu_sigmoid_max_error",
+    "representable_slopes",
 ]

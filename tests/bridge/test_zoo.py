@@ -81,6 +81,13 @@ SLACK = {torch.float32: 1e-5, torch.float64: 1e-12}
 #: convention of tests/test_convert.py; measured factors are 1.6-50 on this zoo, see
 #: docs/bridge_zoo.md).
 LOGIT_FACTOR = 100
+#: ReLU zoo models (OPT) at the default relu_k (1e6, activation error 2.8e-7): max |dlogit|
+#: (measured 0 in fp64 and fp32; 9.1e-3 at relu_k = 100).
+RELU_LOGIT_TOL = 1e-5
+RELU = [n for n in CONVERTIBLE if ZOO[n].act == "relu"]
+#: What the head-path test converts ReLU with: at the default relu_k the error is 0 on the zoo's
+#: inputs, which would leave the bound unprobed, so it is probed at the earlier default, 100.
+RELU_PROBE = {"relu_k": 100.0}
 
 
 @needs_convert
@@ -92,7 +99,8 @@ def test_converted_bridge_matches_unconverted(name, dtype):
     toks = tokens()
     with torch.no_grad():
         reference, cache = bridge.run_with_cache(toks)
-    converted = convert_zoo_bridge(bridge, fused=False)
+    probe = RELU_PROBE if name in RELU else {}
+    converted = convert_zoo_bridge(bridge, fused=False, **probe)
     with torch.no_grad():
         logits, conv_cache = converted.run_with_cache(toks)
     # (a mixture of experts: blocks.0.mlp.experts.{e}.hook_pattern, see test_moe_bridge.py)
@@ -139,6 +147,23 @@ def test_default_conversion_fused_path(name):
 
         act_error = neuron_head_layers(bridge)[0].coefficients.max_abs_error()
         assert (logits - reference).abs().max().item() <= LOGIT_FACTOR * act_error
+
+
+@needs_convert
+@pytest.mark.parametrize(("name", "dtype"), dtype_params(RELU))
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "heads"])
+def test_relu_at_the_default_relu_k_is_exact_to_rounding(name, dtype, fused):
+    """ReLU at the default relu_k (1e6): logits within 1e-5 of the unconverted bridge."""
+    from tl_attnonly.activations import DEFAULT_RELU_K
+    from tl_attnonly.bridge import neuron_head_layers
+
+    bridge = build_bridge(name, dtype)
+    toks = tokens()
+    with torch.no_grad():
+        reference = bridge(toks)
+        logits = convert_zoo_bridge(bridge, fused=fused)(toks)
+    assert neuron_head_layers(bridge)[0].coefficients.relu_k == DEFAULT_RELU_K
+    assert (logits - reference).abs().max().item() <= RELU_LOGIT_TOL
 
 
 @needs_convert

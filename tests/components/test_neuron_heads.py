@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, make_tokens
 
 from tl_attnonly import convert
 from tl_attnonly.hooks import dense_neuron_pattern, neuron_act_name, neuron_head_label
@@ -237,3 +237,25 @@ def test_in_place_hook_edits_do_not_leak_between_hooks(silu_pair, tokens):
         tokens, fwd_hooks=[(f"blocks.{LAYER}.mlp.hook_post", _set_neuron(lambda x: 3 * x))]
     )
     torch.testing.assert_close(edited, expected, rtol=0, atol=1e-10)
+
+
+def test_default_relu_in_float16_gives_zero_for_a_zero_pre_activation():
+    """float16 cannot hold the default relu_k (1e6): the layers hold the slope at 65504, so a
+    pre-activation of exactly 0 gives 0 on the fused and on the head path (``inf * 0`` would be
+    NaN), and the logits match the original float16 model's."""
+    model = make_model("relu", torch.float32)
+    with torch.no_grad():  # neuron 0 of layer 0: pre-activation exactly 0 everywhere
+        model.blocks[0].mlp.W_in[:, 0] = 0.0
+        model.blocks[0].mlp.b_in[0] = 0.0
+    tokens = make_tokens()
+    converted = convert(model).to(torch.float16, print_details=False)
+    expected = model.to(torch.float16, print_details=False)(tokens)
+    fused = converted(tokens)
+    heads, cache = converted.run_with_cache(
+        tokens, names_filter=lambda name: name.startswith("blocks.0.mlp.hook_p")
+    )  # hook_pattern cached: the head path
+    assert (cache["blocks.0.mlp.hook_pattern"][:, 0, :, 0] == 0.5).all()  # sigmoid(0)
+    assert (cache["blocks.0.mlp.hook_post"][..., 0] == 0).all()
+    for logits in (fused, heads):
+        assert torch.isfinite(logits).all()
+        assert (logits - expected).abs().max().item() <= 1e-3  # measured 0

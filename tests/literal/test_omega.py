@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -11,11 +12,15 @@ import pytest
 import torch
 from test_literal import make_model, make_tokens
 
+from tl_attnonly.activations import DEFAULT_RELU_K, FIT_RANGE
+from tl_attnonly.literal import to_literal
 from tl_attnonly.omega import (
     COLUMNS,
+    DEFAULT_OMEGA,
     error_table_markdown,
     max_masked_attention,
     omega_error_table,
+    omega_requirement,
     plot_omega_error,
 )
 
@@ -91,3 +96,43 @@ def test_max_masked_attention_sees_leaks():
         warnings.simplefilter("ignore")
         assert max_masked_attention(to_literal(model, omega=2.0), tokens) > 0.1
     assert max_masked_attention(to_literal(model), tokens) == 0.0
+
+
+def test_relu_at_the_default_relu_k_and_the_rounding_of_its_scores():
+    """ReLU's default scores (``1e6 x``, up to 2e7) minus omega are rounded in the model's dtype:
+    nothing in float64/float32 (exact to rounding, no warning); in bfloat16 the rounding
+    (``eps * 2e7 = 1.6e5``) swamps the default omega, which ``to_literal`` says, and an omega
+    above it gives back the model's own bfloat16 error (measured: 1.8 at omega = 1e4, 4.6e-2 at
+    2e5, the original model in bfloat16 6.2e-2)."""
+    model, tokens = make_model("LN", act_fn="relu"), make_tokens()
+    reference = model(tokens)
+    err = {}
+    for dtype, omega in [
+        (torch.float64, DEFAULT_OMEGA),
+        (torch.float32, DEFAULT_OMEGA),
+        (torch.bfloat16, 2e5),
+    ]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            literal = to_literal(model, dtype=dtype, omega=omega)
+        err[dtype] = (literal(tokens).double() - reference).abs().max().item()
+    baseline = {
+        dtype: (copy.deepcopy(model).to(dtype, print_details=False)(tokens).double() - reference)
+        .abs()
+        .max()
+        .item()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    assert err[torch.float64] <= 1e-12  # measured 3.0e-15
+    assert err[torch.float32] <= 2 * baseline[torch.float32]  # 1.4e-6 vs 1.4e-6
+    assert err[torch.bfloat16] <= 2 * baseline[torch.bfloat16]
+    max_score = DEFAULT_RELU_K * FIT_RANGE
+    # float32: the scores' rounding costs 2.4 of omega; bfloat16: 1.6e5
+    assert (
+        omega_requirement(torch.float32, 13, max_score=max_score)
+        < omega_requirement(torch.float32, 13) + 3
+    )
+    assert omega_requirement(torch.bfloat16, 13, max_score=max_score) > DEFAULT_OMEGA
+    with pytest.warns(UserWarning, match="lose up to eps"):
+        bad = to_literal(model, dtype=torch.bfloat16)
+    assert (bad(tokens).double() - reference).abs().max().item() > 0.5

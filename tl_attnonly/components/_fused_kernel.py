@@ -29,7 +29,12 @@ _FAILED: set[str] = set()
 
 
 def _terms(c: NeuronHeadCoefficients) -> tuple[tuple[float, float, float, float], ...]:
-    """``(b_k, d_k, f_k, e_k - g_k)`` per head, as Python floats (constants of the kernel)."""
+    """``(b_k, d_k, f_k, e_k - g_k)`` per head, as Python floats (constants of the kernel).
+
+    A slope beyond float16 (the default ``relu_k = 1e6``) stays as it is: inductor computes
+    float16 pointwise code in float32, where ``1e6 * 0 = 0`` (the eager path, which computes in
+    float16, holds it at 65504 instead: :func:`~tl_attnonly.activations.representable_slopes`).
+    """
     return tuple(
         (float(b), float(d), float(f), float(e) - float(g))
         for b, d, f, e, g in zip(c.b, c.d, c.f, c.e, c.g)

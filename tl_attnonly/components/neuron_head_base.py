@@ -19,7 +19,11 @@ from jaxtyping import Float
 from transformer_lens.hook_points import HookPoint
 
 from tl_attnonly._compat import CanBeUsedAsMLP, global_module_hooks, has_hooks
-from tl_attnonly.activations import NeuronHeadCoefficients, head_coefficients
+from tl_attnonly.activations import (
+    NeuronHeadCoefficients,
+    head_coefficients,
+    representable_slopes,
+)
 from tl_attnonly.components._fused_kernel import compiled_kernel, kernel_failed
 
 if TYPE_CHECKING:
@@ -100,13 +104,15 @@ class NeuronHeadBase(CanBeUsedAsMLP):
 
     # ------------------------------------------------------------------ coefficients
     def _coefs(self, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(b, d, f, e, g), each ``[K]``, in ``like``'s dtype and device (cached)."""
+        """(b, d, f, e, g), each ``[K]``, in ``like``'s dtype and device (cached); a slope ``b``
+        beyond the dtype (``relu_k = 1e6`` in float16) is held at its largest finite value
+        (:func:`~tl_attnonly.activations.representable_slopes`)."""
         key = (like.dtype, like.device)
         if key not in self._coef_cache:
             c = self.coefficients
             self._coef_cache[key] = tuple(
                 torch.tensor(vals, dtype=like.dtype, device=like.device)
-                for vals in (c.b, c.d, c.f, c.e, c.g)
+                for vals in (representable_slopes(c.b, like.dtype), c.d, c.f, c.e, c.g)
             )
         return self._coef_cache[key]
 

@@ -24,6 +24,7 @@ from transformer_lens.components import (
 
 from tl_attnonly._compat import rotary_base
 from tl_attnonly._types import CoefficientsLike
+from tl_attnonly.activations import max_score_magnitude
 from tl_attnonly.components.literal_attention import LiteralAttention
 from tl_attnonly.literal.gated import (
     DEFAULT_PRODUCT_RANGE,
@@ -295,7 +296,8 @@ def to_literal(
         gated=bool(cfg.gated_mlp),
     )
     if mask != "ordinary":
-        for message in omega_warnings(omega, dtype, lay.n_pos, tol):
+        max_score = max_score_magnitude(coefs).score  # its rounding eats into omega
+        for message in omega_warnings(omega, dtype, lay.n_pos, tol, max_score=max_score):
             warnings.warn(message, stacklevel=2)
     overflow = overflow_warning(coefs, dtype, scores=True)  # an inf score makes softmax NaN
     if overflow is not None:

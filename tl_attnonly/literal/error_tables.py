@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from tl_attnonly.activations import max_score_magnitude
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.literal.build import to_literal
 from tl_attnonly.literal.gated import default_product_eps
@@ -32,6 +33,7 @@ from tl_attnonly.literal.omega import (
     logits_and_leak,
     omega_warnings,
 )
+from tl_attnonly.options import ConversionOptions
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,6 +48,17 @@ def _dtype(d: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"Unknown dtype {d!r}")
     return dt
 
+
+
+def _max_neuron_score(model: HookedTransformer, literal_kwargs: dict[str, Any]) -> float:
+    """The largest neuron-head score of the literal model ``to_literal(model, **literal_kwargs)``
+    builds (its rounding eats into omega, see :func:`~tl_attnonly.literal.omega_requirement`)."""
+    options = literal_kwargs.get("options")
+    coefficients = literal_kwargs.get("coefficients", getattr(options, "coefficients", None))
+    if coefficients is None:
+        conversion = literal_kwargs.get("conversion") or ConversionOptions()
+        coefficients = conversion.coefficients(model.cfg.act_fn)
+    return max_score_magnitude(coefficients).score
 
 
 def omega_error_table(
@@ -97,6 +110,7 @@ def omega_error_table(
             baselines[dt] = (baseline_model(tokens).double() - reference).abs().max().item()
         del baseline_model
     uses_omega = literal_kwargs.get("mask", "omega") != "ordinary"
+    max_score = _max_neuron_score(model, literal_kwargs)
     rows = []
     for omega in omegas:
         with warnings.catch_warnings():
@@ -105,7 +119,9 @@ def omega_error_table(
         for dt in dts:
             literal = built if dt == torch.float64 else copy.deepcopy(built).to(dt)
             messages = (
-                omega_warnings(omega, dt, built.layout.n_pos, literal_kwargs.get("tol"))
+                omega_warnings(
+                    omega, dt, built.layout.n_pos, literal_kwargs.get("tol"), max_score=max_score
+                )
                 if uses_omega
                 else []
             )

@@ -43,6 +43,7 @@ def omega_requirement(
     n_keys: int,
     tol: float | None = None,
     score_range: float = TYPICAL_SCORE_RANGE,
+    max_score: float = 0.0,
 ) -> float:
     """Smallest omega for which masked keys keep less than ``tol`` of the attention.
 
@@ -50,22 +51,37 @@ def omega_requirement(
     keys, where ``score_range`` bounds how far a masked key's real score may exceed the best
     allowed one.
 
+    A neuron-head's masked keys have its own score ``s = b x + d`` (every real key is 1), so
+    a masked score is ``s - omega``, computed in the dtype: rounded to the dtype's grid at
+    ``|s|``, it loses up to ``eps * |s|`` of omega. The default ``relu_k = 1e6`` makes
+    ``|s| = 1e6 |x|`` (2e7 at ``|x| = 20``): nothing in float32 (2.4), but in bfloat16
+    (``eps = 2^-7``) 1.6e5, far above the default omega of 1e4 (masked keys then take a share of
+    the attention, logit errors of order 1). Hence the ``eps * max_score`` term: in bfloat16 use
+    ``omega >= 2e5`` or ``relu_k <= 6e4`` (error 4.6e-6) with ReLU; in float16 also keep
+    ``relu_k * |x| <= 65504`` (``relu_k <= 3e3`` at ``|x| <= 20``), or the scores overflow.
+
     Args:
         dtype: Dtype of the model; ``tol`` defaults to its rounding unit ``eps / 2``.
         n_keys: Keys per query (``1 + max_len``).
         tol: Acceptable leaked mass.
         score_range: Assumed spread of real scores.
+        max_score: Largest ``|score|`` of a head whose masked keys share its allowed key's score
+            (neuron-heads: :func:`~tl_attnonly.activations.max_score_magnitude`); 0 ignores it.
 
     Returns:
-        ``score_range + log(n_keys / tol)``.
+        ``score_range + log(n_keys / tol) + eps(dtype) * max_score``.
     """
     if tol is None:
         tol = torch.finfo(dtype).eps / 2
-    return score_range + math.log(n_keys / tol)
+    return score_range + math.log(n_keys / tol) + torch.finfo(dtype).eps * max_score
 
 
 def omega_warnings(
-    omega: float, dtype: torch.dtype, n_keys: int, tol: float | None = None
+    omega: float,
+    dtype: torch.dtype,
+    n_keys: int,
+    tol: float | None = None,
+    max_score: float = 0.0,
 ) -> list[str]:
     """Why ``omega`` is a bad choice for ``dtype`` (empty if it is fine).
 
@@ -74,6 +90,7 @@ def omega_warnings(
         dtype: Dtype the literal model will run in.
         n_keys: Keys per query.
         tol: Acceptable leaked attention mass (default: the dtype's rounding unit).
+        max_score: Largest neuron-head score (see :func:`omega_requirement`).
 
     Returns:
         Messages: overflow (omega is ``inf`` in ``dtype``) and/or too small for ``tol``.
@@ -86,13 +103,22 @@ def omega_warnings(
             "becomes -inf, -inf * 0 = NaN enters every score and every output is NaN. Use "
             f"omega <= {finfo.max / 4:g} (default {DEFAULT_OMEGA:g})."
         )
-    need = omega_requirement(dtype, n_keys, tol)
+    need = omega_requirement(dtype, n_keys, tol, max_score=max_score)
     if omega < need:
         shown_tol = tol if tol is not None else finfo.eps / 2
+        lost = finfo.eps * max_score
+        rounding = (
+            f" Neuron-head scores reach {max_score:.3g}; rounded in {dtype}, masked scores "
+            f"(score - omega) lose up to eps * {max_score:.3g} = {lost:.3g} of omega: use a "
+            "larger omega, a smaller relu_k, or float32."
+            if lost >= 1
+            else ""
+        )
         out.append(
             f"omega={omega:g} may be too small for a tolerance of {shown_tol:.2g} in {dtype} with "
             f"{n_keys} keys: masked keys can keep up to n_keys * exp({TYPICAL_SCORE_RANGE:g} - "
             f"omega) of the attention; omega >= {need:.1f} is needed (default {DEFAULT_OMEGA:g})."
+            + rounding
         )
     return out
 
