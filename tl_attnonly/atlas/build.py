@@ -68,7 +68,7 @@ class AtlasState:
 
     def merge(self, other: AtlasState) -> AtlasState:
         """The state of this state's rows and ``other``'s (disjoint rows; exact)."""
-        if other.manifest != self.manifest or other.options != self.options:
+        if other.manifest != self.manifest or other.options.kept() != self.options.kept():
             raise ValueError("Only states of the same model and options merge.")
         layers = [merge_layer_states(a, b) for a, b in zip(self.layers, other.layers)]
         n_tokens = self.n_tokens + other.n_tokens.to(self.n_tokens.device)

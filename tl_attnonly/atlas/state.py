@@ -76,6 +76,11 @@ class AtlasOptions:
         """Tokens per context."""
         return self.before + self.after + 1
 
+    def kept(self) -> dict[str, Any]:
+        """The options that say what a state holds (the others, ``batch_size`` and ``max_rows``,
+        only how a run goes): states merge where these agree."""
+        return {k: v for k, v in asdict(self).items() if k not in ("batch_size", "max_rows")}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

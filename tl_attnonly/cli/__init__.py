@@ -1,8 +1,9 @@
-"""Command line: ``tl-attnonly demo | convert | verify``.
+"""Command line: ``tl-attnonly demo | convert | verify | atlas``.
 
 Everything heavy (torch, TransformerLens) is imported inside the commands, so that ``--help`` and
 usage errors answer at once. The subcommands live in :mod:`tl_attnonly.cli.demo` and
-:mod:`tl_attnonly.cli.convert`; what they share, in :mod:`tl_attnonly.cli.common`.
+:mod:`tl_attnonly.cli.convert` and :mod:`tl_attnonly.cli.atlas`; what they share, in
+:mod:`tl_attnonly.cli.common`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from tl_attnonly.cli.atlas import add_atlas_parser
 from tl_attnonly.cli.common import (
     CONVERSION_FILE,
     DEFAULT_PROMPT,
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the same weights; takes a model, not a saved directory",
     )
     p.set_defaults(func=verify_cmd)
+    add_atlas_parser(sub)
     return parser
 
 

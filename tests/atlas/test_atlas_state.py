@@ -1,0 +1,131 @@
+"""The atlas's state merges exactly and resumes exactly; gated layers' sign quadrants; the site
+and the Jupyter object."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from helpers import BATCH, KINDS, MAX_LEN, bundled, corpus_rows, hooked_acts  # noqa: E402
+
+from tl_attnonly.atlas import Atlas, AtlasOptions, AtlasState, build_atlas, collect_atlas  # noqa: E402
+from tl_attnonly.atlas.site import read_js_data  # noqa: E402
+from tl_attnonly.atlas.state import flatten_state  # noqa: E402
+
+OPTS = AtlasOptions(k=5, before=3, after=2, samples=2, max_len=MAX_LEN, batch_size=BATCH)
+
+
+def assert_same(a: AtlasState, b: AtlasState) -> None:
+    fa, fb = flatten_state(a.layers), flatten_state(b.layers)
+    assert fa.keys() == fb.keys()
+    for key in fa:
+        assert torch.equal(fa[key].cpu(), fb[key].cpu()), key
+    assert int(a.n_tokens) == int(b.n_tokens) and a.n_rows == b.n_rows
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model_rows(request):
+    model = bundled(request.param)
+    return model, corpus_rows(model)
+
+
+def test_two_halves_merge_to_one_pass(model_rows):
+    model, rows = model_rows
+    whole = collect_atlas(model, rows, options=OPTS)
+    first = collect_atlas(model, rows, options=OPTS, max_rows=BATCH)
+    second = collect_atlas(model, rows, options=OPTS, first_row=BATCH)
+    assert_same(first.merge(second), whole)
+    assert_same(second.merge(first), whole)
+
+
+def test_resume_equals_no_stop(model_rows, tmp_path):
+    model, rows = model_rows
+    whole = build_atlas(model, rows, tmp_path / "whole", options=OPTS, progress=False)
+
+    def stopping():
+        yield from rows[: BATCH + 1]
+        raise KeyboardInterrupt  # stopped in the second batch
+
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        build_atlas(model, stopping(), out, options=OPTS, checkpoint_every=1, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".checkpoint.safetensors"]  # no site yet
+    assert AtlasState.load(out / ".checkpoint.safetensors").n_rows == BATCH
+    resumed = build_atlas(model, rows, out, options=OPTS, checkpoint_every=1, progress=False)
+    assert_same(resumed, whole)
+    assert_same(AtlasState.load(out / "state.safetensors"), whole)
+    assert not (out / ".checkpoint.safetensors").exists()
+
+
+def test_site_files_and_jupyter(model_rows, tmp_path):
+    model, rows = model_rows
+    state = build_atlas(model, rows, tmp_path, options=OPTS, progress=False, model_name="tiny")
+    for name in ("index.html", "neuron.html", "layer_0.html", "layer_1.html", "atlas.json"):
+        assert (tmp_path / name).is_file()
+    assert "http" not in (tmp_path / "neuron.html").read_text()  # nothing from the network
+    meta = json.loads((tmp_path / "atlas.json").read_text())
+    assert meta["manifest"]["d_mlp"] == 512 and meta["n_tokens"] == int(state.n_tokens)
+    index = read_js_data(tmp_path / "index.js")
+    assert len(index["neurons"]) == 2 * 512
+    record = read_js_data(tmp_path / "neurons" / "L1" / "N34.js")
+    layer = state.layers[1]
+    assert record["index"] == "L1N34"
+    assert record["act_max"] == pytest.approx(float(layer["act_max"][34]), abs=1e-4)
+    assert record["activation_frequency"] == int(layer["fire"][34]) / int(state.n_tokens)
+    assert [e["act"] for e in record["top_examples"]] == pytest.approx(
+        layer["top"]["rank"][34].tolist(), abs=1e-4
+    )
+    for field in ("examples_quantiles", "top_logits", "bottom_logits", "histogram"):
+        assert record[field]
+    atlas = Atlas.load(tmp_path)
+    page = atlas["L1N34"]
+    assert "L1N34" in page._repr_html_() and page["index"] == "L1N34"
+    token = atlas.vocab[record["top_examples"][0]["tokens"][OPTS.before]]
+    found = atlas.search(token)
+    assert "L1N34" in set(found["label"]) and list(found.columns)[:3] == [
+        "label",
+        "layer",
+        "neuron",
+    ]
+    with pytest.raises(KeyError):
+        atlas["L9N0"]
+
+
+def test_gated_quadrants():
+    from kinds import D_VOCAB, make_bridge
+
+    model = make_bridge("llama_gqa", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, D_VOCAB, (n,), generator=g) for n in (9, 14, 5, 12, 7)]
+    opts = AtlasOptions(k=4, before=2, after=1, quadrant_k=3, max_len=16, batch_size=2)
+    state = collect_atlas(model, rows, options=opts)
+    acts = hooked_acts_len(model, rows, 16)
+    for li, (layer, ref) in enumerate(zip(state.layers, acts)):
+        quadrant = (ref["pre"] <= 0).long() * 2 + (ref["lin"] <= 0).long()
+        counts = torch.stack([(quadrant == q).sum(0) for q in range(4)], 1)
+        assert torch.equal(layer["quad_count"], counts)
+        bias = model.blocks[li].mlp.b_in  # None: the layer has no bias (Llama)
+        b_in = torch.zeros(()) if bias is None else bias.detach().float()
+        mag = (ref["post"] - b_in).abs()
+        for n in range(ref["post"].shape[1]):
+            for q in range(4):
+                members = mag[:, n][quadrant[:, n] == q]
+                expect = members.topk(min(3, members.numel())).values
+                got = layer["quad"]["rank"][n * 4 + q][: expect.numel()].float()
+                torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
+
+
+def hooked_acts_len(model, rows, max_len):
+    import helpers
+
+    old, helpers.MAX_LEN = helpers.MAX_LEN, max_len
+    try:
+        return hooked_acts(model, rows)
+    finally:
+        helpers.MAX_LEN = old
