@@ -222,7 +222,7 @@ def compare_rankings(
         model: The model.
         found: A :class:`~.circuit.Circuit` from ``discover_circuit`` (its ranking's scores:
             ``circuit.extra["coarse"].scores`` when neurons were named, else ``circuit.scores``)
-            or :class:`~.edge_scores.EdgeScores`.
+            or :class:`~.scored_edges.EdgeScores`.
         clean_tokens, corrupted_tokens, metric: The prompts and metric of the scores.
         rankings: Which rankings (default both).
         target, max_runs, resolution: As in :class:`~.options.DiscoveryOptions`.
