@@ -15,7 +15,7 @@ from helpers import BATCH, KINDS, MAX_LEN, bundled, corpus_rows, hooked_acts  # 
 from tl_attnonly.atlas import AtlasOptions, collect_atlas, logit_effect  # noqa: E402
 from tl_attnonly.atlas.state import EMPTY, bucket_edges, hist_edges, sample_key  # noqa: E402
 
-OPTS = AtlasOptions(k=6, before=3, after=2, samples=2, max_len=MAX_LEN, batch_size=BATCH)
+OPTS = AtlasOptions(k=6, before=3, after=2, samples=2, max_len=MAX_LEN)
 ATOL = 1e-5
 
 
@@ -23,7 +23,7 @@ ATOL = 1e-5
 def run(request):
     model = bundled(request.param)
     rows = corpus_rows(model)
-    state = collect_atlas(model, rows, options=OPTS)
+    state = collect_atlas(model, rows, options=OPTS, batch_size=BATCH)
     return model, rows, state, hooked_acts(model, rows)
 
 

@@ -18,7 +18,7 @@ from tl_attnonly.atlas import Atlas, AtlasOptions, AtlasState, build_atlas, coll
 from tl_attnonly.atlas.site import read_js_data  # noqa: E402
 from tl_attnonly.atlas.state import flatten_state  # noqa: E402
 
-OPTS = AtlasOptions(k=5, before=3, after=2, samples=2, max_len=MAX_LEN, batch_size=BATCH)
+OPTS = AtlasOptions(k=5, before=3, after=2, samples=2, max_len=MAX_LEN)
 
 
 def assert_same(a: AtlasState, b: AtlasState) -> None:
@@ -37,16 +37,18 @@ def model_rows(request):
 
 def test_two_halves_merge_to_one_pass(model_rows):
     model, rows = model_rows
-    whole = collect_atlas(model, rows, options=OPTS)
-    first = collect_atlas(model, rows, options=OPTS, max_rows=BATCH)
-    second = collect_atlas(model, rows, options=OPTS, first_row=BATCH)
+    whole = collect_atlas(model, rows, options=OPTS, batch_size=BATCH)
+    first = collect_atlas(model, rows, options=OPTS, batch_size=BATCH, max_rows=BATCH)
+    second = collect_atlas(model, rows, options=OPTS, batch_size=BATCH, first_row=BATCH)
     assert_same(first.merge(second), whole)
     assert_same(second.merge(first), whole)
 
 
 def test_resume_equals_no_stop(model_rows, tmp_path):
     model, rows = model_rows
-    whole = build_atlas(model, rows, tmp_path / "whole", options=OPTS, progress=False)
+    whole = build_atlas(
+        model, rows, tmp_path / "whole", options=OPTS, batch_size=BATCH, progress=False
+    )
 
     def stopping():
         yield from rows[: BATCH + 1]
@@ -54,10 +56,20 @@ def test_resume_equals_no_stop(model_rows, tmp_path):
 
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
-        build_atlas(model, stopping(), out, options=OPTS, checkpoint_every=1, progress=False)
+        build_atlas(
+            model,
+            stopping(),
+            out,
+            options=OPTS,
+            batch_size=BATCH,
+            checkpoint_every=1,
+            progress=False,
+        )
     assert sorted(p.name for p in out.iterdir()) == [".checkpoint.safetensors"]  # no site yet
     assert AtlasState.load(out / ".checkpoint.safetensors").n_rows == BATCH
-    resumed = build_atlas(model, rows, out, options=OPTS, checkpoint_every=1, progress=False)
+    resumed = build_atlas(
+        model, rows, out, options=OPTS, batch_size=BATCH, checkpoint_every=1, progress=False
+    )
     assert_same(resumed, whole)
     assert_same(AtlasState.load(out / "state.safetensors"), whole)
     assert not (out / ".checkpoint.safetensors").exists()
@@ -65,7 +77,9 @@ def test_resume_equals_no_stop(model_rows, tmp_path):
 
 def test_site_files_and_jupyter(model_rows, tmp_path):
     model, rows = model_rows
-    state = build_atlas(model, rows, tmp_path, options=OPTS, progress=False, model_name="tiny")
+    state = build_atlas(
+        model, rows, tmp_path, options=OPTS, batch_size=BATCH, progress=False, model_name="tiny"
+    )
     for name in ("index.html", "neuron.html", "layer_0.html", "layer_1.html", "atlas.json"):
         assert (tmp_path / name).is_file()
     assert "http" not in (tmp_path / "neuron.html").read_text()  # nothing from the network
@@ -103,8 +117,8 @@ def test_gated_quadrants():
     model = make_bridge("llama_gqa", dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, D_VOCAB, (n,), generator=g) for n in (9, 14, 5, 12, 7)]
-    opts = AtlasOptions(k=4, before=2, after=1, quadrant_k=3, max_len=16, batch_size=2)
-    state = collect_atlas(model, rows, options=opts)
+    opts = AtlasOptions(k=4, before=2, after=1, quadrant_k=3, max_len=16)
+    state = collect_atlas(model, rows, options=opts, batch_size=2)
     acts = hooked_acts_len(model, rows, 16)
     for li, (layer, ref) in enumerate(zip(state.layers, acts)):
         quadrant = (ref["pre"] <= 0).long() * 2 + (ref["lin"] <= 0).long()

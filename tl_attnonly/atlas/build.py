@@ -68,7 +68,7 @@ class AtlasState:
 
     def merge(self, other: AtlasState) -> AtlasState:
         """The state of this state's rows and ``other``'s (disjoint rows; exact)."""
-        if other.manifest != self.manifest or other.options.kept() != self.options.kept():
+        if other.manifest != self.manifest or other.options != self.options:
             raise ValueError("Only states of the same model and options merge.")
         layers = [merge_layer_states(a, b) for a, b in zip(self.layers, other.layers)]
         n_tokens = self.n_tokens + other.n_tokens.to(self.n_tokens.device)
@@ -151,6 +151,8 @@ def collect_atlas(
     options: AtlasOptions | None = None,
     state: AtlasState | None = None,
     first_row: int = 0,
+    batch_size: int = 16,
+    max_rows: int | None = None,
     progress: bool = False,
     on_batch: Callable[[AtlasState, int], None] | None = None,
     model_name: str | None = None,
@@ -165,6 +167,9 @@ def collect_atlas(
         options: :class:`AtlasOptions` (each also accepted by keyword).
         state: A state to continue (its ``n_rows`` is then the first row read).
         first_row: The first row to read (rows before it are tokenised and skipped).
+        batch_size: Rows per forward pass (a resumed run gives the same state bit for bit with
+            the same batch size; another changes activations by rounding at most).
+        max_rows: Stop before this row.
         progress: A progress bar in tokens (with tokens/s).
         on_batch: Called as ``on_batch(state, batches_done)`` after every batch.
         model_name: The name the manifest records.
@@ -185,13 +190,13 @@ def collect_atlas(
     rows: Iterator[torch.Tensor] = token_rows(
         adapted, stdlib_corpus() if corpus is None else corpus, max_len
     )
-    stop = None if opts.max_rows is None else max(opts.max_rows, state.n_rows)
+    stop = None if max_rows is None else max(max_rows, state.n_rows)
     rows = itertools.islice(rows, state.n_rows, stop)
     names = {neuron_act_name(kind, li) for li in range(cfg.n_layers)
              for kind in ("pre", "post", "pattern")}  # fmt: skip
     names |= {neuron_act_name("pre_linear", li) for li, g in enumerate(state.manifest["gated"])
               if g}  # fmt: skip
-    passes = SummaryOptions(max_len=max_len, batch_size=opts.batch_size, progress=False)
+    passes = SummaryOptions(max_len=max_len, batch_size=batch_size, progress=False)
     bar = tqdm(desc="atlas", unit="tok", unit_scale=True, disable=not progress)
     for batches, (tokens, lengths, valid, cache) in enumerate(
         cached_batches(adapted, rows, names, passes), start=1

@@ -74,6 +74,8 @@ def build_atlas(
     *,
     options: AtlasOptions | None = None,
     checkpoint_every: int | None = None,
+    batch_size: int = 16,
+    max_rows: int | None = None,
     progress: bool = True,
     model_name: str | None = None,
     **overrides: Any,
@@ -88,8 +90,10 @@ def build_atlas(
             run resumes: the rows before the checkpoint are tokenised and skipped).
         out_dir: The site's directory (module docstring).
         options: :class:`~tl_attnonly.atlas.state.AtlasOptions`; each also by keyword
-            (``k``, ``before``, ``after``, ``batch_size``, ``max_rows``, ...).
+            (``k``, ``before``, ``after``, ``max_len``, ...).
         checkpoint_every: Write a checkpoint every this many batches (``None``: none).
+        batch_size: Rows per forward pass (resume with the same one for a bit-identical state).
+        max_rows: Read at most this many rows.
         progress: A progress bar in tokens, with tokens/s.
         model_name: The name the manifest records (default: the model config's
             ``model_name``).
@@ -118,8 +122,9 @@ def build_atlas(
             out.mkdir(parents=True, exist_ok=True)
             current.save(checkpoint)
 
-    state = collect_atlas(adapted, corpus, options=opts, state=state, progress=progress,
-                          on_batch=save, model_name=model_name)  # fmt: skip
+    state = collect_atlas(adapted, corpus, options=opts, state=state, batch_size=batch_size,
+                          max_rows=max_rows, progress=progress, on_batch=save,
+                          model_name=model_name)  # fmt: skip
     assert adapted.cfg.d_mlp is not None
     vocab = vocabulary(adapted.tokenizer, adapted.cfg.d_vocab)
     tmp = out.with_name(out.name + ".tmp-atlas")

@@ -41,7 +41,8 @@ SELECTIONS = ("top", "quant", "quad")
 
 @dataclass(frozen=True)
 class AtlasOptions:
-    """What the atlas keeps (each also accepted by keyword in :func:`~.build.build_atlas`).
+    """What the atlas keeps (each also accepted by keyword in :func:`~.run.build_atlas`); states
+    of equal options merge.
 
     Attributes:
         k: Top contexts per neuron.
@@ -54,8 +55,7 @@ class AtlasOptions:
         quadrant_k: Top contexts per gate/value sign quadrant (gated layers).
         seed: Seed of the sampling hash.
         max_len: Longest token row (longer documents are split); default ``model.cfg.n_ctx``.
-        batch_size: Rows per forward pass.
-        max_rows: Stop after this many rows.
+            It also numbers the tokens (``row * max_len + pos``): states of one value merge.
     """
 
     k: int = 20
@@ -68,18 +68,11 @@ class AtlasOptions:
     quadrant_k: int = 5
     seed: int = 0
     max_len: int | None = None
-    batch_size: int = 16
-    max_rows: int | None = None
 
     @property
     def window(self) -> int:
         """Tokens per context."""
         return self.before + self.after + 1
-
-    def kept(self) -> dict[str, Any]:
-        """The options that say what a state holds (the others, ``batch_size`` and ``max_rows``,
-        only how a run goes): states merge where these agree."""
-        return {k: v for k, v in asdict(self).items() if k not in ("batch_size", "max_rows")}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
