@@ -100,8 +100,9 @@ def _check_readable(fig, axis: str) -> None:
     # the title: every line fits the width, all lines fit the top margin
     lines = fig.layout.title.text.split("<br>")
     assert all(text_size(line, TITLE_FONT)[0] <= fig.layout.width for line in lines)
-    assert 12 + len(lines) * LINE_HEIGHT * TITLE_FONT <= margin.t
+    assert 32 + len(lines) * LINE_HEIGHT * TITLE_FONT <= margin.t  # below the mode bar
     assert fig.layout.title.yanchor == "top" and fig.layout.title.yref == "container"
+    assert fig.layout.title.y * fig.layout.height == pytest.approx(fig.layout.height - 32)
     # only occupied layers: a tick per occupied layer's level, the empty run named once
     ticks = (fig.layout.xaxis if axis == "x" else fig.layout.yaxis).ticktext
     layers = {int(m.group(1)) for t in ticks if "empty" not in t for m in [re.match(r"L(\d+)", t)]

@@ -73,12 +73,13 @@ LABEL_FONT = 11
 #: Title font size (px).
 TITLE_FONT = 15
 #: Estimated glyph width and line height, in units of the font size (generous for plotly's fonts).
-CHAR_WIDTH, LINE_HEIGHT = 0.65, 1.3
+CHAR_WIDTH, LINE_HEIGHT = 0.7, 1.3
 #: Marker size (px) of a node; MLP nodes range from ``NODE_SIZE / 2`` to ``1.5 * NODE_SIZE``.
 NODE_SIZE = 14
 #: Where a label may sit around its marker, tried in this order.
 LABEL_POSITIONS = ("top center", "bottom center", "middle right", "middle left")
 _GAP = 3.0  # px between a marker and its label
+_TITLE_Y = 32  # px from the top to the title: below plotly's mode bar (about 25 px)
 _TAG = re.compile(r"<[^>]+>")
 _HEAD = re.compile(r"^L\d+H\d+$")
 _KV = re.compile(r"^L\d+KV\d+$")
@@ -324,7 +325,7 @@ def page_layout(
     if n_hidden:
         note = f"{n_hidden} labels on hover only (no room)"
         lines += [f"<sup>{line}</sup>" for line in textwrap.wrap(note, per_line)]
-    top = 24 + math.ceil(len(lines) * LINE_HEIGHT * TITLE_FONT)
+    top = _TITLE_Y + 12 + math.ceil(len(lines) * LINE_HEIGHT * TITLE_FONT)
     names = [t.name for t in fig.data if t.showlegend is not False and t.name]
     rows, used = 1, 0.0
     for name in dict.fromkeys(names):
@@ -346,7 +347,7 @@ def page_layout(
             x=0.5,
             xanchor="center",
             xref="container",
-            y=1 - 12 / height,
+            y=1 - _TITLE_Y / height,
             yanchor="top",
             yref="container",
             font=dict(size=TITLE_FONT),
