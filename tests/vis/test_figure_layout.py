@@ -8,8 +8,10 @@ SmolLM2-shaped circuit (30 layers, the issue's 10 heads and 96 edges; labels onl
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import itertools
+import json
 import random
 import re
 
@@ -20,6 +22,7 @@ from conftest import GATED_ZOO, make_tokens
 from models import make_converted
 
 import tl_attnonly.vis  # noqa: F401 - registers the figure builders
+import tl_attnonly.vis.export as export
 from tl_attnonly.analysis import logit_diff_metric
 from tl_attnonly.analysis.discovery.circuit import Circuit
 from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
@@ -243,3 +246,35 @@ def test_a_smollm2_shaped_circuit_fits_a_page():
             for a, b in itertools.combinations(labels, 2)
         )
         assert "10 attention heads" in fig.layout.title.text
+
+
+_MEASURE_TEXT = """<script>
+window.addEventListener('load', () => setTimeout(() => {
+  const boxes = [...document.querySelectorAll('g.textpoint text, .gtitle')].map(t => {
+    const r = t.getBoundingClientRect();
+    return [t.classList.contains('gtitle'), r.left, r.top, r.right, r.bottom];
+  });
+  document.body.setAttribute('data-boxes', JSON.stringify(boxes));
+}, 1000));
+</script>"""
+
+
+@pytest.mark.slow
+def test_rendered_labels_do_not_overlap(circuit):
+    """The same checks on the page Chromium renders (the DOM's text boxes), where it is on PATH."""
+    if export.find_chromium() is None:
+        pytest.skip("no chromium on PATH")
+    for fig in (circuit_figure(circuit), neuron_circuit_figure(_smollm2_shaped())):
+        page = fig.to_html(include_plotlyjs=True, full_html=True)
+        page = page.replace("</body>", _MEASURE_TEXT + "</body>", 1)
+        dom = export._chromium(page, fig.layout.width, fig.layout.height, "--dump-dom")
+        found = re.search(r'data-boxes="([^"]*)"', dom)
+        assert found is not None, "the page did not render"
+        boxes = json.loads(html.unescape(found.group(1)))
+        title = [b[1:] for b in boxes if b[0]]
+        labels = [b[1:] for b in boxes if not b[0]]
+        assert len(title) == 1 and len(labels) > 30
+        x0, y0, x1, y1 = title[0]
+        assert 0 <= x0 and 0 <= y0 and x1 <= fig.layout.width and y1 <= fig.layout.margin.t
+        for a, b in itertools.combinations(labels, 2):
+            assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
