@@ -103,10 +103,11 @@ def circuit_counts(circuit: Any) -> dict[str, int]:
     ``attention_heads``: query heads ``L{l}H{h}`` with an edge (as :meth:`Circuit.report` counts
     them); ``kv_groups``: key/value groups ``L{l}KV{j}`` of grouped-query attention with an edge
     (the k and v inputs shared by several query heads; not heads); ``mlp_layers``: layers with an
-    MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge; ``named_neurons``: the
-    neurons named as nodes (:func:`~tl_attnonly.analysis.discovery.profiles.named_neurons`, with
-    or without an edge); ``edges``: the circuit's edges; ``coarse_edges``: the coarse circuit's
-    (before neurons were named; ``edges`` when there is none).
+    MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge, or a named neuron;
+    ``named_neurons``: the neurons named as nodes
+    (:func:`~tl_attnonly.analysis.discovery.profiles.named_neurons`, with or without an edge);
+    ``edges``: the circuit's edges; ``coarse_edges``: the coarse circuit's (before neurons were
+    named; ``edges`` when there is none).
     """
     frame = circuit.edges()
     nodes = set(frame.source) | set(frame.target)
