@@ -238,24 +238,21 @@ def update_layer(state: dict[str, Any], acts: BatchActs, layer_offset: int, opts
     flat = (bins + neuron * opts.n_bins).reshape(-1)
     state["hist"] += torch.bincount(flat, minlength=n_neurons * opts.n_bins).view_as(state["hist"])
     # top contexts
-    score = act.masked_fill(~valid, -torch.inf)
-    group = neuron.expand_as(act)
-    state["top"] = _select_batch(state["top"], score, acts, group, opts, prefilter=True)
+    state["top"] = _select_batch(state["top"], act, valid.expand_as(act), acts, opts)
     # quantile samples: rank by minus the hash key within each positive-activation bucket
-    bucket = _bin(act, bucket_edges(opts))
     key = sample_key(acts.gidx[..., None], neuron + layer_offset, opts.seed)
-    in_bucket = valid & (act > 0)
-    q_score = (-key.double()).masked_fill(~in_bucket, -torch.inf)
-    q_group = neuron * opts.n_buckets + bucket
-    state["quant"] = _select_batch(state["quant"], q_score, acts, q_group, opts)
+    bucket = _bin(act, bucket_edges(opts))
+    state["quant"] = _select_batch(state["quant"], -key, valid & (act > 0), acts, opts, bucket)
     if "quad" in state and acts.linear is not None:
         quadrant = (acts.pre <= 0).long() * 2 + (acts.linear <= 0).long()
-        qgroup = neuron * 4 + quadrant
-        counts = torch.bincount(qgroup[acts.valid].reshape(-1), minlength=n_neurons * 4)
+        counts = torch.bincount((neuron * 4 + quadrant)[acts.valid].reshape(-1),
+                                minlength=n_neurons * 4)  # fmt: skip
         state["quad_count"] += counts.view_as(state["quad_count"])
         b_in = acts.b_in if acts.b_in is not None else torch.zeros_like(act[0, 0])
-        mag = (act - b_in.float()).abs().masked_fill(~valid, -torch.inf)
-        state["quad"] = _select_batch(state["quad"], mag, acts, qgroup, opts)
+        mag = (act - b_in.float()).abs()
+        state["quad"] = _select_batch(
+            state["quad"], mag, valid.expand_as(act), acts, opts, quadrant
+        )
     return state
 
 
@@ -274,32 +271,40 @@ def _mth_best(score: torch.Tensor, group: torch.Tensor, groups: int, m: int) -> 
 def _select_batch(
     sel: dict[str, torch.Tensor],
     score: torch.Tensor,
+    eligible: torch.Tensor,
     acts: BatchActs,
-    group: torch.Tensor,
     opts: AtlasOptions,
-    prefilter: bool = False,
+    sub: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Merge the batch's tokens into ``sel`` by ``score`` ``[batch, pos, n]`` (``-inf``: not a
-    candidate) into groups ``group`` ``[batch, pos, n]``: candidates are the tokens at or above
-    their group's last entry (``prefilter``, one group per neuron: and at or above the batch's
-    own ``m``-th score; ties are kept, so the result is exact)."""
+    """Merge the batch's ``eligible`` tokens into ``sel`` by ``score`` ``[batch, pos, n]``
+    (float32 values, or int64), each into group ``n * n_sub + sub`` (``sub`` ``[batch, pos, n]``;
+    ``None``: one group per neuron). Candidates are the tokens at or above their group's last
+    entry (one group per neuron: and at or above the batch's own ``m``-th score; several: where
+    many pass, at or above the batch's ``m``-th of the group). Ties are kept: exact."""
     groups, m = sel["rank"].shape
-    score = score.double()
-    if prefilter:  # one group per neuron: the batch's m-th score per neuron
-        flat = score.reshape(-1, score.shape[-1])
+    n_neurons = score.shape[-1]
+    last = sel["rank"][:, -1]  # float64: exact for float32 values and for keys below 2**31
+    last = last.float() if score.is_floating_point() else last.clamp(min=-(2**62)).long()
+    if sub is None:
+        flat = score.masked_fill(~eligible, -torch.inf).reshape(-1, n_neurons)
         kth = flat.topk(min(m, flat.shape[0]), dim=0).values[-1]
-        thresh = torch.maximum(sel["rank"][:, -1][group], kth)
-    else:  # several groups per neuron: where many pass, the m-th score per group too
-        thresh = sel["rank"][:, -1][group]
-        if int((score >= thresh).sum()) > 4 * groups * m:  # one read per batch
-            thresh = torch.maximum(thresh, _mth_best(score, group, groups, m)[group])
-    cand = torch.isfinite(score) & (score >= thresh)
-    b, p, n = cand.nonzero(as_tuple=True)
+        thresh = torch.maximum(last, kth)  # [n], broadcast
+    else:
+        n_sub = groups // n_neurons
+        table = last.view(n_neurons, n_sub).expand(*score.shape, n_sub)
+        thresh = table.gather(-1, sub[..., None]).squeeze(-1)
+        if int(((score >= thresh) & eligible).sum()) > 4 * groups * m:  # one read per batch
+            group = torch.arange(n_neurons, device=score.device) * n_sub + sub
+            bound = _mth_best(score.double().masked_fill(~eligible, -torch.inf), group, groups, m)
+            bound = bound if score.is_floating_point() else bound.clamp(min=-(2**62))
+            thresh = torch.maximum(thresh, bound[group].to(score.dtype))
+    b, p, n = (eligible & (score >= thresh)).nonzero(as_tuple=True)
+    group_c = n if sub is None else n * (groups // n_neurons) + sub[b, p, n]
     return select(
         sel,
-        score[b, p, n],
+        score[b, p, n].double(),
         acts.gidx[b, p],
-        group[b, p, n],
+        group_c,
         lambda idx: _contexts(acts, b[idx], p[idx], n[idx], opts),
     )
 
