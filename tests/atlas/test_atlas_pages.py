@@ -1,0 +1,80 @@
+"""The site's pages run: their inline JavaScript, executed by node with a small DOM stub (where
+node is installed), renders a neuron page and finds neurons by label and by token."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import BATCH, bundled, corpus_rows  # noqa: E402
+
+from tl_attnonly.atlas import AtlasOptions, build_atlas  # noqa: E402
+from tl_attnonly.atlas.site import read_js_data  # noqa: E402
+
+NODE = shutil.which("node")
+pytestmark = pytest.mark.skipif(NODE is None, reason="needs node to run the pages' scripts")
+
+RUNNER = r"""// A page's inline scripts in node, a tiny DOM stub; prints #main's and #hits' HTML.
+const fs = require('fs'), path = require('path'), vm = require('vm');
+const [page, hash, query] = process.argv.slice(2);
+const dir = path.dirname(page), html = fs.readFileSync(page, 'utf8');
+const els = {};
+function el(id) {
+  return els[id] || (els[id] = {id, innerHTML: '', textContent: '', value: query || ''});
+}
+const ctx = {
+  location: {hash: hash || ''}, console,
+  window: {addEventListener() {}},
+  document: {
+    title: '', getElementById: el, querySelectorAll: () => [],
+    createElement: () => ({}),
+    head: {appendChild(e) {
+      vm.runInContext(fs.readFileSync(path.join(dir, e.src), 'utf8'), ctx);
+    }},
+  },
+};
+vm.createContext(ctx);
+for (const m of html.matchAll(/<script>([\s\S]*?)<\/script>/g)) vm.runInContext(m[1], ctx);
+if (query !== undefined) vm.runInContext('search()', ctx);
+const shown = {main: el('main').innerHTML, hits: el('hits').innerHTML};
+console.log(JSON.stringify({...shown, title: ctx.document.title}));
+"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    model = bundled("bridge")
+    out = tmp_path_factory.mktemp("atlas")
+    opts = AtlasOptions(k=4, before=3, after=2, max_len=48)
+    build_atlas(model, corpus_rows(model), out, options=opts, batch_size=BATCH, progress=False)
+    runner = out.parent / "run_page.js"
+    runner.write_text(RUNNER)
+    return out, runner
+
+
+def run_page(site, page: str, hash_: str = "", query: str | None = None) -> dict:
+    out, runner = site
+    args = [NODE, str(runner), str(out / page), hash_] + ([] if query is None else [query])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(done.stdout)
+
+
+def test_neuron_page_renders(site):
+    shown = run_page(site, "neuron.html", "#L1N34")
+    assert shown["title"] == "L1N34"
+    for part in ("<h1>L1N34</h1>", "Top logits", "Top contexts", "Quantile samples", "rgba("):
+        assert part in shown["main"]
+
+
+def test_index_search_by_label_and_token(site):
+    hits = run_page(site, "index.html", "", "L0N7")["hits"]
+    assert 'href="neuron.html#L0N7"' in hits and hits.startswith("1 neuron")
+    label, _, _, tokens = read_js_data(site[0] / "index.js")["neurons"][0]
+    hits = run_page(site, "index.html", "", tokens[0])["hits"]
+    assert f'href="neuron.html#{label}"' in hits
