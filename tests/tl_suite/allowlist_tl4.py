@@ -82,8 +82,15 @@ _QWEN35_STATE = (
     "Fails on the original too: no RuntimeError is raised where the test expects one (gated "
     "delta-net state without use_cache=False), with the installed transformers."
 )
+_FALCON_ALIBI = (
+    "Fails on the original too (run.py --original): with transformers 5.25.0 the unconverted "
+    "Hugging Face Falcon-RW model's greedy continuation is one token repeated, which the test's "
+    "own precondition (a non-degenerate continuation) rejects before any bridge output is compared."
+)
 
 ALLOWED_FAILURES: dict[str, str] = {
+    "tests/unit/model_bridge/supported_architectures/test_falcon_adapter.py::"
+    "TestFalconALiBiCachedGeneration::test_cached_generation_matches_hf": _FALCON_ALIBI,
     **{
         "tests/integration/model_bridge/test_gemma3_multimodal_tiny.py::"
         f"test_image_layernorm_identity_hooks_preserve_logits[{norm}-{way}-{hook}]": _GEMMA3_VISION
