@@ -12,7 +12,8 @@ The tests ask for a model by the ``HookedTransformerConfig`` overrides of ``conf
   describe (:func:`bridge_family`): LayerNorm and learned positions: GPT-2; LayerNorm and a gated
   MLP: StableLM; LayerNorm without weights (LNPre): OLMo; parallel blocks: GPT-NeoX; RMSNorm
   (rotary, grouped-query attention, gated MLP): LLaMA; GeGLU: Gemma; local windows: Mistral;
-  ``rotary_base=1e6``: Qwen2; norms after each sublayer: Gemma 2 / Gemma 3 (qk-norm) / OLMo 2.
+  ``rotary_base=1e6``: Qwen2; norms after each sublayer: Gemma 2 / Gemma 3 (qk-norm) / OLMo 2;
+  qk-norm in pre-norm blocks: Qwen3.
   A test may name the family (``family="gpt2"``; ignored on 3.x). The sizes are the config's
   (``d_model`` 16, 2 layers, 61 tokens, ...), so the tests' numbers hold on both lines; the
   analysis reads of either kind go through :func:`facts` (``tl_attnonly.adapt.analysis_model``).
@@ -110,6 +111,8 @@ def bridge_family(act_fn: str, overrides: dict[str, Any]) -> str:
         return "olmo2"
     if overrides.get("use_normalization_before_and_after"):
         return "gemma3" if overrides.get("use_qk_norm") else "gemma2"
+    if overrides.get("use_qk_norm"):
+        return "qwen3"  # per-head q/k RMSNorm, pre-norm blocks
     if overrides.get("parallel_attn_mlp"):
         return "neox"
     norm = overrides.get("normalization_type", "LN")
@@ -171,7 +174,7 @@ def _hf_config(family: str, act_fn: str, cfg: dict[str, Any]):
         return transformers.Gemma3TextConfig(**common, hidden_activation=act)
     config_class = {
         "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-        "olmo2": "Olmo2Config", "phi3": "Phi3Config",
+        "olmo2": "Olmo2Config", "phi3": "Phi3Config", "qwen3": "Qwen3Config",
     }[family]  # fmt: skip
     extra: dict[str, Any] = dict(hidden_act=act)
     if family == "mistral":
@@ -184,6 +187,7 @@ _HF_CLASS = {
     "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM", "stablelm": "StableLmForCausalLM", "olmo": "OlmoForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }  # fmt: skip
 
 

@@ -59,8 +59,10 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     Raises:
         TypeError: If ``model`` is not converted.
         NotImplementedError: For encoders, mixtures of experts, post-norm blocks (and norms after
-            each sublayer), qk-norm, positions other than learned or rotary, attention-only models,
-            and neuron-head level on gated MLPs with ``K > 1``.
+            each sublayer), positions other than learned or rotary, attention-only models, and
+            neuron-head level on gated MLPs with ``K > 1``. (Q/K norms are inside a head: its
+            ``hook_q``/``hook_k`` hold ``W_Q ln1(x) + b_Q`` before the norm, so a run rebuilds
+            them from the residual input as for any head and the model normalises them.)
     """
     model = analysis_model(model)  # refuses mixtures of experts (NeuronHeadMoE) by name
     if model.is_encoder:
@@ -79,8 +81,6 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
             "norms after each sublayer (use_normalization_before_and_after=True or post-norm "
             "blocks)"
         )
-    if cfg.use_qk_norm:
-        problems.append("use_qk_norm=True")
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     for li, block in enumerate(model.blocks):
