@@ -183,14 +183,19 @@ class DiscoveryTask:
 
     def binding(self) -> tuple[Any, ...]:
         """What a reused run was computed with: the model, tokens, metric and position classes
-        (compared by identity: :func:`same_binding`)."""
+        (:data:`BOUND_BY_IDENTITY` entries, compared by identity: :func:`same_binding`)."""
         return (self.model.model, self.clean, self.corrupted, self.metric, self.positions)
+
+
+#: How many leading entries of a :meth:`DiscoveryTask.binding` are objects compared by identity
+#: (model, clean tokens, corrupted tokens, metric, position classes).
+BOUND_BY_IDENTITY = 5
 
 
 def same_binding(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two bindings (:meth:`DiscoveryTask.binding`, each maybe with more entries
     compared by equality) are the same: the same objects, then equal extras."""
-    n = 5
+    n = BOUND_BY_IDENTITY
     return all(x is y for x, y in zip(a[:n], b[:n], strict=True)) and a[n:] == b[n:]
 
 
