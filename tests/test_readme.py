@@ -1,6 +1,7 @@
 """The README is the front door: its links lead somewhere, its commands are what CI runs, and
 its Python blocks run as written (offline; a block that needs the model hub or TransformerLens
-3.x says so in its first line and has an alternative right after it).
+3.x says so in its first line and has an alternative beside it), and the first runs on what the
+first command installs (the newest TransformerLens, 4.x).
 
 ``mkdocs build --strict`` (``scripts/build_docs.sh``) checks the links of the pages in ``docs/``;
 the README is not one of them, so its links are checked here.
@@ -142,6 +143,15 @@ def test_blocks_that_cannot_run_everywhere_say_so_with_an_alternative_beside_the
         assert not after[0].splitlines()[0].startswith((HUB, TL3)), (
             f"README.md:{line}: the block after it must run offline on TransformerLens 3 and 4"
         )
+
+
+def test_the_first_example_runs_on_transformer_lens_4():
+    """The first command installs the newest TransformerLens (4.x): the first example must need
+    neither HookedTransformer nor the model hub."""
+    line, code = BLOCKS[0]
+    names, calls = _names_and_calls(code)
+    assert not code.startswith((HUB, TL3)), f"README.md:{line}"
+    assert not names & TL3_NAMES and not calls & HUB_CALLS, f"README.md:{line}"
 
 
 @pytest.mark.slow  # a fresh interpreter per block: about 20 s each on 2 cores
