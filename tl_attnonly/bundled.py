@@ -7,6 +7,13 @@ was made). Files are read through :mod:`importlib.resources`, so they load from 
 source checkout, an editable install or a wheel. A new bundled model is a new directory there;
 :func:`bundled_model_names` lists them.
 
+Two more, ``tiny-stdlib-gemma2`` (Gemma-2-like: GeGLU, norms before and after each sublayer,
+soft caps, a local layer) and ``tiny-stdlib-qwen3moe`` (Qwen3-MoE-like: q/k norms, 4 experts, 2
+routed per token), are Hugging Face models (``config.json`` is their ``transformers`` config:
+:func:`is_hf_native`), trained by ``scripts/train_tiny_hf_models.py`` on the same corpus with half
+of each batch repeated random sequences, so that both learn induction; load them with
+:func:`load_bundled_bridge`.
+
 The default, ``tiny-stdlib-silu``, was produced by ``scripts/train_tiny_model.py``: a 2-layer,
 d_model 128, SiLU-MLP TransformerLens ``HookedTransformer`` trained on Python standard-library
 source code with its own 3072-token byte-level BPE tokenizer. It is small enough for tests and
@@ -171,6 +178,12 @@ def load_bundled_model(
 
     dtype = _as_dtype(dtype)
     bundled_model_dir(name)  # fails early, naming what is missing
+    if is_hf_native(name):
+        raise NotImplementedError(
+            f"Bundled model {name!r} is a Hugging Face "
+            f"{_read_config(name)['architectures'][0]}, not a HookedTransformer: load it with "
+            f"tl_attnonly.bundled.load_bundled_bridge({name!r}) (TransformerLens 3.x and 4.x)."
+        )
 
     cfg_dict = _read_config(name)
     for field in ("device", "dtype"):
@@ -192,6 +205,13 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
     return dtype
+
+
+def is_hf_native(name: str = BUNDLED_MODEL_NAME) -> bool:
+    """Whether bundled model ``name`` is stored as a Hugging Face model (its ``config.json`` is a
+    ``transformers`` config naming its ``architectures``: ``tiny-stdlib-gemma2``,
+    ``tiny-stdlib-qwen3moe``) rather than as a ``HookedTransformer`` (``tiny-stdlib-silu``)."""
+    return "architectures" in _read_config(name)
 
 
 def _read_config(name: str) -> dict[str, Any]:
@@ -246,6 +266,10 @@ def bundled_hf_config(name: str = BUNDLED_MODEL_NAME) -> Any:
     """
     from transformers import GPT2Config
 
+    if is_hf_native(name):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(bundled_model_dir(name)), local_files_only=True)
     cfg = _read_config(name)
     problems = [
         f"{field}={cfg[field]!r} (GPT-2 needs {' or '.join(repr(v) for v in allowed)})"
@@ -389,6 +413,14 @@ def load_bundled_hf_model(
     from transformers import GPT2LMHeadModel
 
     dtype = _as_dtype(dtype)
+    if is_hf_native(name):
+        from transformers import AutoModelForCausalLM
+
+        native = AutoModelForCausalLM.from_pretrained(
+            str(bundled_model_dir(name)), local_files_only=True, attn_implementation="eager",
+            dtype=dtype,
+        )  # fmt: skip
+        return native.to(device).eval()
     config = bundled_hf_config(name)
     config._attn_implementation = "eager"
     cfg = _read_config(name)
@@ -421,9 +453,10 @@ def load_bundled_bridge(
     from tl_attnonly._compat import build_bridge_from_module
 
     model = load_bundled_hf_model(name, device=device, dtype=dtype)
+    architectures = getattr(model.config, "architectures", None) or ["GPT2LMHeadModel"]
     return build_bridge_from_module(
         model,
-        "GPT2LMHeadModel",
+        architectures[0],
         hf_config=model.config,
         tokenizer=load_bundled_tokenizer(name),
         model_name=name,
@@ -436,6 +469,7 @@ __all__ = [
     "bundled_model_dir",
     "bundled_model_files",
     "bundled_model_names",
+    "is_hf_native",
     "load_bundled_bridge",
     "load_bundled_hf_model",
     "load_bundled_model",
