@@ -125,12 +125,15 @@ def _is_hooked_root(model: object) -> bool:
 
 
 def require_additive_residual(model: ModelLike, what: str) -> None:
-    """Refuse ``what`` on a model whose residual stream is not a sum of head outputs.
+    """Refuse ``what`` on a model whose residual stream is not a sum of its components.
 
     A BERT-style encoder (post-LN: ``LN(resid + sublayer_out)``, embeddings through ``embed.ln``)
-    or a decoder that normalises each sublayer's output before adding it (OLMo 2/3, Gemma 2/3:
-    ``use_normalization_before_and_after``) has no decomposition of the residual stream into head
-    results, so a decomposition or direct logit attribution would be wrong.
+    or a decoder that normalises the residual stream itself after each sublayer (OPT's
+    ``do_layer_norm_before=False``) rescales everything written before, so its residual stream
+    has no decomposition into head results. A decoder that normalises only each sublayer's
+    *output* before adding it (Gemma 2/3's ``ln1_post`` / ``ln2_post``, OLMo 2/3) passes: in a
+    run, that norm is linear in the sublayer's heads once its scale is the run's
+    (:mod:`tl_attnonly.analysis.post_norm`).
 
     Args:
         model: A model :func:`analysis_model` takes.
@@ -140,16 +143,17 @@ def require_additive_residual(model: ModelLike, what: str) -> None:
         NotImplementedError: Naming the model's kind and what works instead.
     """
     model = analysis_model(model, neuron_heads=False)
+    sublayer_norms = any(b.ln1_post is not None or b.ln2_post is not None for b in model.blocks)
     if model.is_encoder:
         reason = (
             "a BERT-style encoder normalises the residual stream after every sublayer "
             "(LN(resid + attn_out), LN(resid_mid + mlp_out)) and after the embeddings"
         )
-    elif model.cfg.post_norm:
-        name = model.cfg.original_architecture or "use_normalization_before_and_after"
+    elif model.cfg.post_norm and not sublayer_norms:
+        name = model.cfg.original_architecture or "post-LN"
         reason = (
-            f"this model ({name}) normalises each sublayer's output before adding it to the "
-            "residual stream"
+            f"this model ({name}) normalises the residual stream itself after each sublayer "
+            "(LN(resid + sublayer_out))"
         )
     else:
         return

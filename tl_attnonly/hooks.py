@@ -416,14 +416,17 @@ def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> Nam
     """What :func:`tl_attnonly.analysis.decompose_resid_heads` and head DLA need, nothing more.
 
     Embeddings, the ``z`` of every attention head and neuron-head, the LayerNorm scales (to
-    apply LN to a stack, as TransformerLens does) and the residual stream after each block (for
-    ``incl_remainder`` and checks): ``[batch, pos, n_neuron_heads, 1]`` per layer for the
+    apply LN to a stack, as TransformerLens does; the scales of norms after each sublayer, which
+    the decomposition applies to each sublayer's heads) and the residual stream after each block
+    (for ``incl_remainder`` and checks): ``[batch, pos, n_neuron_heads, 1]`` per layer for the
     neuron-heads, never the ``[batch, pos, n_neuron_heads, d_model]`` results.
     """
     layer_set = _layer_set(layers)
     rules = [
         ("ln1", "scale", layer_set),
         ("ln2", "scale", layer_set),
+        ("ln1_post", "scale", None),  # norms after each sublayer: every earlier layer's
+        ("ln2_post", "scale", None),
     ]
     return (
         head_names_filter("z", layers=layers)

@@ -11,7 +11,8 @@ call :func:`tl_attnonly.adapt.analysis_model` once, at their entry, and read eve
 ``blocks[l]``                   :class:`Block`: ``attn`` (:class:`AttentionWeights`, TL shapes),
                                 ``mlp`` (:class:`NeuronHeadLayerView`; every MLP says through
                                 :class:`MLPLayer` whether it is converted, gated, experts),
-                                ``ln1`` / ``ln2`` (:class:`Norm` or ``None``)
+                                ``ln1`` / ``ln2`` (:class:`Norm` or ``None``), the
+                                sublayers' output norms ``ln1_post`` / ``ln2_post``
 ``ln_final``                    :class:`Norm` or ``None``
 ``W_E``, ``W_U``, ``b_U``       embedding and unembedding, TransformerLens orientation
 ``neuron_heads``                one neuron-head layer per block (:class:`NeuronHeadLayerView`;
@@ -129,6 +130,12 @@ class Norm(Protocol):
     @property
     def b(self) -> torch.Tensor | None: ...
 
+    @property
+    def hook_scale(self) -> str | None:
+        """The name of the hook that sees this norm's scale ``sqrt(mean(x_c ** 2) + eps)``
+        ``[..., 1]`` in a run (``blocks.0.ln1_post.hook_scale``), or ``None`` where none does."""
+        ...
+
     def __call__(
         self, x: Float[torch.Tensor, "... d_model"]
     ) -> Float[torch.Tensor, "... d_model"]: ...
@@ -179,6 +186,11 @@ class Block:
     ln1: Norm | None
     #: The MLP's input normalisation (``None``: none).
     ln2: Norm | None
+    #: The normalisation of the attention layer's output before it is added to the residual
+    #: stream (Gemma 2/3's ``ln1_post``, OLMo 2/3's post-norm; ``None``: none).
+    ln1_post: Norm | None = None
+    #: The same for the MLP's output (``ln2_post``).
+    ln2_post: Norm | None = None
 
 
 class LayerRunner(Protocol):

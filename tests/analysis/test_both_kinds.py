@@ -400,8 +400,7 @@ def test_a_post_norm_bridge_is_refused_by_discovery_and_decomposition():
     with pytest.raises(NotImplementedError, match="norms after each sublayer"):
         A.edge_attribution_scores(bridge, clean, corrupted, last_metric)
     _, cache = bridge.run_with_cache(clean, names_filter=decomposition_names_filter())
-    with pytest.raises(NotImplementedError, match="normalises each sublayer's output"):
-        A.decompose_resid_heads(cache)
+    assert A.decompose_resid_heads(cache).shape[0] > 0  # linear in a run: not refused
     # what works on it: neuron-head patching
     _, cache = bridge.run_with_cache(clean, names_filter=head_names_filter("z"))
     out = A.get_act_patch_neuron_heads(

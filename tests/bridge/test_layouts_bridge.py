@@ -365,11 +365,12 @@ def test_analysis_tools_patch_neuron_heads_as_plain_hooks_do(name):
     torch.testing.assert_close(scores.reshape(expected.shape), expected, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["bert", "glm4", "opt_post_ln"])
+@pytest.mark.parametrize("name", ["bert", "opt_post_ln"])
 def test_analysis_refuses_what_is_not_a_sum_of_head_outputs(name):
-    """A BERT bridge (post-LN encoder), GLM-4 (norms after each sublayer) and OPT with
-    ``do_layer_norm_before=False``: the residual decomposition is refused before any work, naming
-    why; edge-level discovery of an encoder is refused too."""
+    """A BERT bridge (post-LN encoder) and OPT with ``do_layer_norm_before=False`` (post-LN of
+    the residual stream): the residual decomposition is refused before any work, naming why;
+    edge-level discovery of an encoder is refused too. Norms after each sublayer (GLM-4) are
+    not: they are linear in a run (tests/analysis/test_post_norm_decomposition.py)."""
     import dataclasses
 
     from tl_attnonly.adapt import analysis_model, require_additive_residual
@@ -388,7 +389,7 @@ def test_analysis_refuses_what_is_not_a_sum_of_head_outputs(name):
     with pytest.raises(NotImplementedError, match="not one"):
         require_additive_residual(bridge, "the decomposition")
     assert analysis_model(bridge).is_encoder == (name == "bert")
-    for other in ("phi3", "opt", "mpt"):  # the pre-norm decoders are additive
+    for other in ("phi3", "opt", "mpt", "glm4"):  # pre-norm and sublayer-post-norm decoders
         require_additive_residual(convert_zoo_bridge(build_bridge(other)), "the decomposition")
 
 

@@ -99,6 +99,10 @@ class BridgeNorm:
         bias = getattr(original, "bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
+    @property
+    def hook_scale(self) -> str | None:
+        return getattr(getattr(self.component, "hook_scale", None), "name", None)
+
     def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
         component = self.component
         if getattr(component, "use_native_layernorm_autograd", False) or getattr(
@@ -240,6 +244,20 @@ def bridge_mlp(component: Any, cfg: Any) -> NeuronHeadLayerView:
     return cast(NeuronHeadLayerView, unconverted)  # its flags say what it is (Block.mlp)
 
 
+def _post_norm_blocks(bridge: Any) -> bool:
+    """Whether the bridge's ``ln1`` / ``ln2`` normalise the sublayers' outputs (OLMo 2/3 on
+    TransformerLens 3.9, whose bridge names them so, as its ``HookedTransformer`` does:
+    ``POST_NORM_ARCHITECTURES``); TransformerLens 4 names them ``ln1_post`` / ``ln2_post``."""
+    from tl_attnonly._compat import POST_NORM_ARCHITECTURES
+
+    architecture = getattr(bridge.cfg, "original_architecture", None) or getattr(
+        bridge.cfg, "architecture", None
+    )
+    return architecture in POST_NORM_ARCHITECTURES and all(
+        child_module(block, "ln1_post") is None for block in bridge.blocks
+    )
+
+
 def _facts(bridge: Any, gated_mlp: bool) -> ModelFacts:
     """The facts of ``bridge``; ``gated_mlp``: what its blocks' MLPs say (``gated``)."""
     cfg = bridge.cfg
@@ -249,6 +267,7 @@ def _facts(bridge: Any, gated_mlp: bool) -> ModelFacts:
     post_norm = (
         bool(getattr(cfg, "use_normalization_before_and_after", False))
         or getattr(cfg, "do_layer_norm_before", True) is False  # OPT's post-LN (opt-350m)
+        or _post_norm_blocks(bridge)
         or any(
             child_module(block, name) is not None
             for block in blocks
@@ -312,6 +331,11 @@ class BridgeAdapter(AdapterBase):
         #: Runs from a block (output deltas, exact circuit runs) are decoder runs.
         self.can_resume = not self.is_encoder
         eps = float(getattr(bridge.cfg, "eps", 1e-5))
+        # OLMo 2/3 on TL 3.9: the blocks' ln1 / ln2 are the norms after the sublayers
+        pre: tuple[str, str] = ("ln1", "ln2")
+        post: tuple[str, str] = ("ln1_post", "ln2_post")
+        if _post_norm_blocks(bridge):
+            pre, post = ("", ""), pre
         self.blocks: list[Block] = []
         for block, mlp in zip(bridge.blocks, mlps):
             self.blocks.append(
@@ -320,8 +344,10 @@ class BridgeAdapter(AdapterBase):
                         child_module(block, "attn"), self.cfg.n_heads, self.cfg.d_model
                     ),
                     mlp=mlp,
-                    ln1=_norm(child_module(block, "ln1"), eps),
-                    ln2=_norm(child_module(block, "ln2"), eps),
+                    ln1=_norm(child_module(block, pre[0]) if pre[0] else None, eps),
+                    ln2=_norm(child_module(block, pre[1]) if pre[1] else None, eps),
+                    ln1_post=_norm(child_module(block, post[0]), eps),
+                    ln2_post=_norm(child_module(block, post[1]), eps),
                 )
             )
         self.ln_final = _norm(getattr(bridge, "ln_final", None), eps)

@@ -60,6 +60,10 @@ class HookedNorm:
     def b(self) -> torch.Tensor | None:
         return getattr(self.module, "b", None)
 
+    @property
+    def hook_scale(self) -> str | None:
+        return getattr(getattr(self.module, "hook_scale", None), "name", None)
+
     def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
         return self.module(x)
 
@@ -126,6 +130,29 @@ def _facts(model: Any, gated_mlp: bool) -> ModelFacts:
     )
 
 
+def _block(model: Any, block: Any) -> Block:
+    """One block as analysis reads it. OLMo 2/3 (``POST_NORM_ARCHITECTURES``): TransformerLens's
+    ``ln1`` / ``ln2`` there normalise the sublayers' outputs, so they are ``ln1_post`` /
+    ``ln2_post`` (and the sublayers read the residual stream itself)."""
+    from tl_attnonly._compat import POST_NORM_ARCHITECTURES
+
+    norms = {name: hooked_norm(getattr(block, name, None)) for name in ("ln1", "ln2")}
+    if model.cfg.original_architecture in POST_NORM_ARCHITECTURES:
+        ln1, ln2, ln1_post, ln2_post = None, None, norms["ln1"], norms["ln2"]
+    else:
+        ln1, ln2 = norms["ln1"], norms["ln2"]
+        ln1_post = hooked_norm(getattr(block, "ln1_post", None))
+        ln2_post = hooked_norm(getattr(block, "ln2_post", None))
+    return Block(
+        attn=block.attn,
+        mlp=hooked_mlp(model, block),
+        ln1=ln1,
+        ln2=ln2,
+        ln1_post=ln1_post,
+        ln2_post=ln2_post,
+    )
+
+
 class HookedAdapter(AdapterBase):
     """An :class:`~tl_attnonly.AttnOnlyTransformer`, :class:`~tl_attnonly.AttnOnlyEncoder` or an
     unconverted ``HookedTransformer`` as an :class:`~tl_attnonly.protocol.AttnOnlyModel`.
@@ -142,15 +169,7 @@ class HookedAdapter(AdapterBase):
             "Encoder"
         )
         self.can_resume = not self.is_encoder
-        self.blocks: list[Block] = [
-            Block(
-                attn=block.attn,
-                mlp=hooked_mlp(model, block),
-                ln1=hooked_norm(getattr(block, "ln1", None)),
-                ln2=hooked_norm(getattr(block, "ln2", None)),
-            )
-            for block in model.blocks
-        ]
+        self.blocks: list[Block] = [_block(model, block) for block in model.blocks]
         self.cfg = _facts(model, gated_mlp=any(block.mlp.gated for block in self.blocks))
         self.ln_final = hooked_norm(getattr(model, "ln_final", None))
 

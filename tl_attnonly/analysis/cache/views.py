@@ -18,6 +18,13 @@ Gated MLPs (:class:`~tl_attnonly.components.GatedNeuronHeadMLP`): a head's resul
 the product, is no head's: it is part of the layer's output bias ``b_O = b_in @ W_out + b_out``
 and so of ``bias``.
 
+Norms after each sublayer (Gemma 2/3, OLMo 2/3): the stacks hold what each head writes to the
+residual stream in the cached run, ``w * result_c / sigma`` with the sublayer's norm scale
+``sigma`` from the cache (:mod:`tl_attnonly.analysis.post_norm`), and ``bias`` holds each
+sublayer's ``w * b_O_c / sigma + b`` (so it varies by position). The per-layer
+:func:`get_attn_head_results` and :func:`get_neuron_head_results` stay the sublayer's own results
+(TransformerLens's ``hook_result``), before that norm.
+
 Order of components everywhere: attention heads (layer by layer), then neuron-heads (layer by
 layer), then ``embed``, ``pos_embed``, ``bias``: TransformerLens's
 ``get_full_resid_decomposition`` order, with neurons replaced by neuron-heads (for ``K = 1`` the
@@ -38,6 +45,7 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
+from tl_attnonly.analysis import post_norm
 from tl_attnonly.analysis.cache.options import DEFAULT_CHUNK, STACK_BUDGET
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 
@@ -123,17 +131,45 @@ def _normalize_projection(
     return project_output_onto, False
 
 
-def _accumulated_bias(model: AttnOnlyModel, layer: int, mlp_input: bool) -> torch.Tensor:
-    """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32)."""
-    bias = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
-    for li in range(layer):
+def _accumulated_bias(
+    cache: ActivationCache, model: AttnOnlyModel, layer: int, mlp_input: bool, pos_slice: Slice
+) -> torch.Tensor:
+    """``HookedTransformer.accumulated_bias`` in the model's dtype (TL's sums in float32):
+    ``[d_model]``; with norms after each sublayer, their bias terms in the cached run
+    (:func:`tl_attnonly.analysis.post_norm.normed_bias`), ``[*batch_and_pos, d_model]``."""
+    if mlp_input and layer >= model.cfg.n_layers:
+        raise ValueError("mlp_input=True needs layer < n_layers (the unembed has no MLP).")
+    bias: torch.Tensor = model.blocks[0].attn.b_O.new_zeros(model.cfg.d_model)
+    sublayers = [(li, "attn") for li in range(layer + (1 if mlp_input else 0))]
+    sublayers += [(li, "mlp") for li in range(layer)]
+    for li, sublayer in sublayers:
+        block = model.blocks[li]
         # the MLP's output bias: b_out, plus b_in @ W_out for gated neuron-heads (b_O)
-        bias = bias + model.blocks[li].attn.b_O + model.blocks[li].mlp.b_O
-    if mlp_input:
-        if layer >= model.cfg.n_layers:
-            raise ValueError("mlp_input=True needs layer < n_layers (the unembed has no MLP).")
-        bias = bias + model.blocks[layer].attn.b_O
+        b_O = block.attn.b_O if sublayer == "attn" else block.mlp.b_O
+        norm = post_norm.post_norm(model, li, sublayer)
+        if norm is None:
+            bias = bias + b_O
+        else:
+            scale = post_norm.cached_scale(cache, norm, pos_slice)
+            bias = bias + post_norm.normed_bias(b_O, norm, scale)
     return bias
+
+
+def _post_normed(
+    cache: ActivationCache,
+    model: AttnOnlyModel,
+    layer: int,
+    sublayer: str,
+    results: Float[torch.Tensor, "*batch_and_pos n d_model"],
+    pos_slice: Slice,
+) -> Float[torch.Tensor, "*batch_and_pos n d_model"]:
+    """``results`` of one sublayer as they reach the residual stream in the cached run (as they
+    are where the sublayer has no norm after it)."""
+    norm = post_norm.post_norm(model, layer, sublayer)
+    if norm is None:
+        return results
+    scale = post_norm.cached_scale(cache, norm, pos_slice)
+    return post_norm.normed(results, norm, scale[..., None, :])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,6 +251,7 @@ def component_chunks(
     if "attn" in kinds:
         for li in range(n_attn_layers):
             results = get_attn_head_results(cache, li, pos_slice)
+            results = _post_normed(cache, model, li, "attn", results, pos_slice)
             yield results.movedim(-2, 0), [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
     if "neuron" in kinds:
         n = model.n_neuron_heads
@@ -223,6 +260,7 @@ def component_chunks(
         for li, start in tqdm(steps, desc="neuron-heads", disable=not progress):
             stop = min(start + chunk_size, n)
             results = get_neuron_head_results(cache, li, slice(start, stop), pos_slice)
+            results = _post_normed(cache, model, li, "mlp", results, pos_slice)
             yield (
                 results.movedim(-2, 0),
                 [neuron_head_label(li, h, K) for h in range(start, stop)],
@@ -232,7 +270,7 @@ def component_chunks(
             if name in cache.cache_dict:
                 yield pos_slice.apply(cache[name], dim=-2)[None], [label]
         template = pos_slice.apply(cache["hook_embed"], dim=-2)
-        bias = _accumulated_bias(model, layer, mlp_input).to(template.dtype)
+        bias = _accumulated_bias(cache, model, layer, mlp_input, pos_slice).to(template.dtype)
         yield bias.expand((1,) + template.shape), ["bias"]
 
 
@@ -301,8 +339,15 @@ def stack_components(
             "chunks; or raise max_bytes."
         )
 
+    # The norm the stack reaches: ln1 / ln2 of ``layer``, ln_final at the unembed (a block
+    # whose sublayers read the residual stream itself, OLMo 2's, has none to apply).
+    if layer == model.cfg.n_layers:
+        target_norm = model.ln_final
+    else:
+        target_norm = model.blocks[layer].ln2 if mlp_input else model.blocks[layer].ln1
+
     def finish(stack: torch.Tensor) -> torch.Tensor:
-        if apply_ln:
+        if apply_ln and target_norm is not None:
             stack = cache.apply_ln_to_stack(stack, layer, mlp_input=mlp_input, pos_slice=pos_slice)
         if project is not None:
             stack = stack @ project.to(stack.dtype)

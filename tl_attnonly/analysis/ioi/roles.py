@@ -16,6 +16,7 @@ from jaxtyping import Float
 from tqdm.auto import tqdm
 
 from tl_attnonly.adapt import analysis_model, require_additive_residual
+from tl_attnonly.analysis import post_norm
 from tl_attnonly.analysis.ioi.prompts import IOIDataset
 from tl_attnonly.hooks import attn_names_filter, exact_names_filter
 
@@ -196,7 +197,8 @@ def ioi_head_scores(
     Raises:
         ValueError: For bidirectional attention (the padding after END would be attended to).
         NotImplementedError: For a model whose residual stream is not a sum of head outputs
-            (post-norm): direct logit attribution is undefined there.
+            (a post-LN encoder): direct logit attribution is undefined there. Norms after each
+            sublayer (Gemma 2/3, OLMo 2/3) are applied with their scales from the run.
     """
     model = analysis_model(model, neuron_heads=False)
     if model.cfg.attention_dir != "causal":
@@ -207,7 +209,14 @@ def ioi_head_scores(
     require_additive_residual(model, "ioi_head_scores (direct logit attribution)")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
-    names_filter = attn_names_filter("pattern", "z") | exact_names_filter("ln_final.hook_scale")
+    post_scales = [
+        post_norm.scale_hook(norm)
+        for norm in (post_norm.post_norm(model, li, "attn") for li in range(model.cfg.n_layers))
+        if norm is not None
+    ]
+    names_filter = attn_names_filter("pattern", "z") | exact_names_filter(
+        "ln_final.hook_scale", *post_scales
+    )
     device = model.W_U.device
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]] = []
     starts = range(0, len(dataset), batch_size)
@@ -257,6 +266,9 @@ def _batch_scores(
     for li in range(model.cfg.n_layers):
         z = cache[f"blocks.{li}.attn.hook_z"][rows, end]  # [batch, n_heads, d_head]
         out = torch.einsum("bhd,hdm->bhm", z, model.blocks[li].attn.W_O)
+        norm = post_norm.post_norm(model, li, "attn")
+        if norm is not None:  # what the head adds to the residual stream in this run
+            out = post_norm.normed(out, norm, post_norm.cached_scale(cache, norm)[rows, end, None])
         if centre:
             out = out - out.mean(-1, keepdim=True)
         out = out / scale[:, None]
