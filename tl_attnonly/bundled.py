@@ -420,7 +420,8 @@ def load_bundled_hf_model(
             str(bundled_model_dir(name)), local_files_only=True, attn_implementation="eager",
             dtype=dtype,
         )  # fmt: skip
-        return native.to(device).eval()
+        nn.Module.to(native, device=device)
+        return native.eval()
     config = bundled_hf_config(name)
     config._attn_implementation = "eager"
     cfg = _read_config(name)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
+from tl_attnonly.analysis.discovery.circuit_io import load_circuit, save_circuit
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.graph import HeadGraph
 from tl_attnonly.analysis.discovery.pruning import mask_size, metric_direction, ranking_values
@@ -125,6 +127,46 @@ class Circuit:
                 "or call tl_attnonly.vis.circuit_figure(circuit) directly."
             )
         return _figure_builder(self, **kwargs)
+
+    def save(
+        self,
+        path: str | Path,
+        *,
+        model: Any = None,
+        clean_tokens: torch.Tensor | None = None,
+        corrupted_tokens: torch.Tensor | None = None,
+    ) -> Path:
+        """Write the circuit to the directory ``path``: ``circuit.json`` (what a person reads:
+        versions, the model's architecture, sizes and dtype, the graph, every field) and
+        ``tensors.safetensors`` (scores, masks, tokens). :meth:`load` reads it back exactly.
+
+        Args:
+            path: A directory (created).
+            model: The model it was found on: recorded, and checked when loading.
+            clean_tokens, corrupted_tokens: The task's tokens ``[batch, pos]``, stored too
+                (:func:`~.circuit_io.saved_record` reads them).
+
+        Returns:
+            The directory.
+        """
+        return save_circuit(
+            self, path, model=model, clean_tokens=clean_tokens, corrupted_tokens=corrupted_tokens
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, model: Any = None) -> Circuit:
+        """A circuit :meth:`save` wrote, equal to the saved one.
+
+        Args:
+            path: The directory.
+            model: Refuse the file unless it was saved for a model of this architecture, sizes
+                and dtype (None: no check; the graph is rebuilt from the saved shape).
+
+        Raises:
+            CircuitFileError: A missing, truncated or edited file (naming the file and key), or
+                a model that is not the saved one (naming the field).
+        """
+        return load_circuit(path, model, make=cls)
 
     def report(self) -> str:
         """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with

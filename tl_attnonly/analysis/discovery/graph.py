@@ -144,11 +144,38 @@ class InputGroup:
     position: str | None = None
 
 
+@dataclass(frozen=True)
+class GraphShape:
+    """What a :class:`HeadGraph` reads of its model (TransformerLens's config names): enough to
+    build the graph again without the model (a saved circuit: :mod:`.circuit_io`)."""
+
+    n_layers: int
+    n_heads: int
+    n_key_value_heads: int | None
+    d_mlp: int
+    n_heads_per_neuron: int
+    gated_mlp: bool
+    parallel_attn_mlp: bool
+
+    @classmethod
+    def of(cls, model: ModelLike) -> GraphShape:
+        """The shape of ``model`` (either model kind, through :func:`analysis_model`)."""
+        model = analysis_model(model)
+        cfg = model.cfg
+        return cls(
+            n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads),
+            n_key_value_heads=cfg.n_key_value_heads, d_mlp=int(cast(int, cfg.d_mlp)),
+            n_heads_per_neuron=int(model.n_heads_per_neuron), gated_mlp=bool(cfg.gated_mlp),
+            parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
+        )  # fmt: skip
+
+
 class HeadGraph:
     """Sources, inputs and edges of the attention-only view of ``model``.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`, a converted bridge, or the
+            :class:`GraphShape` of one.
         neuron_level: One node per MLP neuron (its ``K`` heads summed; default). With False, one
             node per neuron-head (only differs when ``K > 1``; plain MLPs only).
         nodes: Restrict the graph to these attention heads (``"L0H1"``) and neurons (``"L0N5"``;
@@ -170,25 +197,25 @@ class HeadGraph:
 
     def __init__(
         self,
-        model: ModelLike,
+        model: ModelLike | GraphShape,
         neuron_level: bool = True,
         nodes: Collection[str] | None = None,
         positions: Sequence[str] | None = None,
     ):
-        model = analysis_model(model)
-        cfg = model.cfg
+        cfg = model if isinstance(model, GraphShape) else GraphShape.of(model)
+        self.shape = cfg
         self.positions = None if positions is None else tuple(positions)
         self.n_heads = cfg.n_heads
         self.n_layers = cfg.n_layers
-        self.n_heads_per_neuron = model.n_heads_per_neuron
-        self.neuron_level = neuron_level or model.n_heads_per_neuron == 1
-        self.gated = model.cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
-        self.parallel = bool(cfg.parallel_attn_mlp)
+        self.n_heads_per_neuron = cfg.n_heads_per_neuron
+        self.neuron_level = neuron_level or cfg.n_heads_per_neuron == 1
+        self.gated = cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
+        self.parallel = cfg.parallel_attn_mlp
         n_kv = cfg.n_key_value_heads or cfg.n_heads
         self.n_kv = n_kv
         self.gqa = n_kv != cfg.n_heads
         K = self.n_heads_per_neuron
-        d_mlp = cast(int, cfg.d_mlp)  # set for every model with neuron-heads
+        d_mlp = cfg.d_mlp
         k_labels = 0 if self.neuron_level else K  # neurons, or K neuron-heads each
         neuron_labels = _neuron_labels(cfg.n_layers, d_mlp, k_labels)
         keep = None if nodes is None else set(nodes)
@@ -384,6 +411,7 @@ __all__ = [
     "LOGITS",
     "MLP_REST",
     "NEURON_INPUTS",
+    "GraphShape",
     "HeadGraph",
     "InputGroup",
     "SourceGroup",
