@@ -143,7 +143,7 @@ def test_a_bridges_mixture_of_experts_is_its_neuron_head_experts():
     adapted = analysis_model(bridge, allow_experts=True)
     assert adapted.cfg.gated_mlp
     for block, layer in zip(adapted.blocks, adapted.neuron_heads):
-        assert block.mlp is layer and isinstance(block.mlp, ExpertsLayerView)
+        assert block.mlp.module is layer and isinstance(block.mlp, ExpertsLayerView)
         assert block.mlp.converted and block.mlp.is_mixture_of_experts and block.mlp.gated
 
 

@@ -24,18 +24,20 @@ def analysis_model(
     Accepts an adapter (returned as is), an :class:`~tl_attnonly.AttnOnlyTransformer` /
     :class:`~tl_attnonly.AttnOnlyEncoder`, a ``TransformerBridge`` converted with
     :func:`tl_attnonly.convert`, and, with ``neuron_heads=False``, an unconverted
-    ``HookedTransformer`` or bridge.
+    ``HookedTransformer`` or bridge. Mixtures of experts are accepted, converted or not: their
+    attention heads are read as a dense model's, and a converted expert layer is an
+    :class:`~tl_attnonly.mlp_protocol.ExpertsMLP` at ``blocks[l].mlp``, whose dense members
+    (``W_in``, ``W_O``, ...) refuse with directions; a tool that needs them refuses before any
+    work (:func:`tl_attnonly.mlp_protocol.experts_refusal`).
 
     Args:
         model: The model (or an adapter).
         neuron_heads: Refuse a model without structured neuron-heads (the default).
-        allow_experts: Accept mixtures of experts (only for the tools that read experts:
-            :mod:`tl_attnonly.analysis.experts`).
+        allow_experts: Ignored (kept for callers that pass it): mixtures of experts are always
+            accepted.
 
     Raises:
         TypeError: For anything else, or a model that is not converted, saying what to do.
-        NotImplementedError: For mixtures of experts (by layer) where neuron-heads are needed
-            and ``allow_experts`` is false.
     """
     if isinstance(model, (HookedAdapter, BridgeAdapter)):
         adapted: AttnOnlyModel = model
@@ -47,8 +49,6 @@ def analysis_model(
             "run_with_cache / run_with_hooks and the tl_attnonly.hooks presets."
         )
     elif is_transformer_bridge(model):
-        if neuron_heads and not allow_experts:  # before the adapter reads the attention
-            _refuse_experts(_bridge_layers(model))
         adapted = BridgeAdapter(model)
     elif _is_hooked_root(model):
         adapted = HookedAdapter(model)
@@ -59,7 +59,7 @@ def analysis_model(
             f"got {type(model).__name__}."
         )
     if neuron_heads:
-        _require_neuron_heads(adapted, allow_experts)
+        _require_neuron_heads(adapted, allow_experts=True)
     return adapted
 
 

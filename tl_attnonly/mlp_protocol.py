@@ -12,6 +12,7 @@ per block.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -156,7 +157,8 @@ class ExpertsLayerView(MLPLayer, Protocol):
     """A converted mixture of experts (:attr:`~MLPLayer.is_mixture_of_experts`): routed experts,
     each a gated neuron-head layer that sees only the tokens routed to it.
     Implemented by :class:`~tl_attnonly.NeuronHeadMoE` and the bridge's experts; read by
-    :mod:`tl_attnonly.analysis.experts` (the other tools refuse it)."""
+    :mod:`tl_attnonly.analysis.experts`. :attr:`tl_attnonly.protocol.Block.mlp` holds it as an
+    :class:`ExpertsMLP`, which refuses the dense members by name (:func:`experts_refusal`)."""
 
     @property
     def coefficients(self) -> NeuronHeadCoefficients:
@@ -182,6 +184,114 @@ class ExpertsLayerView(MLPLayer, Protocol):
 
 #: A converted block's MLP: a dense neuron-head layer, or a mixture of experts.
 ConvertedMLP = NeuronHeadLayerView | ExpertsLayerView
+
+#: What runs on a model with mixtures of experts (the message of :func:`experts_refusal`).
+EXPERT_TOOLS = (
+    "attention heads as on a dense model (get_act_patch_all_heads and get_act_patch_outputs "
+    "with attention heads, TransformerLens's transformer_lens.patching head sweeps, "
+    "head_logit_attrs / stack_all_head_results with kinds=('attn',), neuron_head_attention_view "
+    "of the attention heads); the expert layers through tl_attnonly.analysis.experts: "
+    "decompose_resid_experts and expert_logit_attrs (each expert's weighted contribution, shared "
+    "experts as their own components), experts_used (the experts each token was routed to), "
+    "get_act_patch_expert_neuron_heads, summarize_expert_neuron_heads, expert_activation; and "
+    "the experts' hooks (blocks.{l}.mlp.experts.{e}.hook_z, ...; the router: "
+    "blocks.{l}.mlp.hook_expert_indices, blocks.{l}.mlp.hook_routing_weights)"
+)
+
+
+class ExpertsRefusal(NotImplementedError, AttributeError):
+    """A dense layer's member read of a mixture of experts (:class:`ExpertsMLP`): a
+    ``NotImplementedError`` with directions, and an ``AttributeError`` (the layer has no such
+    member: ``hasattr`` is false)."""
+
+
+def experts_refusal(layer: int | str, what: str, kind: str | None = None) -> ExpertsRefusal:
+    """The error of a tool that needs a dense neuron-head layer where ``layer`` is a mixture of
+    experts: what is wrong and :data:`EXPERT_TOOLS`.
+
+    Args:
+        layer: The layer's index (or its hook prefix).
+        what: What needs the dense layer (the tool, or the member read).
+        kind: The layer's class name, for the message (``BridgeNeuronHeadExperts``, ...).
+    """
+    where = f"blocks.{layer}.mlp" if isinstance(layer, int) else layer
+    kind = "" if kind is None else f" ({kind})"
+    return ExpertsRefusal(
+        f"{what} needs a dense neuron-head layer, but {where} is a mixture of experts{kind}: each "
+        "expert sees only the tokens routed to it, so the layer has no per-neuron weights of its "
+        f"own. What works on this model: {EXPERT_TOOLS}."
+    )
+
+
+def expert_layer_indices(mlps: Sequence[Any]) -> list[int]:
+    """The indices of the mixtures of experts among a model's blocks' MLPs (``[block.mlp for
+    block in model.blocks]``)."""
+    return [i for i, mlp in enumerate(mlps) if getattr(mlp, "is_mixture_of_experts", False)]
+
+
+def refuse_expert_layers(mlps: Sequence[Any], layers: Iterable[int] | None, what: str) -> None:
+    """Refuse ``what`` (before any work) where one of ``layers`` (``None``: every layer) is a
+    mixture of experts, with :func:`experts_refusal`'s directions.
+
+    Args:
+        mlps: The blocks' MLPs (``[block.mlp for block in model.blocks]``).
+        layers: The layers ``what`` would read.
+        what: The tool, for the message.
+
+    Raises:
+        ExpertsRefusal: A ``NotImplementedError``, naming the first such layer.
+    """
+    experts = set(expert_layer_indices(mlps))
+    wanted = range(len(mlps)) if layers is None else layers
+    for layer in wanted:
+        if int(layer) in experts:
+            mlp = mlps[int(layer)]
+            raise experts_refusal(int(layer), what, type(getattr(mlp, "module", mlp)).__name__)
+
+
+class ExpertsMLP:
+    """A mixture of experts as :attr:`tl_attnonly.protocol.Block.mlp` holds it: the
+    :class:`ExpertsLayerView` members (experts, shared experts, coefficients, flags) read from
+    the layer itself; a dense layer's members (``W_in``, ``W_O``, ``b_O``, ``d_mlp``, ...) refuse
+    with :func:`experts_refusal`, so that a tool written for dense layers stops with directions
+    instead of reading something else.
+
+    Args:
+        layer: The experts container (:class:`ExpertsLayerView`).
+        index: The block's index (for messages).
+    """
+
+    converted = True
+    is_mixture_of_experts = True
+    #: The members of a dense neuron-head layer that a mixture of experts has none of.
+    DENSE_MEMBERS = frozenset(
+        {
+            "W_in", "b_in", "W_out", "b_out", "out_matrix", "b_post", "W_Q", "b_Q", "W_K", "b_K",
+            "W_V", "b_V", "W_O", "b_O", "W_gate", "W_V_per_unit_u", "b_V_per_unit_u", "d_mlp",
+            "coefficient_tensors",
+        }
+    )  # fmt: skip
+
+    def __init__(self, layer: Any, index: int):
+        self.__dict__["layer"] = layer
+        self.__dict__["index"] = index
+
+    @property
+    def module(self) -> Any:
+        """The experts container itself."""
+        return self.__dict__["layer"]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ExpertsMLP.DENSE_MEMBERS:
+            kind = type(self.__dict__["layer"]).__name__
+            raise experts_refusal(self.__dict__["index"], f"Reading {name!r}", kind)
+        return getattr(self.__dict__["layer"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["layer"], name, value)
+
+    def __repr__(self) -> str:
+        return f"ExpertsMLP({type(self.__dict__['layer']).__name__})"
 
 
 class UnconvertedMLP:
@@ -217,11 +327,17 @@ class UnconvertedMLP:
 
 
 __all__ = [
+    "EXPERT_TOOLS",
     "ConvertedMLP",
     "ExpertsLayerView",
+    "ExpertsMLP",
+    "ExpertsRefusal",
     "GatedNeuronHeadLayerView",
     "MLPLayer",
     "NeuronHeadLayerView",
     "PlainNeuronHeadLayerView",
     "UnconvertedMLP",
+    "expert_layer_indices",
+    "experts_refusal",
+    "refuse_expert_layers",
 ]

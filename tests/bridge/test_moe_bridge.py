@@ -436,8 +436,9 @@ def _first_forward_counter(bridge: Any) -> list[int]:
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
 def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     """As on ``AttnOnlyTransformer``'s ``NeuronHeadMoE`` (tests/analysis/test_gated_analysis.py,
-    tests/analysis/discovery): the analysis tools refuse a converted MoE bridge before any work,
-    naming the first MoE layer and the experts' hooks to use instead."""
+    tests/analysis/discovery): the tools that need dense neuron-heads refuse a converted MoE
+    bridge's expert layer before any work, naming it and the expert tools to use instead
+    (``analysis_model`` takes the model: tests/bridge/test_moe_tools.py)."""
     from tl_attnonly.adapt import analysis_model
     from tl_attnonly.analysis import (
         discover_circuit,
@@ -450,12 +451,13 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     ran = _first_forward_counter(bridge)
     toks = tokens()
     match = rf"blocks\.{layer}\.mlp is a mixture of experts \(BridgeNeuronHeadExperts\)"
-    with pytest.raises(NotImplementedError, match=match):
-        analysis_model(bridge)
+    assert analysis_model(bridge).blocks[layer].mlp.is_mixture_of_experts
     with pytest.raises(NotImplementedError, match=match):
         discover_circuit(bridge, toks, toks, lambda logits: logits[:, -1, 0].mean())
     with pytest.raises(NotImplementedError, match=match):
-        get_act_patch_neuron_heads(bridge, toks, {}, lambda logits: logits[0, -1, 0])
+        get_act_patch_neuron_heads(
+            bridge, toks, {}, lambda logits: logits[0, -1, 0], layers=[layer]
+        )
     with pytest.raises(NotImplementedError, match=match):
         summarize_neuron_heads(bridge, [toks[0]])
     assert not ran, "refused before any forward pass"

@@ -47,6 +47,7 @@ from jaxtyping import Float
 from transformer_lens import FactoredMatrix
 
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 from tl_attnonly.protocol import (
     GatedNeuronHeadLayerView,
     ModelLike,
@@ -69,11 +70,11 @@ def bias_token_homogeneous(model: ModelLike) -> torch.Tensor:
 def layer_indices(model: ModelLike, layer: int | None) -> list[int]:
     """``[layer]``, or every layer for ``None``; a ``ValueError`` for a layer out of range."""
     model = analysis_model(model)
-    if layer is None:
-        return list(range(model.cfg.n_layers))
-    if not 0 <= layer < model.cfg.n_layers:
+    if layer is not None and not 0 <= layer < model.cfg.n_layers:
         raise ValueError(f"layer must be in [0, {model.cfg.n_layers}), got {layer}.")
-    return [layer]
+    layers = list(range(model.cfg.n_layers)) if layer is None else [layer]
+    refuse_expert_layers([b.mlp for b in model.blocks], layers, "The neuron-head circuits")
+    return layers
 
 
 def _stacked(tensors: list[torch.Tensor], layer: int | None) -> torch.Tensor:

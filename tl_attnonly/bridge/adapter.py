@@ -38,6 +38,7 @@ from tl_attnonly.bridge.experts import mounted_experts
 from tl_attnonly.bridge.hook_names import RUN_OPTIONS, BridgeHooks, HookAs, named_hooks
 from tl_attnonly.bridge.layer_runner import RESUMABLE, BridgeLayerRunner, blocks_can_be_called
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.mlp_protocol import ExpertsMLP
 from tl_attnonly.protocol import (
     AdapterBase,
     Block,
@@ -337,7 +338,9 @@ class BridgeAdapter(AdapterBase):
         if _post_norm_blocks(bridge):
             pre, post = ("", ""), pre
         self.blocks: list[Block] = []
-        for block, mlp in zip(bridge.blocks, mlps):
+        for index, (block, mlp) in enumerate(zip(bridge.blocks, mlps)):
+            if mlp.converted and mlp.is_mixture_of_experts:  # dense members refuse, by name
+                mlp = cast(NeuronHeadLayerView, ExpertsMLP(mlp, index))
             self.blocks.append(
                 Block(
                     attn=BridgeAttention(

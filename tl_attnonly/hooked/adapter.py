@@ -20,6 +20,7 @@ from jaxtyping import Float, Int
 
 from tl_attnonly.components.expert_facts import ExpertFacts
 from tl_attnonly.components.neuron_head_base import NeuronHeadBase
+from tl_attnonly.mlp_protocol import ExpertsMLP
 from tl_attnonly.protocol import (
     AdapterBase,
     Block,
@@ -87,7 +88,10 @@ def hooked_mlp(model: Any, block: Any) -> NeuronHeadLayerView:
         block: One of its blocks.
     """
     mlp = getattr(block, "mlp", None)
-    if isinstance(mlp, (NeuronHeadBase, ExpertFacts)):
+    if isinstance(mlp, ExpertFacts):  # dense members refuse, by name
+        index = next(i for i, b in enumerate(model.blocks) if b is block)
+        return cast(NeuronHeadLayerView, ExpertsMLP(mlp, index))
+    if isinstance(mlp, NeuronHeadBase):
         return cast(NeuronHeadLayerView, mlp)
     cfg = model.cfg
     unconverted = UnconvertedMLP(

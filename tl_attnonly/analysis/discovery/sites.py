@@ -26,6 +26,7 @@ from tl_attnonly.analysis.discovery.graph import (
     SourceGroup,
 )
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import (
@@ -83,6 +84,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
         )
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
+    refuse_expert_layers([block.mlp for block in model.blocks], None, "discover_circuit")
     for li, block in enumerate(model.blocks):
         if not block.mlp.converted or block.mlp.is_mixture_of_experts:
             problems.append(f"blocks.{li}.mlp is a {type(block.mlp).__name__}")

@@ -40,6 +40,11 @@ from transformer_lens.patching import (
 
 from tl_attnonly._types import FwdHooks, Metric, check_tokens, on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.patching.dense_layers import (
+    dense_neuron_layers,
+    head_refs,
+    refuse_expert_refs,
+)
 from tl_attnonly.analysis.patching.options import (
     PatchingOptions,
     patch_level,
@@ -56,7 +61,6 @@ from tl_attnonly.analysis.patching.resume import (
 )
 from tl_attnonly.hooks import (
     HeadRef,
-    all_head_refs,
     head_labels,
     neuron_act_name,
     neuron_head_label,
@@ -145,7 +149,7 @@ def neuron_head_patch_index(
             f"{VECTOR_KINDS + PATTERN_KINDS} (keys are constant; patch hook_pre/hook_post with "
             "TransformerLens's own functions)."
         )
-    layers = list(range(model.cfg.n_layers)) if layers is None else [int(li) for li in layers]
+    layers = dense_neuron_layers(model, layers, "Patching dense neuron-heads")
     unit = "neuron" if level == "neuron" else "head"
     n_units = model.n_neuron_heads // model.n_heads_per_neuron if unit == "neuron" else None
     heads = list(range(n_units or model.n_neuron_heads)) if heads is None else list(map(int, heads))
@@ -478,7 +482,8 @@ def get_act_patch_all_heads(
     model = analysis_model(model)
     corrupted_tokens = on_model_device(model, corrupted_tokens)
     K = model.n_heads_per_neuron
-    refs = all_head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
+    refs = head_refs(model) if heads is None else [parse_head_label(h, K) for h in heads]
+    refuse_expert_refs(model, refs, "get_act_patch_all_heads (dense neuron-heads)")
     if can_resume(model):  # decoders: passes start at the patched layer (output deltas)
         return get_act_patch_outputs(
             model, corrupted_tokens, clean_cache, patching_metric, refs, level="head",

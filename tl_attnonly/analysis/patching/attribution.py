@@ -37,9 +37,10 @@ from tl_attnonly._types import (
 )
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.levels import neuron_level
+from tl_attnonly.analysis.patching.dense_layers import expert_layers, head_refs
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.outputs import get_act_patch_outputs
-from tl_attnonly.hooks import all_head_refs, head_act_name, head_labels, head_names_filter
+from tl_attnonly.hooks import head_act_name, head_labels, head_names_filter
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: Activations attribution patching supports, and where their head axis is.
@@ -55,8 +56,10 @@ def _names(model: AttnOnlyModel, kind: str, kinds: Sequence[str]) -> list[tuple[
                 "Attention-head 'v' attribution is per key/value head in grouped-query models; "
                 "use activation_name='z' or kinds=('neuron',)."
             )
+        experts = expert_layers(model) if sub == "neuron" else set()  # no dense neuron-heads
         for li in range(model.cfg.n_layers):
-            out.append((sub, head_act_name(kind, li, sub), li))
+            if li not in experts:
+                out.append((sub, head_act_name(kind, li, sub), li))
     return out
 
 
@@ -85,7 +88,9 @@ def attribution_patch(
         patching_metric: The model's output (logits ``[batch, pos, d_vocab]``), or the
             activation named by ``metric_input``, -> scalar, differentiable.
         activation_name: ``"z"`` (head output), ``"v"``, ``"q"`` or ``"pattern"``.
-        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``.
+        kinds: ``("attn", "neuron")`` (default), ``("attn",)`` or ``("neuron",)``. A
+            mixture-of-experts layer has no dense neuron-heads: its attention heads only
+            (expert neuron-heads: :mod:`tl_attnonly.analysis.experts`).
         per_position: Keep the position axis (query position for patterns).
         progress: Show a progress bar over layers while reducing.
         metric_input: A hook name whose activation the metric gets instead of the output, e.g.
@@ -196,12 +201,14 @@ def attribution_patch(
 
     parts = []
     for sub in kinds:
+        if not per_kind[sub]:  # every layer a mixture of experts: no dense neuron-heads
+            continue
         stacked = torch.stack(per_kind[sub])  # [n_layers, (pos,) heads]
         if per_position:
             stacked = stacked.transpose(1, 2)  # [n_layers, heads, pos]
         parts.append(stacked.flatten(0, 1))
-    scores = torch.cat(parts)
-    return scores, head_labels(all_head_refs(model, kinds=kinds), model.n_heads_per_neuron)
+    scores = torch.cat(parts) if parts else torch.zeros(0, device=corrupted_tokens.device)
+    return scores, head_labels(head_refs(model, kinds=kinds), model.n_heads_per_neuron)
 
 
 def pooled_cosine_metric(

@@ -32,6 +32,7 @@ from transformer_lens import ActivationCache
 
 from tl_attnonly._types import Metric, check_tokens, on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.patching.dense_layers import head_refs, refuse_expert_refs
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.resume import (
     LayerRuns,
@@ -42,7 +43,6 @@ from tl_attnonly.analysis.patching.resume import (
 )
 from tl_attnonly.hooks import (
     HeadRef,
-    all_head_refs,
     head_act_name,
     neuron_act_name,
     neuron_head_refs,
@@ -81,8 +81,10 @@ def patch_units(
     Args:
         model: A converted model.
         heads: Labels (``"L1H0"``, ``"L1N3"``, ``"L1N3.2"``) or :class:`HeadRef` s; default every
-            head. At ``level="neuron"`` a neuron-head stands for its whole neuron (a neuron
-            listed twice, e.g. by two of its heads, is patched once).
+            head (a mixture-of-experts layer: its attention heads; its neuron-heads refuse, see
+            :mod:`~tl_attnonly.analysis.patching.dense_layers`). At ``level="neuron"`` a
+            neuron-head stands for its whole neuron (a neuron listed twice, e.g. by two of its
+            heads, is patched once).
         level: ``"neuron"`` (default): a neuron's ``K`` heads are one unit, labelled
             ``L{l}N{i}``; ``"head"``: every neuron-head is its own unit.
 
@@ -94,8 +96,8 @@ def patch_units(
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
     K = model.n_heads_per_neuron
     refs: list[HeadRef] = []
-    if heads is None:
-        refs = all_head_refs(model)
+    if heads is None:  # mixtures of experts: their attention heads only
+        refs = head_refs(model)
     else:
         for spec in heads:
             if isinstance(spec, str) and K > 1 and "N" in spec and "." not in spec:
@@ -103,6 +105,7 @@ def patch_units(
                 refs += neuron_head_refs(int(layer_text), int(neuron_text), K)
             else:
                 refs.append(parse_head_label(spec, K))
+        refuse_expert_refs(model, refs, "Patching dense neuron-heads")
     units: dict[str, PatchUnit] = {}
     group: tuple[int, ...]
     for ref in refs:

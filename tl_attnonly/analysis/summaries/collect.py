@@ -24,6 +24,7 @@ from tl_attnonly._types import replace_options
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
 from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
@@ -313,6 +314,7 @@ def summarize_neuron_heads(
     k, before, after, max_len = opts.k, opts.before, opts.after, opts.max_len
     token_stats, max_bytes = opts.token_stats, opts.max_bytes
     model = analysis_model(model)
+    refuse_expert_layers([block.mlp for block in model.blocks], None, "summarize_neuron_heads")
     cfg = model.cfg
     assert cfg.d_mlp is not None  # a converted model has MLPs
     L, N, K, V = cfg.n_layers, cfg.d_mlp, model.n_heads_per_neuron, cfg.d_vocab
