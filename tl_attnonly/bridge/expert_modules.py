@@ -84,6 +84,13 @@ LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias")
 #: ``MoE`` and on TL 4.x bridges (an alias of the router's hook); where a bridge has none (TL 3.9),
 #: conversion mounts a hook point of that name on the ``MoEBridge``, fired by the experts.
 ROUTING_HOOK = "hook_expert_indices"
+#: The routing weights the block passes to its experts with those indices,
+#: ``blocks.{l}.mlp.hook_routing_weights`` ``[tokens, top_k]`` (after the model's own top-k
+#: normalisation, if any): expert ``e``'s contribution to token ``t`` is ``weights[t, slot] *
+#: expert_e(x_t)`` where ``indices[t, slot] == e``. TransformerLens has no hook of these (its
+#: ``hook_expert_weights`` is the router's softmax over every expert); conversion mounts it on the
+#: ``MoEBridge`` on every version, fired by the experts.
+ROUTING_WEIGHTS_HOOK = "hook_routing_weights"
 
 
 class BridgeNeuronHeadExpert(  # type: ignore[misc,override]
@@ -338,6 +345,12 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         #: The routing hook point this module fires (:data:`ROUTING_HOOK`, mounted on the
         #: ``MoEBridge`` where TransformerLens has none), else ``None`` (not a submodule).
         self.__dict__["routing_hook"] = None
+        #: The routing-weights hook point (:data:`ROUTING_WEIGHTS_HOOK`, mounted on the
+        #: ``MoEBridge``), else ``None`` (not a submodule).
+        self.__dict__["routing_weights_hook"] = None
+        #: Shared experts whose output the block scales by the sigmoid of a gate's output
+        #: (Qwen2-MoE: ``shared_expert_gate``): ``{shared expert name: gate component name}``.
+        self.shared_gates: dict[str, str] = {}
         # (TransformerLens's config knows no clamped SwiGLU: its act_fn is the nearest, silu
         # (alpha = 1); the coefficients are the activation)
         cfg_act_fn = "silu" if clamp is not None else act_fn
@@ -389,10 +402,14 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
 
     def hook_names(self, prefix: str) -> list[str]:
         """The experts' hook names under ``prefix`` (``blocks.{l}.mlp.experts``), and the routing
-        hook this module mounted (``blocks.{l}.mlp.hook_expert_indices``), if any."""
+        hooks this module mounted (``blocks.{l}.mlp.hook_expert_indices`` where TransformerLens
+        has none, ``blocks.{l}.mlp.hook_routing_weights``)."""
         names = [f"{prefix}.{e}.hook_{n}" for e in range(len(self)) for n in EXPERT_HOOKS]
+        block = prefix.rpartition(".")[0]
         if self.__dict__["routing_hook"] is not None:
-            names.append(f"{prefix.rpartition('.')[0]}.{ROUTING_HOOK}")
+            names.append(f"{block}.{ROUTING_HOOK}")
+        if self.__dict__["routing_weights_hook"] is not None:
+            names.append(f"{block}.{ROUTING_WEIGHTS_HOOK}")
         return names
 
     def forward(
@@ -405,6 +422,9 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         routing_hook = self.__dict__["routing_hook"]
         if routing_hook is not None:
             top_k_index = routing_hook(top_k_index)  # [tokens, top_k]
+        weights_hook = self.__dict__["routing_weights_hook"]
+        if weights_hook is not None:
+            top_k_weights = weights_hook(top_k_weights)  # [tokens, top_k]
         out = torch.zeros_like(hidden_states)
         n_routed = 0
         for index, expert in enumerate(self.expert_list()):
@@ -429,6 +449,7 @@ __all__ = [
     "GROUPED_PARAMETERS",
     "LAYOUT_FLAGS",
     "ROUTING_HOOK",
+    "ROUTING_WEIGHTS_HOOK",
     "SUPPORTED_LAYOUT",
     "BridgeNeuronHeadExpert",
     "BridgeNeuronHeadExperts",

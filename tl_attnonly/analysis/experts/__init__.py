@@ -39,6 +39,12 @@ activations), :mod:`~tl_attnonly.analysis.experts.patching` (activation patching
 :mod:`tl_attnonly.analysis.summaries.experts` (dataset summaries).
 """
 
+from tl_attnonly.analysis.experts.decomposition import (
+    decompose_resid_experts,
+    expert_components,
+    expert_logit_attrs,
+    routing_weights_hook_name,
+)
 from tl_attnonly.analysis.experts.patching import get_act_patch_expert_neuron_heads
 from tl_attnonly.analysis.experts.routing import (
     ROUTING_HOOK,
@@ -47,6 +53,7 @@ from tl_attnonly.analysis.experts.routing import (
     expert_activation,
     expert_hook_name,
     expert_neuron_head_label,
+    experts_used,
     moe_layer,
     resolve_expert,
     routed_tokens,
@@ -65,6 +72,11 @@ __all__ = [
     "SHARED",
     "Expert",
     "ExpertNeuronHeadSummaries",
+    "decompose_resid_experts",
+    "expert_components",
+    "expert_logit_attrs",
+    "experts_used",
+    "routing_weights_hook_name",
     "expert_activation",
     "expert_hook_name",
     "expert_neuron_head_label",

@@ -235,6 +235,58 @@ def expert_activation(
     return scatter_rows(act, rows, batch, pos, fill)
 
 
+def experts_used(
+    source: Any,
+    tokens: Int[torch.Tensor, "batch pos"] | None = None,
+    *,
+    layers: Sequence[int] | None = None,
+) -> dict[int, Int[torch.Tensor, "batch pos top_k"]]:
+    """The experts each token was routed to, per mixture-of-experts layer, in a run.
+
+    Routing is recomputed from each run's own input: a run on other tokens, or a patched run
+    (its hooks change the residual stream the router reads), can route a token to other experts
+    than the clean run did. Read the clean run's from its cache, and a patched run's from a
+    cache of that run (``run_with_cache`` with the patch's hooks added, e.g. under
+    ``model.hooks(fwd_hooks=...)``).
+
+    Args:
+        source: A ``run_with_cache`` cache holding ``blocks.{l}.mlp.hook_expert_indices``, or a
+            converted model with mixtures of experts (then run on ``tokens``, caching only those
+            hooks).
+        tokens: The prompts ``[batch, pos]`` (with a model; with a cache, only to shape the
+            result when the cache has no ``hook_embed``).
+        layers: The MoE layers (default: every one).
+
+    Returns:
+        ``{layer: [batch, pos, top_k]}``: the router's top-k expert indices of every token, in
+        the router's order (slot 0 first).
+
+    Raises:
+        ValueError: For a layer that is not a mixture of experts.
+        KeyError: If the cache lacks a routing hook.
+    """
+    from tl_attnonly.adapt import analysis_model
+
+    is_cache = hasattr(source, "cache_dict")
+    model = model_of_cache(source) if is_cache else analysis_model(source)
+    if layers is None:
+        layers = [i for i, b in enumerate(model.blocks) if b.mlp.is_mixture_of_experts]
+    for layer in layers:
+        moe_layer(model, layer)
+    if is_cache:
+        cache = source
+        if tokens is None:
+            tokens = cache["hook_embed"][..., 0]
+    else:
+        if tokens is None:
+            raise ValueError("experts_used(model, ...) needs the tokens to run.")
+        names = {routing_hook_name(layer) for layer in layers}
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
+    shape = tuple(tokens.shape[:2])
+    return {layer: cached_routing(cache, layer).reshape(*shape, -1) for layer in layers}
+
+
 def scatter_rows(
     act: Float[torch.Tensor, "rows ..."],
     rows: Int[torch.Tensor, " rows"],
@@ -258,6 +310,7 @@ __all__ = [
     "expert_layer",
     "expert_neuron_head_label",
     "expert_tokens",
+    "experts_used",
     "hook_rows",
     "moe_layer",
     "resolve_expert",

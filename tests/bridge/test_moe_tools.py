@@ -1,0 +1,203 @@
+"""The analysis tools on mixtures of experts (Mixtral; Qwen2-MoE, with a shared expert), on
+TransformerLens 3.9 and 4.x bridges, in float32 (Hugging Face's grouped experts have no float64
+kernel everywhere).
+
+Attention heads are analysed as on a dense model: activation patching and direct logit
+attribution equal TransformerLens's own (``transformer_lens.patching``'s head sweep, the cache's
+``stack_head_results`` / ``apply_ln_to_stack``) on the unconverted bridge. The expert layer
+decomposes into each expert's weighted contribution and the shared expert's, summing to the
+unconverted bridge's ``hook_mlp_out``; the residual decomposition sums to its residual stream
+and the logit attribution to its logits. The routing a run used is read back and equals the
+router's own top-k. Tools that need a dense neuron-head layer refuse before any work, naming
+what works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from zoo import build_bridge, convert_zoo_bridge, tokens
+
+from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis import (
+    attribution_patch,
+    get_act_patch_all_heads,
+    get_act_patch_neuron_heads,
+    get_act_patch_outputs,
+    head_logit_attrs,
+)
+from tl_attnonly.analysis.experts import (
+    decompose_resid_experts,
+    expert_components,
+    expert_logit_attrs,
+    experts_used,
+)
+from tl_attnonly.bridge import unconvert_bridge
+
+NAMES = ["mixtral", "qwen2_moe"]
+ATOL = 1e-5  # float32
+
+
+def _metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].log_softmax(-1)[:, 3].sum()
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def moe(request) -> dict[str, Any]:
+    """A zoo MoE bridge: references computed unconverted, then converted in place."""
+    from transformer_lens import patching
+
+    torch.manual_seed(0)
+    bridge = build_bridge(request.param, torch.float32)
+    clean, corrupted = tokens(), tokens(seed=5)
+    with torch.no_grad():
+        ref_logits, ref_cache = bridge.run_with_cache(clean)
+        ref_heads = patching.get_act_patch_attn_head_out_all_pos(
+            bridge, corrupted, ref_cache, _metric
+        )
+    unconverted = analysis_model(bridge, neuron_heads=False)
+    convert_zoo_bridge(bridge)
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(clean)
+    return {
+        "name": request.param,
+        "bridge": bridge,
+        "clean": clean,
+        "corrupted": corrupted,
+        "ref_logits": ref_logits,
+        "ref_cache": ref_cache,
+        "ref_heads": ref_heads,
+        "unconverted": unconverted,
+        "logits": logits,
+        "cache": cache,
+    }
+
+
+def test_analysis_model_takes_expert_models(moe):
+    """Converted and unconverted: accepted; an expert layer's dense members refuse by name."""
+    assert moe["unconverted"].blocks[0].mlp.is_mixture_of_experts
+    adapted = analysis_model(moe["bridge"])
+    mlp = adapted.blocks[0].mlp
+    assert mlp.converted and mlp.is_mixture_of_experts
+    assert len(mlp.expert_list()) == 4
+    assert not hasattr(mlp, "W_O")
+    with pytest.raises(NotImplementedError, match="get_act_patch_expert_neuron_heads"):
+        _ = mlp.W_in
+
+
+def test_attention_head_patching_equals_transformer_lens(moe):
+    """Every head sweep's default on an all-MoE model is its attention heads: the values of
+    ``transformer_lens.patching``'s head sweep on the unconverted bridge."""
+    bridge, corrupted, cache = moe["bridge"], moe["corrupted"], moe["cache"]
+    expected = moe["ref_heads"].flatten().double()
+    n_layers, n_heads = moe["ref_heads"].shape
+    labels = [f"L{li}H{h}" for li in range(n_layers) for h in range(n_heads)]
+    scores, got = get_act_patch_all_heads(bridge, corrupted, cache, _metric, progress=False)
+    assert got == labels
+    torch.testing.assert_close(scores, expected, atol=ATOL, rtol=0)
+    scores, got = get_act_patch_outputs(bridge, corrupted, cache, _metric, progress=False)
+    assert got == labels
+    torch.testing.assert_close(scores.flatten(), expected, atol=ATOL, rtol=0)
+    estimate, got = attribution_patch(bridge, cache, corrupted, _metric)
+    assert got == labels and estimate.shape == (len(labels),)
+
+
+def test_attention_logit_attrs_equal_transformer_lens(moe):
+    """``head_logit_attrs(kinds=("attn",))``: TransformerLens's ``stack_head_results`` of the
+    unconverted bridge, scaled by its cached final norm, times ``ln_final.w``, on the unembed."""
+    clean, ref_cache = moe["clean"], moe["ref_cache"]
+    stack = ref_cache.stack_head_results(layer=-1, pos_slice=-1)
+    scaled = ref_cache.apply_ln_to_stack(stack, layer=-1, pos_slice=-1)
+    unconverted = moe["unconverted"]
+    directions = unconverted.W_U[:, clean[:, -1]].T * unconverted.ln_final.w
+    expected = (scaled * directions).sum(-1)
+    got = head_logit_attrs(moe["cache"], clean[:, -1], pos_slice=-1, kinds=("attn",))
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_dense_neuron_head_tools_refuse_before_work(moe):
+    """Patching dense neuron-heads of an expert layer refuses before a forward pass, naming the
+    expert tools; so do the dense decompositions."""
+    calls = []
+
+    def metric(logits):
+        calls.append(1)
+        return _metric(logits)
+
+    bridge, corrupted, cache = moe["bridge"], moe["corrupted"], moe["cache"]
+    for run in (
+        lambda: get_act_patch_neuron_heads(bridge, corrupted, cache, metric),
+        lambda: get_act_patch_neuron_heads(bridge, corrupted, cache, metric, layers=[1]),
+        lambda: get_act_patch_all_heads(bridge, corrupted, cache, metric, heads=["L0N3"]),
+        lambda: get_act_patch_outputs(bridge, corrupted, cache, metric, heads=["L1N0"]),
+    ):
+        with pytest.raises(NotImplementedError, match="get_act_patch_expert_neuron_heads"):
+            run()
+    assert not calls
+    with pytest.raises(NotImplementedError, match="expert_logit_attrs"):
+        head_logit_attrs(cache, moe["clean"][:, -1], pos_slice=-1)
+
+
+def test_expert_components_sum_to_the_layer_output(moe):
+    """Each expert's routing weight x output, zero at tokens not routed to it, plus the shared
+    expert's gated output: they sum to the unconverted bridge's ``hook_mlp_out``."""
+    cache, ref_cache = moe["cache"], moe["ref_cache"]
+    used = experts_used(cache)
+    for layer in range(moe["bridge"].cfg.n_layers):
+        stack, labels = expert_components(cache, layer)
+        shared = [f"L{layer}S"] if moe["name"] == "qwen2_moe" else []
+        assert labels == [f"L{layer}E{e}" for e in range(4)] + shared
+        torch.testing.assert_close(
+            stack.sum(0), ref_cache[f"blocks.{layer}.hook_mlp_out"], atol=ATOL, rtol=0
+        )
+        for e in range(4):
+            not_routed = ~(used[layer] == e).any(-1)  # [batch, pos]
+            assert (stack[e][not_routed] == 0).all()
+            assert stack[e][~not_routed].abs().amax(-1).gt(0).all()
+
+
+def test_residual_decomposition_and_logit_attrs_sum_to_the_model(moe):
+    """Attention heads, expert components, embed and bias sum to the unconverted bridge's
+    residual stream; their direct logit attributions to its logits less ``b_U``."""
+    cache, ref_cache, clean = moe["cache"], moe["ref_cache"], moe["clean"]
+    n_layers = moe["bridge"].cfg.n_layers
+    stack, labels = decompose_resid_experts(cache)
+    assert labels[:4] == ["L0H0", "L0H1", "L0H2", "L0H3"] and labels[-2:] == ["embed", "bias"]
+    resid = ref_cache[f"blocks.{n_layers - 1}.hook_resid_post"]
+    torch.testing.assert_close(stack.sum(0), resid, atol=ATOL, rtol=0)
+    stack, _ = decompose_resid_experts(cache, 1, mlp_input=True)
+    resid_mid = ref_cache["blocks.1.hook_resid_mid"]
+    torch.testing.assert_close(stack.sum(0), resid_mid, atol=ATOL, rtol=0)
+    attrs, labels = expert_logit_attrs(cache, clean[:, -1], pos_slice=-1)
+    unconverted = moe["unconverted"]
+    target = clean[:, -1]
+    logits = moe["ref_logits"][:, -1].gather(-1, target[:, None])[:, 0] - unconverted.b_U[target]
+    torch.testing.assert_close(attrs.sum(0), logits, atol=ATOL, rtol=0)
+
+
+def test_experts_used_is_the_routers_top_k_of_each_run(moe):
+    """The experts a run used: the router's top-k of its own logits (unconverted bridge's
+    ``gate.hook_out``); another input (a corrupted or patched run) routes anew."""
+    cache, ref_cache = moe["cache"], moe["ref_cache"]
+    used = experts_used(cache)
+    batch, pos = moe["clean"].shape
+    for layer, indices in used.items():
+        router_logits = ref_cache[f"blocks.{layer}.mlp.gate.hook_out"]  # [tokens, n_experts]
+        expected = router_logits.topk(indices.shape[-1], dim=-1).indices.reshape(batch, pos, -1)
+        assert torch.equal(indices.sort(-1).values, expected.sort(-1).values)
+    run = experts_used(moe["bridge"], moe["clean"])
+    assert all(torch.equal(run[layer], used[layer]) for layer in used)
+    corrupted = experts_used(moe["bridge"], moe["corrupted"])
+    assert any(not torch.equal(corrupted[layer], used[layer]) for layer in used)
+
+
+def test_unconvert_removes_the_routing_weights_hook():
+    """The routing weights' hook exists after conversion only."""
+    bridge = build_bridge("mixtral", torch.float32)
+    names = set(bridge.hook_dict)
+    convert_zoo_bridge(bridge)
+    assert "blocks.0.mlp.hook_routing_weights" in bridge.hook_dict
+    unconvert_bridge(bridge)
+    assert set(bridge.hook_dict) == names

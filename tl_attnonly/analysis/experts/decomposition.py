@@ -1,0 +1,242 @@
+"""Mixtures of experts in the residual decomposition: each expert's weighted contribution.
+
+A mixture-of-experts layer writes, at token ``t``, ``sum_slot w[t, slot] * expert_{e(t, slot)}
+(x_t)`` (the routed experts: the top-k indices ``e`` and weights ``w`` the block passes to its
+experts, hooked at ``blocks.{l}.mlp.hook_expert_indices`` and ``blocks.{l}.mlp.hook_routing_
+weights``) plus what its shared experts write (Qwen2-MoE's ``shared_expert``, scaled by the sigmoid
+of its ``shared_expert_gate``; DeepSeek's ``shared_experts``). Each of those is one component
+here: expert ``e``'s routing weight times its output (zero at the tokens not routed to it), and
+each shared expert's output as the block adds it. They sum to the layer's output
+(``blocks.{l}.hook_mlp_out``) up to the floating-point order of the sum.
+
+Routing is the run's own: every run (a patched one too) routes its tokens from its own residual
+stream, so the decomposition of two runs may use different experts at the same token.
+
+* :func:`expert_components`: one layer's components ``[n_experts + n_shared, batch, pos,
+  d_model]``, labels ``L{l}E{e}`` and ``L{l}S`` (``L{l}S:{name}`` with several shared experts).
+* :func:`decompose_resid_experts`: the residual stream of a model with mixtures of experts as a
+  sum: attention heads, then per layer the dense neuron-heads or the expert components, then
+  ``embed``, ``pos_embed`` and ``bias``.
+* :func:`expert_logit_attrs`: direct logit attribution of those components (the final norm's
+  cached scale and weight, as :func:`~tl_attnonly.analysis.head_logit_attrs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from transformer_lens.utilities import Slice, SliceInput
+
+from tl_attnonly.adapt import model_of_cache, require_additive_residual
+from tl_attnonly.analysis.cache.views import get_attn_head_results, get_neuron_head_results
+from tl_attnonly.analysis.experts.routing import (
+    cached_routing,
+    expert_hook_name,
+    hook_rows,
+    moe_layer,
+    shared_experts,
+)
+from tl_attnonly.components.expert_facts import routed_slots
+from tl_attnonly.hooks import neuron_head_label
+from tl_attnonly.protocol import AttnOnlyModel
+
+#: The routing weights the block passes to its experts, under ``blocks.{l}.mlp``:
+#: ``[batch * pos, top_k]`` (mounted by the conversion).
+ROUTING_WEIGHTS_HOOK = "hook_routing_weights"
+
+
+def routing_weights_hook_name(layer: int) -> str:
+    """``blocks.{layer}.mlp.hook_routing_weights``."""
+    return f"blocks.{layer}.mlp.{ROUTING_WEIGHTS_HOOK}"
+
+
+def _cached(cache: Any, name: str) -> torch.Tensor:
+    if name not in cache.cache_dict:
+        raise KeyError(
+            f"The cache has no {name}: run_with_cache without a names_filter (or one that keeps "
+            "the experts' hook_post or hook_z, the routing hooks and the shared experts' "
+            "hook_out)."
+        )
+    return cache[name]
+
+
+def _expert_output(cache: Any, layer: int, expert: Any, index: int) -> torch.Tensor:
+    """Routed expert ``index``'s output (before its routing weight), ``[routed, d_model]``, in
+    its gather order: ``hook_post @ W_out + b_out`` (or ``sum_h z_h W_O[h] + b_O``)."""
+    post_name = expert_hook_name(layer, index, "post")
+    if post_name in cache.cache_dict:  # hook_post fires unless per-head results are computed
+        post = hook_rows(cache[post_name], "post")
+        return post @ expert.out_matrix + expert.b_out
+    z = hook_rows(_cached(cache, expert_hook_name(layer, index, "z")), "z")
+    return z @ expert.W_O[:, 0] + expert.b_O
+
+
+def expert_components(
+    cache: Any, layer: int, pos_slice: None | SliceInput | Slice = None
+) -> tuple[Float[torch.Tensor, "n_components *batch_and_pos d_model"], list[str]]:
+    """Each expert's weighted contribution to a mixture-of-experts layer's output, and each
+    shared expert's output as the block adds it.
+
+    Args:
+        cache: A ``run_with_cache`` cache of a converted model (bridge) with mixtures of experts.
+        layer: The MoE layer.
+        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics).
+
+    Returns:
+        ``([n_experts + n_shared, batch, pos, d_model], labels)``: routed expert ``e`` (label
+        ``L{l}E{e}``) is ``routing weight x expert output`` at the tokens routed to it, zero
+        elsewhere; a shared expert (``L{l}S``, ``L{l}S:{name}`` where there are several) its
+        output times its gate where the block has one. Their sum is ``blocks.{l}.hook_mlp_out``.
+
+    Raises:
+        ValueError: For a layer that is not a mixture of experts.
+        KeyError: If the cache lacks a hook read.
+    """
+    model = model_of_cache(cache)
+    moe = moe_layer(model, layer)
+    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    resid = cache[f"blocks.{layer}.hook_resid_pre"]  # [batch, pos, d_model]
+    batch, n_pos, d_model = resid.shape
+    indices = cached_routing(cache, layer)  # [tokens, top_k]
+    weights = _cached(cache, routing_weights_hook_name(layer))  # [tokens, top_k]
+    parts, labels = [], []
+    for index, expert in enumerate(moe.expert_list()):
+        slot, token = routed_slots(indices, index)
+        out = _expert_output(cache, layer, expert, index)  # [routed, d_model]
+        part = resid.new_zeros(batch * n_pos, d_model)
+        part[token] = (out * weights[token, slot, None]).to(part.dtype)
+        parts.append(part)
+        labels.append(f"L{layer}E{index}")
+    shared = shared_experts(moe)
+    gates = getattr(moe, "shared_gates", {})
+    for name in shared:
+        out = _cached(cache, f"blocks.{layer}.mlp.{name}.hook_out").reshape(-1, d_model)
+        if name in gates:  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            out = torch.sigmoid(_cached(cache, f"blocks.{layer}.mlp.{gates[name]}.hook_out")) * out
+        parts.append(out.to(resid.dtype))
+        labels.append(f"L{layer}S" if len(shared) == 1 else f"L{layer}S:{name}")
+    stack = torch.stack(parts).reshape(len(parts), batch, n_pos, d_model)
+    return pos_slice.apply(stack, dim=-2), labels
+
+
+def _mlp_components(
+    cache: Any, model: AttnOnlyModel, layer: int, pos_slice: Slice
+) -> tuple[torch.Tensor, list[str]]:
+    """One layer's MLP components: its expert components or its dense neuron-heads."""
+    if model.blocks[layer].mlp.is_mixture_of_experts:
+        return expert_components(cache, layer, pos_slice)
+    results = get_neuron_head_results(cache, layer, pos_slice=pos_slice)  # [..., heads, d_model]
+    K = model.n_heads_per_neuron
+    labels = [neuron_head_label(layer, h, K) for h in range(results.shape[-2])]
+    return results.movedim(-2, 0), labels
+
+
+def decompose_resid_experts(
+    cache: Any,
+    layer: int | None = None,
+    *,
+    mlp_input: bool = False,
+    pos_slice: None | SliceInput | Slice = None,
+) -> tuple[Float[torch.Tensor, "n_components *batch_and_pos d_model"], list[str]]:
+    """The residual stream of a model with mixtures of experts, as a sum of components.
+
+    Components, in TransformerLens's ``get_full_resid_decomposition`` order: every attention head
+    of earlier layers (``L{l}H{h}``; with ``mlp_input`` those of ``layer`` too), then layer by
+    layer the MLP's components (a mixture of experts: :func:`expert_components`; a dense layer,
+    such as DeepSeek's first ones: its neuron-heads), then ``embed``, ``pos_embed`` (where the
+    model has one) and ``bias`` (every attention layer's ``b_O`` and every dense MLP's output
+    bias; an expert's output bias is inside its weighted contribution). ``sum(stack, 0)`` equals
+    ``resid_pre[layer]`` (``resid_mid[layer]`` with ``mlp_input``; the last ``resid_post`` for
+    ``layer = n_layers``) up to floating-point rounding.
+
+    Args:
+        cache: A ``run_with_cache`` cache (every hook) of a converted model with experts.
+        layer: Components of layers before it; ``None``/``-1``/``n_layers``: all.
+        mlp_input: Also the attention heads of ``layer`` (they feed its MLP).
+        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics).
+
+    Returns:
+        ``([n_components, batch, pos, d_model], labels)``.
+
+    Raises:
+        NotImplementedError: On a model whose residual stream is no sum of its components.
+    """
+    model = model_of_cache(cache)
+    require_additive_residual(model, "decompose_resid_experts")
+    n_layers = model.cfg.n_layers
+    layer = n_layers if layer is None or layer == -1 else layer
+    if not 0 <= layer <= n_layers or (mlp_input and layer == n_layers):
+        raise ValueError(f"layer must be in [0, {n_layers}] ({n_layers}: not with mlp_input).")
+    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    parts, labels = [], []
+    for li in range(layer + (1 if mlp_input else 0)):
+        parts.append(get_attn_head_results(cache, li, pos_slice).movedim(-2, 0))
+        labels += [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
+    for li in range(layer):
+        stack, names = _mlp_components(cache, model, li, pos_slice)
+        parts.append(stack)
+        labels += names
+    template = pos_slice.apply(cache["hook_embed"], dim=-2)
+    for name, label in (("hook_embed", "embed"), ("hook_pos_embed", "pos_embed")):
+        if name in cache.cache_dict:
+            parts.append(pos_slice.apply(cache[name], dim=-2)[None])
+            labels.append(label)
+    bias = template.new_zeros(model.cfg.d_model)
+    for li in range(layer + (1 if mlp_input else 0)):
+        bias = bias + model.blocks[li].attn.b_O.to(bias.dtype)
+        mlp = model.blocks[li].mlp
+        if li < layer and not mlp.is_mixture_of_experts:
+            bias = bias + mlp.b_O.to(bias.dtype)
+    parts.append(bias.expand((1,) + template.shape))
+    labels.append("bias")
+    return torch.cat([p.to(template.dtype) for p in parts]), labels
+
+
+def expert_logit_attrs(
+    cache: Any,
+    tokens: int | Int[torch.Tensor, "..."],
+    incorrect_tokens: int | Int[torch.Tensor, "..."] | None = None,
+    *,
+    pos_slice: None | SliceInput | Slice = None,
+) -> tuple[Float[torch.Tensor, "n_components *batch_and_pos"], list[str]]:  # noqa: F821
+    """Direct logit attribution of every component of :func:`decompose_resid_experts` (at the
+    unembed): each divided by the final norm's cached scale (centred first under LayerNorm), times
+    its weight, dotted with ``W_U[:, tokens]`` (minus ``W_U[:, incorrect_tokens]``).
+
+    The rows sum to the logit (difference) minus ``ln_final.b @ W_U[:, token] + b_U[token]``, as
+    :func:`~tl_attnonly.analysis.head_logit_attrs` with ``incl_embeds_and_bias=True`` does on a
+    dense model; an expert's row is its weighted contribution's.
+
+    Args:
+        cache: As in :func:`decompose_resid_experts`.
+        tokens: Tokens to attribute to, shaped like the cache's ``[batch, pos]`` after
+            ``pos_slice``.
+        incorrect_tokens: Optional; attribute the difference ``tokens - incorrect_tokens``.
+        pos_slice: Positions (``-1``: the last).
+
+    Returns:
+        ``([n_components, batch, pos], labels)`` (pos dropped for an int ``pos_slice``).
+    """
+    model = model_of_cache(cache)
+    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    stack, labels = decompose_resid_experts(cache, pos_slice=pos_slice)
+    directions = model.tokens_to_residual_directions(torch.as_tensor(tokens))
+    if incorrect_tokens is not None:
+        directions = directions - model.tokens_to_residual_directions(
+            torch.as_tensor(incorrect_tokens)
+        )
+    w = None if model.ln_final is None else model.ln_final.w
+    directions = directions if w is None else directions * w
+    scaled = cache.apply_ln_to_stack(stack, layer=-1, pos_slice=pos_slice)
+    return (scaled * directions.to(scaled.dtype)).sum(-1), labels
+
+
+__all__ = [
+    "ROUTING_WEIGHTS_HOOK",
+    "decompose_resid_experts",
+    "expert_components",
+    "expert_logit_attrs",
+    "routing_weights_hook_name",
+]
