@@ -37,6 +37,7 @@ from tl_attnonly.hooks import (
     neuron_act_name,
     neuron_head_label,
 )
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.verify import REFERENCE_NAMES
 from tl_attnonly.vis import (
@@ -115,6 +116,7 @@ def write_demo_report(
             is given.
     """
     adapted = analysis_model(converted)  # refuses, with directions, a model without neuron-heads
+    refuse_expert_layers([block.mlp for block in adapted.blocks], None, "write_demo_report")
     if adapted.tokenizer is None:
         raise ValueError("The report needs a model with a tokenizer (to show the prompt's tokens).")
     if model is None and equivalence is None:

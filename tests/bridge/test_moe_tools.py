@@ -140,6 +140,30 @@ def test_dense_neuron_head_tools_refuse_before_work(moe):
         head_logit_attrs(cache, moe["clean"][:, -1], pos_slice=-1)
 
 
+def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path):
+    """The dense neuron-head views, summaries and the report refuse an expert layer before a
+    forward pass, naming the expert tools."""
+    from tl_attnonly.analysis import summarize_neuron_heads
+    from tl_attnonly.report import write_demo_report
+    from tl_attnonly.vis import neuron_head_attention_view
+
+    bridge, clean = moe["bridge"], moe["clean"]
+    ran: list[int] = []
+    handle = bridge.blocks[0].register_forward_pre_hook(lambda module, args: ran.append(1))
+    try:
+        for run in (
+            lambda: neuron_head_attention_view(bridge, 0, clean[0]),
+            lambda: neuron_head_attention_view(moe["cache"], 1, clean[0]),
+            lambda: summarize_neuron_heads(bridge, [clean[0]]),
+            lambda: write_demo_report(bridge, bridge, "a b", tmp_path / "r.html"),
+        ):
+            with pytest.raises(NotImplementedError, match="summarize_expert_neuron_heads"):
+                run()
+    finally:
+        handle.remove()
+    assert not ran
+
+
 def test_expert_components_sum_to_the_layer_output(moe):
     """Each expert's routing weight x output, zero at tokens not routed to it, plus the shared
     expert's gated output: they sum to the unconverted bridge's ``hook_mlp_out``."""

@@ -21,6 +21,7 @@ from transformer_lens import ActivationCache
 
 from tl_attnonly._types import HeadsLike, replace_options
 from tl_attnonly.hooks import neuron_head_label
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
 from tl_attnonly.vis.sources import (
@@ -411,6 +412,8 @@ def neuron_head_attention_view(
             f"page_size must be in [1, {MAX_HEADS_PER_VIEW}] (circuitsvis draws one chart per "
             f"head), got {page_size}. Use page=... to go through a larger selection."
         )
+    mlps = [block.mlp for block in converted_model_of(source).blocks]
+    refuse_expert_layers(mlps, [layer], "neuron_head_attention_view")  # before the run
     cache, str_tokens = cache_and_tokens(source, tokens, layer, batch_index)
     model = converted_model_of(cache)
     n_heads = model.n_neuron_heads

@@ -13,6 +13,7 @@ from transformer_lens import ActivationCache
 from tl_attnonly._types import HeadsLike
 from tl_attnonly.adapt import analysis_model, model_of_cache
 from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 from tl_attnonly.protocol import AttnOnlyModel
 
 #: A prompt for a view: text, token ids ``[pos]``/``[batch, pos]``, or its string tokens.
@@ -29,6 +30,8 @@ def converted_model_of(cache_or_model: Any) -> AttnOnlyModel:
 def cached(cache: ActivationCache, kind: str, layer: int) -> torch.Tensor:
     tensor = _optional(cache, kind, layer)
     if tensor is None:
+        mlps = [block.mlp for block in model_of_cache(cache).blocks]
+        refuse_expert_layers(mlps, [layer], "A view of dense neuron-heads")  # experts: no hook
         name = neuron_act_name(kind, layer)
         raise KeyError(
             f"{name} is not in the cache. Run the converted model with it cached, e.g. "
