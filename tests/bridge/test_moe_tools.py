@@ -225,3 +225,28 @@ def test_unconvert_removes_the_routing_weights_hook():
     assert "blocks.0.mlp.hook_routing_weights" in bridge.hook_dict
     unconvert_bridge(bridge)
     assert set(bridge.hook_dict) == names
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe", "granitemoe", "phimoe", "gpt_oss"])
+def test_expert_components_of_the_other_families(name):
+    """The expert components sum to the unconverted bridge's ``hook_mlp_out`` on every zoo MoE
+    family with standard attention, each nonzero exactly at the tokens ``experts_used`` routes to
+    its expert (Granite-MoE: TL 4's ``hook_expert_indices`` alias is not its top-k; the experts'
+    own ``hook_routing_indices`` is)."""
+    bridge = build_bridge(name, torch.float32)
+    clean = tokens()
+    with torch.no_grad():
+        _, ref_cache = bridge.run_with_cache(clean)
+    convert_zoo_bridge(bridge, **({"clamp": "check"} if name == "gpt_oss" else {}))
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(clean)
+    used = experts_used(cache)
+    assert sorted(used) == list(range(bridge.cfg.n_layers))
+    for layer, indices in used.items():
+        stack, labels = expert_components(cache, layer)
+        expected = ref_cache[f"blocks.{layer}.hook_mlp_out"]
+        torch.testing.assert_close(stack.sum(0), expected, atol=ATOL, rtol=0)
+        assert labels == [f"L{layer}E{e}" for e in range(len(labels))]  # no shared experts
+        for e in range(len(labels)):
+            routed = (indices == e).any(-1)
+            assert (stack[e][~routed] == 0).all() and stack[e][routed].abs().amax(-1).gt(0).all()

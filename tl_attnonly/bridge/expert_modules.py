@@ -91,6 +91,12 @@ ROUTING_HOOK = "hook_expert_indices"
 #: ``hook_expert_weights`` is the router's softmax over every expert); conversion mounts it on the
 #: ``MoEBridge`` on every version, fired by the experts.
 ROUTING_WEIGHTS_HOOK = "hook_routing_weights"
+#: The top-k indices the block passes to its experts, ``blocks.{l}.mlp.hook_routing_indices``
+#: ``[tokens, top_k]``, mounted beside :data:`ROUTING_WEIGHTS_HOOK` on every version: the same
+#: values as :data:`ROUTING_HOOK` where that hook is the router's top-k (Mixtral, Qwen-MoE, ...),
+#: but also where TransformerLens's alias is not (Granite-MoE on TL 4: its router returns a
+#: different tuple).
+ROUTING_INDICES_HOOK = "hook_routing_indices"
 
 
 class BridgeNeuronHeadExpert(  # type: ignore[misc,override]
@@ -348,6 +354,8 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         #: The routing-weights hook point (:data:`ROUTING_WEIGHTS_HOOK`, mounted on the
         #: ``MoEBridge``), else ``None`` (not a submodule).
         self.__dict__["routing_weights_hook"] = None
+        #: The routing-indices hook point (:data:`ROUTING_INDICES_HOOK`), else ``None``.
+        self.__dict__["routing_indices_hook"] = None
         #: Shared experts whose output the block scales by the sigmoid of a gate's output
         #: (Qwen2-MoE: ``shared_expert_gate``): ``{shared expert name: gate component name}``.
         self.shared_gates: dict[str, str] = {}
@@ -403,13 +411,15 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
     def hook_names(self, prefix: str) -> list[str]:
         """The experts' hook names under ``prefix`` (``blocks.{l}.mlp.experts``), and the routing
         hooks this module mounted (``blocks.{l}.mlp.hook_expert_indices`` where TransformerLens
-        has none, ``blocks.{l}.mlp.hook_routing_weights``)."""
+        has none, ``blocks.{l}.mlp.hook_routing_indices`` and ``hook_routing_weights``)."""
         names = [f"{prefix}.{e}.hook_{n}" for e in range(len(self)) for n in EXPERT_HOOKS]
         block = prefix.rpartition(".")[0]
         if self.__dict__["routing_hook"] is not None:
             names.append(f"{block}.{ROUTING_HOOK}")
         if self.__dict__["routing_weights_hook"] is not None:
             names.append(f"{block}.{ROUTING_WEIGHTS_HOOK}")
+        if self.__dict__["routing_indices_hook"] is not None:
+            names.append(f"{block}.{ROUTING_INDICES_HOOK}")
         return names
 
     def forward(
@@ -422,6 +432,9 @@ class BridgeNeuronHeadExperts(ExpertFacts, nn.ModuleList):
         routing_hook = self.__dict__["routing_hook"]
         if routing_hook is not None:
             top_k_index = routing_hook(top_k_index)  # [tokens, top_k]
+        indices_hook = self.__dict__["routing_indices_hook"]
+        if indices_hook is not None:
+            top_k_index = indices_hook(top_k_index)  # [tokens, top_k]
         weights_hook = self.__dict__["routing_weights_hook"]
         if weights_hook is not None:
             top_k_weights = weights_hook(top_k_weights)  # [tokens, top_k]
@@ -449,6 +462,7 @@ __all__ = [
     "GROUPED_PARAMETERS",
     "LAYOUT_FLAGS",
     "ROUTING_HOOK",
+    "ROUTING_INDICES_HOOK",
     "ROUTING_WEIGHTS_HOOK",
     "SUPPORTED_LAYOUT",
     "BridgeNeuronHeadExpert",

@@ -6,10 +6,11 @@ The layers and what they compute (the Hugging Face experts module each replaces,
 :mod:`tl_attnonly.bridge.expert_modules`; which experts modules are supported and the checks of
 a conversion: :mod:`tl_attnonly.bridge.expert_plan`. Here: :func:`mount_experts` puts the
 neuron-head experts in place (and, where TransformerLens has none, the routing hook
-:data:`ROUTING_HOOK`; on every version, the routing weights' hook
-:data:`ROUTING_WEIGHTS_HOOK`), :func:`mounted_experts` finds them, :func:`unmount_experts` takes
-them out, and :func:`dense_moe_keys` names the projections of a dense layer of an interleaved MoE
-stack. The public names of both modules are importable from here too.
+:data:`ROUTING_HOOK`; on every version, the hooks of the indices and weights the experts get,
+:data:`ROUTING_INDICES_HOOK` and :data:`ROUTING_WEIGHTS_HOOK`), :func:`mounted_experts` finds
+them, :func:`unmount_experts` takes them out, and :func:`dense_moe_keys` names the projections of
+a dense layer of an interleaved MoE stack. The public names of both modules are importable from
+here too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tl_attnonly.bridge.expert_modules import (
     GROUPED_PARAMETERS,
     LAYOUT_FLAGS,
     ROUTING_HOOK,
+    ROUTING_INDICES_HOOK,
     ROUTING_WEIGHTS_HOOK,
     SUPPORTED_LAYOUT,
     BridgeNeuronHeadExpert,
@@ -62,11 +64,12 @@ def mount_experts(mlp_bridge: nn.Module, plan: ExpertsPlan, experts: BridgeNeuro
             hook_point = HookPoint()  # [tokens, top_k]
             mlp_bridge.add_module(ROUTING_HOOK, hook_point)
         experts.__dict__["routing_hook"] = hook_point
-    weights_hook = child_module(mlp_bridge, ROUTING_WEIGHTS_HOOK)
-    if weights_hook is None:
-        weights_hook = HookPoint()  # [tokens, top_k]
-        mlp_bridge.add_module(ROUTING_WEIGHTS_HOOK, weights_hook)
-    experts.__dict__["routing_weights_hook"] = weights_hook
+    for name, key in ((ROUTING_INDICES_HOOK, "indices"), (ROUTING_WEIGHTS_HOOK, "weights")):
+        hook = child_module(mlp_bridge, name)
+        if hook is None:
+            hook = HookPoint()  # [tokens, top_k]
+            mlp_bridge.add_module(name, hook)
+        experts.__dict__[f"routing_{key}_hook"] = hook
     experts.shared_gates = {
         name: f"{name}_gate" for name in experts.shared if child_module(mlp_bridge, f"{name}_gate")
     }
@@ -88,9 +91,10 @@ def unmount_experts(mlp_bridge: nn.Module) -> BridgeNeuronHeadExperts | None:
     if experts.__dict__["routing_hook"] is not None:
         unmount_component_hook(mlp_bridge, ROUTING_HOOK)
         experts.__dict__["routing_hook"] = None
-    if experts.__dict__["routing_weights_hook"] is not None:
-        unmount_component_hook(mlp_bridge, ROUTING_WEIGHTS_HOOK)
-        experts.__dict__["routing_weights_hook"] = None
+    for name, key in ((ROUTING_INDICES_HOOK, "indices"), (ROUTING_WEIGHTS_HOOK, "weights")):
+        if experts.__dict__[f"routing_{key}_hook"] is not None:
+            unmount_component_hook(mlp_bridge, name)
+            experts.__dict__[f"routing_{key}_hook"] = None
     hf_experts = experts.__dict__["hf_experts"]
     for name in GROUPED_PARAMETERS:  # the same objects, unless a cast made new ones
         setattr(hf_experts, name, getattr(experts, name))
@@ -116,6 +120,7 @@ __all__ = [
     "GROUPED_PARAMETERS",
     "LAYOUT_FLAGS",
     "ROUTING_HOOK",
+    "ROUTING_INDICES_HOOK",
     "ROUTING_WEIGHTS_HOOK",
     "SUPPORTED_LAYOUT",
     "BridgeNeuronHeadExpert",

@@ -130,12 +130,12 @@ def get_act_patch_expert_neuron_heads(
             f"({n_clean} tokens) differ in shape."
         )
     if routed:
-        routing_name = routing_hook_name(layer)
+        routing_name = routing_hook_name(layer, adapted)
         with torch.no_grad():
             _, corrupted_cache = adapted.run_with_cache(
                 corrupted_tokens, names_filter=lambda name: name == routing_name
             )
-        corrupted_routing = corrupted_cache[routing_name]
+        corrupted_routing = cached_routing(corrupted_cache, layer)
     rows = []
     for expert in expert_ids:
         clean = expert_tokens(clean_routing, expert, n_tokens)

@@ -41,8 +41,19 @@ _TOKEN_FIRST = {"routed": ("gate", "pre", "post"), "shared": ("pre", "pre_linear
 _BATCHED = ("q", "k", "v", "z", "result")
 
 
-def routing_hook_name(layer: int) -> str:
-    """``blocks.{layer}.mlp.hook_expert_indices``."""
+#: The top-k indices the experts of a converted bridge get (mounted by the conversion on every
+#: TransformerLens version; read first where present: TL 4's ``hook_expert_indices`` alias is not
+#: the top-k indices on every family, e.g. Granite-MoE).
+ROUTING_INDICES_HOOK = "hook_routing_indices"
+
+
+def routing_hook_name(layer: int, model: AttnOnlyModel | None = None) -> str:
+    """The hook of the top-k indices the experts of ``layer`` get: ``blocks.{layer}.mlp.
+    hook_routing_indices`` where ``model`` has it (a converted bridge), else TransformerLens's
+    ``blocks.{layer}.mlp.hook_expert_indices``."""
+    indices = f"blocks.{layer}.mlp.{ROUTING_INDICES_HOOK}"
+    if model is not None and indices in model.hook_dict:
+        return indices
     return f"blocks.{layer}.mlp.{ROUTING_HOOK}"
 
 
@@ -138,6 +149,11 @@ def expert_layer(moe: Any, expert: Expert) -> Any:
 
 
 def cached_routing(cache: Any, layer: int) -> Int[torch.Tensor, "tokens top_k"]:
+    """The top-k indices the experts of ``layer`` got in the cache's run, ``[tokens, top_k]``
+    (``hook_routing_indices`` where cached, else ``hook_expert_indices``)."""
+    indices = f"blocks.{layer}.mlp.{ROUTING_INDICES_HOOK}"
+    if indices in cache.cache_dict:
+        return cache[indices]
     name = routing_hook_name(layer)
     if name not in cache.cache_dict:
         raise KeyError(
@@ -280,7 +296,7 @@ def experts_used(
     else:
         if tokens is None:
             raise ValueError("experts_used(model, ...) needs the tokens to run.")
-        names = {routing_hook_name(layer) for layer in layers}
+        names = {routing_hook_name(layer, model) for layer in layers}
         with torch.no_grad():
             _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
     shape = tuple(tokens.shape[:2])
@@ -302,6 +318,7 @@ def scatter_rows(
 
 __all__ = [
     "ROUTING_HOOK",
+    "ROUTING_INDICES_HOOK",
     "SHARED",
     "Expert",
     "cached_routing",

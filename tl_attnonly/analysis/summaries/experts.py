@@ -292,7 +292,7 @@ def summarize_expert_neuron_heads(
             "fewer experts, a smaller k, or max_bytes=... to raise the budget."
         )
     routed = any(isinstance(expert, int) for expert in expert_ids)
-    routing = routing_hook_name(layer)
+    routing = routing_hook_name(layer, adapted)
     names = {routing} if routed else set()
     names |= {expert_hook_name(layer, e, kind) for e in expert_ids for kind in ("pattern", "z")}
     top = {r: [TopContexts.empty(H, k, window) for H in heads] for r in RANKINGS}
