@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from tl_attnonly.analysis.discovery.circuit_export import circuit_to_graph_json, circuit_to_mib
 from tl_attnonly.analysis.discovery.circuit_io import load_circuit, save_circuit
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
 from tl_attnonly.analysis.discovery.graph import HeadGraph
@@ -167,6 +168,32 @@ class Circuit:
                 a model that is not the saved one (naming the field).
         """
         return load_circuit(path, model, make=cls)
+
+    def to_mib(
+        self,
+        path: str | Path | None = None,
+        *,
+        level: str = "node",
+        model: Any = None,
+        d_model: int | None = None,
+    ) -> dict[str, Any]:
+        """The circuit in MIB's circuit format, ``{"cfg", "nodes", "edges"}`` as
+        ``eap.graph.Graph.from_json`` reads it (:func:`~.circuit_export.circuit_to_mib`: the
+        mapping; ``level="neuron"`` is refused, MIB's neurons being output dimensions).
+
+        Args:
+            path: Write the JSON there too.
+            level: ``"node"`` (heads and whole MLP layers, as MIB's graph has them).
+            model, d_model: The model it was found on, or its ``d_model`` (MIB's cfg needs it).
+        """
+        return circuit_to_mib(self, path, level=level, model=model, d_model=d_model)
+
+    def to_graph_json(self, path: str | Path | None = None, **kwargs: Any) -> dict[str, Any]:
+        """The circuit as a circuit-tracer / Neuronpedia attribution graph (``metadata``,
+        ``qParams``, ``nodes``, ``links``; :func:`~.circuit_export.circuit_to_graph_json`: the
+        keywords, node roles and ``ctx_idx``). ``path``: a directory circuit-tracer's local server
+        serves (``{slug}.json`` and ``graph-metadata.json``)."""
+        return circuit_to_graph_json(self, path, **kwargs)
 
     def report(self) -> str:
         """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
