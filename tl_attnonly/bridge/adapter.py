@@ -34,6 +34,7 @@ import torch.nn as nn
 from jaxtyping import Float, Int
 
 from tl_attnonly._compat import BRIDGE_STARTS_AT_LAYER, child_module
+from tl_attnonly.bridge.attention_layout import check_z_layout
 from tl_attnonly.bridge.experts import mounted_experts
 from tl_attnonly.bridge.hook_names import RUN_OPTIONS, BridgeHooks, HookAs, named_hooks
 from tl_attnonly.bridge.layer_runner import RESUMABLE, BridgeLayerRunner, blocks_can_be_called
@@ -341,6 +342,7 @@ class BridgeAdapter(AdapterBase):
         for index, (block, mlp) in enumerate(zip(bridge.blocks, mlps)):
             if mlp.converted and mlp.is_mixture_of_experts:  # dense members refuse, by name
                 mlp = cast(NeuronHeadLayerView, ExpertsMLP(mlp, index))
+            check_z_layout(child_module(block, "attn"), index)  # per-head hook_z (MLA)
             self.blocks.append(
                 Block(
                     attn=BridgeAttention(

@@ -31,6 +31,7 @@ from tl_attnonly._compat import (
     unregister_bridge_hooks,
 )
 from tl_attnonly.activations import NeuronHeadCoefficients
+from tl_attnonly.bridge.attention_layout import repair_z_layouts, restore_z_layouts
 from tl_attnonly.bridge.experts import (
     BridgeNeuronHeadExperts,
     ExpertsPlan,
@@ -467,6 +468,7 @@ def convert_bridge(
         _mount(bridge, plan, layer)
     names = [name for plan in plans for name in _hook_names(plan.layer, plan.mlp_bridge)]
     register_bridge_hooks(bridge, names)
+    repair_z_layouts(bridge)  # multi-head latent attention: hook_z split into W_O's heads
     return bridge
 
 
@@ -478,6 +480,7 @@ def unconvert_bridge(bridge: Any) -> Any:
         names += _hook_names(index, mlp)
         _unmount(mlp)
     unregister_bridge_hooks(bridge, names)
+    restore_z_layouts(bridge)
     return bridge
 
 
