@@ -44,6 +44,7 @@ from zoo_tools import (  # noqa: E402
     cell,
     error_text,
     first_sentence,
+    raised_by_the_package,
     refusal_text,
     tokens,
 )
@@ -70,8 +71,9 @@ def row(name: str) -> tuple[Row, dict[str, float]]:
     else:
         try:
             bridge = build_converted(name)
-        except REFUSALS as refusal:
-            converts = "refused: " + refusal_text(refusal)
+        except REFUSALS as refusal:  # a refusal raised inside tl_attnonly, as for the tools
+            refused = raised_by_the_package(refusal)
+            converts = "refused: " + refusal_text(refusal) if refused else error_text(refusal)
         except Exception as error:  # noqa: BLE001 - recorded, the other rows go on
             converts = error_text(error)
     cells, seconds = {CONVERTS: converts}, {}

@@ -13,14 +13,17 @@ exception, one of those three raised elsewhere, or a broken contract: a defect).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,8 @@ CORRECT, WRONG = 3, 17
 #: Where a tool's result is checked against its contract: agreement relative to the values' scale
 #: (float32 models; the measured errors of the tools that keep their contract are near 1e-6).
 RTOL = 1e-4
+#: A tool that runs longer is a defect (a hang; the tools take well under 10 s each here).
+CELL_SECONDS = 120.0
 _TOKENIZERS = Path(tempfile.mkdtemp(prefix="zoo_tools_tokenizer_"))
 atexit.register(shutil.rmtree, _TOKENIZERS, ignore_errors=True)
 
@@ -207,9 +212,13 @@ def _residual_decomposition(task: Task) -> None:
     # its contract: the components sum to the last block's resid_post
     last = task.bridge.cfg.n_layers - 1
     _, cache = task.bridge.run_with_cache(task.clean)
+    # the residual stream after the last block: where the bridge does not alias it (OpenAI GPT's
+    # blocks do not fire hook_out), the final norm's input, or the unembedding's without one
+    names = (f"blocks.{last}.hook_resid_post", f"blocks.{last}.hook_out", "ln_final.hook_in")
+    found = [name for name in names if name in cache.cache_dict] + ["unembed.hook_in"]
     check_contract(
         stack.sum(0),
-        cache[f"blocks.{last}.hook_resid_post"],
+        cache[found[0]],
         "the components do not sum to the residual stream",
     )
 
@@ -327,25 +336,53 @@ def build_converted(name: str) -> Any:
     return convert_zoo_bridge(bridge)
 
 
-def cell(tool: Callable[[Task], None], task: Task) -> str:
-    """``"yes"``, the refusal's first sentence, or ``"error: ..."`` (with the traceback's last
-    lines on stderr)."""
+class CellTimeout(Exception):
+    """A tool ran past :data:`CELL_SECONDS` (a hang: counted as an error)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`CellTimeout` in the block after ``seconds`` (where ``SIGALRM`` exists and
+    this is the main thread; elsewhere no limit)."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CellTimeout(f"the tool ran past {seconds:g} s.")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        with warnings.catch_warnings():
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def cell(tool: Callable[[Task], None], task: Task | None) -> str:
+    """``"yes"``, the refusal's first sentence, or ``"error: ..."`` (with the traceback's last
+    lines on stderr). The bridge's hooks are removed afterwards (permanent ones kept), so that a
+    tool that failed half-way leaves none for the next."""
+    try:
+        with warnings.catch_warnings(), _time_limit(CELL_SECONDS):
             warnings.simplefilter("ignore")
-            tool(task)
+            tool(task)  # type: ignore[arg-type]  # the tests' fake tools take None
     except WrongResult as wrong:
         return f"error: wrong result: {wrong}"
     except REFUSALS as refusal:
-        if not _raised_by_the_package(refusal):  # torch's, pandas', or a call that no longer fits
+        if not raised_by_the_package(refusal):  # torch's, pandas', or a call that no longer fits
             return error_text(refusal)
         return refusal_text(refusal)
     except Exception as error:  # noqa: BLE001 - a defect, recorded, not raised
         return error_text(error)
+    finally:
+        if task is not None:
+            task.bridge.reset_hooks(including_permanent=False)
     return "yes"
 
 
-def _raised_by_the_package(error: BaseException) -> bool:
+def raised_by_the_package(error: BaseException) -> bool:
     """Whether ``error`` was raised in ``tl_attnonly`` (a refusal is; a library's own
     ``ValueError`` deep in a computation, or a ``TypeError`` of a call here, is a defect)."""
     frames = traceback.extract_tb(error.__traceback__)
