@@ -61,4 +61,18 @@ def refuse_expert_refs(model: AttnOnlyModel, refs: Sequence[HeadRef], what: str)
     refuse_expert_layers(mlps, [ref.layer for ref in refs if ref.kind == "neuron"], what)
 
 
-__all__ = ["dense_neuron_layers", "expert_layers", "head_refs", "refuse_expert_refs"]
+def refuse_path_patching_experts(model: AttnOnlyModel, what: str) -> None:
+    """Refuse path patching (before any work) on a model with mixtures of experts: a path patch
+    freezes every head but the senders at its corrupted value, through the dense neuron-heads'
+    ``hook_z``, which an expert layer does not have."""
+    mlps = [block.mlp for block in model.blocks]
+    refuse_expert_layers(mlps, None, f"{what} (path patching freezes every neuron-head's z)")
+
+
+__all__ = [
+    "dense_neuron_layers",
+    "expert_layers",
+    "head_refs",
+    "refuse_expert_refs",
+    "refuse_path_patching_experts",
+]

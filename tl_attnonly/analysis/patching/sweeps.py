@@ -17,6 +17,7 @@ from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.patching.dense_layers import head_refs, refuse_path_patching_experts
 from tl_attnonly.analysis.patching.options import PatchingOptions, resolve_patching_options
 from tl_attnonly.analysis.patching.paths import (
     LOGITS,
@@ -36,7 +37,6 @@ from tl_attnonly.analysis.patching.resume import (
 )
 from tl_attnonly.hooks import (
     HeadRef,
-    all_head_refs,
     block_act_name,
     head_labels,
     parse_head_label,
@@ -87,11 +87,12 @@ def path_patch_sweep(
     patches_per_pass = opts.patches_per_pass
     max_bytes = opts.max_bytes
     progress = opts.progress
+    K = model.n_heads_per_neuron
+    refs = head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
+    refuse_path_patching_experts(model, "path_patch_sweep")
     parsed, clean_cache, corrupted_cache = prepare_path_patch(
         model, clean_tokens, corrupted_tokens, receivers, clean_cache, corrupted_cache
     )
-    K = model.n_heads_per_neuron
-    refs = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
     out = torch.zeros(len(refs), dtype=torch.float64)
     batch, n_pos = corrupted_tokens.shape
     step = patches_per_pass_for(model, batch, n_pos, patches_per_pass, max_bytes)
@@ -142,6 +143,7 @@ def path_patch_receiver_sweep(
         :func:`receiver_label` (``"L1H0:qkv"``, ``"logits"``).
     """
     model = analysis_model(model)
+    refuse_path_patching_experts(model, "path_patch_receiver_sweep")
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_patching_options(
         "path_patch_receiver_sweep",
@@ -152,7 +154,7 @@ def path_patch_receiver_sweep(
     patches_per_pass = opts.patches_per_pass
     max_bytes = opts.max_bytes
     progress = opts.progress
-    specs: list = list(all_head_refs(model)) + [LOGITS] if receivers is None else list(receivers)
+    specs: list = list(head_refs(model)) + [LOGITS] if receivers is None else list(receivers)
     sweep = _ReceiverSweep(
         model,
         clean_tokens,
@@ -279,6 +281,7 @@ def path_patch_grid(
         ``(metric [n_senders, n_receivers] (float64), sender labels, receiver labels)``.
     """
     model = analysis_model(model)
+    refuse_path_patching_experts(model, "path_patch_grid")
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     opts = resolve_patching_options(
         "path_patch_grid",
