@@ -205,17 +205,21 @@ def circuit_to_mib(
         rows = sources[src.key]
         readers = _mib_readers(graph, dst, alive)
         # sum over our sources of one MIB node first (a layer's neurons: one row)
-        merged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name in dict.fromkeys(rows):
-            idx = torch.tensor([u for u, r in enumerate(rows) if r == name])
-            merged[name] = (block[idx].sum(0), mask[idx].any(0))
-        for name, (col_scores, col_kept) in merged.items():
+        names = list(dict.fromkeys(rows))
+        if len(names) < len(rows):
+            which = torch.tensor([names.index(r) for r in rows])
+            block = torch.zeros(len(names), block.shape[1], dtype=block.dtype).index_add_(
+                0, which, block
+            )
+            kept_in = torch.zeros(len(names), mask.shape[1], dtype=torch.float64)
+            mask = kept_in.index_add_(0, which, mask.double()) > 0
+        for name, col_scores, col_kept in zip(names, block.tolist(), mask.tolist(), strict=True):
             for reader, share, can_keep, cols in readers:
                 edge = f"{name}->{reader}"
                 if edge not in score:
                     raise AssertionError(f"{edge} is not an edge of MIB's graph for {cfg}")
-                score[edge] += share * float(col_scores[cols].sum())
-                kept[edge] = kept[edge] or (can_keep and bool(col_kept[cols].any()))
+                score[edge] += share * sum(col_scores[v] for v in cols)
+                kept[edge] = kept[edge] or (can_keep and any(col_kept[v] for v in cols))
     node_score = dict.fromkeys(node_names, 0.0)
     touched = {"logits"}
     for edge in edge_names:
