@@ -141,9 +141,17 @@ def test_dense_neuron_head_tools_refuse_before_work(moe):
 
 
 def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path):
-    """The dense neuron-head views, summaries, the report and path patching (which freezes every
-    neuron-head's ``z``) refuse an expert layer before a forward pass, naming the expert tools."""
-    from tl_attnonly.analysis import path_patch_sweep, summarize_neuron_heads
+    """The dense neuron-head views, summaries, the report, path patching (which freezes every
+    neuron-head's ``z``), node-level circuits, the gate/value split and composition scores refuse
+    an expert layer before a forward pass, naming the expert tools."""
+    from tl_attnonly.analysis import (
+        ModelInputs,
+        circuit_gate_value_split,
+        composition_scores,
+        node_attribution_scores,
+        path_patch_sweep,
+        summarize_neuron_heads,
+    )
     from tl_attnonly.report import write_demo_report
     from tl_attnonly.vis import neuron_head_attention_view
 
@@ -157,6 +165,11 @@ def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path
             lambda: summarize_neuron_heads(bridge, [clean[0]]),
             lambda: write_demo_report(bridge, bridge, "a b", tmp_path / "r.html"),
             lambda: path_patch_sweep(bridge, clean, moe["corrupted"], "logits", _metric),
+            lambda: node_attribution_scores(
+                bridge, ModelInputs(clean), ModelInputs(moe["corrupted"]), _metric
+            ),
+            lambda: circuit_gate_value_split(bridge, {}, clean, moe["corrupted"], _metric),
+            lambda: composition_scores(bridge, "Q"),
         ):
             with pytest.raises(NotImplementedError, match="summarize_expert_neuron_heads"):
                 run()

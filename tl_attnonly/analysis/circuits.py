@@ -73,7 +73,7 @@ def layer_indices(model: ModelLike, layer: int | None) -> list[int]:
     if layer is not None and not 0 <= layer < model.cfg.n_layers:
         raise ValueError(f"layer must be in [0, {model.cfg.n_layers}), got {layer}.")
     layers = list(range(model.cfg.n_layers)) if layer is None else [layer]
-    refuse_expert_layers([b.mlp for b in model.blocks], layers, "The neuron-head circuits")
+    refuse_expert_layers([b.mlp for b in model.blocks], layers, "A neuron-head circuit")
     return layers
 
 

@@ -24,6 +24,7 @@ from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
 from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, Mask
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -79,6 +80,7 @@ def circuit_gate_value_split(
         n_value_edges`` (metric units).
     """
     model = analysis_model(model)
+    refuse_expert_layers([block.mlp for block in model.blocks], None, "circuit_gate_value_split")
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     graph = HeadGraph(
         model, neuron_level=neuron_level, nodes=nodes,

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.hooks import head_act_name, neuron_act_name
+from tl_attnonly.mlp_protocol import refuse_expert_layers
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel, ModelLike
@@ -92,6 +93,7 @@ def pair_cosine_metric(mean: bool = True) -> NodeMetric:
 
 def _node_hooks(model: AttnOnlyModel) -> list[tuple[str, str, int]]:
     """``(node group, hook name, layer)``: where each group's output is patched."""
+    refuse_expert_layers([block.mlp for block in model.blocks], None, "Node-level circuits")
     out = []
     if _is_encoder(model):
         out.append(("embed", "hook_full_embed", -1))
