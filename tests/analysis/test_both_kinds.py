@@ -379,9 +379,11 @@ def test_an_unconverted_bridge_is_refused_with_directions():
         A.edge_attribution_scores(bridge, clean, corrupted, last_metric)
 
 
-def test_a_post_norm_bridge_is_refused_by_discovery_and_decomposition():
+def test_a_post_norm_bridge_is_read_from_its_blocks_and_analysed():
     """Gemma 2 normalises each sublayer's output (``ln1_post``, ``ln2_post``), which its bridge's
-    config does not say: the adapter reads it from the blocks."""
+    config does not say: the adapter reads it from the blocks. Discovery and the decomposition
+    take each norm's scale from the run (tests/analysis/test_post_norm_decomposition.py,
+    tests/analysis/discovery/test_post_norm_discovery.py check them)."""
     import transformers
     from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
 
@@ -397,8 +399,8 @@ def test_a_post_norm_bridge_is_refused_by_discovery_and_decomposition():
     )
     clean, corrupted = tokens()
     assert analysis_model(bridge).cfg.post_norm
-    with pytest.raises(NotImplementedError, match="norms after each sublayer"):
-        A.edge_attribution_scores(bridge, clean, corrupted, last_metric)
+    scores = A.edge_attribution_scores(bridge, clean, corrupted, last_metric)
+    assert scores.metric_clean != scores.metric_corrupted
     _, cache = bridge.run_with_cache(clean, names_filter=decomposition_names_filter())
     assert A.decompose_resid_heads(cache).shape[0] > 0  # linear in a run: not refused
     # what works on it: neuron-head patching

@@ -366,9 +366,6 @@ def test_unsupported_models_are_refused():
 @pytest.mark.parametrize(
     "name, match",
     [
-        ("gemma2", "use_normalization_before_and_after"),
-        ("gemma3", "norms after each sublayer"),
-        ("olmo2", "post-norm"),
         pytest.param("moe", "NeuronHeadMoE", marks=tl3_only("mixtures of experts")),
         ("geglu_heads", "neuron_level=False on gated MLPs"),
     ],

@@ -62,7 +62,9 @@ def _reference(model, graph: HeadGraph, mask) -> float:
             for src in graph.sources:
                 if not (src.labels and src.order < dst.order):
                     continue
-                change = source_values(current, src, graph) - source_values(corr, src, graph)
+                change = source_values(current, src, graph, adapter) - source_values(
+                    corr, src, graph, adapter
+                )
                 U = writer_matrix(adapter, src, graph, x)
                 for u in mask[(src.key, dst.key)][:, j].nonzero().flatten().tolist():
                     x = x + change[:, :, u] @ U[u]
@@ -165,9 +167,9 @@ def _record_source_values(monkeypatch) -> list:
     read: list = []
     source_values = run_plan.source_values
 
-    def recorded(acts, src, graph):
+    def recorded(acts, src, graph, model):
         read.append(src)
-        return source_values(acts, src, graph)
+        return source_values(acts, src, graph, model)
 
     monkeypatch.setattr(run_plan, "source_values", recorded)
     return read

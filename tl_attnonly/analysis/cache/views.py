@@ -43,9 +43,9 @@ from tqdm.auto import tqdm
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
+import tl_attnonly.analysis.post_norm as post_norm
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
-from tl_attnonly.analysis import post_norm
 from tl_attnonly.analysis.cache.options import DEFAULT_CHUNK, STACK_BUDGET
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 

@@ -321,7 +321,8 @@ def attribution_terms(
         clean_cache, corr_cache = dict(clean_cache.cache_dict), dict(corr_cache.cache_dict)
         deltas = {
             s.key: (
-                source_values(clean_cache, s, graph) - source_values(corr_cache, s, graph)
+                source_values(clean_cache, s, graph, model)
+                - source_values(corr_cache, s, graph, model)
             ).flatten(0, 1)
             for s in graph.sources
             if s.labels

@@ -243,10 +243,10 @@ class PlanRun:
             if src.key not in self.memo:  # the same in every run of the batch
                 self.memo[src.key] = (
                     writer_matrix(self.model, src, self.graph, like),
-                    source_values(self.corr, src, self.graph),
+                    source_values(self.corr, src, self.graph, self.model),
                 )
             U, corrupted = self.memo[src.key]
-            change = source_values(self.current, src, self.graph) - corrupted
+            change = source_values(self.current, src, self.graph, self.model) - corrupted
             if src.kind in ("neuron", MLP_REST) and src.layer in self.kept:
                 change, U = _kept_only(change, U, src, self.kept[src.layer])
             merged, which = torch.unique(ids, return_inverse=True)

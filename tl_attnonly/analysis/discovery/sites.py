@@ -25,6 +25,7 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
+from tl_attnonly.analysis.post_norm import has_post_norms, normed, post_norm, scale_hook
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 from tl_attnonly.mlp_protocol import refuse_expert_layers
 
@@ -59,11 +60,13 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
 
     Raises:
         TypeError: If ``model`` is not converted.
-        NotImplementedError: For encoders, mixtures of experts, post-norm blocks (and norms after
-            each sublayer), positions other than learned or rotary, attention-only models, and
-            neuron-head level on gated MLPs with ``K > 1``. (Q/K norms are inside a head: its
-            ``hook_q``/``hook_k`` hold ``W_Q ln1(x) + b_Q`` before the norm, so a run rebuilds
-            them from the residual input as for any head and the model normalises them.)
+        NotImplementedError: For encoders, mixtures of experts, a post-LN of the residual stream
+            (norms after each sublayer are handled, unless their sublayer has an output bias:
+            :func:`post_norm_problems`), positions other than learned or rotary, attention-only
+            models, and neuron-head level on gated MLPs with ``K > 1``. (Q/K norms are inside a
+            head: its ``hook_q``/``hook_k`` hold ``W_Q ln1(x) + b_Q`` before the norm, so a run
+            rebuilds them from the residual input as for any head and the model normalises
+            them.)
     """
     model = analysis_model(model)  # refuses mixtures of experts (NeuronHeadMoE) by name
     if model.is_encoder:
@@ -77,11 +80,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     problems = []
     if cfg.positional_embedding_type not in ("standard", "rotary"):
         problems.append(f"positional_embedding_type={cfg.positional_embedding_type!r}")
-    if cfg.post_norm:
-        problems.append(
-            "norms after each sublayer (use_normalization_before_and_after=True or post-norm "
-            "blocks)"
-        )
+    problems += post_norm_problems(model)
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     refuse_expert_layers([block.mlp for block in model.blocks], None, "discover_circuit")
@@ -101,6 +100,36 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
             "learned or rotary positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no mixtures "
             "of experts). Not supported here: " + ", ".join(problems) + "."
         )
+
+
+def post_norm_problems(model: AttnOnlyModel) -> list[str]:
+    """What of a model's post-norms no exact run handles (``[]``: none).
+
+    Norms after each sublayer (Gemma 2/3, OLMo 2/3, GLM-4) are handled: a node's output in a run
+    is its share of its sublayer's normed output, the norm's scale the run's
+    (:mod:`tl_attnonly.analysis.post_norm`). The sublayer's output bias would be a term of its
+    own whose scale changes with the run, belonging to no node: such a sublayer is refused (the
+    families above have none). A norm of the residual stream itself (OPT's post-LN) is refused.
+    """
+    if not model.cfg.post_norm:
+        return []
+    if not has_post_norms(model):
+        return ["post-LN of the residual stream (LN(resid + sublayer_out))"]
+    problems = []
+    for li, block in enumerate(model.blocks):
+        for sublayer, norm, b_O in (
+            ("attn", block.ln1_post, block.attn.b_O),
+            ("mlp", block.ln2_post, block.mlp.b_O),
+        ):
+            if norm is None:
+                continue
+            centred = b_O - b_O.mean() if norm.centred else b_O
+            if bool(centred.detach().abs().max() > 0):
+                problems.append(
+                    f"blocks.{li}.{sublayer}'s output bias before its norm (a term whose scale "
+                    "changes with the run and that belongs to no node)"
+                )
+    return problems
 
 
 def check_scoring_args(
@@ -306,6 +335,9 @@ def norm_linearisation(norm: Norm | None, x: torch.Tensor):
 
 
 def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
+    """The hooks :func:`source_values` reads: the embeddings, each layer's heads' ``z`` and
+    neuron-heads' ``post`` (neuron level) or ``z``, and the scales of the norms after each
+    sublayer (a post-normed node's output is divided by its run's)."""
     model = analysis_model(model)
     names = ["hook_embed"]
     if model.cfg.positional_embedding_type == "standard":
@@ -313,6 +345,10 @@ def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
     for li in range(graph.n_layers):
         names.append(head_act_name("z", li, "attn"))
         names.append(neuron_act_name("post" if graph.neuron_level else "z", li))
+        for sublayer in ("attn", "mlp"):
+            norm = post_norm(model, li, sublayer)
+            if norm is not None:
+                names.append(scale_hook(norm))
     return names
 
 
@@ -330,9 +366,13 @@ def _kept(t: torch.Tensor, group: SourceGroup | InputGroup, dim: int) -> torch.T
 
 
 def source_values(
-    acts: dict[str, torch.Tensor], src: SourceGroup, graph: HeadGraph
+    acts: dict[str, torch.Tensor], src: SourceGroup, graph: HeadGraph, model: ModelLike
 ) -> torch.Tensor:
-    """What a source group writes: coefficients ``[batch, pos, n, r]`` of :func:`writer_matrix`."""
+    """What a source group writes in the run of ``acts``: coefficients ``[batch, pos, n, r]`` of
+    :func:`writer_matrix`. A sublayer normed before it is added (``ln1_post`` / ``ln2_post``):
+    divided by the norm's scale in that run (``acts`` holds it: :func:`source_hook_names`), so
+    that with :func:`writer_matrix`'s ``w * centre(U)`` they give the node's share of the normed
+    output, ``w * centre(out_u) / sigma``."""
     if src.kind == EMBED:
         out = acts["hook_embed"]
         if "hook_pos_embed" in acts:
@@ -344,16 +384,30 @@ def source_values(
         out = acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
     else:
         out = acts[neuron_act_name("z", src.layer)]
+    norm = post_norm(analysis_model(model), src.layer, "attn" if src.kind == "attn" else "mlp")
+    if norm is not None:
+        out = out / acts[scale_hook(norm)].unsqueeze(-1).to(out.dtype)
     return _kept(out, src, 2)
 
 
 def writer_matrix(
     model: ModelLike, src: SourceGroup, graph: HeadGraph, like: torch.Tensor
 ) -> torch.Tensor:
-    """``U [n, r, d_model]``: source ``n`` adds ``coefficients[..., n, :] @ U[n]`` to the stream."""
+    """``U [n, r, d_model]``: source ``n`` adds ``coefficients[..., n, :] @ U[n]`` to the stream
+    (a sublayer normed before it is added: ``w * centre(U)``, its coefficients divided by the
+    run's scale, :func:`source_values`)."""
     model = analysis_model(model)
     if src.kind == EMBED:
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
+    norm = post_norm(model, src.layer, "attn" if src.kind == "attn" else "mlp")
+    if norm is not None:  # w * centre(x U) / sigma = (x / sigma) (w * centre(U))
+        scale = like.new_ones(()).expand(1, 1)  # the weights only: the scale is the run's
+        return normed(_plain_writer(model, src, graph), norm, scale)
+    return _plain_writer(model, src, graph)
+
+
+def _plain_writer(model: AttnOnlyModel, src: SourceGroup, graph: HeadGraph) -> torch.Tensor:
+    """:func:`writer_matrix` of a source group without a norm after its sublayer."""
     if src.kind == "attn":
         return _kept(model.blocks[src.layer].attn.W_O, src, 0)
     W_out = model.blocks[src.layer].mlp.W_out

@@ -15,8 +15,8 @@ import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
 
+import tl_attnonly.analysis.post_norm as post_norm
 from tl_attnonly.adapt import analysis_model, require_additive_residual
-from tl_attnonly.analysis import post_norm
 from tl_attnonly.analysis.ioi.prompts import IOIDataset
 from tl_attnonly.hooks import attn_names_filter, exact_names_filter
 
