@@ -271,6 +271,21 @@ def test_graph_json_by_position_class_puts_each_edge_at_its_class(model):
     assert mib["edges"]["input->logits"]["score"] == pytest.approx(total)
 
 
+def test_graph_json_links_mlp_nodes_to_their_atlas_pages():
+    out = _circuit("named").to_graph_json(atlas="https://example.org/atlas/")
+    _validate(out)
+    links = {n["node_id"]: n.get("vis_link") for n in out["nodes"]}
+    mlp = [n for n in out["nodes"] if n["feature_type"] == "mlp layer"]
+    neurons = [n for n in out["nodes"] if n["feature_type"] == "mlp neuron"]
+    assert mlp and neurons
+    for n in mlp:
+        layer = n["node_id"][1 : n["node_id"].index("MLP")]
+        assert n["vis_link"] == f"https://example.org/atlas/layer_{layer}.html"
+    for n in neurons:  # the atlas site's neuron page (tl_attnonly.atlas.site: neuron.html#L1N34)
+        assert n["vis_link"] == f"https://example.org/atlas/neuron.html#{n['node_id'][:-2]}"
+    assert all(links[n["node_id"]] is None for n in out["nodes"] if "H" in n["node_id"])
+
+
 def test_graph_json_refuses_a_slug_that_is_no_file_name():
     with pytest.raises(ValueError, match="slug"):
         _circuit("coarse").to_graph_json(slug="../x")

@@ -53,9 +53,10 @@ attention of layer ``l`` is ``2l+1``, its MLP ``2l+2``, the embeddings ``"E"``, 
 n_layers + 1``. ``ctx_idx``: our edges cover every position, so on a graph without position classes
 every node sits at the last entry of ``prompt_tokens`` (default: one entry, ``"(every
 position)"``); on a graph resolved by position classes each class is one context entry
-(``prompt_tokens`` defaults to the class names) and an edge's two nodes sit at its class. The
-``logits`` node stands for the task's metric; its ``clerp`` carries the ``(p=...)`` suffix
-Neuronpedia's viewer parses from a logit node, with p = 1.
+(``prompt_tokens`` defaults to the class names) and an edge's two nodes sit at its class. With
+``atlas=`` (a neuron atlas site, :mod:`tl_attnonly.atlas`) each MLP node links to its atlas page
+under ``vis_link``. The ``logits`` node stands for the task's metric; its ``clerp`` carries the
+``(p=...)`` suffix Neuronpedia's viewer parses from a logit node, with p = 1.
 """
 
 from __future__ import annotations
@@ -314,6 +315,7 @@ def circuit_to_graph_json(
     prompt_tokens: Sequence[str] | None = None,
     prompt: str | None = None,
     logit_label: str = "metric",
+    atlas: str | None = None,
 ) -> dict[str, Any]:
     """The circuit as a circuit-tracer / Neuronpedia attribution graph (module's doc: the
     mapping and how ``ctx_idx`` is set).
@@ -330,6 +332,11 @@ def circuit_to_graph_json(
             names).
         prompt: ``metadata.prompt`` (default: the tokens joined).
         logit_label: What the ``logits`` node's ``clerp`` names (the metric).
+        atlas: Where a neuron atlas of the model is (:mod:`tl_attnonly.atlas`'s site: a URL or
+            path): each neuron (and neuron-head) node links to its page
+            (``{atlas}/neuron.html#L{l}N{i}``) and each MLP layer node to its layer's
+            (``{atlas}/layer_{l}.html``), under ``vis_link`` (the field Neuronpedia's viewer
+            opens).
 
     Returns:
         ``{"metadata", "qParams", "nodes", "links"}``.
@@ -405,6 +412,10 @@ def circuit_to_graph_json(
             "influence": None,
             "activation": None,
         })  # fmt: skip
+        if atlas is not None and role["feature_type"].startswith("mlp"):
+            layer, neuron = re.match(r"L(\d+)(?:N(\d+))?", label).groups()  # type: ignore[union-attr]
+            page = f"neuron.html#L{layer}N{neuron}" if neuron else f"layer_{layer}.html"
+            nodes[-1]["vis_link"] = f"{atlas.rstrip('/')}/{page}"
     link_list = [
         {
             "source": node_id(src, c),
