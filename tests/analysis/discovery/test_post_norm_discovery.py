@@ -175,3 +175,104 @@ def test_a_post_ln_of_the_residual_stream_is_refused():
         del ZOO["opt_post_ln"]
     with pytest.raises(NotImplementedError, match="post-LN of the residual stream"):
         check_discoverable(bridge)
+
+
+def _normed_change(model, src: str, clean: torch.Tensor, corrupted: torch.Tensor):
+    """Source ``src``'s (``L{l}H{h}`` or ``L{l}N{i}``) normed output, clean minus corrupted, each
+    with its own run's norm scale, ``[batch, pos, d_model]``."""
+    adapter = analysis_model(model)
+    layer = int(src[1])
+    block = adapter.blocks[layer]
+
+    def output(tokens):
+        _, cache = model.run_with_cache(tokens)
+        if "H" in src:
+            head, norm = int(src.split("H")[1]), block.ln1_post
+            out = cache[f"blocks.{layer}.attn.hook_z"][:, :, head] @ block.attn.W_O[head]
+        else:
+            neuron, norm = int(src.split("N")[1]), block.ln2_post
+            post = cache[f"blocks.{layer}.mlp.hook_post"][:, :, neuron, None]
+            out = post * block.mlp.W_out[neuron]
+        out = out - out.mean(-1, keepdim=True) if norm.centred else out
+        return out / cache[norm.hook_scale] * norm.w
+
+    return output(clean) - output(corrupted)
+
+
+def _edge_derivative(model, src, dst, inp, clean, corrupted, metric) -> float:
+    """d metric / dt of the corrupted run whose ``dst:inp`` (``logits``, ``L{l}H{h}:q`` or
+    ``L{l}N{i}:gate|value``) reads its residual input plus ``t`` times ``src``'s normed change."""
+    adapter = analysis_model(model)
+    delta = _normed_change(model, src, clean, corrupted)
+    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    _, corr = model.run_with_cache(corrupted)
+    if dst == "logits":
+        name = f"blocks.{adapter.cfg.n_layers - 1}.hook_resid_post"
+        hooks = [(name, lambda act, hook: act + t * delta)]
+    else:
+        layer = int(dst[1])
+        block = adapter.blocks[layer]
+        if "H" in dst:
+            head = int(dst.split("H")[1])
+            x = corr[f"blocks.{layer}.hook_resid_pre"] + t * delta
+            x = x if block.ln1 is None else block.ln1(x)
+            q = x @ block.attn.W_Q[head] + block.attn.b_Q[head]
+            name = f"blocks.{layer}.attn.hook_q"
+            index: tuple = (slice(None), slice(None), head)
+        else:
+            neuron = int(dst.split("N")[1])
+            x = corr[f"blocks.{layer}.hook_resid_mid"] + t * delta
+            x = x if block.ln2 is None else block.ln2(x)
+            W = block.mlp.W_gate if inp == "gate" else block.mlp.W_in
+            q = x @ W[:, neuron]
+            name = f"blocks.{layer}.mlp.hook_{'pre' if inp == 'gate' else 'pre_linear'}"
+            index = (slice(None), slice(None), neuron)
+
+        def hook(act, hook):
+            act = act.clone()
+            act[index] = q
+            return act
+
+        hooks = [(name, hook)]
+    value = metric(model.run_with_hooks(corrupted, fwd_hooks=hooks))
+    return torch.autograd.grad(value, t)[0].item()
+
+
+def _check_eap_derivatives(model, vocab: int) -> None:
+    from tl_attnonly.analysis import edge_attribution_scores
+
+    clean, corrupted, _ = _task(vocab, n=3)
+    weights = torch.randn(vocab, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def metric(logits):
+        return (logits[:, -1] @ weights).sum()
+
+    frame = edge_attribution_scores(model, clean, corrupted, metric, method="eap").frame()
+    cases = [
+        ("L0H1", "L1H0", "q"),
+        ("L0N3", "L1H2", "q"),
+        ("L0H0", "L0N5", "gate"),
+        ("L0H2", "L1N2", "value"),
+        ("L1N7", "logits", ""),
+        ("L1H3", "logits", ""),
+    ]
+    for src, dst, inp in cases:
+        row = frame[(frame.source == src) & (frame.target == dst) & (frame.input == inp)]
+        assert len(row) == 1, (src, dst, inp)
+        want = _edge_derivative(model, src, dst, inp, clean, corrupted, metric)
+        assert float(row.score.iloc[0]) == pytest.approx(want, rel=1e-8, abs=1e-10), (src, dst)
+
+
+@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "olmo2"])
+def test_bridge_eap_scores_are_the_derivative_along_each_normed_edge(name):
+    """EAP scores each edge by the same source outputs as the exact runs: its score is the
+    derivative of the metric along the source's normed change (clean minus corrupted, each with
+    its own run's scale) added to the input."""
+    converted, _ = _zoo_bridge(name)
+    _check_eap_derivatives(converted, 128)
+
+
+@pytest.mark.skipif(BRIDGES, reason="HookedTransformer (TL 3 only)")
+def test_hooked_eap_scores_are_the_derivative_along_each_normed_edge():
+    _, converted = _hooked("gemma2")
+    _check_eap_derivatives(converted, 61)
