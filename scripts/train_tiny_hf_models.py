@@ -7,10 +7,13 @@ data, so that both models learn an induction circuit worth finding:
 
 * **Data.** The same Python standard-library sources and the bundled model's own tokenizer
   (``tiny-stdlib-silu``'s byte-level BPE, 3072 tokens; copied into each model's directory).
-  Each batch of ``BATCH_SIZE = 16`` sequences of ``N_CTX = 128`` tokens holds 8 corpus windows
-  (``<|endoftext|>`` + 127 stream tokens, as the SiLU model saw) and 8 repeated random sequences
-  (``<|endoftext|>``, then ``h`` uniformly random tokens of ids 1..3071 repeated, ``h`` uniform
-  in 8..63, then corpus tokens up to 128).
+  Each batch of ``BATCH_SIZE = 16`` sequences of ``N_CTX = 128`` tokens holds 4 corpus windows
+  (``<|endoftext|>`` + 127 stream tokens, as the SiLU model saw) and 12 repeated random sequences
+  (``<|endoftext|>``, then ``h`` tokens drawn uniformly from the induction pool repeated, ``h``
+  uniform in 8..63, then corpus tokens up to 128). The pool is
+  :func:`tl_attnonly.analysis.induction.induction_token_pool`'s: the 919 distinct tokens of the
+  package's bundled prompts (the pool ``make_induction_dataset`` draws from by default). A first
+  recipe (8 rows of tokens drawn from the whole vocabulary) learned no induction in 2000 steps.
 * **Models** (``MODELS``): 2 layers, d_model 128, 4 query heads of d_head 32 and 2 key/value
   heads, untied embeddings, eager attention.
 
@@ -58,7 +61,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 SEED = 0
 N_CTX = 128
 BATCH_SIZE = 16
-INDUCTION_ROWS = 8
+INDUCTION_ROWS = 12
 INDUCTION_HALF = (8, 63)
 STEPS = 2000
 EVAL_EVERY = 500
@@ -106,12 +109,25 @@ def make_model(name: str) -> Any:
     return getattr(transformers, MODELS[name][1])(config)
 
 
-def induction_rows(stream: torch.Tensor, gen: torch.Generator, n: int, bos: int) -> torch.Tensor:
-    """``n`` rows: BOS, ``h`` random tokens twice, then corpus tokens up to ``N_CTX``."""
+def induction_pool(tokenizer: Any) -> torch.Tensor:
+    """The distinct non-special tokens of the package's bundled prompts (as
+    :func:`tl_attnonly.analysis.induction.induction_token_pool`), ``[n]``."""
+    from tl_attnonly.fidelity_lm import load_prompts
+
+    ids: set[int] = set()
+    for text in load_prompts():
+        ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return torch.tensor(sorted(ids - set(tokenizer.all_special_ids)))
+
+
+def induction_rows(
+    stream: torch.Tensor, gen: torch.Generator, n: int, bos: int, pool: torch.Tensor
+) -> torch.Tensor:
+    """``n`` rows: BOS, ``h`` random pool tokens twice, then corpus tokens up to ``N_CTX``."""
     rows = []
     for _ in range(n):
         h = int(torch.randint(INDUCTION_HALF[0], INDUCTION_HALF[1] + 1, (1,), generator=gen))
-        half = torch.randint(1, _COMMON["vocab_size"], (h,), generator=gen)
+        half = pool[torch.randint(0, len(pool), (h,), generator=gen)]
         rest = N_CTX - 1 - 2 * h
         start = int(torch.randint(0, len(stream) - rest, (1,), generator=gen))
         rows.append(torch.cat([torch.tensor([bos]), half, half, stream[start : start + rest]]))
@@ -154,7 +170,10 @@ def train(name: str, out_dir: Path, steps: int) -> dict[str, Any]:
     val_batches = recipe.windows_with_bos(val_stream, val_starts, bos)
     gen = torch.Generator().manual_seed(SEED)
     n_starts = len(train_stream) - (N_CTX - 1) + 1
-    induction_val = induction_rows(val_stream, torch.Generator().manual_seed(SEED + 1), 64, bos)
+    pool = induction_pool(tokenizer)
+    induction_val = induction_rows(
+        val_stream, torch.Generator().manual_seed(SEED + 1), 64, bos, pool
+    )
 
     model = make_model(name)
     decay, no_decay = [], []
@@ -176,7 +195,7 @@ def train(name: str, out_dir: Path, steps: int) -> dict[str, Any]:
             group["lr"] = recipe.lr_at(step) if steps == recipe.STEPS else _lr(recipe, step, steps)
         starts = torch.randint(0, n_starts, (BATCH_SIZE - INDUCTION_ROWS,), generator=gen)
         corpus = recipe.windows_with_bos(train_stream, starts, bos)
-        tokens = torch.cat([corpus, induction_rows(train_stream, gen, INDUCTION_ROWS, bos)])
+        tokens = torch.cat([corpus, induction_rows(train_stream, gen, INDUCTION_ROWS, bos, pool)])
         loss = model(tokens, labels=tokens).loss  # + the router's load-balancing loss (MoE)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
