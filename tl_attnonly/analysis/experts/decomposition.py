@@ -2,9 +2,11 @@
 
 A mixture-of-experts layer writes, at token ``t``, ``sum_slot w[t, slot] * expert_{e(t, slot)}
 (x_t)`` (the routed experts: the top-k indices ``e`` and weights ``w`` the block passes to its
-experts, hooked at ``blocks.{l}.mlp.hook_expert_indices`` and ``blocks.{l}.mlp.hook_routing_
-weights``) plus what its shared experts write (Qwen2-MoE's ``shared_expert``, scaled by the sigmoid
-of its ``shared_expert_gate``; DeepSeek's ``shared_experts``). Each of those is one component
+experts, hooked at ``blocks.{l}.mlp.hook_routing_indices`` and ``hook_routing_weights`` on a
+converted bridge; on an :class:`~tl_attnonly.AttnOnlyTransformer`'s MoE, TransformerLens's
+``hook_expert_indices`` and the top-k of its ``hook_expert_weights``) plus what its shared
+experts write (Qwen2-MoE's ``shared_expert``, scaled by the sigmoid of its ``shared_expert_gate``;
+DeepSeek's ``shared_experts``). Each of those is one component
 here: expert ``e``'s routing weight times its output (zero at the tokens not routed to it), and
 each shared expert's output as the block adds it. They sum to the layer's output
 (``blocks.{l}.hook_mlp_out``) up to the floating-point order of the sum.
@@ -62,13 +64,31 @@ def _cached(cache: Any, name: str) -> torch.Tensor:
     return cache[name]
 
 
+def _routing_weights(
+    cache: Any, layer: int, moe: Any, indices: Int[torch.Tensor, "tokens top_k"]
+) -> Float[torch.Tensor, "tokens top_k"]:
+    """The weights the experts of ``layer`` got: ``hook_routing_weights`` (a converted bridge);
+    on TransformerLens's ``MoE`` (an :class:`~tl_attnonly.AttnOnlyTransformer`'s), its
+    ``hook_expert_weights`` (the router's softmax over every expert) at the top-k indices,
+    normalised where ``cfg.norm_topk_prob``, as its forward computes them."""
+    name = routing_weights_hook_name(layer)
+    probs = f"blocks.{layer}.mlp.hook_expert_weights"
+    cfg = getattr(moe, "cfg", None)
+    if name in cache.cache_dict or cfg is None or probs not in cache.cache_dict:
+        return _cached(cache, name)
+    weights = cache[probs].reshape(-1, moe.num_experts).gather(-1, indices)
+    if getattr(cfg, "norm_topk_prob", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
 def _expert_output(cache: Any, layer: int, expert: Any, index: int) -> torch.Tensor:
     """Routed expert ``index``'s output (before its routing weight), ``[routed, d_model]``, in
-    its gather order: ``hook_post @ W_out + b_out`` (or ``sum_h z_h W_O[h] + b_O``)."""
+    its gather order: ``(hook_post - b_post) @ W_out + b_O`` (or ``sum_h z_h W_O[h] + b_O``)."""
     post_name = expert_hook_name(layer, index, "post")
     if post_name in cache.cache_dict:  # hook_post fires unless per-head results are computed
         post = hook_rows(cache[post_name], "post")
-        return post @ expert.out_matrix + expert.b_out
+        return (post - expert.b_post) @ expert.out_matrix + expert.b_O  # b_O counts b_post
     z = hook_rows(_cached(cache, expert_hook_name(layer, index, "z")), "z")
     return z @ expert.W_O[:, 0] + expert.b_O
 
@@ -100,7 +120,7 @@ def expert_components(
     resid = cache[f"blocks.{layer}.hook_resid_pre"]  # [batch, pos, d_model]
     batch, n_pos, d_model = resid.shape
     indices = cached_routing(cache, layer)  # [tokens, top_k]
-    weights = _cached(cache, routing_weights_hook_name(layer))  # [tokens, top_k]
+    weights = _routing_weights(cache, layer, moe, indices)  # [tokens, top_k]
     parts, labels = [], []
     for index, expert in enumerate(moe.expert_list()):
         slot, token = routed_slots(indices, index)
