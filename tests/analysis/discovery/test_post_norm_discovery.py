@@ -276,3 +276,43 @@ def test_bridge_eap_scores_are_the_derivative_along_each_normed_edge(name):
 def test_hooked_eap_scores_are_the_derivative_along_each_normed_edge():
     _, converted = _hooked("gemma2")
     _check_eap_derivatives(converted, 61)
+
+
+def _node_agreement(model, method: str) -> tuple[dict[str, float], float]:
+    """EAP(-IG) node scores (each source node's outgoing edge scores summed) against the exact
+    effect of removing the node's outgoing edges from the full graph, over every node but the
+    embeddings: :func:`rank_agreement` (sign agreement on the 10 largest effects) and the
+    overlap of the two top-10 sets."""
+    from tl_attnonly.analysis import edge_attribution_scores, rank_agreement
+
+    clean, corrupted, metric = _task(128, n=8)
+    graph = HeadGraph(model, neuron_level=True)
+    full = graph.full_mask()
+    nodes = [(s, i, label) for s in graph.sources if s.kind != "embed" for i, label in
+             enumerate(s.labels)]  # fmt: skip
+    masks = []
+    for src, i, _ in nodes:
+        mask = {k: v.clone() for k, v in full.items()}
+        for (key, _), edges in mask.items():
+            if key == src.key:
+                edges[i] = False
+        masks.append(mask)
+    runs = circuit_metrics(model, [full, *masks], clean, corrupted, metric, batch_size=8)
+    exact = torch.tensor([runs[0] - m for m in runs[1:]], dtype=torch.float64)
+    frame = edge_attribution_scores(model, clean, corrupted, metric, method=method).frame()
+    scores = frame.groupby("source").score.sum()
+    estimate = torch.tensor([float(scores[label]) for *_, label in nodes], dtype=torch.float64)
+    top_exact = set(exact.abs().topk(10).indices.tolist())
+    top_estimate = set(estimate.abs().topk(10).indices.tolist())
+    return rank_agreement(estimate, exact, top=10), len(top_exact & top_estimate) / 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "olmo2", "llama"])
+def test_eap_ig_node_ranking_agrees_with_exact_node_removal(name):
+    """Measured (docs/analysis.md), the same on the post-norm families as on a pre-norm one
+    (LLaMA): EAP-IG Spearman 0.93 / 0.90 / 0.96 over 200 nodes, top-10 overlap 0.9 / 0.7 / 0.9;
+    EAP 0.78 / 0.76 / 0.81. Stated tolerance: Spearman >= 0.85, overlap >= 0.6."""
+    model, _ = _zoo_bridge(name)
+    agreement, overlap = _node_agreement(model, "eap-ig")
+    assert agreement["spearman"] >= 0.85 and overlap >= 0.6, (agreement, overlap)
