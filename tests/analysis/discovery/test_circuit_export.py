@@ -24,7 +24,13 @@ import torch
 from conftest import make_tokens
 from models import make_converted
 
-from tl_attnonly.analysis import PositionClasses, discover_circuit, logit_diff_metric
+from tl_attnonly.analysis import (
+    Circuit,
+    PositionClasses,
+    discover_circuit,
+    edge_attribution_scores,
+    logit_diff_metric,
+)
 
 CLEAN, CORRUPTED = make_tokens(3, 7, seed=0), make_tokens(3, 7, seed=1)
 METRIC = logit_diff_metric(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
@@ -48,9 +54,31 @@ def _model(gqa: bool):
 
 
 @functools.cache
+def _gelu():
+    return make_converted("gelu")  # K = 4 heads per neuron
+
+
+@functools.cache
 def _circuit(name: str):
     """Each case's circuit, found once for the module: ``coarse``, ``named`` (8 neurons per
-    MLP node), ``gqa`` (grouped-query attention, coarse)."""
+    MLP node), ``gqa`` (grouped-query attention, coarse), ``neuron_heads`` (a GELU model's
+    neuron-heads ``L{l}N{i}.{k}`` as nodes: the top 12 edges of a graph of 6 neuron-heads,
+    heads and the rest of each layer, and the top 6 of the neuron-heads')."""
+    if name == "neuron_heads":
+        nodes = ["L0N1.0", "L0N1.3", "L0N5.2", "L1N0.1", "L1N7.0", "L1N7.3", "L0MLP", "L1MLP"]
+        nodes += [f"L{li}H{h}" for li in range(2) for h in range(2)]
+        scores = edge_attribution_scores(
+            _gelu(), CLEAN, CORRUPTED, METRIC, neuron_level=False, nodes=nodes, progress=False
+        )
+
+        def top(keys, n):  # the n largest |score| of these blocks
+            cut = torch.cat([scores.scores[k].flatten().abs() for k in keys]).topk(n).values[-1]
+            return {k: scores.scores[k].abs() >= cut for k in keys}
+
+        named = [k for k in scores.scores if "neuron" in k[0] or "neuron" in k[1]]
+        mask = top(list(scores.scores), 12)
+        mask = {k: m | top(named, 6).get(k, torch.zeros_like(m)) for k, m in mask.items()}
+        return Circuit(scores, mask, scores.metric_clean, scores.metric_corrupted, 0.0, 0.5)
     return _discover(_model(name.startswith("gqa")), 8 if name.endswith("named") else 0)
 
 
@@ -59,8 +87,10 @@ def model():
     return _model(False)
 
 
-@pytest.fixture(scope="module", params=["coarse", "named", "gqa"])
+@pytest.fixture(scope="module", params=["coarse", "named", "gqa", "neuron_heads"])
 def case(request):
+    if request.param == "neuron_heads":
+        return _gelu(), _circuit(request.param)
     return _model(request.param.startswith("gqa")), _circuit(request.param)
 
 
@@ -231,7 +261,8 @@ def test_graph_json_validates_and_holds_the_circuits_edges(case, tmp_path):
         assert link["weight"] == pytest.approx(sum(by_pair[pair].values()))
         assert set(pair) <= set(nodes)
     roles = {
-        "embed": "embedding", "attn": "attention head", "neuron": "mlp neuron",
+        "embed": "embedding", "attn": "attention head",
+        "neuron": "mlp neuron" if circuit.graph.neuron_level else "mlp neuron-head",
         "mlp": "mlp layer", "logits": "logit",
     }  # fmt: skip
     for row in frame.itertuples():

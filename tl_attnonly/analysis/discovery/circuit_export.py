@@ -277,11 +277,9 @@ def _node_roles(graph: HeadGraph) -> dict[str, dict[str, Any]]:
                     clerp=f"{label}: {what} of layer {g.layer}",
                 )  # fmt: skip
         elif g.kind == MLP_REST:
-            part = (
-                f"all {g.size} neurons"
-                if len(g.index) == g.size
-                else f"its {len(g.index)} neurons not named"
-            )
+            what = "neurons" if graph.neuron_level else "neuron-heads"
+            named = len(g.index) < g.size
+            part = f"its {len(g.index)} {what} not named" if named else f"all {g.size} {what}"
             roles[g.labels[0]] = dict(
                 layer=str(2 * g.layer + 2), feature=g.size, feature_type="mlp layer",
                 clerp=f"{g.labels[0]}: MLP layer {g.layer} ({part})",
