@@ -193,7 +193,8 @@ EXPERT_TOOLS = (
     "of the attention heads); the expert layers through tl_attnonly.analysis.experts: "
     "decompose_resid_experts and expert_logit_attrs (each expert's weighted contribution, shared "
     "experts as their own components), experts_used (the experts each token was routed to), "
-    "get_act_patch_expert_neuron_heads, summarize_expert_neuron_heads, expert_activation; and "
+    "get_act_patch_experts (whole experts), get_act_patch_expert_neuron_heads, "
+    "summarize_expert_neuron_heads, expert_activation; and "
     "the experts' hooks (blocks.{l}.mlp.experts.{e}.hook_z, ...; the router: "
     "blocks.{l}.mlp.hook_expert_indices, blocks.{l}.mlp.hook_routing_weights)"
 )

@@ -2,7 +2,8 @@
 experts (``NeuronHeadMoE``, TransformerLens 3.x), against the unconverted ``HookedTransformer``:
 attention-head patching equals ``transformer_lens.patching``'s head sweep, the expert components
 (routing weight x expert output, the weights the top-k of TL's ``hook_expert_weights``) sum to its
-``hook_mlp_out`` and the residual decomposition to its residual stream. The bridges' side:
+``hook_mlp_out`` and the residual decomposition to its residual stream, and patching every
+expert's contribution at once is patching its ``hook_mlp_out``. The bridges' side:
 ``tests/bridge/test_moe_tools.py``.
 """
 
@@ -15,7 +16,12 @@ from models import hooked_only
 
 import tl_attnonly
 from tl_attnonly.analysis import get_act_patch_all_heads
-from tl_attnonly.analysis.experts import decompose_resid_experts, expert_components, experts_used
+from tl_attnonly.analysis.experts import (
+    decompose_resid_experts,
+    expert_components,
+    experts_used,
+    get_act_patch_experts,
+)
 
 ATOL = 1e-5  # float32
 
@@ -55,3 +61,10 @@ def test_hooked_moe_heads_and_expert_components_equal_transformer_lens(norm_topk
     stack, _ = decompose_resid_experts(cache)
     resid = ref_cache[f"blocks.{original.cfg.n_layers - 1}.hook_resid_post"]
     torch.testing.assert_close(stack.sum(0), resid, atol=ATOL, rtol=0)
+    together = get_act_patch_experts(converted, corrupted, cache, _metric, layer=0, together=True)
+    clean_out = ref_cache["blocks.0.hook_mlp_out"]
+    with torch.no_grad():
+        logits = original.run_with_hooks(
+            corrupted, fwd_hooks=[("blocks.0.hook_mlp_out", lambda act, hook: clean_out)]
+        )
+    assert together["metric"][0] == pytest.approx(float(_metric(logits)), abs=ATOL)

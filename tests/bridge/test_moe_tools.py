@@ -33,6 +33,7 @@ from tl_attnonly.analysis.experts import (
     expert_components,
     expert_logit_attrs,
     experts_used,
+    get_act_patch_experts,
 )
 from tl_attnonly.bridge import unconvert_bridge
 
@@ -264,3 +265,26 @@ def test_expert_components_of_the_other_families(name):
         for e in range(len(labels)):
             routed = (indices == e).any(-1)
             assert (stack[e][~routed] == 0).all() and stack[e][routed].abs().amax(-1).gt(0).all()
+
+
+def test_expert_patching_patches_each_experts_weighted_contribution(moe):
+    """Whole-expert patches: every expert (and the shared one) together is the clean layer output
+    (the unconverted bridge's ``hook_mlp_out``) in the corrupted run; one row per expert, with
+    the tokens routed to it in each run."""
+    bridge, corrupted, cache = moe["bridge"], moe["corrupted"], moe["cache"]
+    table = get_act_patch_experts(bridge, corrupted, cache, _metric, layer=0)
+    shared = ["L0S"] if moe["name"] == "qwen2_moe" else []
+    assert list(table["label"]) == [f"L0E{e}" for e in range(4)] + shared
+    used = experts_used(cache)[0]
+    for e in range(4):
+        assert table["routed_clean"][e] == int((used == e).sum())
+    together = get_act_patch_experts(bridge, corrupted, cache, _metric, layer=0, together=True)
+    clean_out = moe["ref_cache"]["blocks.0.hook_mlp_out"]
+    with torch.no_grad():
+        logits = bridge.run_with_hooks(
+            corrupted, fwd_hooks=[("blocks.0.hook_mlp_out", lambda act, hook: clean_out)]
+        )
+    assert together["metric"][0] == pytest.approx(float(_metric(logits)), abs=ATOL)
+    with torch.no_grad():
+        base = float(_metric(bridge(corrupted)))
+    assert (table["metric"] - base).abs().max() > 1e-4  # the patches act

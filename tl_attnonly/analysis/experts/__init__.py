@@ -45,7 +45,10 @@ from tl_attnonly.analysis.experts.decomposition import (
     expert_logit_attrs,
     routing_weights_hook_name,
 )
-from tl_attnonly.analysis.experts.patching import get_act_patch_expert_neuron_heads
+from tl_attnonly.analysis.experts.patching import (
+    get_act_patch_expert_neuron_heads,
+    get_act_patch_experts,
+)
 from tl_attnonly.analysis.experts.routing import (
     ROUTING_HOOK,
     SHARED,
@@ -81,6 +84,7 @@ __all__ = [
     "expert_hook_name",
     "expert_neuron_head_label",
     "get_act_patch_expert_neuron_heads",
+    "get_act_patch_experts",
     "moe_layer",
     "resolve_expert",
     "routed_tokens",

@@ -15,6 +15,7 @@ from jaxtyping import Float, Int
 
 from tl_attnonly._types import Metric
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.experts.decomposition import expert_components
 from tl_attnonly.analysis.experts.routing import (
     Expert,
     cached_routing,
@@ -26,6 +27,7 @@ from tl_attnonly.analysis.experts.routing import (
     moe_layer,
     resolve_experts,
     routing_hook_name,
+    shared_experts,
 )
 from tl_attnonly.protocol import ModelLike
 
@@ -166,4 +168,98 @@ def get_act_patch_expert_neuron_heads(
     return pd.DataFrame(rows)
 
 
-__all__ = ["get_act_patch_expert_neuron_heads"]
+def get_act_patch_experts(
+    model: ModelLike,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: Any,
+    patching_metric: Metric,
+    *,
+    layer: int,
+    experts: Sequence[Expert] | None = None,
+    together: bool = False,
+) -> pd.DataFrame:
+    """Patch whole experts: each expert's weighted contribution from the clean run into the
+    corrupted run.
+
+    An expert's contribution is what :func:`~tl_attnonly.analysis.experts.expert_components`
+    gives: its routing weight times its output at the tokens routed to it (a shared expert: its
+    output as the block adds it). A patch adds ``clean - corrupted`` of that contribution to
+    ``blocks.{layer}.hook_mlp_out`` in the corrupted run, so the layer writes the clean run's
+    contribution of the expert (the clean run's tokens, routing weights and output) and the
+    corrupted run's of every other. Later layers route from their own, patched, input.
+
+    Args:
+        model: A converted model with mixtures of experts (either kind).
+        corrupted_tokens: The corrupted prompts ``[batch, pos]`` (the clean run's shape).
+        clean_cache: The clean run's cache: every hook of ``blocks.{layer}``
+            (``run_with_cache`` without a names_filter).
+        patching_metric: Logits -> scalar tensor.
+        layer: The MoE layer.
+        experts: Routed experts' indices, shared experts' names or ``"shared"`` (default: every
+            routed expert, then the shared ones).
+        together: One patch of all ``experts`` at once (every expert of the layer: the clean
+            ``hook_mlp_out``), instead of one per expert.
+
+    Returns:
+        One row per patch: ``layer, expert`` (index, shared name, or ``"together"``), ``label``
+        (``L{l}E{e}``, ``L{l}S``), ``metric``, ``routed_clean`` and ``routed_corrupted`` (tokens
+        routed to the expert in each run; a shared expert: every token).
+
+    Raises:
+        ValueError: For a layer that is not a mixture of experts, an unknown expert, or prompts
+            of another shape than the clean run's.
+    """
+    adapted = analysis_model(model)
+    moe = moe_layer(adapted, layer)
+    expert_ids = resolve_experts(moe, layer, experts)
+    clean, labels = expert_components(clean_cache, layer)  # [n_components, batch, pos, d_model]
+    if tuple(clean.shape[1:3]) != tuple(corrupted_tokens.shape):
+        raise ValueError(
+            f"corrupted_tokens {tuple(corrupted_tokens.shape)} and the clean run "
+            f"{tuple(clean.shape[1:3])} differ in shape."
+        )
+    prefix, resid = f"blocks.{layer}.mlp.", f"blocks.{layer}.hook_resid_pre"
+    with torch.no_grad():  # what expert_components reads: the block's input and its MLP's hooks
+        _, corrupted_cache = adapted.run_with_cache(
+            corrupted_tokens, names_filter=lambda name: name.startswith(prefix) or name == resid
+        )
+    corrupted, _ = expert_components(corrupted_cache, layer)
+    n_routed = len(moe.expert_list())
+    shared = list(shared_experts(moe))
+
+    def index(expert: Expert) -> int:
+        return expert if isinstance(expert, int) else n_routed + shared.index(expert)
+
+    def routed(cache: Any, expert: Expert) -> int:
+        if not isinstance(expert, int):
+            return corrupted_tokens.numel()
+        return len(expert_tokens(cached_routing(cache, layer), expert, corrupted_tokens.numel()))
+
+    groups = [list(expert_ids)] if together else [[e] for e in expert_ids]
+    rows = []
+    for group in groups:
+        rows_of = [index(e) for e in group]
+        delta = (clean[rows_of] - corrupted[rows_of]).sum(0)  # [batch, pos, d_model]
+
+        def patch(act: torch.Tensor, hook: Any, delta: torch.Tensor = delta) -> torch.Tensor:
+            return act + delta.to(act.dtype)
+
+        with torch.no_grad():
+            logits = adapted.run_with_hooks(
+                corrupted_tokens, fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", patch)]
+            )
+        one = group[0] if len(group) == 1 else None
+        rows.append(
+            {
+                "layer": layer,
+                "expert": "together" if one is None else one,
+                "label": "+".join(labels[i] for i in rows_of),
+                "metric": float(patching_metric(logits)),
+                "routed_clean": None if one is None else routed(clean_cache, one),
+                "routed_corrupted": None if one is None else routed(corrupted_cache, one),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+__all__ = ["get_act_patch_expert_neuron_heads", "get_act_patch_experts"]
