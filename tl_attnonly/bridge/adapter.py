@@ -260,8 +260,18 @@ def _post_norm_blocks(bridge: Any) -> bool:
     )
 
 
-def _facts(bridge: Any, gated_mlp: bool) -> ModelFacts:
-    """The facts of ``bridge``; ``gated_mlp``: what its blocks' MLPs say (``gated``)."""
+def _layer_width(mlps: list[NeuronHeadLayerView], cfg: Any) -> int | None:
+    """``d_mlp`` as the converted dense layers hold it (one width for all), else the config's.
+
+    The layers win: TransformerLens's bridge config can say ``4 * d_model`` where the model's
+    MLP is narrower (OPT's and XGLM's ``ffn_dim``)."""
+    widths = {int(mlp.d_mlp) for mlp in mlps if mlp.converted and not mlp.is_mixture_of_experts}
+    return widths.pop() if len(widths) == 1 else getattr(cfg, "d_mlp", None)
+
+
+def _facts(bridge: Any, gated_mlp: bool, d_mlp: int | None) -> ModelFacts:
+    """The facts of ``bridge``; ``gated_mlp``: what its blocks' MLPs say (``gated``); ``d_mlp``:
+    their width (:func:`_layer_width`)."""
     cfg = bridge.cfg
     blocks = list(bridge.blocks)
     first = blocks[0]
@@ -289,7 +299,7 @@ def _facts(bridge: Any, gated_mlp: bool) -> ModelFacts:
         n_key_value_heads=n_kv if n_kv != cfg.n_heads else None,
         d_model=cfg.d_model,
         d_head=cfg.d_head,
-        d_mlp=getattr(cfg, "d_mlp", None),
+        d_mlp=d_mlp,
         d_vocab=cfg.d_vocab,
         d_vocab_out=getattr(cfg, "d_vocab_out", cfg.d_vocab),
         n_ctx=cfg.n_ctx,
@@ -324,7 +334,9 @@ class BridgeAdapter(AdapterBase):
     def __init__(self, bridge: Any):
         self.model = bridge
         mlps = [bridge_mlp(child_module(block, "mlp"), bridge.cfg) for block in bridge.blocks]
-        self.cfg = _facts(bridge, gated_mlp=any(mlp.gated for mlp in mlps))
+        self.cfg = _facts(
+            bridge, gated_mlp=any(mlp.gated for mlp in mlps), d_mlp=_layer_width(mlps, bridge.cfg)
+        )
         #: A BERT-style encoder (post-LN, bidirectional): TL 4 says ``attention_dir``; TL 3.9's
         #: BERT bridge does not, but its Hugging Face model cannot generate (a masked LM).
         self.is_encoder = self.cfg.attention_dir == "bidirectional" or not bool(

@@ -1,0 +1,40 @@
+"""The bridge adapter's facts come from the layers where TransformerLens's bridge config says
+otherwise: OPT's and XGLM's MLP width is ``ffn_dim``, not the ``4 * d_model`` of the config."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tl_attnonly  # noqa: E402
+from tl_attnonly.adapt import analysis_model  # noqa: E402
+from tl_attnonly.analysis import HeadGraph, circuit_metric, summarize_neuron_heads  # noqa: E402
+
+zoo = pytest.importorskip("zoo")
+
+
+def metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, 3].sum() - logits[:, -1, 5].sum()
+
+
+def test_opt_s_mlp_width_is_its_layers():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        original = zoo.build_bridge("opt", torch.float64)
+        converted = tl_attnonly.convert(zoo.build_bridge("opt", torch.float64))
+    width = zoo.make_config("opt").ffn_dim
+    assert original.cfg.d_mlp != width  # what the bridge's config says
+    assert analysis_model(converted).cfg.d_mlp == width
+    clean, corrupted = zoo.tokens(), zoo.tokens(seed=2)
+    graph = HeadGraph(converted)
+    full = circuit_metric(converted, graph.full_mask(), clean, corrupted, metric)
+    with torch.no_grad():
+        assert full == pytest.approx(metric(original(clean)).item(), rel=1e-8, abs=1e-8)
+    summaries = summarize_neuron_heads(converted, [clean], progress=False)
+    assert summaries.d_mlp == width
