@@ -54,6 +54,11 @@ def _model(gqa: bool):
 
 
 @functools.cache
+def _parallel():
+    return make_converted("gelu", parallel_attn_mlp=True)  # MIB's m{l} does not read a{l}
+
+
+@functools.cache
 def _gelu():
     return make_converted("gelu")  # K = 4 heads per neuron
 
@@ -61,9 +66,12 @@ def _gelu():
 @functools.cache
 def _circuit(name: str):
     """Each case's circuit, found once for the module: ``coarse``, ``named`` (8 neurons per
-    MLP node), ``gqa`` (grouped-query attention, coarse), ``neuron_heads`` (a GELU model's
+    MLP node), ``gqa`` (grouped-query attention, coarse), ``parallel`` (attention and MLP in
+    parallel, coarse), ``neuron_heads`` (a GELU model's
     neuron-heads ``L{l}N{i}.{k}`` as nodes: the top 12 edges of a graph of 6 neuron-heads,
     heads and the rest of each layer, and the top 6 of the neuron-heads')."""
+    if name == "parallel":
+        return _discover(_parallel(), 0)
     if name == "neuron_heads":
         nodes = ["L0N1.0", "L0N1.3", "L0N5.2", "L1N0.1", "L1N7.0", "L1N7.3", "L0MLP", "L1MLP"]
         nodes += [f"L{li}H{h}" for li in range(2) for h in range(2)]
@@ -87,10 +95,12 @@ def model():
     return _model(False)
 
 
-@pytest.fixture(scope="module", params=["coarse", "named", "gqa", "neuron_heads"])
+@pytest.fixture(scope="module", params=["coarse", "named", "gqa", "neuron_heads", "parallel"])
 def case(request):
-    if request.param == "neuron_heads":
-        return _gelu(), _circuit(request.param)
+    if request.param in ("neuron_heads", "parallel"):
+        return (_gelu() if request.param == "neuron_heads" else _parallel()), _circuit(
+            request.param
+        )
     return _model(request.param.startswith("gqa")), _circuit(request.param)
 
 
