@@ -25,6 +25,7 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
+from tl_attnonly.analysis.discovery.attention_support import attention_problems
 from tl_attnonly.analysis.post_norm import has_post_norms, normed, post_norm, scale_hook
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 from tl_attnonly.mlp_protocol import refuse_expert_layers
@@ -81,6 +82,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     if cfg.positional_embedding_type not in ("standard", "rotary"):
         problems.append(f"positional_embedding_type={cfg.positional_embedding_type!r}")
     problems += post_norm_problems(model)
+    problems += attention_problems(model)  # multi-head latent attention
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     refuse_expert_layers([block.mlp for block in model.blocks], None, "discover_circuit")
