@@ -38,3 +38,21 @@ def test_opt_s_mlp_width_is_its_layers():
         assert full == pytest.approx(metric(original(clean)).item(), rel=1e-8, abs=1e-8)
     summaries = summarize_neuron_heads(converted, [clean], progress=False)
     assert summaries.d_mlp == width
+
+
+def test_gpt1_s_residual_post_ln_is_known_and_refused_where_the_maths_says_no():
+    """GPT-1 normalises the residual stream after each sublayer (``ln_1(x + attn)``), which its
+    bridge config does not say: decompositions and discovery refuse; patching runs."""
+    from tl_attnonly.analysis import head_logit_attrs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = tl_attnonly.convert(zoo.build_bridge("openai_gpt", torch.float64))
+    assert analysis_model(converted).cfg.post_norm
+    clean, corrupted = zoo.tokens(), zoo.tokens(seed=2)
+    with torch.no_grad():
+        _, cache = converted.run_with_cache(clean)
+    with pytest.raises(NotImplementedError, match="normalises the residual stream itself"):
+        head_logit_attrs(cache, torch.tensor([3, 4]), pos_slice=-1)
+    with pytest.raises(NotImplementedError, match="post-LN of the residual stream|pre-norm"):
+        circuit_metric(converted, {}, clean, corrupted, metric)

@@ -246,16 +246,24 @@ def bridge_mlp(component: Any, cfg: Any) -> NeuronHeadLayerView:
     return cast(NeuronHeadLayerView, unconverted)  # its flags say what it is (Block.mlp)
 
 
+#: Decoders that normalise the residual stream itself after each sublayer
+#: (``LN(resid + sublayer_out)``, as BERT does) where their bridge config has no flag saying so
+#: (OPT has one: ``do_layer_norm_before=False``). Their residual stream is no sum of components.
+RESIDUAL_POST_LN = frozenset({"OpenAIGPTLMHeadModel"})
+
+
+def _architecture(bridge: Any) -> str | None:
+    cfg = bridge.cfg
+    return getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
+
+
 def _post_norm_blocks(bridge: Any) -> bool:
     """Whether the bridge's ``ln1`` / ``ln2`` normalise the sublayers' outputs (OLMo 2/3 on
     TransformerLens 3.9, whose bridge names them so, as its ``HookedTransformer`` does:
     ``POST_NORM_ARCHITECTURES``); TransformerLens 4 names them ``ln1_post`` / ``ln2_post``."""
     from tl_attnonly._compat import POST_NORM_ARCHITECTURES
 
-    architecture = getattr(bridge.cfg, "original_architecture", None) or getattr(
-        bridge.cfg, "architecture", None
-    )
-    return architecture in POST_NORM_ARCHITECTURES and all(
+    return _architecture(bridge) in POST_NORM_ARCHITECTURES and all(
         child_module(block, "ln1_post") is None for block in bridge.blocks
     )
 
@@ -279,6 +287,7 @@ def _facts(bridge: Any, gated_mlp: bool, d_mlp: int | None) -> ModelFacts:
     post_norm = (
         bool(getattr(cfg, "use_normalization_before_and_after", False))
         or getattr(cfg, "do_layer_norm_before", True) is False  # OPT's post-LN (opt-350m)
+        or _architecture(bridge) in RESIDUAL_POST_LN
         or _post_norm_blocks(bridge)
         or any(
             child_module(block, name) is not None
