@@ -229,7 +229,10 @@ def get_act_patch_neuron_heads(
         layers, heads, positions: Which to sweep; default all. ``heads`` are neuron-head indices
             (``neuron * K + k``, in ``[0, n_neuron_heads)``) at ``level="head"`` and neuron
             indices (in ``[0, d_mlp)``; neuron ``i`` is heads ``i*K .. i*K+K-1``) at
-            ``level="neuron"``.
+            ``level="neuron"``. A mixture-of-experts layer has no dense neuron-heads: by
+            default the dense layers only; an expert layer named (or a model of expert layers
+            only) is refused before any work (expert neuron-heads:
+            :func:`~tl_attnonly.analysis.experts.get_act_patch_expert_neuron_heads`).
         level: ``"neuron"``: one patch per neuron, its ``K`` heads together; ``"head"``: one per
             neuron-head. Default (``None``): ``"neuron"`` where ``K > 1``, ``"head"`` where
             ``K = 1`` (the same patches; ``"head"`` keeps the index frame's ``head`` column).
