@@ -53,7 +53,7 @@ def sweep_to_target(
     Returns ``(mask, metric_circuit, curve, ceiling_metric, warnings)``.
     """
     graph = scores.graph
-    runs_graph = task.graph(nodes=nodes)
+    runs_graph = task.graph(opts.neuron_level, nodes)
     n_all = graph.n_edges()
     m_clean, m_corr = scores.metric_clean, scores.metric_corrupted
     points: dict[int, tuple[Mask, float]] = {}
