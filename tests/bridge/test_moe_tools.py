@@ -150,6 +150,8 @@ def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path
         circuit_gate_value_split,
         composition_scores,
         node_attribution_scores,
+        path_gate_value_split,
+        path_patch,
         path_patch_sweep,
         summarize_neuron_heads,
     )
@@ -166,6 +168,10 @@ def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path
             lambda: summarize_neuron_heads(bridge, [clean[0]]),
             lambda: write_demo_report(bridge, bridge, "a b", tmp_path / "r.html"),
             lambda: path_patch_sweep(bridge, clean, moe["corrupted"], "logits", _metric),
+            lambda: path_patch(bridge, clean, moe["corrupted"], ["L0H0"], "logits", _metric),
+            lambda: path_gate_value_split(
+                bridge, clean, moe["corrupted"], ["L0H0"], ["L1N0"], _metric
+            ),
             lambda: node_attribution_scores(
                 bridge, ModelInputs(clean), ModelInputs(moe["corrupted"]), _metric
             ),

@@ -36,6 +36,7 @@ from transformer_lens import ActivationCache
 
 from tl_attnonly._types import FwdHooks, Metric, check_token_pair, tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.patching.dense_layers import refuse_path_patching_experts
 from tl_attnonly.hooks import (
     HeadRef,
     block_act_name,
@@ -122,6 +123,7 @@ def path_patch_caches(
 ) -> tuple[ActivationCache, ActivationCache]:
     """The clean and corrupted caches path patching needs: every head's ``z``, the final resid."""
     model = analysis_model(model)
+    refuse_path_patching_experts(model, "path_patch_caches")
     names = head_names_filter("z") | exact_names_filter(
         block_act_name("resid_post", model.cfg.n_layers - 1)
     )
@@ -227,6 +229,7 @@ def prepare_path_patch(
     corrupted_cache,
 ):
     model = analysis_model(model)
+    refuse_path_patching_experts(model, "path_patch")
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     check_token_pair(clean_tokens, corrupted_tokens)
     K = model.n_heads_per_neuron
@@ -317,6 +320,7 @@ def path_gate_value_split(
         ``{"gate", "value", "both", "interaction", "corrupted"}`` (metric units).
     """
     model = analysis_model(model)
+    refuse_path_patching_experts(model, "path_gate_value_split")
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     K = model.n_heads_per_neuron
     heads = []
