@@ -17,6 +17,7 @@ from jaxtyping import Float, Int
 
 from tl_attnonly._types import check_token_pair
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.attention_support import attention_problems
 from tl_attnonly.analysis.discovery.graph import (
     EMBED,
     LOGITS,
@@ -25,7 +26,6 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
-from tl_attnonly.analysis.discovery.attention_support import attention_problems
 from tl_attnonly.analysis.post_norm import has_post_norms, normed, post_norm, scale_hook
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
 from tl_attnonly.mlp_protocol import refuse_expert_layers
