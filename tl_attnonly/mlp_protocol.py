@@ -189,8 +189,9 @@ ConvertedMLP = NeuronHeadLayerView | ExpertsLayerView
 EXPERT_TOOLS = (
     "attention heads as on a dense model (get_act_patch_all_heads and get_act_patch_outputs "
     "with attention heads, TransformerLens's transformer_lens.patching head sweeps, "
-    "head_logit_attrs / stack_all_head_results with kinds=('attn',), neuron_head_attention_view "
-    "of the attention heads); the expert layers through tl_attnonly.analysis.experts: "
+    "neuron_head_attention_view of the attention heads); head_logit_attrs and "
+    "decompose_resid_heads, an expert layer's rows its experts' weighted contributions; the "
+    "expert layers through tl_attnonly.analysis.experts: "
     "decompose_resid_experts and expert_logit_attrs (each expert's weighted contribution, shared "
     "experts as their own components), experts_used (the experts each token was routed to), "
     "get_act_patch_experts (whole experts), get_act_patch_expert_neuron_heads, "

@@ -137,8 +137,6 @@ def test_dense_neuron_head_tools_refuse_before_work(moe):
         with pytest.raises(NotImplementedError, match="get_act_patch_expert_neuron_heads"):
             run()
     assert not calls
-    with pytest.raises(NotImplementedError, match="expert_logit_attrs"):
-        head_logit_attrs(cache, moe["clean"][:, -1], pos_slice=-1)
 
 
 def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path):
@@ -220,6 +218,26 @@ def test_residual_decomposition_and_logit_attrs_sum_to_the_model(moe):
     target = clean[:, -1]
     logits = moe["ref_logits"][:, -1].gather(-1, target[:, None])[:, 0] - unconverted.b_U[target]
     torch.testing.assert_close(attrs.sum(0), logits, atol=ATOL, rtol=0)
+
+
+def test_the_dense_decompositions_read_expert_layers_as_their_experts(moe):
+    """``head_logit_attrs`` and ``decompose_resid_heads`` give an expert layer's rows as its
+    experts' weighted contributions (``expert_components``): the same rows as
+    ``expert_logit_attrs`` / ``decompose_resid_experts``, summing to the model."""
+    from tl_attnonly.analysis import decompose_resid_heads
+
+    cache, ref_cache, clean = moe["cache"], moe["ref_cache"], moe["clean"]
+    n_layers = moe["bridge"].cfg.n_layers
+    attrs, labels = head_logit_attrs(
+        cache, clean[:, -1], pos_slice=-1, incl_embeds_and_bias=True, return_labels=True
+    )
+    ref, ref_labels = expert_logit_attrs(cache, clean[:, -1], pos_slice=-1)
+    assert labels == ref_labels
+    torch.testing.assert_close(attrs, ref, atol=ATOL, rtol=0)
+    stack, labels = decompose_resid_heads(cache, return_labels=True)
+    assert any(label.startswith("L0E") for label in labels)
+    resid = ref_cache[f"blocks.{n_layers - 1}.hook_resid_post"]
+    torch.testing.assert_close(stack.sum(0), resid, atol=ATOL, rtol=0)
 
 
 def test_experts_used_is_the_routers_top_k_of_each_run(moe):

@@ -51,6 +51,7 @@ from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.cache.options import StackOptions
+    from tl_attnonly.mlp_protocol import ExpertsLayerView
     from tl_attnonly.protocol import AttnOnlyModel
 
 
@@ -144,6 +145,8 @@ def _accumulated_bias(
     sublayers += [(li, "mlp") for li in range(layer)]
     for li, sublayer in sublayers:
         block = model.blocks[li]
+        if sublayer == "mlp" and block.mlp.is_mixture_of_experts:
+            continue  # the experts' biases are in their components (expert_components)
         # the MLP's output bias: b_out, plus b_in @ W_out for gated neuron-heads (b_O)
         b_O = block.attn.b_O if sublayer == "attn" else block.mlp.b_O
         norm = post_norm.post_norm(model, li, sublayer)
@@ -254,11 +257,23 @@ def component_chunks(
             results = _post_normed(cache, model, li, "attn", results, pos_slice)
             yield results.movedim(-2, 0), [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
     if "neuron" in kinds:
-        n = model.n_neuron_heads
         K = model.n_heads_per_neuron
-        steps = [(li, start) for li in range(layer) for start in range(0, n, chunk_size)]
+        steps: list[tuple[int, int | None]] = []  # (layer, first neuron-head); None: experts
+        for li in range(layer):
+            if model.blocks[li].mlp.is_mixture_of_experts:  # each expert's weighted output
+                steps.append((li, None))
+            else:
+                n = model.blocks[li].mlp.n_neuron_heads
+                steps += [(li, start) for start in range(0, n, chunk_size)]
         for li, start in tqdm(steps, desc="neuron-heads", disable=not progress):
-            stop = min(start + chunk_size, n)
+            if start is None:
+                from tl_attnonly.analysis.experts.components import expert_components
+
+                experts, expert_labels = expert_components(cache, li, pos_slice)
+                experts = _post_normed(cache, model, li, "mlp", experts.movedim(0, -2), pos_slice)
+                yield experts.movedim(-2, 0), expert_labels
+                continue
+            stop = min(start + chunk_size, model.blocks[li].mlp.n_neuron_heads)
             results = get_neuron_head_results(cache, li, slice(start, stop), pos_slice)
             results = _post_normed(cache, model, li, "mlp", results, pos_slice)
             yield (
@@ -298,6 +313,15 @@ def _target_resid(cache: ActivationCache, layer: int, mlp_input: bool) -> torch.
     return cache[("resid_mid" if mlp_input else "resid_pre", layer)]
 
 
+def _n_mlp_components(model: AttnOnlyModel, layer: int) -> int:
+    """Components of one MLP layer in a stack: its neuron-heads, or its experts (and shared
+    experts, at most a few: counted as 2)."""
+    mlp = model.blocks[layer].mlp
+    if mlp.is_mixture_of_experts:
+        return len(cast("ExpertsLayerView", mlp).expert_list()) + 2
+    return int(mlp.n_neuron_heads)
+
+
 def stack_components(
     cache: ActivationCache,
     layer: int | None,
@@ -326,7 +350,7 @@ def stack_components(
     if "attn" in kinds:
         n_components += (layer + (1 if mlp_input else 0)) * model.cfg.n_heads
     if "neuron" in kinds:
-        n_components += layer * model.n_neuron_heads
+        n_components += sum(_n_mlp_components(model, li) for li in range(layer))
     n_components += 3 if incl_embeds_and_bias else 0
     d_out = model.cfg.d_model if project is None else project.shape[-1]
     size = n_components * math.prod(template.shape[:-1]) * d_out * template.element_size()

@@ -33,112 +33,13 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
 from tl_attnonly.analysis.cache.views import get_attn_head_results, get_neuron_head_results
-from tl_attnonly.analysis.experts.routing import (
-    cached_routing,
-    expert_hook_name,
-    hook_rows,
-    moe_layer,
-    shared_experts,
+from tl_attnonly.analysis.experts.components import (
+    ROUTING_WEIGHTS_HOOK,
+    expert_components,
+    routing_weights_hook_name,
 )
-from tl_attnonly.components.expert_facts import routed_slots
 from tl_attnonly.hooks import neuron_head_label
 from tl_attnonly.protocol import AttnOnlyModel
-
-#: The routing weights the block passes to its experts, under ``blocks.{l}.mlp``:
-#: ``[batch * pos, top_k]`` (mounted by the conversion).
-ROUTING_WEIGHTS_HOOK = "hook_routing_weights"
-
-
-def routing_weights_hook_name(layer: int) -> str:
-    """``blocks.{layer}.mlp.hook_routing_weights``."""
-    return f"blocks.{layer}.mlp.{ROUTING_WEIGHTS_HOOK}"
-
-
-def _cached(cache: Any, name: str) -> torch.Tensor:
-    if name not in cache.cache_dict:
-        raise KeyError(
-            f"The cache has no {name}: run_with_cache without a names_filter (or one that keeps "
-            "the experts' hook_post or hook_z, the routing hooks and the shared experts' "
-            "hook_out)."
-        )
-    return cache[name]
-
-
-def _routing_weights(
-    cache: Any, layer: int, moe: Any, indices: Int[torch.Tensor, "tokens top_k"]
-) -> Float[torch.Tensor, "tokens top_k"]:
-    """The weights the experts of ``layer`` got: ``hook_routing_weights`` (a converted bridge);
-    on TransformerLens's ``MoE`` (an :class:`~tl_attnonly.AttnOnlyTransformer`'s), its
-    ``hook_expert_weights`` (the router's softmax over every expert) at the top-k indices,
-    normalised where ``cfg.norm_topk_prob``, as its forward computes them."""
-    name = routing_weights_hook_name(layer)
-    probs = f"blocks.{layer}.mlp.hook_expert_weights"
-    cfg = getattr(moe, "cfg", None)
-    if name in cache.cache_dict or cfg is None or probs not in cache.cache_dict:
-        return _cached(cache, name)
-    weights = cache[probs].reshape(-1, moe.num_experts).gather(-1, indices)
-    if getattr(cfg, "norm_topk_prob", False):
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights
-
-
-def _expert_output(cache: Any, layer: int, expert: Any, index: int) -> torch.Tensor:
-    """Routed expert ``index``'s output (before its routing weight), ``[routed, d_model]``, in
-    its gather order: ``(hook_post - b_post) @ W_out + b_O`` (or ``sum_h z_h W_O[h] + b_O``)."""
-    post_name = expert_hook_name(layer, index, "post")
-    if post_name in cache.cache_dict:  # hook_post fires unless per-head results are computed
-        post = hook_rows(cache[post_name], "post")
-        return (post - expert.b_post) @ expert.out_matrix + expert.b_O  # b_O counts b_post
-    z = hook_rows(_cached(cache, expert_hook_name(layer, index, "z")), "z")
-    return z @ expert.W_O[:, 0] + expert.b_O
-
-
-def expert_components(
-    cache: Any, layer: int, pos_slice: None | SliceInput | Slice = None
-) -> tuple[Float[torch.Tensor, "n_components *batch_and_pos d_model"], list[str]]:
-    """Each expert's weighted contribution to a mixture-of-experts layer's output, and each
-    shared expert's output as the block adds it.
-
-    Args:
-        cache: A ``run_with_cache`` cache of a converted model (bridge) with mixtures of experts.
-        layer: The MoE layer.
-        pos_slice: Positions to keep (TransformerLens ``Slice`` semantics).
-
-    Returns:
-        ``([n_experts + n_shared, batch, pos, d_model], labels)``: routed expert ``e`` (label
-        ``L{l}E{e}``) is ``routing weight x expert output`` at the tokens routed to it, zero
-        elsewhere; a shared expert (``L{l}S``, ``L{l}S:{name}`` where there are several) its
-        output times its gate where the block has one. Their sum is ``blocks.{l}.hook_mlp_out``.
-
-    Raises:
-        ValueError: For a layer that is not a mixture of experts.
-        KeyError: If the cache lacks a hook read.
-    """
-    model = model_of_cache(cache)
-    moe = moe_layer(model, layer)
-    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
-    resid = cache[f"blocks.{layer}.hook_resid_pre"]  # [batch, pos, d_model]
-    batch, n_pos, d_model = resid.shape
-    indices = cached_routing(cache, layer)  # [tokens, top_k]
-    weights = _routing_weights(cache, layer, moe, indices)  # [tokens, top_k]
-    parts, labels = [], []
-    for index, expert in enumerate(moe.expert_list()):
-        slot, token = routed_slots(indices, index)
-        out = _expert_output(cache, layer, expert, index)  # [routed, d_model]
-        part = resid.new_zeros(batch * n_pos, d_model)
-        part[token] = (out * weights[token, slot, None]).to(part.dtype)
-        parts.append(part)
-        labels.append(f"L{layer}E{index}")
-    shared = shared_experts(moe)
-    gates = getattr(moe, "shared_gates", {})
-    for name in shared:
-        out = _cached(cache, f"blocks.{layer}.mlp.{name}.hook_out").reshape(-1, d_model)
-        if name in gates:  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x)
-            out = torch.sigmoid(_cached(cache, f"blocks.{layer}.mlp.{gates[name]}.hook_out")) * out
-        parts.append(out.to(resid.dtype))
-        labels.append(f"L{layer}S" if len(shared) == 1 else f"L{layer}S:{name}")
-    stack = torch.stack(parts).reshape(len(parts), batch, n_pos, d_model)
-    return pos_slice.apply(stack, dim=-2), labels
 
 
 def _mlp_components(
