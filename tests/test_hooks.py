@@ -123,7 +123,7 @@ def test_filters_select_exact_names(four_layers):
 def test_decomposition_preset(four_layers):
     model = four_layers
     selected = set(decomposition_names_filter().resolve(model))
-    expected = {"hook_embed", "hook_pos_embed", "ln_final.hook_scale"}
+    expected = {"hook_embed", "hook_pos_embed", "ln_final.hook_scale", "blocks.0.hook_resid_pre"}
     for i in range(4):
         expected |= {
             f"blocks.{i}.attn.hook_z",
@@ -137,6 +137,18 @@ def test_decomposition_preset(four_layers):
     _, cache = model.run_with_cache(make_tokens(), names_filter=decomposition_names_filter())
     assert set(cache.keys()) == expected
     assert max(t.numel() for t in cache.values()) <= 2 * 10 * model.n_neuron_heads
+
+
+def test_a_wildcard_sublayer_stands_for_one_name():
+    """``*`` in a rule's sublayer matches one dotted segment: every expert's hook, not a hook
+    inside an expert's submodule, nor the dense layer's."""
+    only = NamesFilter([("mlp.experts.*", "post", None), ("mlp.shared*", "out", frozenset([1]))])
+    assert only("blocks.0.mlp.experts.3.hook_post")
+    assert only("blocks.1.mlp.shared_expert_gate.hook_out")
+    assert not only("blocks.0.mlp.shared_expert.hook_out")  # layer 0 is not in the rule's layers
+    assert not only("blocks.0.mlp.experts.3.inner.hook_post")
+    assert not only("blocks.0.mlp.hook_post")
+    assert not only("blocks.1.mlp.shared_experts.gate.hook_out")
 
 
 def test_presets_work_on_the_literal_form():

@@ -174,7 +174,16 @@ ATTN_HEAD_HOOKS = ("q", "k", "v", "attn_scores", "pattern", "z", "result")
 
 _LABEL_RE = re.compile(r"^L(\d+)(H|N)(\d+)(?:\.(\d+))?$")
 #: ``blocks.{l}.{sublayer}.hook_{kind}``; block-level hooks (``hook_resid_post``) have sublayer "".
-_HOOK_RE = re.compile(r"^blocks\.(\d+)\.(?:(\w+)\.)?hook_(\w+)$")
+#: ``blocks.{l}[.{sublayer}].hook_{kind}``; a sublayer may be dotted (``mlp.experts.3``).
+_HOOK_RE = re.compile(r"^blocks\.(\d+)\.(?:([\w.]+?)\.)?hook_(\w+)$")
+
+
+def _sublayer_matches(sublayer: str, rule: str) -> bool:
+    """Whether a hook's sublayer (``mlp``, ``mlp.experts.3``) is a rule's: equal, or matched by
+    the rule's ``*`` wildcards, each standing for one name without dots (``mlp.experts.*``)."""
+    if "*" not in rule:
+        return sublayer == rule
+    return re.fullmatch(re.escape(rule).replace(r"\*", r"[^.]*"), sublayer) is not None
 
 
 class HeadRef(NamedTuple):
@@ -325,7 +334,9 @@ class NamesFilter:
     """A ``names_filter`` for ``run_with_cache`` that caches exactly the hooks it names.
 
     A filter is a union of *rules*: ``(sublayer, kind, layers)`` for per-layer hooks
-    (``blocks.{l}.{sublayer}.hook_{kind}``; ``layers=None`` means every layer) and exact names for
+    (``blocks.{l}.{sublayer}.hook_{kind}``; ``layers=None`` means every layer; a ``*`` in the
+    sublayer stands for one name without dots: ``("mlp.experts.*", "post", None)`` is every
+    expert's ``hook_post``) and exact names for
     anything else (``hook_embed``, ``ln_final.hook_scale``, ...). Filters combine with ``|``.
     Build them with the preset functions (:func:`neuron_names_filter`, :func:`head_names_filter`,
     :func:`decomposition_names_filter`, ...), never hand-write regexes.
@@ -353,7 +364,9 @@ class NamesFilter:
             return False
         layer, sublayer, kind = int(match.group(1)), match.group(2) or "", match.group(3)
         return any(
-            sublayer == r_sub and kind == r_kind and (r_layers is None or layer in r_layers)
+            kind == r_kind
+            and (r_layers is None or layer in r_layers)
+            and _sublayer_matches(sublayer, r_sub)
             for r_sub, r_kind, r_layers in self.rules
         )
 
@@ -418,8 +431,13 @@ def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> Nam
     Embeddings, the ``z`` of every attention head and neuron-head, the LayerNorm scales (to
     apply LN to a stack, as TransformerLens does; the scales of norms after each sublayer, which
     the decomposition applies to each sublayer's heads) and the residual stream after each block
-    (for ``incl_remainder`` and checks): ``[batch, pos, n_neuron_heads, 1]`` per layer for the
-    neuron-heads, never the ``[batch, pos, n_neuron_heads, d_model]`` results.
+    (for ``incl_remainder`` and checks) and block 0's input (the position embeddings where they have
+    no hook: :attr:`~tl_attnonly.protocol.AttnOnlyModel.embed_hooks`): ``[batch, pos,
+    n_neuron_heads, 1]`` per layer for the
+    neuron-heads, never the ``[batch, pos, n_neuron_heads, d_model]`` results. On a model with
+    mixtures of experts, what each expert's weighted contribution is read from: the experts'
+    ``hook_post`` and ``hook_z`` (``[routed_tokens, ...]``), the routing hooks (``[tokens,
+    top_k]``) and the shared experts' (and their gates') ``hook_out``.
     """
     layer_set = _layer_set(layers)
     rules = [
@@ -427,12 +445,22 @@ def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> Nam
         ("ln2", "scale", layer_set),
         ("ln1_post", "scale", None),  # norms after each sublayer: every earlier layer's
         ("ln2_post", "scale", None),
+        # mixtures of experts (no such hooks on a dense model): experts, routing, shared experts
+        ("mlp.experts.*", "post", layer_set),
+        ("mlp.experts.*", "z", layer_set),
+        ("mlp", "routing_indices", layer_set),
+        ("mlp", "routing_weights", layer_set),
+        ("mlp", "expert_indices", layer_set),
+        ("mlp", "expert_weights", layer_set),
+        ("mlp.shared*", "out", layer_set),
     ]
     return (
         head_names_filter("z", layers=layers)
         | NamesFilter(rules)
         | NamesFilter([("", "resid_post", layer_set)])
         | exact_names_filter("hook_embed", "hook_pos_embed", "ln_final.hook_scale")
+        # positions without a hook of their own (XGLM on a bridge): block 0's input less embed
+        | exact_names_filter("blocks.0.hook_resid_pre")
     )
 
 

@@ -15,13 +15,14 @@ from conftest import make_model, make_tokens
 from models import hooked_only
 
 import tl_attnonly
-from tl_attnonly.analysis import get_act_patch_all_heads
+from tl_attnonly.analysis import decompose_resid_heads, get_act_patch_all_heads
 from tl_attnonly.analysis.experts import (
     decompose_resid_experts,
     expert_components,
     experts_used,
     get_act_patch_experts,
 )
+from tl_attnonly.hooks import decomposition_names_filter
 
 ATOL = 1e-5  # float32
 
@@ -61,6 +62,11 @@ def test_hooked_moe_heads_and_expert_components_equal_transformer_lens(norm_topk
     stack, _ = decompose_resid_experts(cache)
     resid = ref_cache[f"blocks.{original.cfg.n_layers - 1}.hook_resid_post"]
     torch.testing.assert_close(stack.sum(0), resid, atol=ATOL, rtol=0)
+    # the dense decomposition, from a cache of only what it needs, reads the experts the same way
+    with torch.no_grad():
+        _, small = converted.run_with_cache(clean, names_filter=decomposition_names_filter())
+    dense = decompose_resid_heads(small)
+    torch.testing.assert_close(dense.sum(0), resid, atol=ATOL, rtol=0)
     together = get_act_patch_experts(converted, corrupted, cache, _metric, layer=0, together=True)
     clean_out = ref_cache["blocks.0.hook_mlp_out"]
     with torch.no_grad():

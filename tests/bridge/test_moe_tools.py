@@ -36,6 +36,7 @@ from tl_attnonly.analysis.experts import (
     get_act_patch_experts,
 )
 from tl_attnonly.bridge import unconvert_bridge
+from tl_attnonly.hooks import decomposition_names_filter
 
 NAMES = ["mixtral", "qwen2_moe"]
 ATOL = 1e-5  # float32
@@ -238,6 +239,12 @@ def test_the_dense_decompositions_read_expert_layers_as_their_experts(moe):
     assert any(label.startswith("L0E") for label in labels)
     resid = ref_cache[f"blocks.{n_layers - 1}.hook_resid_post"]
     torch.testing.assert_close(stack.sum(0), resid, atol=ATOL, rtol=0)
+    # the same from a cache of decomposition_names_filter(): it keeps the experts' hooks
+    _, small = moe["bridge"].run_with_cache(clean, names_filter=decomposition_names_filter())
+    assert len(small.cache_dict) < len(cache.cache_dict)
+    small_stack, small_labels = decompose_resid_heads(small, return_labels=True)
+    assert small_labels == labels
+    torch.testing.assert_close(small_stack, stack, atol=ATOL, rtol=0)
 
 
 def test_experts_used_is_the_routers_top_k_of_each_run(moe):

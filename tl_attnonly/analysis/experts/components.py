@@ -74,6 +74,24 @@ def _expert_output(cache: Any, layer: int, expert: Any, index: int) -> torch.Ten
     return z @ expert.W_O[:, 0] + expert.b_O
 
 
+def _residual_like(cache: Any, layer: int) -> torch.Tensor:
+    """A cached ``[batch, pos, d_model]`` residual-stream tensor of the run (the block's input or
+    output, or the embedding), for its shape and dtype."""
+    names = (
+        f"blocks.{layer}.hook_resid_pre",
+        f"blocks.{layer}.hook_resid_post",
+        f"blocks.{layer}.hook_mlp_out",
+        "hook_embed",
+    )
+    for name in names:
+        if name in cache.cache_dict:
+            return cache[name]
+    raise KeyError(
+        f"The cache has none of {', '.join(names)}: cache one of them too "
+        "(tl_attnonly.hooks.decomposition_names_filter() keeps what this needs)."
+    )
+
+
 def expert_components(
     cache: Any, layer: int, pos_slice: None | SliceInput | Slice = None
 ) -> tuple[Float[torch.Tensor, "n_components *batch_and_pos d_model"], list[str]]:
@@ -98,7 +116,7 @@ def expert_components(
     model = model_of_cache(cache)
     moe = moe_layer(model, layer)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
-    resid = cache[f"blocks.{layer}.hook_resid_pre"]  # [batch, pos, d_model]
+    resid = _residual_like(cache, layer)  # [batch, pos, d_model]: for its shape and dtype
     batch, n_pos, d_model = resid.shape
     indices = cached_routing(cache, layer)  # [tokens, top_k]
     weights = _routing_weights(cache, layer, moe, indices)  # [tokens, top_k]
