@@ -279,6 +279,13 @@ class AttnOnlyModel(Protocol):
     def tokenizer(self) -> Any: ...
     @property
     def hook_dict(self) -> dict[str, Any]: ...
+    @property
+    def embed_hooks(self) -> tuple[str, ...]:
+        """The hooks whose outputs sum to the residual stream entering block 0 (a decoder):
+        ``hook_embed``, with ``hook_pos_embed`` for learned or sinusoidal positions; where such
+        positions have no hook of their own (XGLM's sinusoidal embedding on a bridge), the block's
+        input ``blocks.0.hook_resid_pre`` alone, which is then the embeddings' sum."""
+        ...
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -323,6 +330,12 @@ class AttnOnlyModel(Protocol):
 ModelLike = Any
 
 
+#: The hook of learned or sinusoidal position embeddings, and block 0's input (their sum with the
+#: token embeddings): :attr:`AttnOnlyModel.embed_hooks`.
+POS_EMBED_HOOK = "hook_pos_embed"
+BLOCK_INPUT_HOOK = "blocks.0.hook_resid_pre"
+
+
 class AdapterBase:
     """What both adapters share: the calls passed to the wrapped model as they are, and what
     follows from the weights alone. Subclasses set :attr:`model`, :attr:`cfg`, :attr:`blocks`,
@@ -357,6 +370,14 @@ class AdapterBase:
     @property
     def hook_dict(self) -> dict[str, Any]:
         return self.model.hook_dict
+
+    @property
+    def embed_hooks(self) -> tuple[str, ...]:
+        if self.cfg.positional_embedding_type != "standard":
+            return ("hook_embed",)
+        if POS_EMBED_HOOK in self.hook_dict:
+            return ("hook_embed", POS_EMBED_HOOK)
+        return (BLOCK_INPUT_HOOK,)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)

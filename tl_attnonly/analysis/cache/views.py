@@ -48,6 +48,7 @@ from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
 from tl_attnonly.analysis.cache.options import DEFAULT_CHUNK, STACK_BUDGET
 from tl_attnonly.hooks import head_act_name, neuron_act_name, neuron_head_label
+from tl_attnonly.protocol import BLOCK_INPUT_HOOK
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.cache.options import StackOptions
@@ -281,12 +282,38 @@ def component_chunks(
                 [neuron_head_label(li, h, K) for h in range(start, stop)],
             )
     if incl_embeds_and_bias:
-        for name, label in (("hook_embed", "embed"), ("hook_pos_embed", "pos_embed")):
-            if name in cache.cache_dict:
-                yield pos_slice.apply(cache[name], dim=-2)[None], [label]
+        for embedding, label in embedding_components(cache, model):
+            yield pos_slice.apply(embedding, dim=-2)[None], [label]
         template = pos_slice.apply(cache["hook_embed"], dim=-2)
         bias = _accumulated_bias(cache, model, layer, mlp_input, pos_slice).to(template.dtype)
         yield bias.expand((1,) + template.shape), ["bias"]
+
+
+def embedding_components(
+    cache: ActivationCache, model: AttnOnlyModel
+) -> list[tuple[Float[torch.Tensor, "batch pos d_model"], str]]:
+    """The embeddings' components of a decoder's residual stream, as cached: ``embed``
+    (``hook_embed``) and ``pos_embed`` (``hook_pos_embed``). Where learned or sinusoidal
+    positions have no hook of their own (:attr:`~tl_attnonly.protocol.AttnOnlyModel.embed_hooks`:
+    XGLM on a bridge), ``pos_embed`` is block 0's input less ``embed``: what the positions add.
+
+    Raises:
+        KeyError: If positions are unhooked and the cache lacks ``blocks.0.hook_resid_pre``.
+    """
+    out = []
+    if "hook_embed" in cache.cache_dict:
+        out.append((cache["hook_embed"], "embed"))
+    if "hook_pos_embed" in cache.cache_dict:
+        out.append((cache["hook_pos_embed"], "pos_embed"))
+    elif out and model.embed_hooks == (BLOCK_INPUT_HOOK,):
+        if BLOCK_INPUT_HOOK not in cache.cache_dict:
+            raise KeyError(
+                f"This model's position embeddings have no hook of their own, so they are read as "
+                f"{BLOCK_INPUT_HOOK} less hook_embed, which the cache lacks: cache it too "
+                "(tl_attnonly.hooks.decomposition_names_filter() keeps it)."
+            )
+        out.append((cache[BLOCK_INPUT_HOOK] - cache["hook_embed"], "pos_embed"))
+    return out
 
 
 def _template(cache: ActivationCache, pos_slice: Slice) -> torch.Tensor:
@@ -401,6 +428,7 @@ def stack_components(
 __all__ = [
     "DEFAULT_CHUNK",
     "STACK_BUDGET",
+    "embedding_components",
     "get_attn_head_results",
     "get_neuron_head_results",
     "neuron_head_z",

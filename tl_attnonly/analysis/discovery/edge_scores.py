@@ -379,9 +379,9 @@ def _gradient_pass(
         sites[hook.name] = act.detach()
         return act
 
-    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [("hook_embed", embed)]
-    if model.cfg.positional_embedding_type == "standard":
-        hooks.append(("hook_pos_embed", embed))
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
+        (name, embed) for name in model.embed_hooks
+    ]
     hooks += [(name, site) for name in site_names if name not in input_names]
     hooks += [(name, keep) for name in input_names]
     with torch.enable_grad():

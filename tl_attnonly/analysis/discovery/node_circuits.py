@@ -98,9 +98,7 @@ def _node_hooks(model: AttnOnlyModel) -> list[tuple[str, str, int]]:
     if _is_encoder(model):
         out.append(("embed", "hook_full_embed", -1))
     else:
-        out.append(("embed", "hook_embed", -1))
-        if model.cfg.positional_embedding_type == "standard":
-            out.append(("embed", "hook_pos_embed", -1))
+        out += [("embed", name, -1) for name in model.embed_hooks]
     for li in range(model.cfg.n_layers):
         out.append(("attn", head_act_name("z", li, "attn"), li))
         out.append(("neuron", neuron_act_name("post", li), li))

@@ -148,9 +148,7 @@ def node_patching_metric(
             )
     names: dict[str, list[int] | None] = {}
     if embed:
-        names["hook_embed"] = None
-        if model.cfg.positional_embedding_type == "standard":
-            names["hook_pos_embed"] = None
+        names.update(dict.fromkeys(model.embed_hooks))
     for li, hs in heads.items():
         names[head_act_name("z", li, "attn")] = hs
     for li, idx in neurons.items():

@@ -211,7 +211,7 @@ class PlanRun:
 
     def _fill(self, order: int) -> None:
         """Write each merged row's change at ``order`` into :attr:`changes` (once per run)."""
-        like = self.corr["hook_embed"]
+        like = self.corr[self.model.embed_hooks[0]]  # [batch, pos, d_model]
         b, p, d = like.shape[0], like.shape[1], self.model.cfg.d_model
         if self.changes is None:
             self.changes = self._matrix(self.plan.offsets[-1], b * p * d, like)

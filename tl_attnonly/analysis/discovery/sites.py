@@ -341,9 +341,7 @@ def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
     neuron-heads' ``post`` (neuron level) or ``z``, and the scales of the norms after each
     sublayer (a post-normed node's output is divided by its run's)."""
     model = analysis_model(model)
-    names = ["hook_embed"]
-    if model.cfg.positional_embedding_type == "standard":
-        names.append("hook_pos_embed")
+    names = list(model.embed_hooks)
     for li in range(graph.n_layers):
         names.append(head_act_name("z", li, "attn"))
         names.append(neuron_act_name("post" if graph.neuron_level else "z", li))
@@ -375,10 +373,11 @@ def source_values(
     divided by the norm's scale in that run (``acts`` holds it: :func:`source_hook_names`), so
     that with :func:`writer_matrix`'s ``w * centre(U)`` they give the node's share of the normed
     output, ``w * centre(out_u) / sigma``."""
-    if src.kind == EMBED:
-        out = acts["hook_embed"]
-        if "hook_pos_embed" in acts:
-            out = out + acts["hook_pos_embed"]
+    if src.kind == EMBED:  # the embeddings' sum: what enters block 0
+        embed_hooks = analysis_model(model).embed_hooks
+        out = acts[embed_hooks[0]]
+        for name in embed_hooks[1:]:
+            out = out + acts[name]
         return out.unsqueeze(2)
     if src.kind == "attn":
         out = acts[head_act_name("z", src.layer, "attn")]

@@ -32,7 +32,11 @@ from jaxtyping import Float, Int
 from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
-from tl_attnonly.analysis.cache.views import get_attn_head_results, get_neuron_head_results
+from tl_attnonly.analysis.cache.views import (
+    embedding_components,
+    get_attn_head_results,
+    get_neuron_head_results,
+)
 from tl_attnonly.analysis.experts.components import (
     ROUTING_WEIGHTS_HOOK,
     expert_components,
@@ -100,10 +104,9 @@ def decompose_resid_experts(
         parts.append(stack)
         labels += names
     template = pos_slice.apply(cache["hook_embed"], dim=-2)
-    for name, label in (("hook_embed", "embed"), ("hook_pos_embed", "pos_embed")):
-        if name in cache.cache_dict:
-            parts.append(pos_slice.apply(cache[name], dim=-2)[None])
-            labels.append(label)
+    for embedding, label in embedding_components(cache, model):
+        parts.append(pos_slice.apply(embedding, dim=-2)[None])
+        labels.append(label)
     bias = template.new_zeros(model.cfg.d_model)
     for li in range(layer + (1 if mlp_input else 0)):
         bias = bias + model.blocks[li].attn.b_O.to(bias.dtype)
