@@ -197,6 +197,9 @@ def _direct_logit_attribution(task: Task) -> None:
         torch.full((BATCH, POS), WRONG),
         incl_embeds_and_bias=True,
     )
+    cap = float(getattr(task.bridge.cfg, "output_logits_soft_cap", 0.0) or 0.0)
+    if cap > 0:  # soft-capped logits (Gemma 2): the attributions are to the logits before the cap
+        logits = cap * torch.atanh(logits.double() / cap)
     offset = attrs.sum(0) - (logits[..., CORRECT] - logits[..., WRONG])  # [batch, pos]
     check_contract(
         offset,

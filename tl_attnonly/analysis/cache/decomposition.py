@@ -296,7 +296,11 @@ def head_logit_attrs(
 
     With ``incl_embeds_and_bias=True`` the rows are exactly those of
     :func:`decompose_resid_heads` at the unembed, so they sum to the logit (difference) minus
-    the constant terms ``ln_final.b @ W_U[:, token] + b_U[token]``.
+    the constant terms ``ln_final.b @ W_U[:, token] + b_U[token]``. On a model that soft-caps
+    its logits (Gemma 2's ``final_logit_softcapping``, ``cfg.output_logits_soft_cap = c``: the
+    logits are ``c * tanh(u / c)``) they attribute ``u``, the logit before the cap: the cap is
+    not linear, so no split of the capped logit into heads sums exactly; it is increasing, so a
+    head that raises ``u`` raises the logit.
 
     Args:
         cache: Cache of an :class:`~tl_attnonly.AttnOnlyTransformer` run (see
