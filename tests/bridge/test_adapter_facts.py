@@ -56,3 +56,24 @@ def test_gpt1_s_residual_post_ln_is_known_and_refused_where_the_maths_says_no():
         head_logit_attrs(cache, torch.tensor([3, 4]), pos_slice=-1)
     with pytest.raises(NotImplementedError, match="post-LN of the residual stream|pre-norm"):
         circuit_metric(converted, {}, clean, corrupted, metric)
+
+
+def test_exaone4_s_norms_after_each_sublayer_are_read_as_such_on_both_lines():
+    """EXAONE-4 normalises each sublayer's output and has no pre-norms. TransformerLens 4's bridge
+    names those norms ``ln1_post`` / ``ln2_post``; 3.9's names them ``ln1`` / ``ln2`` (its ``ln2``
+    wraps the layer's ``post_feedforward_layernorm``), which the adapter read as pre-norms (wrong
+    decompositions and discovery). Either way: no pre-norms, norms after both sublayers, and the
+    full graph's exact run is the clean run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        original = zoo.build_bridge("exaone4", torch.float64)
+        converted = zoo.convert_zoo_bridge(zoo.build_bridge("exaone4", torch.float64))
+    model = analysis_model(converted)
+    assert model.cfg.post_norm
+    for block in model.blocks:
+        assert block.ln1 is None and block.ln2 is None
+        assert block.ln1_post is not None and block.ln2_post is not None
+    clean, corrupted = zoo.tokens(), zoo.tokens(seed=2)
+    full = circuit_metric(converted, HeadGraph(converted).full_mask(), clean, corrupted, metric)
+    with torch.no_grad():
+        assert full == pytest.approx(metric(original(clean)).item(), rel=1e-8, abs=1e-8)

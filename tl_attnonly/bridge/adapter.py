@@ -257,14 +257,24 @@ def _architecture(bridge: Any) -> str | None:
     return getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
 
 
+#: The Hugging Face name of a norm after the MLP (Gemma 2/3, OLMo 2/3, EXAONE-4): a bridge whose
+#: ``ln2`` wraps it has norms after its sublayers under the pre-norms' names.
+POST_MLP_NORM = "post_feedforward_layernorm"
+
+
 def _post_norm_blocks(bridge: Any) -> bool:
-    """Whether the bridge's ``ln1`` / ``ln2`` normalise the sublayers' outputs (OLMo 2/3 on
-    TransformerLens 3.9, whose bridge names them so, as its ``HookedTransformer`` does:
-    ``POST_NORM_ARCHITECTURES``); TransformerLens 4 names them ``ln1_post`` / ``ln2_post``."""
+    """Whether the bridge's ``ln1`` / ``ln2`` normalise the sublayers' outputs, as on
+    TransformerLens 3.9, whose bridge names them so for OLMo 2/3 (as its ``HookedTransformer``
+    does: ``POST_NORM_ARCHITECTURES``) and EXAONE-4 (its ``ln2`` wraps the Hugging Face layer's
+    ``post_feedforward_layernorm``); TransformerLens 4 names them ``ln1_post`` / ``ln2_post``."""
     from tl_attnonly._compat import POST_NORM_ARCHITECTURES
 
-    return _architecture(bridge) in POST_NORM_ARCHITECTURES and all(
-        child_module(block, "ln1_post") is None for block in bridge.blocks
+    if any(child_module(block, "ln1_post") is not None for block in bridge.blocks):
+        return False
+    ln2 = child_module(bridge.blocks[0], "ln2")
+    return (
+        _architecture(bridge) in POST_NORM_ARCHITECTURES
+        or getattr(ln2, "name", None) == POST_MLP_NORM
     )
 
 
