@@ -38,6 +38,8 @@ MODELS = {
     ),
     "ln_gelu_heads": ("gelu", dict(normalization_type="LN"), False),
     "parallel": ("silu", dict(normalization_type="LN", parallel_attn_mlp=True), True),
+    # ALiBi (BLOOM, MPT): a position bias inside the scores, which the model adds to rebuilt q/k
+    "alibi": ("silu", dict(normalization_type="LN", positional_embedding_type="alibi"), True),
 }  # fmt: skip
 
 
@@ -194,3 +196,23 @@ def test_a_whole_mlp_layer_changes_by_its_output(name, monkeypatch):
     read = [src.kind for src in sources]
     assert read and MLP_REST not in read  # the heads' values only
     assert value == pytest.approx(_reference(model, coarse, mask), rel=1e-10, abs=1e-12)
+
+
+def test_alibi_s_full_and_empty_graphs_are_the_clean_and_corrupted_runs():
+    """ALiBi's position bias is inside the attention scores, added by the model to any q and k:
+    discovery runs (it refused), and its full and empty graphs are the unconverted model's clean
+    and corrupted runs."""
+    from models import make_pair
+
+    original, converted = make_pair(
+        "silu", normalization_type="LN", positional_embedding_type="alibi"
+    )
+    graph = HeadGraph(converted)
+    rows = torch.arange(CLEAN.shape[0])
+    got = circuit_metrics(
+        converted, [graph.full_mask(), graph.full_mask(False)], CLEAN, CORRUPTED, METRIC
+    )
+    with torch.no_grad():
+        expected = [METRIC(original(tokens), rows).item() for tokens in (CLEAN, CORRUPTED)]
+    assert got == pytest.approx(expected, rel=1e-8, abs=1e-10)
+    assert abs(expected[0] - expected[1]) > 1e-3

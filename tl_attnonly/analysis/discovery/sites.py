@@ -63,7 +63,8 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
         TypeError: If ``model`` is not converted.
         NotImplementedError: For encoders, mixtures of experts, a post-LN of the residual stream
             (norms after each sublayer are handled, unless their sublayer has an output bias:
-            :func:`post_norm_problems`), positions other than learned or rotary, attention-only
+            :func:`post_norm_problems`), positions other than learned, rotary or ALiBi (a bias
+            inside the scores, which the model adds to rebuilt ``q``/``k``), attention-only
             models, and neuron-head level on gated MLPs with ``K > 1``. (Q/K norms are inside a
             head: its ``hook_q``/``hook_k`` hold ``W_Q ln1(x) + b_Q`` before the norm, so a run
             rebuilds them from the residual input as for any head and the model normalises
@@ -79,7 +80,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
         )
     cfg = model.cfg
     problems = []
-    if cfg.positional_embedding_type not in ("standard", "rotary"):
+    if cfg.positional_embedding_type not in ("standard", "rotary", "alibi"):
         problems.append(f"positional_embedding_type={cfg.positional_embedding_type!r}")
     problems += post_norm_problems(model)
     problems += attention_problems(model)  # multi-head latent attention
@@ -99,7 +100,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
         raise NotImplementedError(
             "Circuit discovery needs a pre-norm decoder whose residual stream is the sum of the "
             "embeddings and the nodes' outputs (LN, LNPre, RMS, RMSPre or no normalisation; "
-            "learned or rotary positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no mixtures "
+            "learned, rotary or ALiBi positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no mixtures "
             "of experts). Not supported here: " + ", ".join(problems) + "."
         )
 
