@@ -39,80 +39,14 @@ def _load() -> Any:
 T = _load()
 
 #: (zoo model, column) -> why a cell differs between TransformerLens 3.9 and 4.3 (either way).
-LINE_DIFFERENCES: dict[tuple[str, str], str] = {
-    **{
-        ("exaone4", column): "TL 4.3's EXAONE-4 bridge names its norms after each sublayer "
-        "ln1_post / ln2_post (post-norm seen); TL 3.9's names them ln1 / ln2 and its "
-        "POST_NORM_ARCHITECTURES does not list it, so the adapter takes it for pre-norm"
-        for column in (
-            "discover_circuit",
-            "neuron-head patching",
-            "direct logit attribution",
-            "residual decomposition",
-        )
-    },
-    ("openai_gpt", "direct logit attribution"): "an error on both lines, a different exception",
-}
+LINE_DIFFERENCES: dict[tuple[str, str], str] = {}
 
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "phimoe", "gpt_oss")
-_MOE_WIP = (
-    "mixtures of experts: the tool reads blocks.{l}.mlp.hook_z (or hook_pattern), which an expert "
-    "layer does not have, instead of refusing or reading the experts (issue 45 item 3)"
-)
 #: (zoo model, column) -> a defect known when the table was generated (an error cell). An error
-#: cell not listed here fails the test: fix the tool, or list it here with what is known.
-KNOWN_ERRORS: dict[tuple[str, str], str] = {
-    **{
-        (name, column): _MOE_WIP
-        for name in _MOE
-        for column in (
-            "direct logit attribution",
-            "residual decomposition",
-            "attention view",
-            "HTML report",
-        )
-    },
-    **{
-        ("deepseek_v3", column): "MLA attention and a dense first layer (issue 45 items 3, 4)"
-        for column in (
-            "direct logit attribution",
-            "residual decomposition",
-            "HTML report",
-        )
-    },
-    ("gemma2", "direct logit attribution"): "final logit soft-capping (tanh): the logits are not "
-    "linear in the residual stream; without it (final_logit_softcapping=None) the contract holds "
-    "(issue 45 item 2)",
-    **{
-        ("exaone4", column): "TL 3.9 only: the post-sublayer norms read as pre-norm (see "
-        "LINE_DIFFERENCES)"
-        for column in ("neuron-head patching", "direct logit attribution", "residual decomposition")
-    },
-    **{
-        (name, column): "the bridge's cfg.d_mlp is 4 x d_model (256), not the checkpoint's "
-        "ffn_dim (96), and the adapter passes it on: discovery (IndexError in sites.py _kept) and "
-        "summaries (shape mismatch in collect.py) size their tensors by it"
-        for name in ("opt", "xglm")
-        for column in ("discover_circuit", "summaries")
-    },
-    **{
-        ("xglm", column): "wrong result: XGLM's sinusoidal position embeddings have no hook on "
-        "its bridge (no hook_pos_embed), so the components leave them out (off by up to 1.0, "
-        "the sinusoids' amplitude, from blocks.0.hook_resid_pre on)"
-        for column in ("direct logit attribution", "residual decomposition")
-    },
-    **{
-        ("openai_gpt", column): "OpenAI GPT (GPT-1) normalises after each residual addition "
-        "(post-LN, as BERT), which the adapter does not see: the tools crash (its blocks fire no "
-        "hook_resid_post / hook_out, no ln_final) or, for the decomposition, give a wrong result"
-        for column in (
-            "discover_circuit",
-            "neuron-head patching",
-            "direct logit attribution",
-            "residual decomposition",
-        )
-    },
-}
+#: cell not listed here fails the test: fix the tool, or list it here with what is known. None
+#: now: the last ones (expert layers in the dense decompositions, XGLM's unhooked positions,
+#: Gemma 2's final soft cap in the DLA check, TL 3.9's EXAONE-4 norms, OPT's and XGLM's MLP width,
+#: GPT-1's residual post-LN) were fixed or became refusals with their reasons.
+KNOWN_ERRORS: dict[tuple[str, str], str] = {}
 
 
 def line(tl: str) -> str:
