@@ -100,8 +100,8 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
         raise NotImplementedError(
             "Circuit discovery needs a pre-norm decoder whose residual stream is the sum of the "
             "embeddings and the nodes' outputs (LN, LNPre, RMS, RMSPre or no normalisation; "
-            "learned, rotary or ALiBi positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no mixtures "
-            "of experts). Not supported here: " + ", ".join(problems) + "."
+            "learned, rotary or ALiBi positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no "
+            "mixtures of experts). Not supported here: " + ", ".join(problems) + "."
         )
 
 
