@@ -43,6 +43,7 @@ through its class either.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -371,8 +372,8 @@ class AdapterBase:
     def hook_dict(self) -> dict[str, Any]:
         return self.model.hook_dict
 
-    @property
-    def embed_hooks(self) -> tuple[str, ...]:
+    @functools.cached_property
+    def embed_hooks(self) -> tuple[str, ...]:  # once: a bridge's hook_dict is built per read
         if self.cfg.positional_embedding_type != "standard":
             return ("hook_embed",)
         if POS_EMBED_HOOK in self.hook_dict:
