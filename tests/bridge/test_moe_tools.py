@@ -142,12 +142,13 @@ def test_dense_neuron_head_tools_refuse_before_work(moe):
 
 def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path):
     """The dense neuron-head views, summaries, the report, path patching (which freezes every
-    neuron-head's ``z``), node-level circuits, the gate/value split and composition scores refuse
-    an expert layer before a forward pass, naming the expert tools."""
+    neuron-head's ``z``), node-level circuits, the gate/value split and composition scores of
+    an expert layer's neuron-heads refuse before a forward pass, naming the expert tools."""
     from tl_attnonly.analysis import (
         ModelInputs,
         circuit_gate_value_split,
         composition_scores,
+        composition_top_k,
         node_attribution_scores,
         path_gate_value_split,
         path_patch,
@@ -175,13 +176,52 @@ def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path
                 bridge, ModelInputs(clean), ModelInputs(moe["corrupted"]), _metric
             ),
             lambda: circuit_gate_value_split(bridge, {}, clean, moe["corrupted"], _metric),
-            lambda: composition_scores(bridge, "Q"),
+            lambda: composition_scores(bridge, "Q", senders=["L0N0"]),
+            lambda: composition_top_k(bridge, "V", receivers=["L1N3"]),
         ):
             with pytest.raises(NotImplementedError, match="summarize_expert_neuron_heads"):
                 run()
     finally:
         handle.remove()
     assert not ran
+
+
+@pytest.mark.parametrize("mode", ["Q", "K", "V"])
+def test_composition_scores_of_attention_heads_equal_transformer_lens(moe, mode):
+    """On an all-MoE model the default heads are the attention heads (an expert layer has no
+    neuron-heads of its own), and their scores are TransformerLens's ``composition_scores`` of
+    the unconverted bridge's OV and QK circuits (pairs whose receiver reads first: 0)."""
+    from transformer_lens import FactoredMatrix
+    from transformer_lens.utilities.matrix import composition_scores as tl_composition_scores
+
+    from tl_attnonly.analysis import composition_scores, composition_top_k
+
+    unconverted = moe["unconverted"]
+    n_layers, n_heads = unconverted.cfg.n_layers, unconverted.cfg.n_heads
+    attn = [block.attn for block in unconverted.blocks]
+    OV = [FactoredMatrix(a.W_V, a.W_O) for a in attn]  # [head, d_model, d_model]
+    right = {
+        "Q": [FactoredMatrix(a.W_Q, a.W_K.transpose(-2, -1)) for a in attn],
+        "K": [FactoredMatrix(a.W_K, a.W_Q.transpose(-2, -1)) for a in attn],
+        "V": OV,
+    }[mode]
+    scores = composition_scores(moe["bridge"], mode)
+    labels = [f"L{li}H{h}" for li in range(n_layers) for h in range(n_heads)]
+    assert scores.senders == labels and scores.receivers == labels
+    for l1 in range(n_layers):
+        for l2 in range(n_layers):
+            rows, cols = slice(l1 * n_heads, (l1 + 1) * n_heads), slice(l2 * n_heads, None)
+            got = scores.scores[rows, cols][:, :n_heads]
+            if l2 <= l1:
+                assert (got == 0).all()
+                continue
+            want = tl_composition_scores(OV[l1], right[l2])  # broadcast: [sender, receiver]
+            assert want.abs().min() > 0
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    top = composition_top_k(moe["bridge"], mode, k=3)
+    torch.testing.assert_close(
+        torch.tensor(top["score"].to_numpy()), scores.scores.flatten().topk(3).values
+    )
 
 
 def test_expert_components_sum_to_the_layer_output(moe):

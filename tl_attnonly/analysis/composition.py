@@ -23,12 +23,12 @@ from transformer_lens import FactoredMatrix
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.circuits import (
     key_homogeneous,
-    layer_indices,
     neuron_ov_circuit,
     value_weights,
 )
 from tl_attnonly.analysis.levels import top_k
-from tl_attnonly.hooks import HeadRef, all_head_refs, head_labels, parse_head_label
+from tl_attnonly.analysis.patching.dense_layers import head_refs, refuse_expert_refs
+from tl_attnonly.hooks import HeadRef, head_labels, parse_head_label
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 
 #: Default memory budget (bytes) for a matrix of pairwise scores.
@@ -133,8 +133,10 @@ def composition_scores(
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer` (``fold_ln=True`` recommended).
         mode: ``"Q"``, ``"K"`` or ``"V"`` composition.
-        senders: Heads that write (labels or :class:`HeadRef`); default every head.
-        receivers: Heads that read; default every head.
+        senders: Heads that write (labels or :class:`HeadRef`); default every head (on a
+            mixture of experts: the attention heads and the dense layers' neuron-heads; an
+            expert layer's neuron-heads refuse, naming :mod:`tl_attnonly.analysis.experts`).
+        receivers: Heads that read; default every head (as for ``senders``).
         max_bytes: Refuse to build a larger score matrix; narrow senders/receivers instead.
         progress: Show a progress bar over sender groups.
         per_unit_u: Gated MLPs: use each gated neuron-head's OV circuit per unit of its linear
@@ -148,7 +150,6 @@ def composition_scores(
     model = analysis_model(model)
     if mode not in ("Q", "K", "V"):
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
-    layer_indices(model, None)
     with torch.no_grad():
         return _composition_scores(model, mode, senders, receivers, max_bytes, progress, per_unit_u)
 
@@ -157,10 +158,7 @@ def _composition_scores(
     model: AttnOnlyModel, mode, senders, receivers, max_bytes, progress, per_unit_u
 ) -> CompositionScores:
     K = model.n_heads_per_neuron
-    send = all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-    recv = (
-        all_head_refs(model) if receivers is None else [parse_head_label(r, K) for r in receivers]
-    )
+    send, recv = _head_refs(model, senders), _head_refs(model, receivers)
     dtype = model.W_E.dtype
     size = len(send) * len(recv) * torch.empty((), dtype=dtype).element_size()
     if size > max_bytes:
@@ -174,6 +172,18 @@ def _composition_scores(
     for rows, cols, block in composition_blocks(model, mode, send, recv, progress, per_unit_u):
         scores[rows[:, None], cols[None, :]] = block.to(scores.dtype)
     return CompositionScores(scores, head_labels(send, K), head_labels(recv, K), mode)
+
+
+def _head_refs(model: AttnOnlyModel, specs: Sequence[str | HeadRef] | None) -> list[HeadRef]:
+    """The heads ``specs`` names, or by default every head with weights of its own: the attention
+    heads and the neuron-heads of dense layers (a mixture of experts' layer has no neuron-heads of
+    its own: each expert sees only the tokens routed to it). Neuron-heads named in such a layer
+    are refused before any work, naming what works."""
+    if specs is None:
+        return head_refs(model)
+    refs = [parse_head_label(spec, model.n_heads_per_neuron) for spec in specs]
+    refuse_expert_refs(model, refs, "Composition scores of neuron-heads")
+    return refs
 
 
 def composition_blocks(
@@ -250,8 +260,10 @@ def composition_top_k(
         model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
         mode: ``"Q"``, ``"K"`` or ``"V"``.
         k: How many pairs.
-        senders: Heads that write (labels or :class:`HeadRef`); default every head.
-        receivers: Heads that read; default every head.
+        senders: Heads that write (labels or :class:`HeadRef`); default every head (on a
+            mixture of experts: the attention heads and the dense layers' neuron-heads; an
+            expert layer's neuron-heads refuse, naming :mod:`tl_attnonly.analysis.experts`).
+        receivers: Heads that read; default every head (as for ``senders``).
         largest: Strongest (default) or weakest pairs.
         progress: Show a progress bar over sender groups.
         per_unit_u: As for :func:`~tl_attnonly.analysis.composition_scores` (gated models).
@@ -266,20 +278,12 @@ def composition_top_k(
         raise ValueError(f"mode must be one of ['Q', 'K', 'V'], not {mode!r}.")
     if level not in ("neuron", "head"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
-    layer_indices(model, None)
     K = model.n_heads_per_neuron
     if level == "neuron" and K > 1:
         send, send_labels = _representatives(model, senders, None)
         recv, recv_labels = _representatives(model, receivers, mode)
     else:
-        send = (
-            all_head_refs(model) if senders is None else [parse_head_label(s, K) for s in senders]
-        )
-        recv = (
-            all_head_refs(model)
-            if receivers is None
-            else [parse_head_label(r, K) for r in receivers]
-        )
+        send, recv = _head_refs(model, senders), _head_refs(model, receivers)
         send_labels, recv_labels = head_labels(send, K), head_labels(recv, K)
     dtype = model.W_E.dtype
     best = torch.empty(0, dtype=dtype)
