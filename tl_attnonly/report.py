@@ -2,9 +2,10 @@
 
 The page embeds its JavaScript (plotly.js and circuitsvis's bundle, once each), so it opens offline
 from a file. Sections (:data:`REPORT_SECTIONS`): the equivalence table, the neuron-head attention
-patterns of each layer (circuitsvis, the bias token drawn as the first token ``<bias>``), the
-neuron-head activity strips, an attribution-patching heatmap over every head, and the GELU-fit
-error curves.
+patterns of each layer (circuitsvis, the bias token drawn as the first token ``<bias>``; a
+mixture-of-experts layer: its routing, :func:`~tl_attnonly.vis.expert_routing_heatmap`), the
+neuron-head activity strips (dense layers), an attribution-patching heatmap over every head (the
+attention heads and the dense layers' neuron-heads), and the GELU-fit error curves.
 
 One report for both model kinds: an :class:`~tl_attnonly.AttnOnlyTransformer` (TransformerLens
 3.x) and a ``TransformerBridge`` converted with :func:`tl_attnonly.convert` (3.x and 4.x). The
@@ -37,13 +38,14 @@ from tl_attnonly.hooks import (
     neuron_act_name,
     neuron_head_label,
 )
-from tl_attnonly.mlp_protocol import refuse_expert_layers
+from tl_attnonly.mlp_protocol import expert_layer_indices
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.verify import REFERENCE_NAMES
 from tl_attnonly.vis import (
     BIAS_TOKEN,
     NeuronHeadView,
     circuitsvis_js,
+    expert_routing_heatmap,
     gelu_fit_error_figure,
     neuron_head_attention_view,
     neuron_head_strips,
@@ -116,7 +118,6 @@ def write_demo_report(
             is given.
     """
     adapted = analysis_model(converted)  # refuses, with directions, a model without neuron-heads
-    refuse_expert_layers([block.mlp for block in adapted.blocks], None, "write_demo_report")
     if adapted.tokenizer is None:
         raise ValueError("The report needs a model with a tokenizer (to show the prompt's tokens).")
     if model is None and equivalence is None:
@@ -129,6 +130,8 @@ def write_demo_report(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n_layers = adapted.cfg.n_layers
+    experts = set(expert_layer_indices([block.mlp for block in adapted.blocks]))
+    dense = [layer for layer in range(n_layers) if layer not in experts]
     steps = _Steps(total=5 + n_layers, enabled=progress)
     sections: list[tuple[str, str, str]] = []  # (anchor, title, body html)
     reference = REFERENCE_NAMES.get(adapted.kind, "original")
@@ -150,13 +153,17 @@ def write_demo_report(
     with steps.step("run with cache"):
         tokens = adapted.to_tokens(prompt)
         str_tokens = [str(t) for t in adapted.to_str_tokens(prompt)]  # one prompt: strings
-        names = {neuron_act_name(kind, lay) for kind in ("pattern", "z") for lay in range(n_layers)}
+        names = {neuron_act_name(kind, lay) for kind in ("pattern", "z") for lay in dense}
+        names |= {name for layer in experts for name in _routing_names(layer)}
         with torch.inference_mode():
             _, cache = adapted.run_with_cache(tokens, names_filter=lambda n: n in names)
 
-    views: list[NeuronHeadView] = []
+    views: list[NeuronHeadView | go.Figure] = []
     for layer in range(n_layers):
         with steps.step(f"circuitsvis view, layer {layer}"):
+            if layer in experts:
+                views.append(expert_routing_heatmap(cache, layer, str_tokens))
+                continue
             views.append(
                 neuron_head_attention_view(
                     cache, layer, str_tokens, top_k=square_k, page_size=square_k
@@ -167,14 +174,12 @@ def write_demo_report(
     )
 
     with steps.step("activity strips"):
-        strips = [
-            neuron_head_strips(cache, layer, str_tokens, top_k=top_k) for layer in range(n_layers)
-        ]
+        strips = [neuron_head_strips(cache, layer, str_tokens, top_k=top_k) for layer in dense]
         sections.append(
             (
                 "activity",
                 "Neuron-head activity over tokens",
-                _activity_intro() + "".join(_plotly(fig) for fig in strips),
+                _activity_intro(sorted(experts)) + "".join(_plotly(fig) for fig in strips),
             )
         )
 
@@ -183,7 +188,7 @@ def write_demo_report(
             (
                 "patching",
                 "Attribution patching of every head",
-                _patching(adapted, tokens, corrupted_prompt),
+                _patching(adapted, tokens, corrupted_prompt, dense),
             )
         )
 
@@ -213,7 +218,19 @@ def _equivalence(tables: dict[str, pd.DataFrame], reference: str) -> str:
     return "\n".join(parts)
 
 
-def _views(views: Sequence[NeuronHeadView], model: AttnOnlyModel) -> str:
+def _routing_names(layer: int) -> tuple[str, ...]:
+    """What :func:`~tl_attnonly.vis.expert_routing_heatmap` reads of a mixture of experts."""
+    from tl_attnonly.analysis.experts import routing_hook_name, routing_weights_hook_name
+
+    return (
+        routing_hook_name(layer),
+        f"blocks.{layer}.mlp.hook_routing_indices",
+        routing_weights_hook_name(layer),
+        f"blocks.{layer}.hook_resid_pre",
+    )
+
+
+def _views(views: Sequence[NeuronHeadView | go.Figure], model: AttnOnlyModel) -> str:
     k = model.n_heads_per_neuron
     labels = (
         "Heads are labelled <code>L{layer}N{neuron}</code>."
@@ -234,7 +251,20 @@ def _views(views: Sequence[NeuronHeadView], model: AttnOnlyModel) -> str:
         "<code>neuron_head_attention_view(..., page=...)</code> pages through all of them.</p>"
     )
     parts = [intro]
-    for view in views:
+    for layer, view in enumerate(views):
+        if isinstance(view, go.Figure):
+            parts.append(f"<h3>Layer {layer}: a mixture of experts</h3>")
+            parts.append(
+                '<p class="note">Each expert\'s neurons are neuron-heads too, but an expert sees '
+                "only the tokens routed to it, so the layer has no pattern over the whole prompt. "
+                "Below: the weight each token gave each expert (blank: not routed there; routing "
+                "is recomputed in every run from its own input). The experts' neuron-heads: "
+                "<code>tl_attnonly.analysis.experts</code> (<code>expert_activation</code>, "
+                "<code>summarize_expert_neuron_heads</code>, "
+                "<code>get_act_patch_expert_neuron_heads</code>).</p>"
+            )
+            parts.append(_plotly(view))
+            continue
         div_id = f"cv-layer-{view.layer}"
         parts.append(f"<h3>Layer {view.layer}</h3>")
         parts.append(f'<p class="note">{html.escape(view.caption)}</p>')
@@ -243,17 +273,28 @@ def _views(views: Sequence[NeuronHeadView], model: AttnOnlyModel) -> str:
     return "\n".join(parts)
 
 
-def _activity_intro() -> str:
+def _activity_intro(experts: Sequence[int] = ()) -> str:
+    skipped = (
+        f" Layers {', '.join(map(str, experts))} are mixtures of experts (their routing is drawn "
+        "above): not drawn here."
+        if experts
+        else ""
+    )
     return (
         '<p class="note">A compact view of many neuron-heads: each head is a strip of two rows '
         "over the tokens, its weight on the token itself (red; 1: the neuron is on) and on the "
         "bias token (grey; 1: the neuron is off). These two numbers are all a neuron-head's "
         "pattern holds; the square views above draw the same numbers for a few heads. Most active "
-        "heads first; hover for <code>z</code>.</p>"
+        f"heads first; hover for <code>z</code>.{skipped}</p>"
     )
 
 
-def _patching(model: AttnOnlyModel, tokens: torch.Tensor, corrupted_prompt: str | None) -> str:
+def _patching(
+    model: AttnOnlyModel,
+    tokens: torch.Tensor,
+    corrupted_prompt: str | None,
+    dense: Sequence[int],
+) -> str:
     from tl_attnonly.analysis.patching.attribution import attribution_patch
 
     if corrupted_prompt is None:
@@ -284,43 +325,60 @@ def _patching(model: AttnOnlyModel, tokens: torch.Tensor, corrupted_prompt: str 
     scores = scores.detach().float().cpu()
     n_attn = n_layers * n_heads
     attn = scores[:n_attn].reshape(n_layers, n_heads)
-    neuron = scores[n_attn:].reshape(n_layers, model.n_neuron_heads)
     name = "est. change of mean log p(clean next token)"
-    attn_fig = patching_heatmap(attn, title="Attention heads", value_name="effect")
+    figures = _plotly(patching_heatmap(attn, title="Attention heads", value_name="effect"))
+    if dense:  # the dense layers' neuron-heads (an expert layer has none of its own)
+        figures += _neuron_patching(model, scores[n_attn:], dense)
+    else:
+        figures += (
+            '<p class="note">Every MLP is a mixture of experts: patch the experts\' '
+            "neuron-heads with <code>tl_attnonly.analysis.experts."
+            "get_act_patch_expert_neuron_heads</code>.</p>"
+        )
+    return (
+        '<p class="note">Attribution patching (Nanda 2023): a first-order estimate, for every '
+        f"head at once, of how much patching its clean <code>z</code> into a corrupted run ({how}) "
+        f"changes the metric ({name}). Attention heads and neuron-heads are treated alike. "
+        "Confirm the largest with <code>tl_attnonly.analysis.get_act_patch_all_heads</code> "
+        "(exact).</p>" + figures
+    )
+
+
+def _neuron_patching(model: AttnOnlyModel, scores: torch.Tensor, dense: Sequence[int]) -> str:
+    """The heatmap of the dense layers' neuron-heads' estimates ``scores`` (in
+    :func:`~tl_attnonly.hooks.all_head_refs` order) and the largest of them."""
+    width = model.neuron_heads[dense[0]].n_neuron_heads
+    neuron = scores.reshape(len(dense), width)
     neuron_fig = patching_heatmap(
-        neuron, title="Neuron-heads (x axis: neuron-head index)", value_name="effect"
+        neuron,
+        layer_labels=list(dense),
+        title="Neuron-heads (x axis: neuron-head index)",
+        value_name="effect",
     )
     neuron_fig.update_xaxes(type="linear")
     top = neuron.abs().flatten().topk(min(10, neuron.numel()))
     k = model.n_heads_per_neuron
     rows = []
     for flat in top.indices.tolist():
-        layer, head = divmod(flat, model.n_neuron_heads)
-        label = neuron_head_label(layer, head, k)
-        rows.append({"neuron-head": label, "effect": neuron[layer, head].item()})
-    return (
-        '<p class="note">Attribution patching (Nanda 2023): a first-order estimate, for every '
-        f"head at once, of how much patching its clean <code>z</code> into a corrupted run ({how}) "
-        f"changes the metric ({name}). Attention heads and neuron-heads are treated alike. "
-        "Confirm the largest with <code>tl_attnonly.analysis.get_act_patch_all_heads</code> "
-        "(exact).</p>"
-        + _plotly(attn_fig)
-        + _plotly(neuron_fig)
-        + "<h3>Largest neuron-heads</h3>"
-        + _df_html(pd.DataFrame(rows))
-    )
+        row, head = divmod(flat, width)
+        label = neuron_head_label(dense[row], head, k)
+        rows.append({"neuron-head": label, "effect": neuron[row, head].item()})
+    return _plotly(neuron_fig) + "<h3>Largest neuron-heads</h3>" + _df_html(pd.DataFrame(rows))
 
 
 def _gelu(model: AttnOnlyModel) -> str:
-    from tl_attnonly import activation_error_table
+    from tl_attnonly.activations import SUPPORTED_ACTIVATIONS, activation_error_table
 
     ks = (1, 2, 3, 4)
     fig = gelu_fit_error_figure(ks=ks)
     # only the rows the page discusses: GELU at the K drawn, and this model's own activation
+    # (one the table lists: GPT-OSS's scaled SiLU, x sigmoid(alpha x), is one exact head)
     gelu = activation_error_table("gelu", max_heads=max(ks))
     coefs = model.neuron_heads[0].coefficients
     act = coefs.activation  # identified by value on a bridge; the config's act_fn otherwise
-    tables = [gelu] if act == "gelu" else [activation_error_table(act, max_heads=max(ks)), gelu]
+    tables = [gelu]
+    if act != "gelu" and act in SUPPORTED_ACTIVATIONS:
+        tables.insert(0, activation_error_table(act, max_heads=max(ks)))
     table = pd.concat(tables, ignore_index=True)
     return (
         f'<p class="note">This model\'s activation is <code>{html.escape(str(act))}</code>: each '
@@ -356,7 +414,8 @@ def _page(
         f"{cfg.n_heads} attention heads per layer, "
         f"d_mlp {cfg.d_mlp} neurons per layer ({html.escape(str(act))}) = "
         f"<b>{model.n_neuron_heads} neuron-heads per layer</b> "
-        f"({model.n_heads_per_neuron} per neuron). Prompt ({len(str_tokens)} tokens):</p>"
+        f"({model.n_heads_per_neuron} per neuron){_experts_note(model)}. Prompt "
+        f"({len(str_tokens)} tokens):</p>"
         f'<pre class="prompt">{html.escape(prompt)}</pre>'
         '<details><summary>Neuron-head hooks</summary><table class="df"><tr><th>hook</th>'
         f"<th>shape</th></tr>{hooks}</table></details>"
@@ -382,6 +441,13 @@ def _page(
         "(2023), arXiv 2309.08593.</p>\n"
         f"{_packed(libraries)}\n</body></html>\n"
     )
+
+
+def _experts_note(model: AttnOnlyModel) -> str:
+    """``"; layers 0, 1 are mixtures of experts"`` or ``""``."""
+    experts = expert_layer_indices([block.mlp for block in model.blocks])
+    listed = ", ".join(map(str, experts))
+    return f"; layers {listed} are mixtures of experts" if experts else ""
 
 
 # ------------------------------------------------------------------------------------------------

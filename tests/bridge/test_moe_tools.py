@@ -140,8 +140,8 @@ def test_dense_neuron_head_tools_refuse_before_work(moe):
     assert not calls
 
 
-def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path):
-    """The dense neuron-head views, summaries, the report, path patching (which freezes every
+def test_neuron_head_views_and_summaries_refuse_before_work(moe):
+    """The dense neuron-head views, summaries, path patching (which freezes every
     neuron-head's ``z``), node-level circuits, the gate/value split and composition scores of
     an expert layer's neuron-heads refuse before a forward pass, naming the expert tools."""
     from tl_attnonly.analysis import (
@@ -155,7 +155,6 @@ def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path
         path_patch_sweep,
         summarize_neuron_heads,
     )
-    from tl_attnonly.report import write_demo_report
     from tl_attnonly.vis import neuron_head_attention_view
 
     bridge, clean = moe["bridge"], moe["clean"]
@@ -166,7 +165,6 @@ def test_neuron_head_views_summaries_and_report_refuse_before_work(moe, tmp_path
             lambda: neuron_head_attention_view(bridge, 0, clean[0]),
             lambda: neuron_head_attention_view(moe["cache"], 1, clean[0]),
             lambda: summarize_neuron_heads(bridge, [clean[0]]),
-            lambda: write_demo_report(bridge, bridge, "a b", tmp_path / "r.html"),
             lambda: path_patch_sweep(bridge, clean, moe["corrupted"], "logits", _metric),
             lambda: path_patch(bridge, clean, moe["corrupted"], ["L0H0"], "logits", _metric),
             lambda: path_gate_value_split(

@@ -36,6 +36,7 @@ from tl_attnonly.vis.export import (
 )
 from tl_attnonly.vis.figures import (
     error_table_figure,
+    expert_routing_heatmap,
     gelu_fit_error_figure,
     neuron_activity_heatmap,
     neuron_head_activation,
@@ -76,6 +77,7 @@ __all__ = [
     "circuitsvis_pattern_args",
     "circuitsvis_js",
     "error_table_figure",
+    "expert_routing_heatmap",
     "find_chromium",
     "gelu_fit_error_figure",
     "neuron_activity_heatmap",

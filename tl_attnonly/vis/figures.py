@@ -189,6 +189,60 @@ def patching_heatmap(
     return fig
 
 
+def expert_routing_heatmap(
+    cache: Any,
+    layer: int,
+    str_tokens: Sequence[str] | None = None,
+    *,
+    batch: int = 0,
+    title: str | None = None,
+) -> go.Figure:
+    """Heatmap of a mixture-of-experts layer's routing in a run: the weight each token gave each
+    expert (:func:`~tl_attnonly.analysis.experts.expert_routing`; blank where the token was not
+    routed to the expert).
+
+    Args:
+        cache: A ``run_with_cache`` cache of a converted model with mixtures of experts (with the
+            routing hooks).
+        layer: The MoE layer.
+        str_tokens: The prompt's tokens (row labels); default positions.
+        batch: Which prompt of the batch.
+        title: Figure title; default ``"Layer {layer}: routing"``.
+
+    Returns:
+        A plotly Figure: tokens down, experts across.
+    """
+    from tl_attnonly.analysis.experts import expert_routing
+
+    routing = expert_routing(cache, layer)[batch].detach().float().cpu()  # [pos, n_experts]
+    values = routing.masked_fill(routing == 0, float("nan")).numpy()
+    n_pos, n_experts = values.shape
+    rows = [str(t) for t in str_tokens] if str_tokens is not None else list(range(n_pos))
+    if len(rows) != n_pos:
+        raise ValueError(f"{len(rows)} tokens for a run of {n_pos} positions.")
+    labels = [f"{i}: {tick_label(str(t))}" for i, t in enumerate(rows)]
+    height = max(280, 120 + 22 * n_pos)
+    fig = go.Figure(
+        go.Heatmap(
+            z=values,
+            x=[f"L{layer}E{e}" for e in range(n_experts)],
+            y=labels,
+            colorscale="Blues",
+            zmin=0,
+            colorbar=dict(title=dict(text="weight", side="right"), thickness=14),
+            hovertemplate="%{y}<br>%{x}: weight %{z:.3g}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title if title is not None else f"Layer {layer}: routing",
+        xaxis=dict(title="expert", type="category", automargin=True),
+        yaxis=dict(title="token", type="category", autorange="reversed", automargin=True),
+        height=height,
+        margin=dict(t=60, b=50),
+    )
+    return fig
+
+
 def error_table_figure(df: pd.DataFrame, title: str = "", float_format: str = ".3g") -> go.Figure:
     """A DataFrame (equivalence table, GELU-fit errors, omega errors) as a plotly table.
 

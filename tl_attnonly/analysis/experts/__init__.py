@@ -31,14 +31,20 @@ An :class:`~tl_attnonly.AttnOnlyTransformer`'s MoE (TransformerLens's) has no sh
   mean self weight and ``z``, largest ``z``, top contexts by self weight and by ``|z|``;
   ranked, labelled, saved and loaded as :class:`~tl_attnonly.analysis.NeuronHeadSummaries` are.
 
-:func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers), circuit discovery and the
-residual decomposition refuse mixtures of experts before any work, naming the layer.
+* :func:`expert_routing`: the weight each token gave each expert in a run, ``[batch, pos,
+  n_experts]`` (drawn by :func:`tl_attnonly.vis.expert_routing_heatmap`).
+
+The dense decompositions (:func:`~tl_attnonly.analysis.decompose_resid_heads`,
+:func:`~tl_attnonly.analysis.head_logit_attrs`) read an expert layer as its experts' weighted
+contributions; :func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers) and circuit
+discovery refuse mixtures of experts before any work, naming the layer.
 
 Modules: :mod:`~tl_attnonly.analysis.experts.routing` (hook names, the experts of a block, routing,
 activations), :mod:`~tl_attnonly.analysis.experts.patching` (activation patching) and
 :mod:`tl_attnonly.analysis.summaries.experts` (dataset summaries).
 """
 
+from tl_attnonly.analysis.experts.components import expert_routing
 from tl_attnonly.analysis.experts.decomposition import (
     decompose_resid_experts,
     expert_components,
@@ -78,6 +84,7 @@ __all__ = [
     "decompose_resid_experts",
     "expert_components",
     "expert_logit_attrs",
+    "expert_routing",
     "experts_used",
     "routing_weights_hook_name",
     "expert_activation",

@@ -140,4 +140,37 @@ def expert_components(
     return pos_slice.apply(stack, dim=-2), labels
 
 
-__all__ = ["ROUTING_WEIGHTS_HOOK", "expert_components", "routing_weights_hook_name"]
+def expert_routing(cache: Any, layer: int) -> Float[torch.Tensor, "batch pos n_experts"]:
+    """The weight the block gave each routed expert of ``layer`` at each token of the cache's run,
+    0 where the token was not routed to the expert (routing is recomputed in every run from its
+    own input: see :func:`~tl_attnonly.analysis.experts.experts_used`).
+
+    Args:
+        cache: A ``run_with_cache`` cache of a converted model with mixtures of experts, holding
+            the routing hooks (``hook_routing_indices`` or ``hook_expert_indices``, and
+            ``hook_routing_weights``) and one residual-stream hook of the block (for the shape).
+        layer: The MoE layer.
+
+    Returns:
+        ``[batch, pos, n_experts]``: expert ``e``'s weight in its contribution ``L{l}E{e}``
+        (:func:`expert_components`).
+
+    Raises:
+        ValueError: For a layer that is not a mixture of experts.
+        KeyError: If the cache lacks a hook read.
+    """
+    moe = moe_layer(model_of_cache(cache), layer)
+    batch, n_pos, _ = _residual_like(cache, layer).shape
+    indices = cached_routing(cache, layer).reshape(batch * n_pos, -1)  # [tokens, top_k]
+    weights = _routing_weights(cache, layer, moe, indices).reshape(batch * n_pos, -1)
+    routing = weights.new_zeros(batch * n_pos, len(moe.expert_list()))
+    routing.scatter_(-1, indices.long(), weights)
+    return routing.reshape(batch, n_pos, -1)
+
+
+__all__ = [
+    "ROUTING_WEIGHTS_HOOK",
+    "expert_components",
+    "expert_routing",
+    "routing_weights_hook_name",
+]
