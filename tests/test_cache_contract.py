@@ -39,10 +39,13 @@ from tl_attnonly import ConversionOptions, convert
 pytestmark = pytest.mark.filterwarnings("ignore:HookedEncoder is deprecated:DeprecationWarning")
 
 N_LAYERS = 3
-#: |converted - original| bound on every shared entry (conversion of SiLU: exact up to rounding).
-TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
+#: |converted - original| bound on every shared entry, relative to the tensor's largest entry
+#: (conversion of SiLU: exact up to rounding). Relative to the tensor, not to each entry: without a
+#: norm a gated model's activations grow with depth, and an entry near 0 is a cancellation of
+#: large terms (the fuzz drew fp32 logits of up to ~1e3 with an entry of 12.6 off by 2e-3).
+TOL = {torch.float64: 1e-11, torch.float32: 1e-4}
 #: |derived - stored| bound for the fused path (same pre-activations up to the fused rounding).
-FUSED_TOL = {torch.float64: dict(rtol=0, atol=1e-12), torch.float32: dict(rtol=0, atol=1e-5)}
+FUSED_TOL = {torch.float64: 1e-12, torch.float32: 1e-4}
 
 MODEL_KINDS = {
     "plain": dict(normalization_type="LN"),
@@ -283,11 +286,24 @@ def as_dict(cache: Any) -> Any:
     return cache.cache_dict if isinstance(cache, ActivationCache) else cache
 
 
-def assert_same_output(a: Any, b: Any, tol: dict[str, float]) -> None:
+def assert_scaled_close(actual: Any, expected: Any, rel: float, name: str = "") -> None:
+    """``|actual - expected| <= rel * max(1, max |expected|)`` over the finite entries, and the
+    same non-finite entries (masked attention scores: ``-inf``); ``rel = 0``: equal."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
+    finite = expected.isfinite()
+    assert torch.equal(actual[~finite], expected[~finite]), name  # -inf where masked
+    if not finite.any():
+        return
+    scale = max(1.0, expected[finite].abs().max().item())
+    error = (actual[finite] - expected[finite]).abs().max().item()
+    assert error <= rel * scale, f"{name}: max |difference| {error:.3g} > {rel:g} x {scale:.3g}"
+
+
+def assert_same_output(a: Any, b: Any, rel: float) -> None:
     if a is None or b is None:
         assert a is None and b is None
         return
-    torch.testing.assert_close(b, a, **tol)
+    assert_scaled_close(b, a, rel, "output")
 
 
 def assert_cache_contract(case, original, original_cache, converted_cache, stored_cache, dtype):
@@ -304,16 +320,11 @@ def assert_cache_contract(case, original, original_cache, converted_cache, store
     # derived and stored caches: the same keys in the same order
     assert converted_keys == list(stored_cache.keys())
     for name in original_keys:
-        torch.testing.assert_close(
-            converted_cache[name],
-            original_cache[name],
-            **TOL[dtype],
-            msg=lambda m, name=name: f"{name}: {m}",
-        )
+        assert_scaled_close(converted_cache[name], original_cache[name], TOL[dtype], name)
     for name in converted_keys:
         derived, stored = converted_cache[name], stored_cache[name]
         if case["fused"]:
-            torch.testing.assert_close(derived, stored, **FUSED_TOL[dtype])
+            assert_scaled_close(derived, stored, FUSED_TOL[dtype], name)
         else:  # head path in both runs: derived entries are the stored ones, bit for bit
             assert torch.equal(derived, stored), name
 
@@ -353,8 +364,7 @@ def check_case(case: dict[str, Any], original, converted) -> None:
         converted.reset_hooks()  # with reset_hooks_end=False they would fill cache_s later on
         out_c, cache_c = converted.run_with_cache(*model_args, **model_kwargs, **kwargs)
         assert_same_output(out_o, out_c, TOL[dtype])
-        exact = dict(rtol=0, atol=0)
-        assert_same_output(out_s, out_c, FUSED_TOL[dtype] if case["fused"] else exact)
+        assert_same_output(out_s, out_c, FUSED_TOL[dtype] if case["fused"] else 0.0)
         assert_cache_contract(case, original, cache_o, cache_c, cache_s, dtype)
         if not case["reset_hooks_end"]:
             # The caching hooks stayed attached: a later run fills the same cache object, in
