@@ -54,6 +54,8 @@ def test_score_curve_areas_are_the_trapezoid_rule_over_normalised_size():
 
 
 def test_curve_points_are_exact_runs_and_rankings_compare_on_the_same_prompts():
+    """Every point of a ranking's curve (compare_rankings', faithfulness_curve's and
+    discover_circuit's own) is an exact run of the ranking's top edges."""
     model = make_converted("silu", **GATED_ZOO["llama"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -87,6 +89,16 @@ def test_curve_points_are_exact_runs_and_rankings_compare_on_the_same_prompts():
         assert row.edges == len(found[ranking].edges())
         assert row.faithfulness == pytest.approx(found[ranking].faithfulness, rel=1e-10)
         assert bool(row.reached) == (found[ranking].faithfulness >= 0.8)
+        # discover_circuit's own curve on MIB's grid (mib_curve=True, the default): the same
+        # points, the same areas, and report() prints them
+        extra = found[ranking].extra
+        assert extra["mib_curve"].top_n.tolist() == sizes
+        assert extra["mib_curve"].faithfulness.tolist() == pytest.approx(faith, rel=1e-12)
+        assert extra["mib_curve"].distance.tolist() == pytest.approx(
+            np.abs(1 - np.array(faith)).tolist(), rel=1e-12
+        )
+        assert (extra["mib_cpr"], extra["mib_cmd"]) == pytest.approx((row.cpr, row.cmd))
+        assert f"CPR {row.cpr:.3f}" in found[ranking].report()
     direct = faithfulness_curve(model, scores, CLEAN, CORRUPTED, METRIC, ranking="absolute")
     assert direct.faithfulness.tolist() == pytest.approx(curves["absolute"].faithfulness.tolist())
     with pytest.raises(ValueError, match="fractions"):

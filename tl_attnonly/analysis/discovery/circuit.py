@@ -197,8 +197,9 @@ class Circuit:
 
     def report(self) -> str:
         """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
-        named neurons), node-patching baseline, the sweep's curve, the MLP split, the gate/value
-        table, the attention heads, the warnings."""
+        named neurons), node-patching baseline, the sweep's curve, the curve on MIB's grid with
+        its CPR and CMD, the MLP split, the gate/value table, the attention heads, the
+        warnings."""
 
         def table(frame: pd.DataFrame, digits: int = 3) -> str:
             return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
@@ -236,6 +237,14 @@ class Circuit:
             )
         if self.curve is not None:
             lines += ["faithfulness vs size (exact runs):", table(self.curve)]
+        if "mib_curve" in self.extra:
+            lines += [
+                f"on MIB's grid of sizes (top-k of the ranking, exact runs): CPR "
+                f"{self.extra['mib_cpr']:.3f} (area under faithfulness; higher recovers more), "
+                f"CMD {self.extra['mib_cmd']:.3f} (area under |1 - faithfulness|; lower is "
+                "closer to the model)",
+                table(self.extra["mib_curve"]),
+            ]
         if self.mlp_split is not None:
             lines += [
                 "MLP nodes: effect of the named neurons, the remainder, the layer (faithfulness)",

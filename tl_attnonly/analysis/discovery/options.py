@@ -93,6 +93,10 @@ class DiscoveryOptions:
             (:func:`~.refine.prune_by_runs`: the sweep's circuit loses its lowest-scored edges
             in chunks while its exact faithfulness stays at the target); 0: no pass, the
             circuit is the sweep's top-``n``.
+        mib_curve: Also run the ranking's top-``k`` circuits at MIB's edge fractions
+            (:data:`~.scoring.MIB_FRACTIONS`, exact runs on the coarse circuit's graph:
+            ``circuit.extra["mib_curve"]``, with ``"mib_cpr"`` and ``"mib_cmd"``, its areas;
+            :meth:`~.circuit.Circuit.report` prints them). Ten more exact runs.
         progress: Progress bars.
     """
 
@@ -121,6 +125,7 @@ class DiscoveryOptions:
     max_runs: int = 24
     resolution: float = 1.1
     prune_runs: int = 30
+    mib_curve: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:

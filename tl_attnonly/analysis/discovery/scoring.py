@@ -43,6 +43,7 @@ from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.pruning import RANKINGS, mask_size, prune_ranked
 from tl_attnonly.analysis.discovery.run_metrics import circuit_metrics
+from tl_attnonly.analysis.discovery.run_reuse import CorruptedRuns
 from tl_attnonly.analysis.discovery.sites import DiscoveryMetric, check_discoverable
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
 from tl_attnonly.analysis.task import DiscoveryTask
@@ -141,6 +142,7 @@ def faithfulness_curve(
     positions: PositionClasses | None = None,
     batch_size: int | None = None,
     progress: bool = False,
+    corrupted_runs: CorruptedRuns | None = None,
 ) -> pd.DataFrame:
     """Exact faithfulness of the top-``k`` circuits of a ranking at fractions of the graph's edges.
 
@@ -157,6 +159,7 @@ def faithfulness_curve(
         positions: The scores' position classes, if their graph is resolved by position.
         batch_size: Examples per pass.
         progress: Progress bar.
+        corrupted_runs: The corrupted runs of a search on the same prompts (reused).
 
     Returns:
         One row per fraction: ``fraction, top_n, edges, metric, faithfulness``.
@@ -179,6 +182,7 @@ def faithfulness_curve(
     values = circuit_metrics(
         model, masks, clean_tokens, corrupted_tokens, metric, nodes=_graph_nodes(scores),
         batch_size=batch_size, progress=progress, positions=positions,
+        corrupted_runs=corrupted_runs,
     )  # fmt: skip
     return pd.DataFrame(
         [

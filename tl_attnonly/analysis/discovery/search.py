@@ -153,10 +153,11 @@ def discover_circuit(
         ``warnings``, ``gate_value`` and (coarse graph, named neurons) ``mlp_split``;
         ``circuit.extra`` holds ``"coarse"`` (the coarse circuit before neurons were named),
         ``"named"`` (layer -> named neurons), with ``neurons_per_mlp="auto"``
-        ``"neuron_stage"`` (:mod:`.neuron_stage`), ``"seconds"`` (time per stage), after a pruning
-        pass ``"swept"`` (the sweep's circuit: edges, faithfulness) and ``"pruning"`` (one row per
-        exact run: round, removed, edges, faithfulness, accepted) and, with ``n_nodes``,
-        ``"nodes"`` and ``"node_scores"``.
+        ``"neuron_stage"`` (:mod:`.neuron_stage`), with ``mib_curve`` (default) ``"mib_curve"``,
+        ``"mib_cpr"`` and ``"mib_cmd"`` (:mod:`.scoring`), ``"seconds"`` (time per stage), after
+        a pruning pass ``"swept"`` (the sweep's circuit: edges, faithfulness) and ``"pruning"``
+        (one row per exact run: round, removed, edges, faithfulness, accepted) and, with
+        ``n_nodes``, ``"nodes"`` and ``"node_scores"``.
 
     Raises:
         ValueError: For options that contradict each other, or a metric that is not additive
@@ -225,6 +226,9 @@ def discover_circuit(
         scores, mask, m_clean, m_corr, m_circ, faithfulness(m_circ, m_clean, m_corr),
         extra=extra, ceiling=ceiling, curve=curve, warnings=notes,
     )  # fmt: skip
+    if opts.mib_curve and opts.graph == "coarse":
+        with timer("MIB curve"):
+            _mib_curve(task, circuit, opts)
     fine_nodes = nodes
     if opts.graph == "coarse" and opts.neurons_per_mlp != 0:
         with timer("neurons"):
@@ -245,6 +249,22 @@ def discover_circuit(
                     )
     circuit.extra["seconds"] = timer.seconds
     return circuit
+
+
+def _mib_curve(task: DiscoveryTask, circuit: Circuit, opts: DiscoveryOptions) -> None:
+    """``circuit.extra``'s ``"mib_curve"`` (the ranking's top-``k`` circuits at MIB's edge
+    fractions, exact runs, with ``distance = |1 - faithfulness|``), ``"mib_cpr"`` and
+    ``"mib_cmd"`` (:mod:`.scoring`)."""
+    from tl_attnonly.analysis.discovery.scoring import faithfulness_curve, score_curve
+
+    curve = faithfulness_curve(
+        task.model, circuit.scores, task.clean, task.corrupted, task.metric,
+        ranking=opts.ranking, positions=task.positions, batch_size=opts.batch_size,
+        progress=opts.progress, corrupted_runs=task.corrupted_runs,
+    )  # fmt: skip
+    scored = score_curve(curve, circuit.scores.graph.n_edges())
+    circuit.extra["mib_curve"] = curve.assign(distance=(1.0 - curve.faithfulness).abs())
+    circuit.extra["mib_cpr"], circuit.extra["mib_cmd"] = scored.cpr, scored.cmd
 
 
 def _graph_nodes(task: DiscoveryTask, opts: DiscoveryOptions, extra: dict) -> list[str] | None:
