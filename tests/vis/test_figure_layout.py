@@ -25,6 +25,7 @@ import tl_attnonly.vis  # noqa: F401 - registers the figure builders
 import tl_attnonly.vis.export as export
 from tl_attnonly.analysis import logit_diff_metric
 from tl_attnonly.analysis.discovery.circuit import Circuit
+from tl_attnonly.analysis.discovery.counts import KV_GROUP_LEGEND
 from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
 from tl_attnonly.analysis.discovery.node_selection import coarse_nodes
 from tl_attnonly.vis import circuit_figure, neuron_circuit_figure, save_figure
@@ -32,6 +33,7 @@ from tl_attnonly.vis.circuit import (
     LINE_HEIGHT,
     TITLE_FONT,
     circuit_counts,
+    counts_text,
     label_box,
     text_size,
 )
@@ -155,8 +157,11 @@ def test_counts_agree_with_the_edges_and_the_titles(circuit):
         coarse_edges=len(frame),
     )
     assert counts["kv_groups"] > 0  # grouped-query attention: counted apart from heads
-    # report() counts attention heads the same way
-    assert f"attention heads ({counts['attention_heads']})" in circuit.report()
+    # report() counts the same way, in the same words, and says what a key/value group is
+    report = circuit.report()
+    assert f"attention heads ({counts['attention_heads']})" in report
+    assert "counts (as in the figures): " + counts_text(counts) in report
+    assert KV_GROUP_LEGEND in report
     for fig in (circuit_figure(circuit), neuron_circuit_figure(circuit)):
         title = fig.layout.title.text.replace("<br>", " ")
         assert f"{counts['attention_heads']} attention heads" in title

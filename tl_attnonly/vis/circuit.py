@@ -30,8 +30,13 @@ from typing import Any
 import plotly.graph_objects as go
 
 from tl_attnonly.analysis.discovery.circuit import register_figure_builder
+from tl_attnonly.analysis.discovery.counts import (
+    KV_LABEL,
+    circuit_counts,
+    counts_text,
+    kind_layer,
+)
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
-from tl_attnonly.analysis.discovery.profiles import named_neurons
 
 #: Colour and dash of each input kind.
 EDGE_STYLES = {
@@ -81,61 +86,6 @@ LABEL_POSITIONS = ("top center", "bottom center", "middle right", "middle left")
 _GAP = 3.0  # px between a marker and its label
 _TITLE_Y = 32  # px from the top to the title: below plotly's mode bar (about 25 px)
 _TAG = re.compile(r"<[^>]+>")
-_HEAD = re.compile(r"^L\d+H\d+$")
-_KV = re.compile(r"^L\d+KV\d+$")
-
-
-def kind_layer(label: str) -> tuple[str, int]:
-    """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}``,
-    ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP``, ``(label, -1)`` for the embeddings and
-    logits."""
-    if label in (EMBED, LOGITS):
-        return label, -1
-    match = re.match(r"^L(\d+)(H|KV|N|MLP)", label)
-    if match is None:
-        raise ValueError(f"Not a node label: {label!r}.")
-    return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
-
-
-def circuit_counts(circuit: Any) -> dict[str, int]:
-    """The circuit figures' counts, from :meth:`~tl_attnonly.analysis.Circuit.edges`.
-
-    ``attention_heads``: query heads ``L{l}H{h}`` with an edge (as :meth:`Circuit.report` counts
-    them); ``kv_groups``: key/value groups ``L{l}KV{j}`` of grouped-query attention with an edge
-    (the k and v inputs shared by several query heads; not heads); ``mlp_layers``: layers with an
-    MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge, or a named neuron;
-    ``named_neurons``: the neurons named as nodes
-    (:func:`~tl_attnonly.analysis.discovery.profiles.named_neurons`, with or without an edge);
-    ``edges``: the circuit's edges; ``coarse_edges``: the coarse circuit's (before neurons were
-    named; ``edges`` when there is none).
-    """
-    frame = circuit.edges()
-    nodes = set(frame.source) | set(frame.target)
-    coarse = (getattr(circuit, "extra", None) or {}).get("coarse")
-    named = named_neurons(circuit)
-    mlp = {kind_layer(n)[1] for n in nodes - {EMBED, LOGITS} if kind_layer(n)[0] == "neuron"}
-    return dict(
-        attention_heads=sum(bool(_HEAD.match(n)) for n in nodes),
-        kv_groups=sum(bool(_KV.match(n)) for n in nodes),
-        mlp_layers=len(mlp | {kind_layer(n)[1] for n in named}),
-        named_neurons=len(named),
-        edges=len(frame),
-        coarse_edges=len(frame) if coarse is None or coarse is circuit else len(coarse.edges()),
-    )
-
-
-def counts_text(counts: dict[str, int]) -> str:
-    """:func:`circuit_counts` in words (the figures' titles)."""
-    parts = [f"{counts['attention_heads']} attention heads"]
-    if counts["kv_groups"]:
-        parts.append(f"{counts['kv_groups']} key/value groups")
-    parts.append(f"{counts['mlp_layers']} MLP layers")
-    if counts["named_neurons"]:
-        parts.append(f"{counts['named_neurons']} named neurons")
-    edges = f"{counts['edges']} edges"
-    if counts["coarse_edges"] != counts["edges"]:
-        edges += f" ({counts['coarse_edges']} before naming neurons)"
-    return ", ".join([*parts, edges])
 
 
 def text_size(text: str, font: float = LABEL_FONT) -> tuple[float, float]:
@@ -399,7 +349,7 @@ def circuit_figure(
     plot_h = max(240.0, (max(len(m) for _, _, m in levels) + 1) * row)
     pos = {}
     for slot, _, members in levels:
-        members.sort(key=lambda s: (_KV.match(s) is not None, len(s), s))
+        members.sort(key=lambda s: (KV_LABEL.match(s) is not None, len(s), s))
         for i, label in enumerate(members):
             pos[label] = ((slot + 0.5) * col, plot_h / 2 + ((len(members) - 1) / 2 - i) * row)
     fig = go.Figure()
@@ -424,7 +374,7 @@ def circuit_figure(
             )
         )
         shown.add(name)
-    kinds = {n: "kv" if _KV.match(n) else kind_layer(n)[0] for n in labels}
+    kinds = {n: "kv" if KV_LABEL.match(n) else kind_layer(n)[0] for n in labels}
     mlp = [n for n in labels if kinds[n] == "neuron"]
     sizes, opacities, hover = mlp_markers(mlp, mlp_carry(circuit))
     marker: dict[str, tuple[float, float, str]] = {n: (NODE_SIZE, 1.0, n) for n in labels}

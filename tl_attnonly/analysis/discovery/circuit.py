@@ -204,11 +204,21 @@ class Circuit:
         def table(frame: pd.DataFrame, digits: int = 3) -> str:
             return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
 
+        from tl_attnonly.analysis.discovery.counts import (
+            KV_GROUP_LEGEND,
+            circuit_counts,
+            counts_text,
+        )
+
         coarse = self.extra.get("coarse")
+        counts = circuit_counts(self)
         lines = [
             repr(self),
+            "counts (as in the figures): " + counts_text(counts),
             f"metric: clean {self.metric_clean:.4g}, corrupted {self.metric_corrupted:.4g}",
         ]
+        if counts["kv_groups"]:
+            lines.insert(2, KV_GROUP_LEGEND)
         if self.ceiling is not None:
             n_all = (coarse if coarse is not None else self).graph.n_edges()
             lines.append(f"ceiling (all {n_all:,} edges of its graph): {self.ceiling:.3f}")

@@ -1,0 +1,80 @@
+"""One vocabulary of counts for a circuit (:func:`circuit_counts`): attention heads, key/value
+groups, MLP layers, named neurons and edges, counted the same way in
+:meth:`~tl_attnonly.analysis.Circuit.report` and every circuit figure's title
+(:mod:`tl_attnonly.vis.circuit`, :mod:`tl_attnonly.vis.neuron_circuit`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
+
+_HEAD = re.compile(r"^L\d+H\d+$")
+#: A key/value group's label, ``L{l}KV{j}``.
+KV_LABEL = re.compile(r"^L\d+KV\d+$")
+
+#: What a key/value group node is (the report's legend and the figures' legend).
+KV_GROUP_LEGEND = (
+    "key/value groups L{l}KV{j}: under grouped-query attention one key/value head gives its k and "
+    "v to several query heads, so the k and v inputs are nodes of their own (not heads)"
+)
+
+
+def kind_layer(label: str) -> tuple[str, int]:
+    """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}``,
+    ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP``, ``(label, -1)`` for the embeddings and
+    logits."""
+    if label in (EMBED, LOGITS):
+        return label, -1
+    match = re.match(r"^L(\d+)(H|KV|N|MLP)", label)
+    if match is None:
+        raise ValueError(f"Not a node label: {label!r}.")
+    return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
+
+
+def circuit_counts(circuit: Any) -> dict[str, int]:
+    """The circuit figures' counts, from :meth:`~tl_attnonly.analysis.Circuit.edges`.
+
+    ``attention_heads``: query heads ``L{l}H{h}`` with an edge (as :meth:`Circuit.report` counts
+    them); ``kv_groups``: key/value groups ``L{l}KV{j}`` of grouped-query attention with an edge
+    (the k and v inputs shared by several query heads; not heads); ``mlp_layers``: layers with an
+    MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge, or a named neuron;
+    ``named_neurons``: the neurons named as nodes
+    (:func:`~tl_attnonly.analysis.discovery.profiles.named_neurons`, with or without an edge);
+    ``edges``: the circuit's edges; ``coarse_edges``: the coarse circuit's (before neurons were
+    named; ``edges`` when there is none).
+    """
+    from tl_attnonly.analysis.discovery.profiles import named_neurons  # imports Circuit
+
+    frame = circuit.edges()
+    nodes = set(frame.source) | set(frame.target)
+    coarse = (getattr(circuit, "extra", None) or {}).get("coarse")
+    named = named_neurons(circuit)
+    mlp = {kind_layer(n)[1] for n in nodes - {EMBED, LOGITS} if kind_layer(n)[0] == "neuron"}
+    return dict(
+        attention_heads=sum(bool(_HEAD.match(n)) for n in nodes),
+        kv_groups=sum(bool(KV_LABEL.match(n)) for n in nodes),
+        mlp_layers=len(mlp | {kind_layer(n)[1] for n in named}),
+        named_neurons=len(named),
+        edges=len(frame),
+        coarse_edges=len(frame) if coarse is None or coarse is circuit else len(coarse.edges()),
+    )
+
+
+def counts_text(counts: dict[str, int]) -> str:
+    """:func:`circuit_counts` in words (the figures' titles)."""
+    parts = [f"{counts['attention_heads']} attention heads"]
+    if counts["kv_groups"]:
+        parts.append(f"{counts['kv_groups']} key/value groups")
+    parts.append(f"{counts['mlp_layers']} MLP layers")
+    if counts["named_neurons"]:
+        parts.append(f"{counts['named_neurons']} named neurons")
+    edges = f"{counts['edges']} edges"
+    if counts["coarse_edges"] != counts["edges"]:
+        edges += f" ({counts['coarse_edges']} before naming neurons)"
+    return ", ".join([*parts, edges])
+
+
+__all__ = ["KV_GROUP_LEGEND", "KV_LABEL", "circuit_counts", "counts_text", "kind_layer"]
