@@ -18,7 +18,8 @@ stream, so the decomposition of two runs may use different experts at the same t
   d_model]``, labels ``L{l}E{e}`` and ``L{l}S`` (``L{l}S:{name}`` with several shared experts).
 * :func:`decompose_resid_experts`: the residual stream of a model with mixtures of experts as a
   sum: attention heads, then per layer the dense neuron-heads or the expert components, then
-  ``embed``, ``pos_embed`` and ``bias``.
+  ``embed``, ``pos_embed`` and ``bias`` (:func:`~tl_attnonly.analysis.decompose_resid_heads`,
+  which reads an expert layer so).
 * :func:`expert_logit_attrs`: direct logit attribution of those components (the final norm's
   cached scale and weight, as :func:`~tl_attnonly.analysis.head_logit_attrs`).
 """
@@ -32,30 +33,11 @@ from jaxtyping import Float, Int
 from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly.adapt import model_of_cache, require_additive_residual
-from tl_attnonly.analysis.cache.views import (
-    embedding_components,
-    get_attn_head_results,
-    get_neuron_head_results,
-)
 from tl_attnonly.analysis.experts.components import (
     ROUTING_WEIGHTS_HOOK,
     expert_components,
     routing_weights_hook_name,
 )
-from tl_attnonly.hooks import neuron_head_label
-from tl_attnonly.protocol import AttnOnlyModel
-
-
-def _mlp_components(
-    cache: Any, model: AttnOnlyModel, layer: int, pos_slice: Slice
-) -> tuple[torch.Tensor, list[str]]:
-    """One layer's MLP components: its expert components or its dense neuron-heads."""
-    if model.blocks[layer].mlp.is_mixture_of_experts:
-        return expert_components(cache, layer, pos_slice)
-    results = get_neuron_head_results(cache, layer, pos_slice=pos_slice)  # [..., heads, d_model]
-    K = model.n_heads_per_neuron
-    labels = [neuron_head_label(layer, h, K) for h in range(results.shape[-2])]
-    return results.movedim(-2, 0), labels
 
 
 def decompose_resid_experts(
@@ -88,34 +70,18 @@ def decompose_resid_experts(
     Raises:
         NotImplementedError: On a model whose residual stream is no sum of its components.
     """
+    from tl_attnonly.analysis.cache.decomposition import decompose_resid_heads
+
     model = model_of_cache(cache)
     require_additive_residual(model, "decompose_resid_experts")
     n_layers = model.cfg.n_layers
     layer = n_layers if layer is None or layer == -1 else layer
     if not 0 <= layer <= n_layers or (mlp_input and layer == n_layers):
         raise ValueError(f"layer must be in [0, {n_layers}] ({n_layers}: not with mlp_input).")
-    pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
-    parts, labels = [], []
-    for li in range(layer + (1 if mlp_input else 0)):
-        parts.append(get_attn_head_results(cache, li, pos_slice).movedim(-2, 0))
-        labels += [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
-    for li in range(layer):
-        stack, names = _mlp_components(cache, model, li, pos_slice)
-        parts.append(stack)
-        labels += names
-    template = pos_slice.apply(cache["hook_embed"], dim=-2)
-    for embedding, label in embedding_components(cache, model):
-        parts.append(pos_slice.apply(embedding, dim=-2)[None])
-        labels.append(label)
-    bias = template.new_zeros(model.cfg.d_model)
-    for li in range(layer + (1 if mlp_input else 0)):
-        bias = bias + model.blocks[li].attn.b_O.to(bias.dtype)
-        mlp = model.blocks[li].mlp
-        if li < layer and not mlp.is_mixture_of_experts:
-            bias = bias + mlp.b_O.to(bias.dtype)
-    parts.append(bias.expand((1,) + template.shape))
-    labels.append("bias")
-    return torch.cat([p.to(template.dtype) for p in parts]), labels
+    # the dense decomposition reads an expert layer as its experts (cache.views)
+    return decompose_resid_heads(
+        cache, layer, mlp_input=mlp_input, return_labels=True, pos_slice=pos_slice
+    )
 
 
 def expert_logit_attrs(
