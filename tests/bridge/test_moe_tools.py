@@ -173,7 +173,9 @@ def test_neuron_head_views_and_summaries_refuse_before_work(moe):
             lambda: node_attribution_scores(
                 bridge, ModelInputs(clean), ModelInputs(moe["corrupted"]), _metric
             ),
-            lambda: circuit_gate_value_split(bridge, {}, clean, moe["corrupted"], _metric),
+            lambda: circuit_gate_value_split(
+                bridge, {}, clean, moe["corrupted"], _metric, neurons=["L0N0"]
+            ),
             lambda: composition_scores(bridge, "Q", senders=["L0N0"]),
             lambda: composition_top_k(bridge, "V", receivers=["L1N3"]),
         ):

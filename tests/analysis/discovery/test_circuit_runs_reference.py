@@ -15,7 +15,7 @@ from models import facts, make_converted, tl3_extra
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
 from tl_attnonly.analysis.discovery.exact_run import _recompute
-from tl_attnonly.analysis.discovery.graph import LOGITS, MLP_REST
+from tl_attnonly.analysis.discovery.graph import EXPERTS, LOGITS, MLP_REST
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 from tl_attnonly.analysis.discovery.sites import (
@@ -43,11 +43,12 @@ MODELS = {
 }  # fmt: skip
 
 
-def _reference(model, graph: HeadGraph, mask) -> float:
-    """The circuit's metric by its definition, one edge at a time."""
+def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, metric=METRIC):
+    """The circuit's metric by its definition, one edge at a time. A mixture of experts' input
+    (one reader: the layer) is normalised by the Hugging Face norm the bridge wraps."""
     adapter = facts(model)  # what the package's helpers read of the model
     with torch.no_grad():
-        _, cache = model.run_with_cache(CORRUPTED)
+        _, cache = model.run_with_cache(corrupted)
         corr = dict(cache.cache_dict)
         current: dict[str, torch.Tensor] = {}
 
@@ -83,6 +84,8 @@ def _reference(model, graph: HeadGraph, mask) -> float:
                 for dst in groups[name]:
                     if dst.kind == LOGITS:
                         return reader_input(dst, 0)
+                    if dst.kind == EXPERTS:
+                        return model.blocks[dst.layer].ln2.original_component(reader_input(dst, 0))
                     for j in range(len(dst.labels)):
                         which = dst.index if dst.kind == MLP_REST else (dst.index[j],)
                         x = reader_input(dst, j).unsqueeze(2)
@@ -94,8 +97,8 @@ def _reference(model, graph: HeadGraph, mask) -> float:
 
         hooks = [(n, record(n)) for n in source_hook_names(model, graph)]
         hooks += [(name, patch(name)) for name in groups]
-        logits = model.run_with_hooks(CLEAN, fwd_hooks=hooks)
-        return METRIC(logits, torch.arange(CLEAN.shape[0])).item()
+        logits = model.run_with_hooks(clean, fwd_hooks=hooks)
+        return metric(logits, torch.arange(clean.shape[0])).item()
 
 
 def _random_mask(graph: HeadGraph, p: float, seed: int):

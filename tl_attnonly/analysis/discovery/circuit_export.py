@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery import graph as graphs
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, MLP_REST, HeadGraph, InputGroup
 
 #: The levels :func:`circuit_to_mib` takes (``"neuron"`` is refused; see the module's doc).
@@ -125,7 +126,7 @@ def _mib_readers(
     every = list(range(len(dst.labels)))
     if dst.kind == LOGITS:
         return [("logits", 1.0, True, every)]
-    if dst.kind in ("neuron", MLP_REST):
+    if dst.kind in ("neuron", MLP_REST, graphs.EXPERTS):
         return [(f"m{dst.layer}", 1.0, True, every)]
     if dst.input == "q" or not graph.gqa:
         return [
@@ -276,6 +277,11 @@ def _node_roles(graph: HeadGraph) -> dict[str, dict[str, Any]]:
                     layer=str(2 * g.layer + 2), feature=i, feature_type=role,
                     clerp=f"{label}: {what} of layer {g.layer}",
                 )  # fmt: skip
+        elif g.kind == graphs.EXPERTS:
+            roles[g.labels[0]] = dict(
+                layer=str(2 * g.layer + 2), feature=0, feature_type="mlp layer",
+                clerp=f"{g.labels[0]}: MLP layer {g.layer} (a mixture of experts, whole)",
+            )  # fmt: skip
         elif g.kind == MLP_REST:
             what = "neurons" if graph.neuron_level else "neuron-heads"
             named = len(g.index) < g.size

@@ -70,8 +70,18 @@ def model_record(model: Any) -> dict[str, Any]:
         "d_model": int(cfg.d_model),
         "d_vocab": int(cfg.d_vocab),
         "dtype": str(cfg.dtype).removeprefix("torch."),
-        "shape": dataclasses.asdict(shape),
+        "shape": _shape_record(shape),
     }
+
+
+def _shape_record(shape: GraphShape) -> dict[str, Any]:
+    """``shape`` as its JSON reads back; ``expert_layers`` only where there are some (the
+    records of files saved before it existed stay equal)."""
+    record = dataclasses.asdict(shape)
+    record["expert_layers"] = list(shape.expert_layers)
+    if not shape.expert_layers:
+        del record["expert_layers"]
+    return record
 
 
 class _Writer:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tl_attnonly.analysis.discovery.graph import (
+    EXPERTS,
     LOGITS,
     MLP_REST,
     HeadGraph,
@@ -297,10 +298,12 @@ def circuit_run(
     def patch_inputs(dst: InputGroup, none, mixed, index, site_name: str, hook_name: str):
         def patch(act, hook):
             act = act.clone()
-            if dst.kind == LOGITS:
+            if dst.kind in (LOGITS, EXPERTS):  # one reader of the residual stream itself
                 if len(mixed) == 0:
                     return corr[hook_name].clone()
-                return run.inputs(dst, hook_name, mixed)[:, :, 0]
+                x = run.inputs(dst, site_name, mixed)[:, :, 0]
+                norm = input_site(model, dst)[0]  # a mixture of experts reads it normalised
+                return (x if norm is None else norm(x)).to(act.dtype)
             corr_act = corr[hook_name]
             if dst.kind in ("neuron", MLP_REST):
                 none_heads = _heads_of(graph, dst, none)

@@ -80,7 +80,9 @@ def circuit_gate_value_split(
         n_value_edges`` (metric units).
     """
     model = analysis_model(model)
-    refuse_expert_layers([block.mlp for block in model.blocks], None, "circuit_gate_value_split")
+    if neurons is not None:  # an expert layer has no neurons of its own (the default: none)
+        named = [int(label[1:].split("N")[0]) for label in neurons]
+        refuse_expert_layers([b.mlp for b in model.blocks], named, "circuit_gate_value_split")
     clean_tokens, corrupted_tokens = tokens_on_model_device(model, clean_tokens, corrupted_tokens)
     graph = HeadGraph(
         model, neuron_level=neuron_level, nodes=nodes,

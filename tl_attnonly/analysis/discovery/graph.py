@@ -50,6 +50,10 @@ LOGITS = "logits"
 EMBED = "embed"
 #: Kind of the node ``L{l}MLP``: layer ``l``'s neurons left out of a restricted graph, together.
 MLP_REST = "mlp"
+#: Kind of the node ``L{l}MLP`` of a mixture-of-experts layer: the whole layer, one source (its
+#: output, ``hook_mlp_out``) and one input (what its norm reads: the router and every expert read
+#: the normalised input, ``blocks.{l}.mlp.hook_in``). Routing is recomputed from each run's input.
+EXPERTS = "experts"
 
 
 def mlp_rest_label(layer: int) -> str:
@@ -156,10 +160,17 @@ class GraphShape:
     n_heads_per_neuron: int
     gated_mlp: bool
     parallel_attn_mlp: bool
+    #: The mixture-of-experts layers (each one node ``L{l}MLP`` of kind :data:`EXPERTS`).
+    expert_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:  # a saved shape's JSON list
+        object.__setattr__(self, "expert_layers", tuple(int(li) for li in self.expert_layers))
 
     @classmethod
     def of(cls, model: ModelLike) -> GraphShape:
         """The shape of ``model`` (either model kind, through :func:`analysis_model`)."""
+        from tl_attnonly.mlp_protocol import expert_layer_indices
+
         model = analysis_model(model)
         cfg = model.cfg
         return cls(
@@ -167,6 +178,7 @@ class GraphShape:
             n_key_value_heads=cfg.n_key_value_heads, d_mlp=int(cast(int, cfg.d_mlp)),
             n_heads_per_neuron=int(model.n_heads_per_neuron), gated_mlp=bool(cfg.gated_mlp),
             parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
+            expert_layers=tuple(expert_layer_indices([block.mlp for block in model.blocks])),
         )  # fmt: skip
 
 
@@ -209,6 +221,7 @@ class HeadGraph:
         self.n_layers = cfg.n_layers
         self.n_heads_per_neuron = cfg.n_heads_per_neuron
         self.neuron_level = neuron_level or cfg.n_heads_per_neuron == 1
+        self.expert_layers = frozenset(cfg.expert_layers)
         self.gated = cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
         self.parallel = cfg.parallel_attn_mlp
         n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -274,6 +287,16 @@ class HeadGraph:
                 SourceGroup(f"attn.{li}", "attn", li, kept_heads, 3 * li + 1, index, size)
             )
             mlp_order = 3 * li + 1 if self.parallel else 3 * li + 2
+            if li in self.expert_layers:  # the whole layer: one node, one input
+                label = (mlp_rest_label(li),)
+                whole = pick(label)
+                self.inputs.append(
+                    InputGroup(f"experts.{li}", EXPERTS, li, "", whole[0], mlp_order, *whole[1:])
+                )
+                self.sources.append(
+                    SourceGroup(f"experts.{li}", EXPERTS, li, whole[0], 3 * li + 2, *whole[1:])
+                )
+                continue
             neurons = pick(neuron_labels[li])
             for inp in NEURON_INPUTS:
                 self.inputs.append(

@@ -28,7 +28,8 @@ from tl_attnonly.analysis.discovery.sites import (
     check_additive,
     check_discoverable,
 )
-from tl_attnonly.hooks import attn_head_label, head_act_name, neuron_act_name
+from tl_attnonly.hooks import attn_head_label, block_act_name, head_act_name, neuron_act_name
+from tl_attnonly.mlp_protocol import expert_layer_indices
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -151,8 +152,15 @@ def node_patching_metric(
         names.update(dict.fromkeys(model.embed_hooks))
     for li, hs in heads.items():
         names[head_act_name("z", li, "attn")] = hs
-    for li, idx in neurons.items():
-        names[neuron_act_name("post", li)] = idx
+    experts = set(expert_layer_indices([block.mlp for block in model.blocks]))
+    for li, idx in neurons.items():  # a mixture of experts: its whole output
+        if li in experts and idx is not None:
+            raise ValueError(
+                f"blocks.{li}.mlp is a mixture of experts: patch the whole layer 'L{li}MLP' "
+                "(its experts' neurons see only the tokens routed to them: "
+                "tl_attnonly.analysis.experts.get_act_patch_expert_neuron_heads)."
+            )
+        names[block_act_name("mlp_out", li) if li in experts else neuron_act_name("post", li)] = idx
     total = 0.0
     for rows in batch_indices(clean_tokens.shape[0], batch_size):
         with torch.no_grad():

@@ -20,6 +20,7 @@ from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.attention_support import attention_problems
 from tl_attnonly.analysis.discovery.graph import (
     EMBED,
+    EXPERTS,
     LOGITS,
     MLP_REST,
     HeadGraph,
@@ -28,7 +29,7 @@ from tl_attnonly.analysis.discovery.graph import (
 )
 from tl_attnonly.analysis.post_norm import has_post_norms, normed, post_norm, scale_hook
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
-from tl_attnonly.mlp_protocol import refuse_expert_layers
+from tl_attnonly.mlp_protocol import expert_layer_indices
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import (
@@ -61,7 +62,9 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
 
     Raises:
         TypeError: If ``model`` is not converted.
-        NotImplementedError: For encoders, mixtures of experts, a post-LN of the residual stream
+        NotImplementedError: For encoders, mixtures of experts without a hook of their input
+            (:func:`expert_problems`; a converted bridge's are one node each), a post-LN of the
+            residual stream
             (norms after each sublayer are handled, unless their sublayer has an output bias:
             :func:`post_norm_problems`), positions other than learned, rotary or ALiBi (a bias
             inside the scores, which the model adds to rebuilt ``q``/``k``), attention-only
@@ -70,7 +73,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
             rebuilds them from the residual input as for any head and the model normalises
             them.)
     """
-    model = analysis_model(model)  # refuses mixtures of experts (NeuronHeadMoE) by name
+    model = analysis_model(model)
     if model.is_encoder:
         raise NotImplementedError(
             "Edge-level circuit discovery needs a pre-norm decoder; a BERT-style encoder "
@@ -86,9 +89,9 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     problems += attention_problems(model)  # multi-head latent attention
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
-    refuse_expert_layers([block.mlp for block in model.blocks], None, "discover_circuit")
+    problems += expert_problems(model)
     for li, block in enumerate(model.blocks):
-        if not block.mlp.converted or block.mlp.is_mixture_of_experts:
+        if not block.mlp.converted:
             problems.append(f"blocks.{li}.mlp is a {type(block.mlp).__name__}")
     gated = model.cfg.gated_mlp
     if gated and not neuron_level and model.n_heads_per_neuron > 1:
@@ -100,9 +103,42 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
         raise NotImplementedError(
             "Circuit discovery needs a pre-norm decoder whose residual stream is the sum of the "
             "embeddings and the nodes' outputs (LN, LNPre, RMS, RMSPre or no normalisation; "
-            "learned, rotary or ALiBi positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, no "
-            "mixtures of experts). Not supported here: " + ", ".join(problems) + "."
+            "learned, rotary or ALiBi positions; NeuronHeadMLP or GatedNeuronHeadMLP layers, or "
+            "a converted bridge's mixtures of experts). Not supported here: "
+            + ", ".join(problems)
+            + "."
         )
+
+
+def expert_problems(model: AttnOnlyModel) -> list[str]:
+    """What of a model's mixtures of experts no exact run handles (``[]``: none).
+
+    A mixture-of-experts layer is one node, ``L{l}MLP`` (:data:`~.graph.EXPERTS`): its output
+    is ``hook_mlp_out`` and its input what its norm gives the router and the experts
+    (``blocks.{l}.mlp.hook_in``), rebuilt from the residual input like any reader's; the layer
+    routes that input itself, so a run's routing is its own. That input hook is a converted
+    bridge's; an :class:`~tl_attnonly.AttnOnlyTransformer`'s MoE (TransformerLens's) has none
+    and is refused, as are expert layers with a norm after them or none before them (none in
+    the zoo).
+    """
+    experts = expert_layer_indices([block.mlp for block in model.blocks])
+    problems = []
+    hooks = model.hook_dict
+    for li in experts:
+        block = model.blocks[li]
+        if f"blocks.{li}.mlp.hook_in" not in hooks:
+            problems.append(
+                f"blocks.{li}.mlp ({type(getattr(block.mlp, 'module', block.mlp)).__name__}) "
+                "has no hook of its normalised "
+                "input, blocks.{l}.mlp.hook_in (TransformerLens's MoE on an AttnOnlyTransformer; "
+                "analyse a converted TransformerBridge of the model)"
+            )
+        elif block.ln2 is None or block.ln2_post is not None:
+            problems.append(
+                f"blocks.{li}.mlp is a mixture of experts without a norm before it, or with one "
+                "after it"
+            )
+    return problems
 
 
 def post_norm_problems(model: AttnOnlyModel) -> list[str]:
@@ -345,7 +381,10 @@ def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
     names = list(model.embed_hooks)
     for li in range(graph.n_layers):
         names.append(head_act_name("z", li, "attn"))
-        names.append(neuron_act_name("post" if graph.neuron_level else "z", li))
+        if li in graph.expert_layers:  # the whole layer's output
+            names.append(block_act_name("mlp_out", li))
+        else:
+            names.append(neuron_act_name("post" if graph.neuron_level else "z", li))
         for sublayer in ("attn", "mlp"):
             norm = post_norm(model, li, sublayer)
             if norm is not None:
@@ -382,6 +421,8 @@ def source_values(
         return out.unsqueeze(2)
     if src.kind == "attn":
         out = acts[head_act_name("z", src.layer, "attn")]
+    elif src.kind == EXPERTS:  # [batch, pos, 1, d_model]: the layer's output
+        out = acts[block_act_name("mlp_out", src.layer)].unsqueeze(2)
     elif graph.neuron_level:
         out = acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
     else:
@@ -399,7 +440,7 @@ def writer_matrix(
     (a sublayer normed before it is added: ``w * centre(U)``, its coefficients divided by the
     run's scale, :func:`source_values`)."""
     model = analysis_model(model)
-    if src.kind == EMBED:
+    if src.kind in (EMBED, EXPERTS):
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     norm = post_norm(model, src.layer, "attn" if src.kind == "attn" else "mlp")
     if norm is not None:  # w * centre(x U) / sigma = (x / sigma) (w * centre(U))
@@ -441,7 +482,7 @@ def reader_matrix(
 ) -> torch.Tensor:
     """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
     model = analysis_model(model)
-    if dst.kind == LOGITS:
+    if dst.kind in (LOGITS, EXPERTS):  # the residual stream (normalised: EXPERTS) itself
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if dst.kind == "attn":
         return _kept(qkv_weights(model.blocks[dst.layer].attn, dst.input)[0], dst, 0)
@@ -457,6 +498,8 @@ def input_hook_name(dst: InputGroup, graph: HeadGraph) -> str:
     """The hook holding what ``dst`` reads (gated MLPs: ``hook_pre`` / ``hook_pre_linear``)."""
     if dst.kind == LOGITS:
         return block_act_name("resid_post", graph.n_layers - 1)
+    if dst.kind == EXPERTS:  # the layer's normalised input (a bridge's MLP component's hook_in)
+        return f"blocks.{dst.layer}.mlp.hook_in"
     if dst.kind in ("neuron", MLP_REST) and graph.gated:
         return neuron_act_name("pre" if dst.input == "gate" else "pre_linear", dst.layer)
     head_kind = "attn" if dst.kind == "attn" else "neuron"
@@ -472,7 +515,7 @@ def read_gradient(
 ) -> torch.Tensor:
     """d metric / d (what input ``n`` reads), ``[batch, pos, n, s]``."""
     model = analysis_model(model)
-    if dst.kind == LOGITS:
+    if dst.kind in (LOGITS, EXPERTS):
         return grad.unsqueeze(2)
     if dst.kind == "attn":
         return _kept(grad, dst, 2)

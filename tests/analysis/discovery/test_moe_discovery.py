@@ -1,0 +1,155 @@
+"""Circuit discovery on mixtures of experts (a converted bridge; fp32, as Hugging Face's grouped
+experts have no float64 kernel everywhere): each expert layer is one node ``L{l}MLP``, its output
+``hook_mlp_out`` and its input the layer's normalised input, rebuilt like any reader's and routed
+by the layer itself (routing is recomputed from each run's input).
+
+Exact runs equal their definition edge by edge (``test_circuit_runs_reference._reference``, which
+normalises an expert layer's rebuilt input with the Hugging Face norm the bridge wraps); the full
+graph is the clean run and the empty graph the corrupted run; ``discover_circuit`` runs end to
+end, naming no neurons in an expert layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+sys.path.insert(0, str(Path(__file__).parents[2] / "bridge"))
+
+from test_circuit_runs_reference import _random_mask, _reference  # noqa: E402
+from zoo import ZOO, build_bridge, convert_zoo_bridge, tokens  # noqa: E402
+
+from tl_attnonly.adapt import analysis_model  # noqa: E402
+from tl_attnonly.analysis import (  # noqa: E402
+    HeadGraph,
+    circuit_metrics,
+    discover_circuit,
+    edge_attribution_scores,
+)
+from tl_attnonly.analysis.discovery.graph import EXPERTS  # noqa: E402
+from tl_attnonly.analysis.discovery.search import (  # noqa: E402
+    coarse_nodes,
+    node_patching_metric,
+)
+from tl_attnonly.analysis.discovery.sites import logit_diff_metric  # noqa: E402
+
+CLEAN, CORRUPTED = tokens(4, 7, seed=1), tokens(4, 7, seed=2)
+DENSE_0 = "qwen2_moe_dense0"
+METRIC = logit_diff_metric(torch.tensor([3, 4, 5, 6]), torch.tensor([7, 8, 9, 10]))
+#: Qwen2-MoE (a shared expert, gated), Mixtral, OLMoE (QK norm), and a Qwen2-MoE whose layer 0
+#: is dense (``mlp_only_layers``: named neurons there beside an expert node).
+NAMES = ["qwen2_moe", "mixtral", "olmoe", DENSE_0]
+
+
+def _bridge(name: str):
+    if name != DENSE_0:
+        return convert_zoo_bridge(build_bridge(name, torch.float32))
+    spec = ZOO["qwen2_moe"]
+    ZOO[DENSE_0] = dataclasses.replace(
+        spec, name=DENSE_0, kwargs={**spec.kwargs, "mlp_only_layers": [0]}
+    )
+    try:
+        return convert_zoo_bridge(build_bridge(DENSE_0, torch.float32))
+    finally:
+        del ZOO[DENSE_0]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def moe(request):
+    return _bridge(request.param)
+
+
+def _experts(model) -> list[int]:
+    return [
+        li
+        for li, block in enumerate(analysis_model(model).blocks)
+        if block.mlp.is_mixture_of_experts
+    ]
+
+
+def test_exact_runs_equal_the_edge_by_edge_definition(moe):
+    experts = _experts(moe)
+    named = [] if 0 in experts else ["L0N2", "L0N5"]  # a dense layer 0's neurons, by name
+    nodes = coarse_nodes(moe) + named
+    graph = HeadGraph(moe, nodes=nodes)
+    assert [g.key for g in graph.sources if g.kind == EXPERTS] == [
+        f"experts.{li}" for li in experts
+    ]
+    masks = [
+        graph.full_mask(),
+        graph.full_mask(False),
+        _random_mask(graph, 0.3, seed=1),
+        _random_mask(graph, 0.7, seed=2),
+    ]
+    got = circuit_metrics(moe, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
+    with torch.no_grad():
+        clean = METRIC(moe(CLEAN), torch.arange(4)).item()
+        corrupted = METRIC(moe(CORRUPTED), torch.arange(4)).item()
+    assert got[0] == pytest.approx(clean, abs=1e-6) and got[1] == pytest.approx(corrupted, abs=1e-6)
+    for value, mask in zip(got, masks, strict=True):
+        want = _reference(moe, graph, mask, CLEAN, CORRUPTED, METRIC)
+        assert value == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert len({round(v, 4) for v in got}) == len(got)  # the circuits differ
+
+
+def test_eap_scores_into_and_out_of_an_expert_layer_are_its_branch_gradient(moe):
+    """Plain EAP (gradients at the corrupted run): an edge into layer 1's expert node scores the
+    source's change dotted with the gradient of the metric at the layer's own input (a copy at
+    its norm's input, so the residual path around it is not counted); an edge out of layer 0's
+    scores its output change ``hook_mlp_out`` so."""
+    scores = edge_attribution_scores(
+        moe, CLEAN, CORRUPTED, METRIC, method="eap", nodes=coarse_nodes(moe)
+    ).scores
+    held = {}
+
+    def branch(act, hook):
+        held["x"] = act.detach().clone().requires_grad_(True)
+        return held["x"]
+
+    names = ["hook_embed", "blocks.0.hook_mlp_out"]
+    with torch.no_grad():
+        _, clean = moe.run_with_cache(CLEAN, names_filter=names)
+        _, corrupted = moe.run_with_cache(CORRUPTED, names_filter=names)
+    logits = moe.run_with_hooks(CORRUPTED, fwd_hooks=[("blocks.1.ln2.hook_in", branch)])
+    (grad,) = torch.autograd.grad(METRIC(logits, torch.arange(4)), [held["x"]])
+    layer_0 = "experts.0" if 0 in _experts(moe) else "mlp.0"  # a dense layer 0: its coarse node
+    for source, name in (("embed", "hook_embed"), (layer_0, "blocks.0.hook_mlp_out")):
+        want = (grad * (clean[name] - corrupted[name])).sum()
+        got = scores[(source, "experts.1")]
+        assert got.shape == (1, 1) and want.abs() > 1e-3
+        torch.testing.assert_close(got[0, 0], want, rtol=1e-4, atol=1e-6)
+
+
+def test_discover_circuit_runs_with_expert_layers_as_nodes(moe):
+    """End to end (the defaults: coarse graph, EAP-IG, sweep, pruning, the neuron stage, MIB's
+    curve): the full graph is the model, no neuron is named in an expert layer, and the found
+    circuit's own exact run is its reported metric; its figures, exports and file work."""
+    import tl_attnonly.vis  # noqa: F401  (registers Circuit.figure)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        circuit = discover_circuit(moe, CLEAN, CORRUPTED, METRIC, progress=False)
+    # an expert layer has no neurons of its own to name; a dense one has
+    assert not set(circuit.extra["named"]) & set(_experts(moe))
+    assert circuit.ceiling == pytest.approx(1.0, abs=1e-5)
+    (again,) = circuit_metrics(
+        moe, [circuit.mask], CLEAN, CORRUPTED, METRIC, nodes=circuit.graph.node_labels()
+    )
+    assert again == pytest.approx(circuit.metric_circuit, abs=1e-6)
+    assert "mib_curve" in circuit.extra
+    circuit.figure()
+    mib = circuit.to_mib(d_model=moe.cfg.d_model)
+    assert all(not edge.endswith("<>") for edge in mib["edges"])
+
+
+def test_an_expert_layer_s_neurons_are_not_nodes():
+    """Neurons named in an expert layer refuse (node patching, the gate/value split)."""
+    moe = convert_zoo_bridge(build_bridge("qwen2_moe", torch.float32))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        node_patching_metric(moe, CLEAN, CORRUPTED, METRIC, ["L1N3"])
