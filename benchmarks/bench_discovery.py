@@ -16,6 +16,12 @@ node-patching baseline, sweep and pruning runs).
 ``--ioi-prompts`` prompts, ABC corruption, seed 1, ``data.additive_metric()``; the [smollm2]
 extra). It is slow on a CPU: see ``docs/open_questions.md``.
 
+``--families`` measures the same call on two random models of SmolLM2-135M's size instead, a
+Llama-like one and a Gemma-2-like one (norms after each sublayer, soft caps, GeGLU with K = 4
+heads per neuron), converted bridges, on a random task (``benchmarks/random_families.py``), and
+prints the Gemma-2-like total over the Llama-like (with ``--repeats``, medians of runs that
+alternate between the two).
+
 ``--gpt2-small`` runs the earlier measurement instead: a GPT-2-small-shaped model (12 layers,
 d_model 768, 12 heads, d_mlp 3072, LayerNorm, GELU, random weights) with a 1000-token vocabulary,
 converted (K = 4 heads per neuron, neuron-level graph). Its full head graph has 1.26e9 edges:
@@ -276,6 +282,14 @@ def main(argv: list[str] | None = None) -> None:
         "--gpt2-small", action="store_true",
         help="the earlier two-stage neuron-level measurement on a GPT-2-small-shaped model",
     )  # fmt: skip
+    parser.add_argument(
+        "--families", action="store_true",
+        help="random Llama-like and Gemma-2-like models of SmolLM2's size instead (bridges)",
+    )  # fmt: skip
+    fam = parser.add_argument_group("--families")
+    fam.add_argument("--family-vocab", type=int, default=49152)
+    fam.add_argument("--family-prompts", type=int, default=16)
+    fam.add_argument("--family-pos", type=int, default=16)
     group = parser.add_argument_group("--gpt2-small")
     group.add_argument("--layers", type=int, default=12)
     group.add_argument("--d-mlp", type=int, default=3072)
@@ -312,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
             args.batch_size = 4
         two_stage(args)
         return
+    if args.families:
+        families(args, where)
+        return
     kinds = KINDS[args.kind or ("hooked" if HAS_HOOKED_TRANSFORMER else "bridge")]
     if "hooked" in kinds and not HAS_HOOKED_TRANSFORMER:
         parser.error("--kind hooked/both needs TransformerLens 3.x (HookedTransformer)")
@@ -341,6 +358,33 @@ def main(argv: list[str] | None = None) -> None:
             args.repeats, args.batch_size, args.progress, **options,
         )  # fmt: skip
         _compare(found, f"SmolLM2-135M-Instruct fp32, IOI {args.ioi_prompts} prompts", args.repeats)
+
+
+def families(args: argparse.Namespace, where: str) -> None:
+    """``--families``: the default call on a random Llama-like and a Gemma-2-like model."""
+    import random_families
+
+    batch = "all" if args.batch_size is None else args.batch_size
+    vocab, prompts, pos = args.family_vocab, args.family_prompts, args.family_pos
+
+    def load(family: str, note: str):
+        model = random_families.build(family, vocab)
+        clean, corrupted, metric = random_families.task(vocab, prompts, pos)
+        config = (
+            f"random {family}-like, SmolLM2-135M's sizes, vocab {vocab}, fp32, converted "
+            f"TransformerBridge{where}, random task {prompts} prompts x {pos} tokens, batch "
+            f"{batch}, defaults, {torch.get_num_threads()} threads{note}"
+        )
+        return model, clean, corrupted, metric, config
+
+    found = measure_kinds(("llama", "gemma2"), load, args.repeats, args.batch_size, args.progress)
+    llama, gemma = found["llama"], found["gemma2"]
+    print(
+        f"[random SmolLM2-sized models, vocab {vocab}, {torch.get_num_threads()} threads] "
+        f"gemma2-like over llama-like: time "
+        f"{gemma.extra['total_seconds'] / llama.extra['total_seconds']:.2f}x, CPU time "
+        f"{gemma.extra['cpu_seconds'] / llama.extra['cpu_seconds']:.2f}x"
+    )
 
 
 def _suffix(kind: str, kinds: tuple[str, ...]) -> str:
