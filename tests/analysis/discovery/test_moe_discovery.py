@@ -15,6 +15,7 @@ import dataclasses
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from tl_attnonly.analysis.discovery.search import (  # noqa: E402
     node_patching_metric,
 )
 from tl_attnonly.analysis.discovery.sites import logit_diff_metric  # noqa: E402
+from tl_attnonly.analysis.experts import experts_used  # noqa: E402
 
 CLEAN, CORRUPTED = tokens(4, 7, seed=1), tokens(4, 7, seed=2)
 DENSE_0 = "qwen2_moe_dense0"
@@ -143,9 +145,43 @@ def test_discover_circuit_runs_with_expert_layers_as_nodes(moe):
     )
     assert again == pytest.approx(circuit.metric_circuit, abs=1e-6)
     assert "mib_curve" in circuit.extra
+    used = circuit.experts_used(moe, CLEAN, CORRUPTED)
+    assert sorted(used) == _experts(moe) and all(u.shape[:2] == CLEAN.shape for u in used.values())
     circuit.figure()
     mib = circuit.to_mib(d_model=moe.cfg.d_model)
     assert all(not edge.endswith("<>") for edge in mib["edges"])
+
+
+def test_a_circuit_s_run_routes_its_own_input(moe):
+    """``circuit_experts_used``: the full graph routes as the clean run, the empty graph as the
+    corrupted run, and a circuit between them routes some token otherwise than either (its
+    expert layers read their rebuilt input)."""
+    from tl_attnonly.analysis.discovery.circuit_routing import circuit_experts_used
+
+    nodes = coarse_nodes(moe)
+    graph = HeadGraph(moe, nodes=nodes)
+    with torch.no_grad():
+        clean = experts_used(moe.run_with_cache(CLEAN)[1])
+        corrupted = experts_used(moe.run_with_cache(CORRUPTED)[1])
+
+    def routed(mask):  # a circuit's graph and mask are all it reads
+        circuit = SimpleNamespace(graph=graph, mask=mask)
+        return circuit_experts_used(moe, circuit, CLEAN, CORRUPTED, batch_size=2)
+
+    experts = _experts(moe)
+    for mask, want in ((graph.full_mask(), clean), (graph.full_mask(False), corrupted)):
+        got = routed(mask)
+        assert sorted(got) == experts
+        for layer in experts:
+            assert torch.equal(got[layer].sort(-1).values, want[layer].sort(-1).values)
+    layer = experts[-1]
+    mixed = [routed(_random_mask(graph, 0.5, seed=s))[layer].sort(-1).values for s in range(4)]
+    differ = [
+        not torch.equal(m, clean[layer].sort(-1).values)
+        and not torch.equal(m, corrupted[layer].sort(-1).values)
+        for m in mixed
+    ]
+    assert any(differ)
 
 
 def test_an_expert_layer_s_neurons_are_not_nodes():

@@ -14,6 +14,8 @@
 :mod:`.run_reuse`        what exact runs share: each batch's corrupted run, first runs, kept runs
 :mod:`.gate_value`       circuit_gate_value_split: a neuron's gate and value edges apart
 :mod:`.circuit`          Circuit (a found circuit, its evidence and report), faithfulness
+:mod:`.counts`           one vocabulary of counts for a circuit's report and figures
+:mod:`.circuit_routing`  which experts a circuit's exact run routed each token to
 :mod:`.evaluate`         evaluate_circuit: a found circuit's exact faithfulness on other prompts
 :mod:`.node_circuits`    node-level circuits, for encoders too (pair-cosine metric)
 :mod:`.relevance`        neuron relevance: RelP / attribution patching / EAP-IG, gate and value
@@ -30,6 +32,7 @@
 """
 
 from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
+from tl_attnonly.analysis.discovery.circuit_routing import circuit_experts_used
 from tl_attnonly.analysis.discovery.edge_scores import (
     EdgeScores,
     check_discoverable,
@@ -43,6 +46,7 @@ from tl_attnonly.analysis.discovery.evaluate import CircuitEvaluation, evaluate_
 from tl_attnonly.analysis.discovery.graph import (
     ATTN_INPUTS,
     EMBED,
+    EXPERTS,
     LOGITS,
     MLP_REST,
     NEURON_INPUTS,
@@ -99,9 +103,11 @@ from tl_attnonly.analysis.discovery.streaming import (
 
 __all__ = [
     "ATTN_INPUTS",
+    "EXPERTS",
     "check_discoverable",
     "Circuit",
     "CircuitEvaluation",
+    "circuit_experts_used",
     "circuit_gate_value_split",
     "circuit_metric",
     "circuit_metrics",

@@ -195,6 +195,16 @@ class Circuit:
         serves (``{slug}.json`` and ``graph-metadata.json``)."""
         return circuit_to_graph_json(self, path, **kwargs)
 
+    def experts_used(
+        self, model: Any, clean_tokens: torch.Tensor, corrupted_tokens: torch.Tensor, **kwargs: Any
+    ) -> dict[int, torch.Tensor]:
+        """The experts each token was routed to in this circuit's exact run, ``{layer: [batch,
+        pos, top_k]}`` (:func:`~.circuit_routing.circuit_experts_used`: its keywords): routing is
+        recomputed from each run's own input, so the circuit's can differ from the clean run's."""
+        from tl_attnonly.analysis.discovery.circuit_routing import circuit_experts_used
+
+        return circuit_experts_used(model, self, clean_tokens, corrupted_tokens, **kwargs)
+
     def report(self) -> str:
         """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
         named neurons), node-patching baseline, the sweep's curve, the curve on MIB's grid with

@@ -13,7 +13,7 @@ run of its call or from a kept run: :mod:`.run_reuse`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +165,8 @@ class BatchRun:
         reads: The one logit position per row a run from a block computes (the metric's
             :func:`~.sites.logit_positions`), or None.
         first: The batch's :class:`~.run_reuse.FirstRun` (or a kept run's), or None.
+        observe: More ``(hook name, hook)`` pairs added to each run (after its own), e.g. to
+            read what it routed (:func:`~.circuit_routing.circuit_experts_used`).
     """
 
     tokens: torch.Tensor
@@ -172,6 +174,7 @@ class BatchRun:
     where: dict[str, torch.Tensor] | None = None
     reads: torch.Tensor | None = None
     first: FirstRun | None = None
+    observe: Sequence[tuple[str, Callable[..., Any]]] = ()
 
 
 def circuit_run(
@@ -349,6 +352,7 @@ def circuit_run(
         patch = patch_for(dst)
         if patch is not None:
             hooks.append((patch[0], reused(dst.key, patch[1])))
+    hooks += batch.observe
     if keep and first is not None and first.runner is not None:
         first.sources = current  # filled by the run
         for layer in sorted(first.layers):
