@@ -442,13 +442,10 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     """As on ``AttnOnlyTransformer``'s ``NeuronHeadMoE`` (tests/analysis/test_gated_analysis.py,
     tests/analysis/discovery): the tools that need dense neuron-heads refuse a converted MoE
     bridge's expert layer before any work, naming it and the expert tools to use instead
-    (``analysis_model`` takes the model: tests/bridge/test_moe_tools.py)."""
+    (``analysis_model`` takes the model: tests/bridge/test_moe_tools.py; ``discover_circuit``
+    takes an expert layer as one node: tests/analysis/discovery/test_moe_discovery.py)."""
     from tl_attnonly.adapt import analysis_model
-    from tl_attnonly.analysis import (
-        discover_circuit,
-        get_act_patch_neuron_heads,
-        summarize_neuron_heads,
-    )
+    from tl_attnonly.analysis import get_act_patch_neuron_heads, summarize_neuron_heads
 
     bridge = convert_zoo_bridge(build_bridge(name, torch.float32))
     layer = min(_moe_layers(bridge))
@@ -456,8 +453,6 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     toks = tokens()
     match = rf"blocks\.{layer}\.mlp is a mixture of experts \(BridgeNeuronHeadExperts\)"
     assert analysis_model(bridge).blocks[layer].mlp.is_mixture_of_experts
-    with pytest.raises(NotImplementedError, match=match):
-        discover_circuit(bridge, toks, toks, lambda logits: logits[:, -1, 0].mean())
     with pytest.raises(NotImplementedError, match=match):
         get_act_patch_neuron_heads(
             bridge, toks, {}, lambda logits: logits[0, -1, 0], layers=[layer]
