@@ -13,7 +13,7 @@ import pytest
 from tl_attnonly._compat import HAS_HOOKED_TRANSFORMER
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("edge scores", "sweep", "pruning", "neurons", "node patching", "gate/value")
+STAGES = ("edge scores", "sweep", "pruning", "MIB curve", "neurons", "node patching", "gate/value")
 
 
 def _bench():
