@@ -21,7 +21,6 @@ from tl_attnonly.analysis.discovery.sites import BLOCK_BUDGET, check_discoverabl
 from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
-    from tl_attnonly.analysis.discovery.circuit import Circuit
     from tl_attnonly.protocol import ModelLike
 
 
@@ -31,7 +30,7 @@ def _no_metric(logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def circuit_experts_used(
     model: ModelLike,
-    circuit: Circuit,
+    circuit: Any,
     clean_tokens: Int[torch.Tensor, "batch pos"],
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     *,
@@ -42,7 +41,7 @@ def circuit_experts_used(
 
     Args:
         model: The converted model the circuit was found on (a bridge with mixtures of experts).
-        circuit: A :class:`~.circuit.Circuit` (its graph and mask).
+        circuit: A :class:`~.circuit.Circuit` (its ``graph`` and ``mask`` are read).
         clean_tokens, corrupted_tokens: The prompts of the run, ``[batch, pos]``.
         positions: The circuit's position classes, if its graph is resolved by position.
         batch_size: Examples per pass.

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
+from tl_attnonly.analysis.discovery.profile_stats import NEURON_LABEL, parse_neuron_label
 
 _HEAD = re.compile(r"^L\d+H\d+$")
 #: A key/value group's label, ``L{l}KV{j}``.
@@ -34,6 +35,17 @@ def kind_layer(label: str) -> tuple[str, int]:
     return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
 
 
+def named_neurons(circuit: Any) -> list[str]:
+    """The neurons named as nodes of ``circuit``: the neuron stage's (``circuit.extra["named"]``,
+    lowest layer first, each layer in its ranking order), then any other neuron with a circuit
+    edge (a neuron-level graph's), by layer and index."""
+    named = circuit.extra.get("named") or {}
+    out = [label for layer in sorted(named) for label in named[layer]]
+    seen = set(out)
+    others = [n for n in circuit.nodes() if NEURON_LABEL.match(n) and n not in seen]
+    return out + sorted(others, key=parse_neuron_label)
+
+
 def circuit_counts(circuit: Any) -> dict[str, int]:
     """The circuit figures' counts, from :meth:`~tl_attnonly.analysis.Circuit.edges`.
 
@@ -46,8 +58,6 @@ def circuit_counts(circuit: Any) -> dict[str, int]:
     ``edges``: the circuit's edges; ``coarse_edges``: the coarse circuit's (before neurons were
     named; ``edges`` when there is none).
     """
-    from tl_attnonly.analysis.discovery.profiles import named_neurons  # imports Circuit
-
     frame = circuit.edges()
     nodes = set(frame.source) | set(frame.target)
     coarse = (getattr(circuit, "extra", None) or {}).get("coarse")
@@ -77,4 +87,11 @@ def counts_text(counts: dict[str, int]) -> str:
     return ", ".join([*parts, edges])
 
 
-__all__ = ["KV_GROUP_LEGEND", "KV_LABEL", "circuit_counts", "counts_text", "kind_layer"]
+__all__ = [
+    "KV_GROUP_LEGEND",
+    "KV_LABEL",
+    "circuit_counts",
+    "counts_text",
+    "kind_layer",
+    "named_neurons",
+]

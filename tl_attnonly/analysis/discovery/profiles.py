@@ -43,6 +43,7 @@ from jaxtyping import Int
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.circuit import Circuit
+from tl_attnonly.analysis.discovery.counts import named_neurons
 from tl_attnonly.analysis.discovery.gate_value import circuit_gate_value_split
 from tl_attnonly.analysis.discovery.graph import HeadGraph
 from tl_attnonly.analysis.discovery.profile_stats import (
@@ -81,17 +82,6 @@ def register_profiles_figure_builder(builder: Callable[..., Any]) -> None:
     :mod:`tl_attnonly.vis.neuron_circuit` on import)."""
     global _figure_builder
     _figure_builder = builder
-
-
-def named_neurons(circuit: Circuit) -> list[str]:
-    """The neurons named as nodes of ``circuit``: the neuron stage's (``circuit.extra["named"]``,
-    lowest layer first, each layer in its ranking order), then any other neuron with a circuit
-    edge (a neuron-level graph's), by layer and index."""
-    named = circuit.extra.get("named") or {}
-    out = [label for layer in sorted(named) for label in named[layer]]
-    seen = set(out)
-    others = [n for n in circuit.nodes() if NEURON_LABEL.match(n) and n not in seen]
-    return out + sorted(others, key=parse_neuron_label)
 
 
 @dataclass
