@@ -149,3 +149,17 @@ def test_discovery_refuses_latent_attention_naming_what_works(pair):
     _, converted = pair
     with pytest.raises(NotImplementedError, match="latent attention.*What works"):
         circuit_metric(converted, {}, CLEAN, CORRUPTED, lambda logits: metric(logits))
+
+
+def test_blocks_without_attention_need_no_repair():
+    """A hybrid model's linear-attention or state-space blocks have no ``attn``: the repair and
+    the check pass over them (TransformerLens 4.3's Qwen3.5 suite: its conversion raised an
+    AttributeError there, after the MLPs had been converted)."""
+    from types import SimpleNamespace
+
+    from tl_attnonly.bridge.attention_layout import check_z_layout, head_layout, repair_z_layouts
+
+    assert head_layout(None) is None
+    block = torch.nn.Module()  # no attn submodule
+    assert repair_z_layouts(SimpleNamespace(blocks=[block, block])) == []
+    check_z_layout(None, 0)

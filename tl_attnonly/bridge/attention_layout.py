@@ -39,7 +39,10 @@ def head_layout(attn: Any) -> tuple[int, int] | None:
     """``(n_heads, d_head)`` of ``attn``'s ``W_O`` (``[n_heads, d_head, d_model]``), or None where
     the component has none. Before its first forward pass a latent-attention bridge cannot split
     ``W_O`` yet (TransformerLens reads the value width then); its Hugging Face module's
-    ``v_head_dim`` and the output projection's width give the same split."""
+    ``v_head_dim`` and the output projection's width give the same split. A block without
+    attention (a linear-attention or state-space layer of a hybrid model) has none."""
+    if attn is None:
+        return None
     try:
         W_O = attn.W_O
         return (int(W_O.shape[0]), int(W_O.shape[1])) if W_O.dim() == 3 else None
