@@ -32,13 +32,13 @@ from plotly.offline import get_plotlyjs
 from tqdm.auto import tqdm
 
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.hooks import (
     NEURON_HOOK_SHAPES,
     head_names_filter,
     neuron_act_name,
     neuron_head_label,
 )
-from tl_attnonly.mlp_protocol import expert_layer_indices
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.verify import REFERENCE_NAMES
 from tl_attnonly.vis import (
@@ -130,7 +130,7 @@ def write_demo_report(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n_layers = adapted.cfg.n_layers
-    experts = set(expert_layer_indices([block.mlp for block in adapted.blocks]))
+    experts = expert_layers(adapted)
     dense = [layer for layer in range(n_layers) if layer not in experts]
     steps = _Steps(total=5 + n_layers, enabled=progress)
     sections: list[tuple[str, str, str]] = []  # (anchor, title, body html)
@@ -445,7 +445,7 @@ def _page(
 
 def _experts_note(model: AttnOnlyModel) -> str:
     """``"; layers 0, 1 are mixtures of experts"`` or ``""``."""
-    experts = expert_layer_indices([block.mlp for block in model.blocks])
+    experts = sorted(expert_layers(model))
     listed = ", ".join(map(str, experts))
     return f"; layers {listed} are mixtures of experts" if experts else ""
 

@@ -169,7 +169,7 @@ class GraphShape:
     @classmethod
     def of(cls, model: ModelLike) -> GraphShape:
         """The shape of ``model`` (either model kind, through :func:`analysis_model`)."""
-        from tl_attnonly.mlp_protocol import expert_layer_indices
+        from tl_attnonly.analysis.patching.dense_layers import expert_layers
 
         model = analysis_model(model)
         cfg = model.cfg
@@ -178,7 +178,7 @@ class GraphShape:
             n_key_value_heads=cfg.n_key_value_heads, d_mlp=int(cast(int, cfg.d_mlp)),
             n_heads_per_neuron=int(model.n_heads_per_neuron), gated_mlp=bool(cfg.gated_mlp),
             parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
-            expert_layers=tuple(expert_layer_indices([block.mlp for block in model.blocks])),
+            expert_layers=tuple(sorted(expert_layers(model))),
         )  # fmt: skip
 
 

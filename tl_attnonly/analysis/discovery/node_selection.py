@@ -28,8 +28,8 @@ from tl_attnonly.analysis.discovery.sites import (
     check_additive,
     check_discoverable,
 )
+from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.hooks import attn_head_label, block_act_name, head_act_name, neuron_act_name
-from tl_attnonly.mlp_protocol import expert_layer_indices
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import ModelLike
@@ -152,7 +152,7 @@ def node_patching_metric(
         names.update(dict.fromkeys(model.embed_hooks))
     for li, hs in heads.items():
         names[head_act_name("z", li, "attn")] = hs
-    experts = set(expert_layer_indices([block.mlp for block in model.blocks]))
+    experts = expert_layers(model)
     for li, idx in neurons.items():  # a mixture of experts: its whole output
         if li in experts and idx is not None:
             raise ValueError(

@@ -27,9 +27,9 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
+from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.analysis.post_norm import has_post_norms, normed, post_norm, scale_hook
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
-from tl_attnonly.mlp_protocol import expert_layer_indices
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import (
@@ -121,12 +121,11 @@ def expert_problems(model: AttnOnlyModel) -> list[str]:
     and is refused, as are expert layers with a norm after them or none before them (none in
     the zoo).
     """
-    experts = expert_layer_indices([block.mlp for block in model.blocks])
     problems = []
     hooks = model.hook_dict
-    for li in experts:
+    for li in sorted(expert_layers(model)):
         block = model.blocks[li]
-        if f"blocks.{li}.mlp.hook_in" not in hooks:
+        if experts_input_hook(li) not in hooks:
             problems.append(
                 f"blocks.{li}.mlp ({type(getattr(block.mlp, 'module', block.mlp)).__name__}) "
                 "has no hook of its normalised "
@@ -139,6 +138,12 @@ def expert_problems(model: AttnOnlyModel) -> list[str]:
                 "after it"
             )
     return problems
+
+
+def experts_input_hook(layer: int) -> str:
+    """``blocks.{layer}.mlp.hook_in``: what an expert layer's router and experts read, the
+    layer's normalised input (a converted bridge's MLP component's hook)."""
+    return f"blocks.{layer}.mlp.hook_in"
 
 
 def post_norm_problems(model: AttnOnlyModel) -> list[str]:
@@ -498,8 +503,8 @@ def input_hook_name(dst: InputGroup, graph: HeadGraph) -> str:
     """The hook holding what ``dst`` reads (gated MLPs: ``hook_pre`` / ``hook_pre_linear``)."""
     if dst.kind == LOGITS:
         return block_act_name("resid_post", graph.n_layers - 1)
-    if dst.kind == EXPERTS:  # the layer's normalised input (a bridge's MLP component's hook_in)
-        return f"blocks.{dst.layer}.mlp.hook_in"
+    if dst.kind == EXPERTS:
+        return experts_input_hook(dst.layer)
     if dst.kind in ("neuron", MLP_REST) and graph.gated:
         return neuron_act_name("pre" if dst.input == "gate" else "pre_linear", dst.layer)
     head_kind = "attn" if dst.kind == "attn" else "neuron"
