@@ -161,6 +161,13 @@ class DiscoveryTask:
         """The rows of each batch (:attr:`batch_size` examples per pass)."""
         return batch_indices(self.n_examples, self.batch_size)
 
+    def position_masks(self, idx: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Position class -> ``[batch, pos]`` bool of the batch ``idx`` (on the tokens' device),
+        or None where the task has no position classes."""
+        if self.positions is None:
+            return None
+        return {p: self.positions.mask(p, idx, self.clean.device) for p in self.positions.names}
+
     def check_tokens(self) -> None:
         """Refuse clean and corrupted tokens of other shapes, or position classes of other
         tokens than these."""

@@ -74,11 +74,7 @@ def circuit_experts_used(
     for idx in task.batches():
         with torch.no_grad():
             corr = task.corrupted_runs.activations(model, task.corrupted, idx, corrupted)
-            where = (
-                None
-                if positions is None
-                else {p: positions.mask(p, idx, task.clean.device) for p in positions.names}
-            )
+            where = task.position_masks(idx)
             seen.clear()
             observe = [(name, record) for name in names]
             circuit_run(call, BatchRun(task.clean[idx], corr, where, observe=observe), circuit.mask)

@@ -122,7 +122,7 @@ def run_circuits(
     without the checks of the task and masks a search made once. ``checked=False``: the metric's
     additivity is checked here (:meth:`~tl_attnonly.analysis.task.DiscoveryTask.check_additive`).
     """
-    model, positions, metric = task.model, task.positions, task.metric
+    model, metric = task.model, task.metric
     clean_tokens, corrupted_tokens = task.clean, task.corrupted
     kept = check_kept(model, graph, kept_neurons, len(masks), clean_tokens.device)
     totals = [0.0] * len(masks)
@@ -174,11 +174,7 @@ def run_circuits(
     for idx in batches:
         with torch.no_grad():
             corr = task.corrupted_runs.activations(model, corrupted_tokens, idx, names)
-            where = (
-                None
-                if positions is None
-                else {p: positions.mask(p, idx, clean_tokens.device) for p in positions.names}
-            )
+            where = task.position_masks(idx)
             reads = logit_positions(metric, idx, clean_tokens.shape[1])
             if kept_run is not None:
                 first = kept_run.first_run(idx)
