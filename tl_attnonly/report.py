@@ -154,7 +154,7 @@ def write_demo_report(
         tokens = adapted.to_tokens(prompt)
         str_tokens = [str(t) for t in adapted.to_str_tokens(prompt)]  # one prompt: strings
         names = {neuron_act_name(kind, lay) for kind in ("pattern", "z") for lay in dense}
-        names |= {name for layer in experts for name in _routing_names(layer)}
+        names |= {name for layer in experts for name in _routing_names(adapted, layer)}
         with torch.inference_mode():
             _, cache = adapted.run_with_cache(tokens, names_filter=lambda n: n in names)
 
@@ -218,13 +218,13 @@ def _equivalence(tables: dict[str, pd.DataFrame], reference: str) -> str:
     return "\n".join(parts)
 
 
-def _routing_names(layer: int) -> tuple[str, ...]:
-    """What :func:`~tl_attnonly.vis.expert_routing_heatmap` reads of a mixture of experts."""
+def _routing_names(model: AttnOnlyModel, layer: int) -> tuple[str, ...]:
+    """What :func:`~tl_attnonly.vis.expert_routing_heatmap` reads of a mixture of experts: the
+    router's top-k indices (the model's own hook of them), the weights, the block's input."""
     from tl_attnonly.analysis.experts import routing_hook_name, routing_weights_hook_name
 
     return (
-        routing_hook_name(layer),
-        f"blocks.{layer}.mlp.hook_routing_indices",
+        routing_hook_name(layer, model),
         routing_weights_hook_name(layer),
         f"blocks.{layer}.hook_resid_pre",
     )
