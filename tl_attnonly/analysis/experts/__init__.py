@@ -36,8 +36,10 @@ An :class:`~tl_attnonly.AttnOnlyTransformer`'s MoE (TransformerLens's) has no sh
 
 The dense decompositions (:func:`~tl_attnonly.analysis.decompose_resid_heads`,
 :func:`~tl_attnonly.analysis.head_logit_attrs`) read an expert layer as its experts' weighted
-contributions; :func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers) and circuit
-discovery refuse mixtures of experts before any work, naming the layer.
+contributions; circuit discovery takes it as one node
+(:data:`~tl_attnonly.analysis.discovery.graph.EXPERTS`);
+:func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers) refuses mixtures of experts
+before any work, naming the layer.
 
 Modules: :mod:`~tl_attnonly.analysis.experts.routing` (hook names, the experts of a block, routing,
 activations), :mod:`~tl_attnonly.analysis.experts.patching` (activation patching) and
