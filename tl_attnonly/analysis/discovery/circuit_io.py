@@ -78,8 +78,9 @@ def _shape_record(shape: GraphShape) -> dict[str, Any]:
     """``shape`` as its JSON reads back; ``expert_layers`` only where there are some (the
     records of files saved before it existed stay equal)."""
     record = dataclasses.asdict(shape)
-    record["expert_layers"] = list(shape.expert_layers)
-    if not shape.expert_layers:
+    if shape.expert_layers:
+        record["expert_layers"] = list(shape.expert_layers)
+    else:
         del record["expert_layers"]
     return record
 
