@@ -143,3 +143,18 @@ def hooked_acts_len(model, rows, max_len):
         return hooked_acts(model, rows)
     finally:
         helpers.MAX_LEN = old
+
+
+def test_activation_sum_is_exact_in_any_order():
+    """The fixed-point sum of any split of the values is the same bits (float64 sums are not:
+    (a + b) + c != a + (b + c) in general), and within 2**-40 per value of the exact sum."""
+    from tl_attnonly.atlas.state import carry, fixed_point, fixed_value
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, 3, generator=gen) * torch.logspace(-6, 3, 4096)[:, None]).float()
+    whole = carry(fixed_point(x).sum(0))
+    parts = [carry(fixed_point(part).sum(0)) for part in x.split([7, 1000, 2000, 1089])]
+    interleaved = carry(carry(parts[0] + parts[2]) + carry(parts[1] + parts[3]))
+    assert torch.equal(interleaved, whole)
+    exact = x.double().sum(0)
+    torch.testing.assert_close(fixed_value(whole), exact, atol=4096 * 2.0**-40, rtol=0)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tl_attnonly.analysis.summaries.collect import token_text
-from tl_attnonly.atlas.state import EMPTY, AtlasOptions, bucket_edges, hist_edges
+from tl_attnonly.atlas.state import EMPTY, AtlasOptions, bucket_edges, fixed_value, hist_edges
 
 #: The sign quadrants of a gated neuron, in the order the state counts them:
 #: ``2 * (g <= 0) + (u <= 0)``.
@@ -97,7 +97,7 @@ def neuron_record(
         "neuron": neuron,
         "act_min": round(float(st["act_min"][i]), DIGITS),
         "act_max": round(float(st["act_max"][i]), DIGITS),
-        "act_mean": round(float(st["act_sum"][i]) / max(n_tokens, 1), DIGITS),
+        "act_mean": round(float(fixed_value(st["act_sum"][i])) / max(n_tokens, 1), DIGITS),
         "activation_frequency": int(st["fire"][i]) / max(n_tokens, 1),
         "n_tokens": n_tokens,
         "histogram": {"edges": _r(hist_edges(opts)), "counts": hist.tolist()},

@@ -17,8 +17,10 @@ Per neuron ``i`` of a layer (activation ``a = hook_post[..., i]``, self weight
   the seed: deterministic, and a uniform sample of the bucket's tokens);
 - ``quad`` (gated layers): per sign quadrant of (gate ``g = hook_pre``, linear branch
   ``u = hook_pre_linear``) the ``quadrant_k`` tokens of largest ``|a - b_in|``, and the counts;
-- ``act_min``, ``act_max``, ``act_sum``, ``fire`` (tokens with ``pre > 0``, i.e. ``s > 1/2``
-  for SiLU), a histogram over fixed bins uniform in ``asinh(a)``, and the token count.
+- ``act_min``, ``act_max``, ``act_sum`` (exact: in fixed point, :func:`fixed_point`, so that
+  sums of any split of the corpus add up to the same bits), ``fire`` (tokens with ``pre > 0``,
+  i.e. ``s > 1/2`` for SiLU), a histogram over fixed bins uniform in ``asinh(a)``, and the token
+  count.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ EMPTY = 2**62
 _P = 2147483647
 #: Selections kept per layer: name -> whether it ranks by the hash key (``quant``).
 SELECTIONS = ("top", "quant", "quad")
+#: The fixed point of the activation sum: ``hi * 2**-HI_BITS + lo * 2**-(HI_BITS + LO_BITS)``.
+HI_BITS, LO_BITS = 8, 32
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,31 @@ def sample_key(gidx: torch.Tensor, neuron: torch.Tensor, seed: int) -> torch.Ten
     )
 
 
+def fixed_point(x: torch.Tensor) -> Int[torch.Tensor, "... 2"]:
+    """``x`` in fixed point, ``[..., (hi, lo)]`` (int64): ``hi = floor(x * 2**HI_BITS)`` and
+    ``lo`` the rest in units of ``2**-(HI_BITS + LO_BITS)`` (about ``1e-12``), rounded. Exact for
+    float32 activations up to ``2**40`` in magnitude but for that rounding, which is per token:
+    integer sums of these are associative, so any split of a corpus sums to the same bits."""
+    scaled = x.double() * 2.0**HI_BITS
+    hi = torch.floor(scaled)
+    lo = torch.round((scaled - hi) * 2.0**LO_BITS)
+    return torch.stack([hi.long(), lo.long()], dim=-1)
+
+
+def carry(total: Int[torch.Tensor, "... 2"]) -> Int[torch.Tensor, "... 2"]:
+    """A fixed-point sum in its normal form (``0 <= lo < 2**LO_BITS``): one value, one bit
+    pattern."""
+    over = total[..., 1] >> LO_BITS  # floor division
+    return torch.stack([total[..., 0] + over, total[..., 1] - (over << LO_BITS)], dim=-1)
+
+
+def fixed_value(total: Int[torch.Tensor, "... 2"]) -> Float[torch.Tensor, "..."]:
+    """The float64 value of a fixed-point sum."""
+    return total[..., 0].double() * 2.0**-HI_BITS + total[..., 1].double() * 2.0 ** -(
+        HI_BITS + LO_BITS
+    )
+
+
 def empty_selection(groups: int, m: int, window: int, device: Any) -> dict[str, torch.Tensor]:
     """A selection of ``m`` empty slots per group."""
     return {
@@ -180,7 +209,7 @@ def new_layer_state(n: int, opts: AtlasOptions, gated: bool, device: Any) -> dic
         "quant": empty_selection(n * opts.n_buckets, opts.samples, w, device),
         "act_min": torch.full((n,), torch.inf, device=device),
         "act_max": torch.full((n,), -torch.inf, device=device),
-        "act_sum": torch.zeros(n, dtype=torch.float64, device=device),
+        "act_sum": torch.zeros(n, 2, dtype=torch.long, device=device),
         "fire": torch.zeros(n, dtype=torch.long, device=device),
         "hist": torch.zeros(n, opts.n_bins, dtype=torch.long, device=device),
     }
@@ -232,7 +261,7 @@ def update_layer(state: dict[str, Any], acts: BatchActs, layer_offset: int, opts
     state["act_max"] = torch.maximum(
         state["act_max"], act.masked_fill(~valid, -torch.inf).amax((0, 1))
     )
-    state["act_sum"] += act.double().masked_fill(~valid, 0.0).sum((0, 1))
+    state["act_sum"] = carry(state["act_sum"] + fixed_point(act[acts.valid]).sum(0))
     state["fire"] += ((acts.pre > 0) & valid).sum((0, 1))
     bins = _bin(act[acts.valid], hist_edges(opts))  # [tokens, n]
     flat = (bins + neuron * opts.n_bins).reshape(-1)
@@ -334,6 +363,8 @@ def merge_layer_states(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             out[name] = torch.minimum(value, b[name])
         elif name == "act_max":
             out[name] = torch.maximum(value, b[name])
+        elif name == "act_sum":
+            out[name] = carry(value + b[name])
         else:
             out[name] = value + b[name]
     return out
@@ -371,6 +402,9 @@ __all__ = [
     "AtlasOptions",
     "BatchActs",
     "bucket_edges",
+    "carry",
+    "fixed_point",
+    "fixed_value",
     "empty_selection",
     "flatten_state",
     "hist_edges",
