@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,7 @@ def collect_atlas(
     progress: bool = False,
     on_batch: Callable[[AtlasState, int], None] | None = None,
     model_name: str | None = None,
+    shard: tuple[int, int] = (0, 1),
     **overrides: Any,
 ) -> AtlasState:
     """Stream rows ``first_row ..`` of ``corpus`` through ``model`` into an :class:`AtlasState`.
@@ -173,9 +175,13 @@ def collect_atlas(
         progress: A progress bar in tokens (with tokens/s).
         on_batch: Called as ``on_batch(state, batches_done)`` after every batch.
         model_name: The name the manifest records.
+        shard: ``(rank, world)``: read only batches ``rank, rank + world, rank + 2 * world, ...``
+            of the corpus's batches of ``batch_size`` rows (every rank tokenises the whole
+            corpus). The shards' states merge to the state of one pass, bit for bit
+            (:mod:`tl_attnonly.atlas.distributed`).
 
     Returns:
-        The state over the rows read.
+        The state over the rows read (``n_rows``: one past the last row read).
     """
     adapted = analysis_model(model)
     opts = atlas_options(options if state is None else state.options, overrides)
@@ -187,11 +193,10 @@ def collect_atlas(
         layers = [new_layer_state(cfg.d_mlp, opts, g, device) for g in manifest["gated"]]
         state = AtlasState(layers, opts, manifest, first_row, torch.zeros((), dtype=torch.long))
     state.n_tokens = state.n_tokens.to(device)
-    rows: Iterator[torch.Tensor] = token_rows(
-        adapted, stdlib_corpus() if corpus is None else corpus, max_len
-    )
     stop = None if max_rows is None else max(max_rows, state.n_rows)
-    rows = itertools.islice(rows, state.n_rows, stop)
+    rows = token_rows(adapted, stdlib_corpus() if corpus is None else corpus, max_len)
+    starts: deque[int] = deque()  # the global index of each row handed on, in order
+    mine = _shard_rows(rows, state.n_rows, stop, batch_size, shard, starts)
     names = {neuron_act_name(kind, li) for li in range(cfg.n_layers)
              for kind in ("pre", "post", "pattern")}  # fmt: skip
     names |= {neuron_act_name("pre_linear", li) for li, g in enumerate(state.manifest["gated"])
@@ -199,19 +204,41 @@ def collect_atlas(
     passes = SummaryOptions(max_len=max_len, batch_size=batch_size, progress=False)
     bar = tqdm(desc="atlas", unit="tok", unit_scale=True, disable=not progress)
     for batches, (tokens, lengths, valid, cache) in enumerate(
-        cached_batches(adapted, rows, names, passes), start=1
+        cached_batches(adapted, mine, names, passes), start=1
     ):
-        base = _batch_base(tokens, valid, state.n_rows, max_len, device)
+        first = starts.popleft()
+        for _ in range(tokens.shape[0] - 1):
+            starts.popleft()
+        base = _batch_base(tokens, valid, first, max_len, device)
         for li in range(cfg.n_layers):
             acts = _layer_acts(adapted, cache, li, base)
             state.layers[li] = update_layer(state.layers[li], acts, li * cfg.d_mlp, opts)
         state.n_tokens += base["valid"].sum()
-        state.n_rows += tokens.shape[0]
+        state.n_rows = first + tokens.shape[0]
         bar.update(int(lengths.sum()))
         if on_batch is not None:
             on_batch(state, batches)
     bar.close()
     return state
+
+
+def _shard_rows(
+    rows: Iterator[torch.Tensor],
+    first: int,
+    stop: int | None,
+    batch_size: int,
+    shard: tuple[int, int],
+    starts: deque[int],
+) -> Iterator[torch.Tensor]:
+    """Rows ``first .. stop`` of ``rows`` in batches ``rank (mod world)`` of ``batch_size`` rows,
+    each row's global index appended to ``starts``."""
+    rank, world = shard
+    if not 0 <= rank < world:
+        raise ValueError(f"shard=(rank, world) needs 0 <= rank < world, got {shard}.")
+    for index, row in enumerate(itertools.islice(rows, stop)):
+        if index >= first and (index // batch_size) % world == rank:
+            starts.append(index)
+            yield row
 
 
 def _batch_base(

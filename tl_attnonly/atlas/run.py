@@ -28,13 +28,23 @@ from tl_attnonly.atlas.build import (
     logit_effect,
     model_manifest,
 )
+from tl_attnonly.atlas.distributed import barrier, gather_states, world
 from tl_attnonly.atlas.records import vocabulary
 from tl_attnonly.atlas.site import MANIFEST, write_site
 from tl_attnonly.atlas.state import AtlasOptions
 from tl_attnonly.protocol import ModelLike
 
-#: Files a directory may hold and still count as an atlas (or an atlas being built).
-_ATLAS_FILES = {MANIFEST, CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp"}
+
+def checkpoint_name(rank: int, world_size: int) -> str:
+    """The checkpoint's file name: one per rank of a distributed run."""
+    if world_size == 1:
+        return CHECKPOINT_FILE
+    return CHECKPOINT_FILE.replace(".safetensors", f".rank{rank}-of-{world_size}.safetensors")
+
+
+def _is_atlas_file(name: str) -> bool:
+    """Whether a directory may hold ``name`` and still count as an atlas (or one being built)."""
+    return name == MANIFEST or name.startswith(CHECKPOINT_FILE.split(".safetensors")[0])
 
 
 def check_out_dir(out: Path, manifest: dict[str, Any]) -> None:
@@ -60,7 +70,7 @@ def check_out_dir(out: Path, manifest: dict[str, Any]) -> None:
                 "Choose another directory, or delete it."
             )
         return
-    if not names <= _ATLAS_FILES:
+    if not all(_is_atlas_file(name) for name in names):
         raise FileExistsError(
             f"{out} is not empty and holds no atlas ({', '.join(sorted(names)[:5])}, ...); "
             "choose a new or empty directory."
@@ -98,8 +108,14 @@ def build_atlas(
         model_name: The name the manifest records (default: the model config's
             ``model_name``).
 
+    Under ``torch.distributed`` (``torchrun``; :mod:`tl_attnonly.atlas.distributed`) each rank
+    reads its share of the batches and checkpoints it to its own file; rank 0 merges the states
+    (exactly: the same atlas as one process) and writes the site; every rank returns when it is
+    written.
+
     Returns:
-        The :class:`~tl_attnonly.atlas.build.AtlasState` (as ``{out_dir}/state.safetensors``).
+        The :class:`~tl_attnonly.atlas.build.AtlasState` (as ``{out_dir}/state.safetensors``;
+        under ``torch.distributed``, on ranks other than 0, the rank's own share).
 
     Raises:
         FileExistsError: If ``out_dir`` holds another model's atlas or other files (before any
@@ -110,7 +126,8 @@ def build_atlas(
     manifest = model_manifest(adapted, model_name)
     out = Path(out_dir)
     check_out_dir(out, manifest)
-    checkpoint = out / CHECKPOINT_FILE
+    rank, world_size = world()
+    checkpoint = out / checkpoint_name(rank, world_size)
     state = None
     if checkpoint_every is not None and checkpoint.exists():
         saved = AtlasState.load(checkpoint, adapted.cfg.device)
@@ -123,8 +140,13 @@ def build_atlas(
             current.save(checkpoint)
 
     state = collect_atlas(adapted, corpus, options=opts, state=state, batch_size=batch_size,
-                          max_rows=max_rows, progress=progress, on_batch=save,
-                          model_name=model_name)  # fmt: skip
+                          max_rows=max_rows, progress=progress and rank == 0, on_batch=save,
+                          model_name=model_name, shard=(rank, world_size))  # fmt: skip
+    merged = gather_states(state)
+    if merged is None:  # another rank writes the site
+        barrier()
+        return state
+    state = merged
     assert adapted.cfg.d_mlp is not None
     vocab = vocabulary(adapted.tokenizer, adapted.cfg.d_vocab)
     tmp = out.with_name(out.name + ".tmp-atlas")
@@ -133,7 +155,8 @@ def build_atlas(
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
+    barrier()
     return state
 
 
-__all__ = ["build_atlas", "check_out_dir"]
+__all__ = ["build_atlas", "check_out_dir", "checkpoint_name"]

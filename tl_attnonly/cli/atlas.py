@@ -3,9 +3,11 @@
 With no arguments: the bundled model (a ``HookedTransformer`` on TransformerLens 3.x, a
 ``TransformerBridge`` with ``--bridge`` or on 4.x), converted, over the corpus it was trained on
 (Python standard-library source, :func:`~tl_attnonly.analysis.summaries.stdlib_corpus`; a few
-thousand tokens by default), into ``tl_attnonly_atlas/``. ``--corpus PATH`` reads a text file
-(one document per line, or the whole file with ``--whole-file``) or a ``.jsonl`` file (each
-line's ``"text"``). Bad input is refused before anything is written to ``--out``.
+thousand tokens by default), into ``tl_attnonly_atlas/``. ``smollm2`` is SmolLM2-135M-Instruct
+(the ``[smollm2]`` extra, offline). ``--corpus PATH`` reads a text file (one document per line,
+or the whole file with ``--whole-file``) or a ``.jsonl`` file (each line's ``"text"``). Bad
+input is refused before anything is written to ``--out``. Under ``torchrun`` the ranks split the
+corpus (:mod:`tl_attnonly.atlas.distributed`): gloo on CPU, NCCL with ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from tl_attnonly.cli.common import CommandError, Probes
 
 #: ``--out``'s default.
 DEFAULT_OUT = "tl_attnonly_atlas"
+#: The models the command loads, and the names their atlases record.
+MODEL_NAMES = {"bundled": "", "smollm2": "SmolLM2-135M-Instruct"}
 
 
 def add_atlas_parser(sub: Any) -> None:
@@ -31,7 +35,11 @@ def add_atlas_parser(sub: Any) -> None:
         "site with a page per neuron (open OUT/index.html in a browser).",
     )
     p.add_argument(
-        "model", nargs="?", default="bundled", choices=["bundled"], help="the model (bundled)"
+        "model",
+        nargs="?",
+        default="bundled",
+        choices=sorted(MODEL_NAMES),
+        help="the model: bundled (default) or smollm2 (SmolLM2-135M-Instruct, the [smollm2] extra)",
     )
     p.add_argument(
         "--corpus",
@@ -47,6 +55,7 @@ def add_atlas_parser(sub: Any) -> None:
     p.add_argument("--k", type=int, default=20, help="top contexts per neuron (default: 20)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="batches per checkpoint")
     p.add_argument("--bridge", action="store_true", help="run the model as a TransformerBridge")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=atlas_cmd)
 
@@ -94,15 +103,15 @@ def atlas_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
     if out.exists() and not out.is_dir():
         raise CommandError(f"--out {out} is a file, not a directory.")
     start = time.perf_counter()
-    from tl_attnonly import convert
     from tl_attnonly.adapt import analysis_model
     from tl_attnonly.atlas.build import model_manifest
+    from tl_attnonly.atlas.distributed import init_from_env, rank_device
     from tl_attnonly.atlas.run import build_atlas, check_out_dir
-    from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_bridge, load_bundled_model
 
-    model = convert(load_bundled_bridge() if bridge else load_bundled_model())
+    rank, world_size = init_from_env(args.device)
+    name, model = _load(args.model, bridge, rank_device(args.device))
     try:
-        check_out_dir(out, model_manifest(analysis_model(model), BUNDLED_MODEL_NAME))
+        check_out_dir(out, model_manifest(analysis_model(model), name))
     except FileExistsError as err:
         raise CommandError(str(err)) from err
     state = build_atlas(
@@ -111,7 +120,7 @@ def atlas_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
         out,
         checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress,
-        model_name=BUNDLED_MODEL_NAME,
+        model_name=name,
         k=args.k,
         max_rows=args.max_rows,
         max_len=args.max_len,
@@ -120,12 +129,38 @@ def atlas_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
     seconds = time.perf_counter() - start
     tokens = int(state.n_tokens)
     kind = "TransformerBridge" if bridge else "HookedTransformer"
-    print(
-        f"Atlas of {BUNDLED_MODEL_NAME} ({kind}, {state.manifest['n_layers']} layers x "
-        f"{state.manifest['d_mlp']} neurons) over {tokens} tokens in {seconds:.1f} s: "
-        f"{out / 'index.html'} (open it in a browser, offline)."
-    )
+    ranks = f", {world_size} ranks" if world_size > 1 else ""
+    if rank == 0:
+        print(
+            f"Atlas of {name} ({kind}{ranks}, {state.manifest['n_layers']} layers x "
+            f"{state.manifest['d_mlp']} neurons) over {tokens} tokens in {seconds:.1f} s "
+            f"({tokens / seconds:,.0f} tokens/s): {out / 'index.html'} (open it in a browser, "
+            "offline)."
+        )
     return 0
+
+
+def _load(model: str, bridge: bool, device: str) -> tuple[str, Any]:
+    """``(name, converted model)`` of ``model`` (a key of :data:`MODEL_NAMES`) on ``device``.
+
+    Raises:
+        CommandError: If the model's extra is not installed.
+    """
+    from tl_attnonly import convert
+
+    if model == "smollm2":
+        try:
+            from tl_attnonly.smollm2 import load_smollm2, load_smollm2_bridge, smollm2_path
+
+            smollm2_path()  # fails fast, naming the extra, before anything heavy
+        except ImportError as err:
+            raise CommandError(f"smollm2: {err}") from err
+        loaded = (load_smollm2_bridge if bridge else load_smollm2)(device=device)
+        return MODEL_NAMES["smollm2"], convert(loaded)
+    from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_bridge, load_bundled_model
+
+    loaded = load_bundled_bridge() if bridge else load_bundled_model()
+    return BUNDLED_MODEL_NAME, convert(loaded if device == "cpu" else loaded.to(device))
 
 
 __all__ = ["DEFAULT_OUT", "add_atlas_parser", "atlas_cmd", "read_corpus"]
