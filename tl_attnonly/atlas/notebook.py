@@ -135,6 +135,14 @@ class Atlas:
         frame = pd.DataFrame(rows, columns=columns)
         return frame.sort_values(["count", "max_act"], ascending=False, ignore_index=True)
 
+    def to_neuronpedia(self, out_dir: str | Path, source_set: str = "mlp-neurons") -> int:
+        """Every neuron in Neuronpedia's feature-details format, as
+        ``{out_dir}/{layer}/{index}.json`` (:mod:`tl_attnonly.atlas.neuronpedia`); returns the
+        number of files."""
+        from tl_attnonly.atlas.neuronpedia import export_neuronpedia
+
+        return export_neuronpedia(self.directory, out_dir, source_set)
+
     def __repr__(self) -> str:
         m = self.manifest
         return (f"Atlas({m['model_name']}: {m['n_layers']} layers x {m['d_mlp']} neurons, "
