@@ -35,13 +35,12 @@ from tl_attnonly.analysis.summaries.collect import (
 )
 from tl_attnonly.atlas.state import (
     AtlasOptions,
-    BatchActs,
     flatten_state,
     merge_layer_states,
     new_layer_state,
     unflatten_state,
-    update_layer,
 )
+from tl_attnonly.atlas.update import BatchActs, update_layer
 from tl_attnonly.hooks import neuron_act_name
 from tl_attnonly.protocol import AttnOnlyModel, ModelLike
 

@@ -17,8 +17,9 @@ Per neuron ``i`` of a layer (activation ``a = hook_post[..., i]``, self weight
   the seed: deterministic, and a uniform sample of the bucket's tokens);
 - ``quad`` (gated layers): per sign quadrant of (gate ``g = hook_pre``, linear branch
   ``u = hook_pre_linear``) the ``quadrant_k`` tokens of largest ``|a - b_in|``, and the counts;
-- ``act_min``, ``act_max``, ``act_sum`` (exact: in fixed point, :func:`fixed_point`, so that
-  sums of any split of the corpus add up to the same bits), ``fire`` (tokens with ``pre > 0``,
+- ``act_min``, ``act_max``, ``act_sum`` (each batch's float64 sum, rounded to fixed point,
+  :func:`fixed_point`, and added exactly: states of any split at batch boundaries add up to the
+  same bits), ``fire`` (tokens with ``pre > 0``,
   i.e. ``s > 1/2`` for SiLU), a histogram over fixed bins uniform in ``asinh(a)``, and the token
   count.
 """
@@ -100,12 +101,45 @@ def bucket_edges(opts: AtlasOptions) -> Float[torch.Tensor, " n_buckets_plus_1"]
     return torch.sinh(torch.linspace(0, a, opts.n_buckets + 1, dtype=torch.float64))
 
 
-def _bin(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """Bin index of ``x`` for the bins between ``edges`` (as ``x``'s dtype; ``edges[i] <= x <
-    edges[i + 1]``), values outside falling in the end bins."""
-    n = edges.shape[0] - 1
+def bin_index(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Bin index (int32) of ``x`` for the bins between ``edges`` (compared in ``x``'s dtype:
+    ``edges[i] <= x < edges[i + 1]``), values outside falling in the end bins."""
     inner = edges[1:-1].to(device=x.device, dtype=x.dtype).contiguous()
-    return torch.bucketize(x, inner, right=True).clamp(0, n - 1)
+    return torch.bucketize(x, inner, right=True, out_int32=True)
+
+
+#: The float32 bit patterns' cells of :func:`hist_bins`'s table: the top ``32 - _CELL_SHIFT`` bits.
+_CELL_SHIFT = 12
+_BIN_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _bin_table(edges: torch.Tensor, device: Any) -> torch.Tensor:
+    """Per cell of float32 bit patterns (all values with the same top bits, a contiguous range
+    of values): the bin of all its values, or ``-1`` where an edge (or NaN) falls inside."""
+    key = (tuple(edges.tolist()), str(device))
+    if key not in _BIN_TABLES:
+        half = 1 << (31 - _CELL_SHIFT)
+        cells = torch.arange(-half, half, dtype=torch.int32)
+        low = (cells << _CELL_SHIFT).view(torch.float32)
+        high = ((cells << _CELL_SHIFT) | ((1 << _CELL_SHIFT) - 1)).view(torch.float32)
+        first, last = bin_index(low, edges), bin_index(high, edges)
+        mixed = (first != last) | low.isnan() | high.isnan()
+        _BIN_TABLES[key] = first.masked_fill(mixed, -1).to(device)
+    return _BIN_TABLES[key]
+
+
+def hist_bins(x: Float[torch.Tensor, "t n"], edges: torch.Tensor) -> Int[torch.Tensor, "t n"]:
+    """:func:`bin_index` of float32 ``x``, the same bins, by a table of the bit patterns' top
+    bits (one gather instead of a binary search per value); the values whose cell an edge
+    splits (a few in a thousand) by :func:`bin_index`."""
+    if x.dtype != torch.float32:
+        return bin_index(x, edges)
+    table = _bin_table(edges, x.device)
+    cell = (x.view(torch.int32) >> _CELL_SHIFT) + (1 << (31 - _CELL_SHIFT))
+    bins = table.index_select(0, cell.reshape(-1)).view_as(x)
+    mixed = (bins < 0).nonzero(as_tuple=True)
+    bins[mixed] = bin_index(x[mixed], edges)
+    return bins
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -114,19 +148,27 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def token_hash(gidx: torch.Tensor, seed: int) -> torch.Tensor:
+    """A hash in ``[0, 2**31)`` of each global token index."""
+    return _mix((gidx % _P * 1000003 + seed * 104729 + 12345) % _P)
+
+
+def neuron_hash(neuron: torch.Tensor, seed: int) -> torch.Tensor:
+    """A hash in ``[0, 2**31)`` of each global neuron id."""
+    return _mix((neuron * 7919 + seed * 31 + 977) % _P)
+
+
 def sample_key(gidx: torch.Tensor, neuron: torch.Tensor, seed: int) -> torch.Tensor:
     """A pseudo-random key in ``[0, 2**31)`` per (global token index, global neuron id): hashes
     of each, xor-ed (broadcast: ``gidx`` ``[..., 1]`` with ``neuron`` ``[n]``)."""
-    return _mix((gidx % _P * 1000003 + seed * 104729 + 12345) % _P) ^ _mix(
-        (neuron * 7919 + seed * 31 + 977) % _P
-    )
+    return token_hash(gidx, seed) ^ neuron_hash(neuron, seed)
 
 
 def fixed_point(x: torch.Tensor) -> Int[torch.Tensor, "... 2"]:
     """``x`` in fixed point, ``[..., (hi, lo)]`` (int64): ``hi = floor(x * 2**HI_BITS)`` and
     ``lo`` the rest in units of ``2**-(HI_BITS + LO_BITS)`` (about ``1e-12``), rounded. Exact for
-    float32 activations up to ``2**40`` in magnitude but for that rounding, which is per token:
-    integer sums of these are associative, so any split of a corpus sums to the same bits."""
+    values up to ``2**40`` in magnitude but for that rounding, which is per value: integer sums
+    of these are associative, so the values' sum is the same bits in any order."""
     scaled = x.double() * 2.0**HI_BITS
     hi = torch.floor(scaled)
     lo = torch.round((scaled - hi) * 2.0**LO_BITS)
@@ -164,23 +206,34 @@ def select(
     gidx: Int[torch.Tensor, " c"],
     group: Int[torch.Tensor, " c"],
     fetch: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    inplace: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``old`` (``[groups, m, ...]``) with candidates merged in: per group the ``m`` entries of
     largest ``rank``, ties by smaller ``gidx``. Exact and independent of the candidates' order.
+    Only the groups with candidates are re-ranked.
 
     Args:
         old: The selection.
         rank, gidx, group: The candidates' rank, global token index and group ``[c]``.
         fetch: The other fields (``tokens``, ``act``, ``self``) of the candidates at the given
             indices (called only for the candidates that enter).
+        inplace: Write into ``old``'s tensors (else into copies).
     """
+    out = old if inplace else {k: v.clone() for k, v in old.items()}
+    if group.numel() == 0:
+        return out
     groups, m = old["rank"].shape
-    keep = old["gidx"] != EMPTY
+    touched = torch.zeros(groups, dtype=torch.bool, device=group.device)
+    touched[group] = True
+    rows = touched.nonzero().squeeze(1)  # the groups re-ranked
+    group = (torch.cumsum(touched, 0) - 1)[group]  # their places in ``rows``
+    part = {k: v[rows] for k, v in old.items()}
+    keep = part["gidx"] != EMPTY
     n_old = int(keep.sum())
-    old_group = torch.arange(groups, device=group.device)[:, None].expand(groups, m)[keep]
+    old_group = torch.arange(rows.shape[0], device=group.device)[:, None].expand_as(keep)[keep]
     allg = torch.cat([old_group, group])
-    all_rank = torch.cat([old["rank"][keep], rank.double()])
-    all_gidx = torch.cat([old["gidx"][keep], gidx.long()])
+    all_rank = torch.cat([part["rank"][keep], rank.double()])
+    all_gidx = torch.cat([part["gidx"][keep], gidx.long()])
     order = torch.argsort(all_gidx, stable=True)
     order = order[torch.argsort(all_rank[order], descending=True, stable=True)]
     order = order[torch.argsort(allg[order], stable=True)]
@@ -191,13 +244,15 @@ def select(
     take = slot < m
     src, g_out, s_out = order[take], g_sorted[take], slot[take]
     from_old = src < n_old
-    out = empty_selection(groups, m, old["tokens"].shape[-1], group.device)
-    out["rank"][g_out, s_out] = all_rank[src]
-    out["gidx"][g_out, s_out] = all_gidx[src]
+    new = empty_selection(rows.shape[0], m, old["tokens"].shape[-1], group.device)
+    new["rank"][g_out, s_out] = all_rank[src]
+    new["gidx"][g_out, s_out] = all_gidx[src]
     fetched = fetch(src[~from_old] - n_old)
     for name in ("tokens", "act", "self"):
-        out[name][g_out[from_old], s_out[from_old]] = old[name][keep][src[from_old]]
-        out[name][g_out[~from_old], s_out[~from_old]] = fetched[name].to(out[name].dtype)
+        new[name][g_out[from_old], s_out[from_old]] = part[name][keep][src[from_old]]
+        new[name][g_out[~from_old], s_out[~from_old]] = fetched[name].to(new[name].dtype)
+    for name, value in new.items():
+        out[name][rows] = value
     return out
 
 
@@ -217,125 +272,6 @@ def new_layer_state(n: int, opts: AtlasOptions, gated: bool, device: Any) -> dic
         state["quad"] = empty_selection(n * 4, opts.quadrant_k, w, device)
         state["quad_count"] = torch.zeros(n, 4, dtype=torch.long, device=device)
     return state
-
-
-@dataclass
-class BatchActs:
-    """One batch's activations of one layer, as the atlas reads them (``[batch, pos, n]``)."""
-
-    tokens: Int[torch.Tensor, "batch pos"]
-    valid: torch.Tensor
-    gidx: Int[torch.Tensor, "batch pos"]
-    act: Float[torch.Tensor, "batch pos n"]
-    pre: Float[torch.Tensor, "batch pos n"]
-    self_weight: Float[torch.Tensor, "batch pos n"]
-    linear: Float[torch.Tensor, "batch pos n"] | None = None
-    b_in: Float[torch.Tensor, " n"] | None = None
-
-
-def _contexts(
-    acts: BatchActs, b: torch.Tensor, p: torch.Tensor, n: torch.Tensor, opts: AtlasOptions
-) -> dict[str, torch.Tensor]:
-    """The windows around candidates ``(row b, position p, neuron n)``, each ``[c, window]``."""
-    offsets = torch.arange(-opts.before, opts.after + 1, device=p.device)
-    pos = p[:, None] + offsets
-    inside = (pos >= 0) & (pos < acts.tokens.shape[1])
-    pos_c = pos.clamp(0, acts.tokens.shape[1] - 1)
-    inside = inside & acts.valid[b[:, None], pos_c]
-    b_e, n_e = b[:, None].expand_as(pos), n[:, None].expand_as(pos)
-    return {
-        "tokens": acts.tokens[b[:, None], pos_c].masked_fill(~inside, -1),
-        "act": acts.act[b_e, pos_c, n_e].float().masked_fill(~inside, 0.0),
-        "self": acts.self_weight[b_e, pos_c, n_e].float().masked_fill(~inside, 0.0),
-    }
-
-
-def update_layer(state: dict[str, Any], acts: BatchActs, layer_offset: int, opts: AtlasOptions):
-    """Merge one batch of one layer into ``state`` (in place for the counters)."""
-    valid = acts.valid[..., None]
-    act, n_neurons = acts.act.float(), acts.act.shape[-1]
-    neuron = torch.arange(n_neurons, device=act.device)
-    state["act_min"] = torch.minimum(
-        state["act_min"], act.masked_fill(~valid, torch.inf).amin((0, 1))
-    )
-    state["act_max"] = torch.maximum(
-        state["act_max"], act.masked_fill(~valid, -torch.inf).amax((0, 1))
-    )
-    state["act_sum"] = carry(state["act_sum"] + fixed_point(act[acts.valid]).sum(0))
-    state["fire"] += ((acts.pre > 0) & valid).sum((0, 1))
-    bins = _bin(act[acts.valid], hist_edges(opts))  # [tokens, n]
-    flat = (bins + neuron * opts.n_bins).reshape(-1)
-    state["hist"] += torch.bincount(flat, minlength=n_neurons * opts.n_bins).view_as(state["hist"])
-    # top contexts
-    state["top"] = _select_batch(state["top"], act, valid.expand_as(act), acts, opts)
-    # quantile samples: rank by minus the hash key within each positive-activation bucket
-    key = sample_key(acts.gidx[..., None], neuron + layer_offset, opts.seed)
-    bucket = _bin(act, bucket_edges(opts))
-    state["quant"] = _select_batch(state["quant"], -key, valid & (act > 0), acts, opts, bucket)
-    if "quad" in state and acts.linear is not None:
-        quadrant = (acts.pre <= 0).long() * 2 + (acts.linear <= 0).long()
-        counts = torch.bincount((neuron * 4 + quadrant)[acts.valid].reshape(-1),
-                                minlength=n_neurons * 4)  # fmt: skip
-        state["quad_count"] += counts.view_as(state["quad_count"])
-        b_in = acts.b_in if acts.b_in is not None else torch.zeros_like(act[0, 0])
-        mag = (act - b_in.float()).abs()
-        state["quad"] = _select_batch(
-            state["quad"], mag, valid.expand_as(act), acts, opts, quadrant
-        )
-    return state
-
-
-def _mth_best(score: torch.Tensor, group: torch.Tensor, groups: int, m: int) -> torch.Tensor:
-    """Per group, a lower bound of its ``m``-th largest finite score (``-inf``: fewer): the
-    largest, removed ``m - 1`` times (removing ties too can only lower it)."""
-    flat_score, flat_group = score.reshape(-1), group.reshape(-1)
-    best = torch.full((groups,), -torch.inf, dtype=score.dtype, device=score.device)
-    for i in range(m):
-        best = best.fill_(-torch.inf).scatter_reduce(0, flat_group, flat_score, "amax")
-        if i < m - 1:
-            flat_score = flat_score.masked_fill(flat_score >= best[flat_group], -torch.inf)
-    return best
-
-
-def _select_batch(
-    sel: dict[str, torch.Tensor],
-    score: torch.Tensor,
-    eligible: torch.Tensor,
-    acts: BatchActs,
-    opts: AtlasOptions,
-    sub: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Merge the batch's ``eligible`` tokens into ``sel`` by ``score`` ``[batch, pos, n]``
-    (float32 values, or int64), each into group ``n * n_sub + sub`` (``sub`` ``[batch, pos, n]``;
-    ``None``: one group per neuron). Candidates are the tokens at or above their group's last
-    entry (one group per neuron: and at or above the batch's own ``m``-th score; several: where
-    many pass, at or above the batch's ``m``-th of the group). Ties are kept: exact."""
-    groups, m = sel["rank"].shape
-    n_neurons = score.shape[-1]
-    last = sel["rank"][:, -1]  # float64: exact for float32 values and for keys below 2**31
-    last = last.float() if score.is_floating_point() else last.clamp(min=-(2**62)).long()
-    if sub is None:
-        flat = score.masked_fill(~eligible, -torch.inf).reshape(-1, n_neurons)
-        kth = flat.topk(min(m, flat.shape[0]), dim=0).values[-1]
-        thresh = torch.maximum(last, kth)  # [n], broadcast
-    else:
-        n_sub = groups // n_neurons
-        table = last.view(n_neurons, n_sub).expand(*score.shape, n_sub)
-        thresh = table.gather(-1, sub[..., None]).squeeze(-1)
-        if int(((score >= thresh) & eligible).sum()) > 4 * groups * m:  # one read per batch
-            group = torch.arange(n_neurons, device=score.device) * n_sub + sub
-            bound = _mth_best(score.double().masked_fill(~eligible, -torch.inf), group, groups, m)
-            bound = bound if score.is_floating_point() else bound.clamp(min=-(2**62))
-            thresh = torch.maximum(thresh, bound[group].to(score.dtype))
-    b, p, n = (eligible & (score >= thresh)).nonzero(as_tuple=True)
-    group_c = n if sub is None else n * (groups // n_neurons) + sub[b, p, n]
-    return select(
-        sel,
-        score[b, p, n].double(),
-        acts.gidx[b, p],
-        group_c,
-        lambda idx: _contexts(acts, b[idx], p[idx], n[idx], opts),
-    )
 
 
 def _rows_at(rows: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -400,18 +336,20 @@ __all__ = [
     "EMPTY",
     "SELECTIONS",
     "AtlasOptions",
-    "BatchActs",
+    "bin_index",
     "bucket_edges",
     "carry",
     "fixed_point",
     "fixed_value",
     "empty_selection",
     "flatten_state",
+    "hist_bins",
     "hist_edges",
     "merge_layer_states",
     "new_layer_state",
+    "neuron_hash",
     "sample_key",
+    "token_hash",
     "select",
     "unflatten_state",
-    "update_layer",
 ]
