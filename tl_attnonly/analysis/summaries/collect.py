@@ -259,7 +259,8 @@ def cached_batches(
 
     Yields:
         ``(tokens [batch, pos], lengths [batch], valid [batch, pos], cache)``: the cache of
-        ``names`` for the batch (an encoder's padding masked out of its attention).
+        ``names`` for the batch (an encoder's padding masked out of its attention; a decoder's
+        run stops after its last block: no hook after it is cached).
     """
     device = model.cfg.device
     rows = token_rows(model, stdlib_corpus() if corpus is None else corpus,
@@ -269,6 +270,8 @@ def cached_batches(
         kwargs: dict[str, Any] = {}
         if model.is_encoder:  # bidirectional: padding must be masked out
             kwargs["one_zero_attention_mask"] = valid.long().to(device)
+        else:  # every block runs; the final norm and unembedding do not
+            kwargs["stop_at_layer"] = model.cfg.n_layers
         with torch.no_grad():
             _, cache = model.run_with_cache(
                 tokens.to(device), names_filter=lambda n: n in names, **kwargs
