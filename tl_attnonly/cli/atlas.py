@@ -44,8 +44,10 @@ def add_atlas_parser(sub: Any) -> None:
     p.add_argument(
         "--corpus",
         default=None,
-        help="a text file (one document per line) or a .jsonl file (a 'text' field per line); "
-        "default: the standard-library source the bundled model was trained on",
+        help="a text file (one document per line), a .jsonl file (a 'text' field per line), or "
+        "an offline corpus: python-docs (Python's help topics, English), python-source (the "
+        "standard library's source) or python (both); default: the standard-library modules "
+        "the bundled model was trained on",
     )
     p.add_argument("--whole-file", action="store_true", help="the text file is one document")
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
@@ -92,12 +94,23 @@ def read_corpus(path: str, whole_file: bool = False) -> list[str]:
     return docs
 
 
+def _corpus(name: str | None, whole_file: bool) -> Any:
+    """The documents ``--corpus`` names (``None``: the bundled model's training modules)."""
+    from tl_attnonly.atlas.corpora import CORPORA
+
+    if name is None:
+        return None
+    if name in CORPORA and not Path(name).exists():
+        return CORPORA[name]()
+    return read_corpus(name, whole_file)
+
+
 def atlas_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """Build the atlas (module docstring); returns the exit code."""
     for name in ("max_rows", "max_len", "batch_size", "k"):
         if getattr(args, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be >= 1.")
-    corpus = read_corpus(args.corpus, args.whole_file) if args.corpus else None
+    corpus = _corpus(args.corpus, args.whole_file)
     bridge = args.bridge or not (probes or Probes()).has_hooked_transformer()
     out = Path(args.out)
     if out.exists() and not out.is_dir():
