@@ -158,3 +158,20 @@ def test_activation_sum_is_exact_in_any_order():
     assert torch.equal(interleaved, whole)
     exact = x.double().sum(0)
     torch.testing.assert_close(fixed_value(whole), exact, atol=4096 * 2.0**-40, rtol=0)
+
+
+def test_atlas_stops_after_the_last_block(model_rows):
+    """The final norm and the unembedding never run (the atlas reads only block hooks). Not on
+    a TransformerBridge: its ``stop_at_layer`` stops before a block, never after the last."""
+    model, rows = model_rows
+    if type(model).__name__ == "TransformerBridge":
+        pytest.skip("TransformerBridge.run_with_cache cannot stop after its last block")
+    after = [name for name in model.hook_dict if name.startswith(("ln_final", "unembed"))]
+    assert after
+    fired: list[str] = []
+    hooks = [(name, lambda x, hook: fired.append(hook.name)) for name in after]
+    with model.hooks(fwd_hooks=hooks):
+        collect_atlas(model, rows[:BATCH], options=OPTS, batch_size=BATCH)
+        assert fired == []
+        model(rows[0][None])  # the same hooks fire in a plain forward pass
+    assert fired

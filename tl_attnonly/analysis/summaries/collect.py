@@ -259,8 +259,10 @@ def cached_batches(
 
     Yields:
         ``(tokens [batch, pos], lengths [batch], valid [batch, pos], cache)``: the cache of
-        ``names`` for the batch (an encoder's padding masked out of its attention; a decoder's
-        run stops after its last block: no hook after it is cached).
+        ``names`` for the batch (an encoder's padding masked out of its attention; a
+        ``HookedTransformer``'s run stops after its last block, ``stop_at_layer=n_layers``, so
+        no hook after it is cached; a ``TransformerBridge``'s ``stop_at_layer`` stops only
+        before a block, so it runs whole).
     """
     device = model.cfg.device
     rows = token_rows(model, stdlib_corpus() if corpus is None else corpus,
