@@ -68,3 +68,15 @@ def test_out_with_other_files(tmp_path, capsys):
     assert main(["atlas", "--out", str(out), *SMALL]) == 2
     assert "holds no atlas" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_named_offline_corpora(tmp_path, capsys):
+    from tl_attnonly.atlas.corpora import CORPORA
+
+    out = tmp_path / "site"
+    assert main(["atlas", "--corpus", "python-docs", "--out", str(out), *SMALL, "--bridge"]) == 0
+    assert Atlas.load(out).meta["n_rows"] == 3
+    docs = list(CORPORA["python-docs"]())
+    assert len(docs) > 1000 and all(d.strip() for d in docs[:50])
+    source = CORPORA["python-source"]()
+    assert "import" in "".join(next(source) for _ in range(20))
