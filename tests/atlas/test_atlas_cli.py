@@ -77,6 +77,6 @@ def test_named_offline_corpora(tmp_path, capsys):
     assert main(["atlas", "--corpus", "python-docs", "--out", str(out), *SMALL, "--bridge"]) == 0
     assert Atlas.load(out).meta["n_rows"] == 3
     docs = list(CORPORA["python-docs"]())
-    assert len(docs) > 1000 and all(d.strip() for d in docs[:50])
+    assert len(docs) > 50 and all(d.strip() for d in docs)
     source = CORPORA["python-source"]()
     assert "import" in "".join(next(source) for _ in range(20))

@@ -3,10 +3,10 @@
 
 - ``python-docs``: the topics of Python's interactive help (``pydoc_data.topics``, shipped with
   every CPython: the language reference's sections in English, about 110,000 SmolLM2 tokens),
-  one document per paragraph;
+  one document per topic (long documents: rows of ``max_len`` tokens, few of them short);
 - ``python-source``: every module of the standard library (``*.py`` outside ``test``
   directories and ``site-packages``; about 13 MB, 3.5 million SmolLM2 tokens on CPython 3.11),
-  in documents of 40 lines, files in sorted order;
+  one document per file, files in sorted order;
 - ``python``: the documentation, then the source.
 
 The order is fixed (sorted paths), so a corpus and its rows are the same on every machine with
@@ -21,17 +21,17 @@ from pathlib import Path
 
 
 def python_docs() -> Iterator[str]:
-    """The paragraphs of ``pydoc_data.topics`` (topics in sorted order)."""
+    """The topics of ``pydoc_data.topics``, in sorted order."""
     from pydoc_data.topics import topics
 
     for name in sorted(topics):
-        for paragraph in topics[name].split("\n\n"):
-            if paragraph.strip():
-                yield paragraph.strip() + "\n"
+        if topics[name].strip():
+            yield topics[name]
 
 
-def python_source(lines_per_doc: int = 40) -> Iterator[str]:
-    """Every standard-library module's source, in documents of ``lines_per_doc`` lines."""
+def python_source(lines_per_doc: int | None = None) -> Iterator[str]:
+    """Every standard-library module's source, one document per file (or per
+    ``lines_per_doc`` lines)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(
         p for p in stdlib.rglob("*.py")
@@ -42,8 +42,9 @@ def python_source(lines_per_doc: int = 40) -> Iterator[str]:
             lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         except (UnicodeDecodeError, OSError):
             continue
-        for start in range(0, len(lines), lines_per_doc):
-            text = "".join(lines[start : start + lines_per_doc])
+        step = lines_per_doc or max(len(lines), 1)
+        for start in range(0, len(lines), step):
+            text = "".join(lines[start : start + step])
             if text.strip():
                 yield text
 
