@@ -80,3 +80,20 @@ def test_named_offline_corpora(tmp_path, capsys):
     assert len(docs) > 50 and all(d.strip() for d in docs)
     source = CORPORA["python-source"]()
     assert "import" in "".join(next(source) for _ in range(20))
+
+
+def test_hugging_face_dataset_folder(tmp_path, capsys):
+    """``hf:FOLDER`` streams a local dataset's ``text`` (the hub's ids go the same way); a
+    dataset that cannot be read is refused before anything is written."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    rows = [{"text": "def f(x):\n    return x + 1\n"}, {"text": "import sys\nprint(sys.argv)"}]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "site"
+    assert main(["atlas", "--corpus", f"hf:{folder}", "--out", str(out), *SMALL, "--bridge"]) == 0
+    assert Atlas.load(out).meta["n_rows"] == 2
+    missing = tmp_path / "none"
+    assert main(["atlas", "--corpus", f"hf:{tmp_path / 'nothing'}", "--out", str(missing),
+                 *SMALL, "--bridge"]) == 2  # fmt: skip
+    assert "Cannot load the dataset" in capsys.readouterr().err and not missing.exists()

@@ -10,7 +10,8 @@
 - ``python``: the documentation, then the source.
 
 The order is fixed (sorted paths), so a corpus and its rows are the same on every machine with
-the same Python version.
+the same Python version. :func:`hf_dataset` streams a Hugging Face dataset's text column
+(``--corpus hf:NAME[:CONFIG][@SPLIT]``) where the hub (or a local dataset folder) is there.
 """
 
 from __future__ import annotations
@@ -55,6 +56,38 @@ def python_corpus() -> Iterator[str]:
     yield from python_source()
 
 
+def hf_dataset(spec: str, column: str = "text") -> Iterator[str]:
+    """The ``column`` strings of a Hugging Face dataset, streamed: ``spec`` is
+    ``NAME[:CONFIG][@SPLIT]`` (split ``train`` by default), ``NAME`` a hub id or a local folder.
+
+    Raises:
+        ImportError: Without the ``datasets`` package.
+        ValueError: If the dataset cannot be loaded (offline, unknown) or has no ``column``.
+    """
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("Reading a Hugging Face dataset needs `pip install datasets`.") from err
+    name, _, split = spec.partition("@")
+    name, _, config = name.partition(":")
+    try:
+        data = datasets.load_dataset(name, config or None, split=split or "train",
+                                     streaming=True)  # fmt: skip
+        first = next(iter(data), None)
+    except Exception as err:  # noqa: BLE001 - the hub's errors are many; all mean "cannot read"
+        raise ValueError(
+            f"Cannot load the dataset {spec!r} ({type(err).__name__}: {err}). Offline, pass a "
+            "local dataset folder, a text or JSONL file, or python-docs / python-source."
+        ) from err
+    if first is None:
+        return
+    if column not in first:
+        raise ValueError(f"The dataset {spec!r} has no {column!r} column (it has {list(first)}).")
+    for item in data:
+        if isinstance(item[column], str) and item[column].strip():
+            yield item[column]
+
+
 #: The named corpora of ``tl-attnonly atlas --corpus NAME``.
 CORPORA: dict[str, Callable[[], Iterator[str]]] = {
     "python-docs": python_docs,
@@ -62,4 +95,4 @@ CORPORA: dict[str, Callable[[], Iterator[str]]] = {
     "python": python_corpus,
 }
 
-__all__ = ["CORPORA", "python_corpus", "python_docs", "python_source"]
+__all__ = ["CORPORA", "hf_dataset", "python_corpus", "python_docs", "python_source"]

@@ -13,6 +13,7 @@ corpus (:mod:`tl_attnonly.atlas.distributed`): gloo on CPU, NCCL with ``--device
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -46,8 +47,9 @@ def add_atlas_parser(sub: Any) -> None:
         default=None,
         help="a text file (one document per line), a .jsonl file (a 'text' field per line), or "
         "an offline corpus: python-docs (Python's help topics, English), python-source (the "
-        "standard library's source) or python (both); default: the standard-library modules "
-        "the bundled model was trained on",
+        "standard library's source) or python (both), or hf:NAME[:CONFIG][@SPLIT] (a Hugging "
+        "Face dataset's 'text', streamed); default: the standard-library modules the bundled "
+        "model was trained on",
     )
     p.add_argument("--whole-file", action="store_true", help="the text file is one document")
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
@@ -96,12 +98,21 @@ def read_corpus(path: str, whole_file: bool = False) -> list[str]:
 
 def _corpus(name: str | None, whole_file: bool) -> Any:
     """The documents ``--corpus`` names (``None``: the bundled model's training modules)."""
-    from tl_attnonly.atlas.corpora import CORPORA
+    from tl_attnonly.atlas.corpora import CORPORA, hf_dataset
 
     if name is None:
         return None
     if name in CORPORA and not Path(name).exists():
         return CORPORA[name]()
+    if name.startswith("hf:"):
+        try:
+            docs = hf_dataset(name[3:])
+            first = next(docs, None)  # fails now, before anything is written
+        except (ImportError, ValueError) as err:
+            raise CommandError(f"--corpus {name}: {err}") from err
+        if first is None:
+            raise CommandError(f"--corpus {name} is empty: no text to run.")
+        return itertools.chain([first], docs)
     return read_corpus(name, whole_file)
 
 
