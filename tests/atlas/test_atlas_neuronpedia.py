@@ -17,7 +17,7 @@ from test_atlas_state import OPTS  # noqa: E402
 
 from tl_attnonly.atlas import Atlas, build_atlas  # noqa: E402
 from tl_attnonly.atlas.neuronpedia import TOP_NAME  # noqa: E402
-from tl_attnonly.atlas.site import read_js_data  # noqa: E402
+from tl_attnonly.atlas.site import read_record  # noqa: E402
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "neuronpedia_feature_details.schema.json")
                     .read_text("utf-8"))  # fmt: skip
@@ -48,7 +48,7 @@ def test_every_file_validates(exported):
 
 def test_export_says_what_the_atlas_says(exported):
     atlas, out = exported
-    record = read_js_data(atlas.directory / "neurons" / "L1" / "N34.js")
+    record = read_record(atlas.directory, 1, 34)
     data = json.loads((out / "1" / "34.json").read_text("utf-8"))
     assert data["index"] == 34 and data["transcoder_id"] == "1-mlp-neurons"
     assert data["act_max"] == record["act_max"] and data["act_min"] == record["act_min"]

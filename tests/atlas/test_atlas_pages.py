@@ -30,6 +30,7 @@ function el(id) {
 }
 const ctx = {
   location: {hash: hash || ''}, console,
+  atob: (s) => Buffer.from(s, 'base64').toString('binary'),
   window: {addEventListener() {}},
   document: {
     title: '', getElementById: el, querySelectorAll: () => [],

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from helpers import BATCH, KINDS, MAX_LEN, bundled, corpus_rows, hooked_acts  # noqa: E402
 
 from tl_attnonly.atlas import Atlas, AtlasOptions, AtlasState, build_atlas, collect_atlas  # noqa: E402
-from tl_attnonly.atlas.site import read_js_data  # noqa: E402
+from tl_attnonly.atlas.site import read_js_data, read_record  # noqa: E402
 from tl_attnonly.atlas.state import flatten_state  # noqa: E402
 
 OPTS = AtlasOptions(k=5, before=3, after=2, samples=2, max_len=MAX_LEN)
@@ -87,7 +87,7 @@ def test_site_files_and_jupyter(model_rows, tmp_path):
     assert meta["manifest"]["d_mlp"] == 512 and meta["n_tokens"] == int(state.n_tokens)
     index = read_js_data(tmp_path / "index.js")
     assert len(index["neurons"]) == 2 * 512
-    record = read_js_data(tmp_path / "neurons" / "L1" / "N34.js")
+    record = read_record(tmp_path, 1, 34)
     layer = state.layers[1]
     assert record["index"] == "L1N34"
     assert record["act_max"] == pytest.approx(float(layer["act_max"][34]), abs=1e-4)
@@ -175,3 +175,36 @@ def test_atlas_stops_after_the_last_block(model_rows):
         assert fired == []
         model(rows[0][None])  # the same hooks fire in a plain forward pass
     assert fired
+
+
+def test_packed_records_round_trip(model_rows, tmp_path):
+    """The site stores each distinct context once, packed; reading it back gives the record
+    neuron_record made, its windows' activations to float16 and self weights to 1/255."""
+    from tl_attnonly.atlas.build import logit_effect
+    from tl_attnonly.atlas.records import neuron_record, vocabulary
+
+    model, rows = model_rows
+    state = build_atlas(model, rows, tmp_path, options=OPTS, batch_size=BATCH, progress=False)
+    cpu = {k: ({f: t.cpu() for f, t in v.items()} if isinstance(v, dict) else v.cpu())
+           for k, v in state.layers[0].items()}  # fmt: skip
+    vocab = vocabulary(model.tokenizer, model.cfg.d_vocab)
+    for neuron in (0, 5, 300):
+        logits = [t.cpu() for t in logit_effect(model)[0]]
+        made = neuron_record(cpu, 0, neuron, opts=OPTS, max_len=MAX_LEN, vocab=vocab,
+                             n_tokens=int(state.n_tokens), logits=logits)  # fmt: skip
+        read = read_record(tmp_path, 0, neuron)
+        lists = [("top_examples", made["top_examples"], read["top_examples"])]
+        pairs = zip(made["examples_quantiles"], read["examples_quantiles"])
+        lists += [("quantile", a["examples"], b["examples"]) for a, b in pairs]
+        for name, want, got in lists:
+            assert len(want) == len(got), name
+            for a, b in zip(want, got):
+                assert (a["tokens"], a["row"], a["pos"], a["act"]) == (
+                    b["tokens"], b["row"], b["pos"], b["act"])  # fmt: skip
+                torch.testing.assert_close(torch.tensor(b["acts"]), torch.tensor(a["acts"]),
+                                           rtol=1e-3, atol=1e-4)  # fmt: skip
+                torch.testing.assert_close(torch.tensor(b["self"]), torch.tensor(a["self"]),
+                                           rtol=0, atol=0.5 / 255 + 1e-4)  # fmt: skip
+        assert read["histogram"]["edges"] == made["histogram"]["edges"]
+        stored = read_js_data(tmp_path / "neurons" / "L0" / f"N{neuron}.js")
+        assert isinstance(stored["pool"]["tok"], str) and "edges" not in stored["histogram"]

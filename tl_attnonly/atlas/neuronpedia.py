@@ -10,7 +10,8 @@ record (:func:`~tl_attnonly.atlas.records.neuron_record`) onto it:
 - ``examples_quantiles``: ``"Top activations"`` (the atlas's top contexts), then one
   ``"Subsample Interval {b}"`` per activation bucket that has samples; each example's ``tokens``
   are the window's token texts (tokens outside the row dropped), ``tokens_acts_list`` their
-  activations, ``train_token_ind`` the centre token's place, ``is_repeated_datapoint`` false;
+  activations (as the site stores them, to float16; the centre's exact), ``train_token_ind``
+  the centre token's place, ``is_repeated_datapoint`` false;
 - ``top_logits``, ``bottom_logits``: the token texts of the largest and smallest direct logit
   effects;
 - ``quantile_values``: the lower activation edge of each listed subsample interval;
@@ -30,9 +31,11 @@ TOP_NAME = "Top activations"
 
 def _example(context: dict[str, Any], vocab: list[str], before: int) -> dict[str, Any]:
     inside = [j for j, token in enumerate(context["tokens"]) if token >= 0]
+    acts = list(context["acts"])  # as stored (float16); the centre's exact
+    acts[before] = context["act"]
     return {
         "tokens": [vocab[context["tokens"][j]] for j in inside],
-        "tokens_acts_list": [context["acts"][j] for j in inside],
+        "tokens_acts_list": [acts[j] for j in inside],
         "train_token_ind": inside.index(before),
         "is_repeated_datapoint": False,
     }
@@ -44,7 +47,7 @@ def neuronpedia_feature(
     """The Neuronpedia feature details of one atlas record (module docstring).
 
     Args:
-        record: A neuron's record (``neurons/L{l}/N{i}.js`` of an atlas).
+        record: A neuron's record (:func:`~tl_attnonly.atlas.site.read_record`).
         vocab: Every token's text (the atlas's ``vocab.js``).
         before: Tokens before each context's centre (the atlas's ``before`` option).
         source_set: The source set's name in ``transcoder_id`` (``"{layer}-{source_set}"``).
@@ -89,7 +92,7 @@ def export_neuronpedia(
         FileNotFoundError: If ``atlas_dir`` holds no finished atlas.
     """
     from tl_attnonly.atlas.notebook import Atlas
-    from tl_attnonly.atlas.site import read_js_data
+    from tl_attnonly.atlas.site import read_record
 
     atlas = Atlas.load(atlas_dir)
     before, vocab, out = atlas.meta["options"]["before"], atlas.vocab, Path(out_dir)
@@ -98,7 +101,7 @@ def export_neuronpedia(
         folder = out / str(layer)
         folder.mkdir(parents=True, exist_ok=True)
         for neuron in range(atlas.manifest["d_mlp"]):
-            record = read_js_data(atlas.directory / "neurons" / f"L{layer}" / f"N{neuron}.js")
+            record = read_record(atlas.directory, layer, neuron)
             data = neuronpedia_feature(record, vocab, before, source_set)
             (folder / f"{neuron}.json").write_text(json.dumps(data), "utf-8")
             written += 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tl_attnonly.atlas.site import MANIFEST, read_js_data
+from tl_attnonly.atlas.site import MANIFEST, read_js_data, read_record
 
 
 def _ctx_html(example: dict[str, Any], vocab: list[str], before: int) -> str:
@@ -109,9 +109,10 @@ class Atlas:
 
         match = re.fullmatch(r"L(\d+)N(\d+)", label.strip())
         path = match and self.directory / "neurons" / f"L{match[1]}" / f"N{match[2]}.js"
-        if not path or not path.is_file():
+        if not match or not path or not path.is_file():
             raise KeyError(f"No neuron {label!r} in this atlas (labels like 'L0N0').")
-        return NeuronPage(read_js_data(path), self.vocab, self.meta["options"]["before"])
+        record = read_record(self.directory, int(match[1]), int(match[2]))
+        return NeuronPage(record, self.vocab, self.meta["options"]["before"])
 
     def search(self, token: str) -> Any:
         """The neurons whose top contexts centre most often on ``token`` (its text, with or
@@ -125,8 +126,7 @@ class Atlas:
         rows = []
         for layer in range(self.manifest["n_layers"]):
             for neuron in range(self.manifest["d_mlp"]):
-                path = self.directory / "neurons" / f"L{layer}" / f"N{neuron}.js"
-                record = read_js_data(path)
+                record = read_record(self.directory, layer, neuron)
                 hits = [e["act"] for e in record["top_examples"] if e["tokens"][before] in ids]
                 if hits:
                     rows.append((record["index"], layer, neuron, len(hits), max(hits),

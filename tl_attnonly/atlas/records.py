@@ -7,12 +7,22 @@ Field names follow Neuronpedia's feature-details schema where one fits (``index`
 "row", "pos", "act"}``: its window's token ids (``-1``: outside the row), each token's activation
 and self weight, the row and position of its centre token (``before`` tokens into the window) and
 the centre's activation. Token strings are in the site's vocabulary (:func:`vocabulary`).
+
+On disk (:func:`encode_record`, read back by :func:`decode_record`) each list of contexts is
+packed: the windows' token ids (``uint16``, or ``int32`` for vocabularies of 65,535 tokens or
+more), their activations (``float16``: three significant digits) and self weights (``uint8``,
+in steps of 1/255) as base64 strings, with the rows, positions and exact centre activations as
+lists; the histogram's edges, the same for every neuron, are in the atlas's manifest. That keeps
+a neuron of SmolLM2 at a few kilobytes.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
 from typing import Any
 
+import numpy as np
 import torch
 
 from tl_attnonly.analysis.summaries.collect import token_text
@@ -120,6 +130,88 @@ def neuron_record(
     return record
 
 
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def pack_contexts(contexts: list[dict[str, Any]], d_vocab: int) -> dict[str, Any]:
+    """A list of contexts as one packed object (module docstring)."""
+    wide = d_vocab >= 65535
+    tokens = np.array([c["tokens"] for c in contexts], dtype=np.int64).reshape(len(contexts), -1)
+    if not wide:
+        tokens = np.where(tokens < 0, 65535, tokens)
+    acts = np.array([c["acts"] for c in contexts], dtype=np.float32)
+    self_w = np.array([c["self"] for c in contexts], dtype=np.float64)
+    return {
+        "n": len(contexts),
+        "w": int(tokens.shape[1]),
+        "tb": 4 if wide else 2,
+        "tok": _b64(tokens.astype("<i4" if wide else "<u2")),
+        "acts": _b64(acts.astype("<f2")),
+        "self": _b64(np.round(np.clip(self_w, 0, 1) * 255).astype(np.uint8)),
+        "row": [c["row"] for c in contexts],
+        "pos": [c["pos"] for c in contexts],
+        "act": [c["act"] for c in contexts],
+    }
+
+
+def unpack_contexts(packed: dict[str, Any]) -> list[dict[str, Any]]:
+    """The contexts of :func:`pack_contexts` (activations and self weights as stored)."""
+    n, w = packed["n"], packed["w"]
+    if n == 0:
+        return []
+    raw = base64.b64decode(packed["tok"])
+    tokens = np.frombuffer(raw, dtype="<i4" if packed["tb"] == 4 else "<u2").astype(np.int64)
+    if packed["tb"] == 2:
+        tokens = np.where(tokens == 65535, -1, tokens)
+    acts = np.frombuffer(base64.b64decode(packed["acts"]), dtype="<f2").astype(np.float64)
+    self_w = np.frombuffer(base64.b64decode(packed["self"]), dtype=np.uint8) / 255.0
+    tokens, acts, self_w = tokens.reshape(n, w), acts.reshape(n, w), self_w.reshape(n, w)
+    return [{"tokens": tokens[i].tolist(), "acts": [round(float(a), DIGITS) for a in acts[i]],
+             "self": [round(float(x), DIGITS) for x in self_w[i]], "row": packed["row"][i],
+             "pos": packed["pos"][i], "act": packed["act"][i]} for i in range(n)]  # fmt: skip
+
+
+def _holders(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The objects holding the record's other lists of contexts (under ``examples``): the
+    quantile buckets, then the quadrants."""
+    return [*record["examples_quantiles"], *(record.get("quadrants") or {}).values()]
+
+
+def encode_record(record: dict[str, Any], d_vocab: int) -> dict[str, Any]:
+    """The record as the site stores it: every distinct context once, packed, in ``pool``
+    (:func:`pack_contexts`), each list of contexts a list of indices into it; no histogram
+    edges."""
+    out = copy.deepcopy(record)
+    pool: list[dict[str, Any]] = []
+    where: dict[tuple[int, int], int] = {}
+
+    def indices(contexts: list[dict[str, Any]]) -> list[int]:
+        for context in contexts:
+            where.setdefault((context["row"], context["pos"]), len(where))
+            if len(pool) < len(where):
+                pool.append(context)
+        return [where[(c["row"], c["pos"])] for c in contexts]
+
+    out["top_examples"] = indices(out["top_examples"])
+    for holder in _holders(out):
+        holder["examples"] = indices(holder["examples"])
+    out["pool"] = pack_contexts(pool, d_vocab)
+    out["histogram"] = {"counts": out["histogram"]["counts"]}
+    return out
+
+
+def decode_record(data: dict[str, Any], hist_edges: list[float]) -> dict[str, Any]:
+    """The record :func:`encode_record` stored (``hist_edges``: the manifest's)."""
+    out = copy.deepcopy(data)
+    pool = unpack_contexts(out.pop("pool"))
+    out["top_examples"] = [pool[i] for i in out["top_examples"]]
+    for holder in _holders(out):
+        holder["examples"] = [pool[i] for i in holder["examples"]]
+    out["histogram"] = {"edges": hist_edges, "counts": out["histogram"]["counts"]}
+    return out
+
+
 def top_tokens(record: dict[str, Any], vocab: list[str], before: int, n: int = 3) -> list[str]:
     """The ``n`` most frequent centre tokens of the record's top contexts (ties: by rank)."""
     counts: dict[int, int] = {}
@@ -134,8 +226,12 @@ __all__ = [
     "DIGITS",
     "QUADRANTS",
     "contexts",
+    "decode_record",
+    "encode_record",
     "label",
     "neuron_record",
+    "pack_contexts",
     "top_tokens",
+    "unpack_contexts",
     "vocabulary",
 ]

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from tl_attnonly.atlas.build import LogitEffect
-from tl_attnonly.atlas.records import label, neuron_record, top_tokens
+from tl_attnonly.atlas.records import (
+    decode_record,
+    encode_record,
+    label,
+    neuron_record,
+    top_tokens,
+)
+from tl_attnonly.atlas.state import hist_edges
 from tl_attnonly.atlas.templates import (
     INDEX_BODY,
     INDEX_JS,
@@ -40,6 +47,15 @@ def read_js_data(path: str | Path) -> Any:
     """The JSON object of a file :func:`js_data` wrote."""
     text = Path(path).read_text("utf-8")
     return json.loads(text[text.index("(") + 1 : text.rindex(")")])
+
+
+def read_record(directory: str | Path, layer: int, neuron: int) -> dict[str, Any]:
+    """Neuron ``neuron`` of layer ``layer``'s record in the finished atlas ``directory``, as
+    :func:`~tl_attnonly.atlas.records.neuron_record` made it (contexts unpacked)."""
+    directory = Path(directory)
+    meta = json.loads((directory / MANIFEST).read_text("utf-8"))
+    data = read_js_data(directory / "neurons" / f"L{layer}" / f"N{neuron}.js")
+    return decode_record(data, meta["hist_edges"])
 
 
 def _density(freqs: list[float]) -> str:
@@ -79,8 +95,9 @@ def write_site(
     out.mkdir(parents=True, exist_ok=True)
     manifest, opts = state.manifest, state.options
     n_tokens = int(state.n_tokens)
+    edges = [round(e, 4) for e in hist_edges(opts).tolist()]
     meta = {"manifest": manifest, "options": opts.to_dict(), "n_tokens": n_tokens,
-            "n_rows": state.n_rows, "max_len": max_len}  # fmt: skip
+            "n_rows": state.n_rows, "max_len": max_len, "hist_edges": edges}  # fmt: skip
     state.save(out / "state.safetensors")
     (out / "vocab.js").write_text(js_data("atlasVocab", vocab), "utf-8")
     index_rows = []
@@ -94,7 +111,8 @@ def write_site(
         for i in range(manifest["d_mlp"]):
             record = neuron_record(cpu, li, i, opts=opts, max_len=max_len, n_tokens=n_tokens,
                                    logits=layer_logits, vocab=vocab)  # fmt: skip
-            (folder / f"N{i}.js").write_text(js_data("atlasNeuron", record), "utf-8")
+            stored = encode_record(record, manifest["d_vocab"])
+            (folder / f"N{i}.js").write_text(js_data("atlasNeuron", stored), "utf-8")
             tops = top_tokens(record, vocab, opts.before)
             freq = record["activation_frequency"]
             freqs.append(freq)
@@ -114,7 +132,7 @@ def write_site(
                              n_layers=manifest["n_layers"], d_mlp=manifest["d_mlp"])  # fmt: skip
     (out / "index.html").write_text(page("neuron atlas", body, INDEX_JS), "utf-8")
     neuron_body = "<div id='main'>loading...</div>"
-    data = f"var META={json.dumps({'before': opts.before})};"
+    data = f"var META={json.dumps({'before': opts.before, 'edges': edges})};"
     (out / "neuron.html").write_text(page("neuron", neuron_body, NEURON_JS, data), "utf-8")
     (out / MANIFEST).write_text(json.dumps(meta, indent=1), "utf-8")  # last: marks it complete
 
@@ -126,4 +144,4 @@ def _to_cpu(layer_state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["MANIFEST", "js_data", "read_js_data", "write_site"]
+__all__ = ["MANIFEST", "js_data", "read_js_data", "read_record", "write_site"]
