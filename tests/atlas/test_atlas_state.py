@@ -208,3 +208,20 @@ def test_packed_records_round_trip(model_rows, tmp_path):
         assert read["histogram"]["edges"] == made["histogram"]["edges"]
         stored = read_js_data(tmp_path / "neurons" / "L0" / f"N{neuron}.js")
         assert isinstance(stored["pool"]["tok"], str) and "edges" not in stored["histogram"]
+
+
+def test_write_atlas_rerenders_from_the_saved_state(model_rows, tmp_path):
+    from tl_attnonly.atlas import write_atlas
+
+    model, rows = model_rows
+    first = tmp_path / "first"
+    build_atlas(model, rows, first, options=OPTS, batch_size=BATCH, progress=False)
+    again = tmp_path / "again"
+    write_atlas(model, AtlasState.load(first / "state.safetensors"), again)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all((first / f).read_bytes() == (again / f).read_bytes() for f in files)
+    other = AtlasState.load(first / "state.safetensors")
+    other.manifest = {**other.manifest, "d_mlp": 7}
+    with pytest.raises(ValueError, match="the model is not"):
+        write_atlas(model, other, tmp_path / "wrong")

@@ -18,7 +18,7 @@ checks, checkpoints, the site), :mod:`~tl_attnonly.atlas.records` (a neuron's JS
 
 from tl_attnonly.atlas.build import AtlasState, collect_atlas, logit_effect
 from tl_attnonly.atlas.notebook import Atlas, NeuronPage
-from tl_attnonly.atlas.run import build_atlas
+from tl_attnonly.atlas.run import build_atlas, write_atlas
 from tl_attnonly.atlas.state import AtlasOptions
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "build_atlas",
     "collect_atlas",
     "logit_effect",
+    "write_atlas",
 ]

@@ -146,17 +146,37 @@ def build_atlas(
     if merged is None:  # another rank writes the site
         barrier()
         return state
-    state = merged
-    assert adapted.cfg.d_mlp is not None
+    write_atlas(adapted, merged, out)
+    barrier()
+    return merged
+
+
+def write_atlas(model: ModelLike, state: AtlasState, out_dir: str | Path) -> None:
+    """Write the site of ``state`` (of ``model``) into ``out_dir``: into a temporary sibling
+    directory first, then moved into place (replacing what was there). Also re-renders an
+    atlas from its saved state, e.g. after this package's site format changed::
+
+        write_atlas(model, AtlasState.load("my_atlas/state.safetensors"), "my_atlas")
+
+    Raises:
+        ValueError: If ``state`` is of another model.
+    """
+    adapted = analysis_model(model)
+    there = model_manifest(adapted, state.manifest["model_name"])
+    if there != state.manifest:
+        raise ValueError(
+            f"The state is of {state.manifest['model_name']} ({state.manifest['n_layers']} "
+            f"layers x {state.manifest['d_mlp']} neurons); the model is not."
+        )
+    out = Path(out_dir)
     vocab = vocabulary(adapted.tokenizer, adapted.cfg.d_vocab)
     tmp = out.with_name(out.name + ".tmp-atlas")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_site(tmp, state, logit_effect(adapted), vocab, opts.max_len or adapted.cfg.n_ctx)
+    max_len = state.options.max_len or adapted.cfg.n_ctx
+    write_site(tmp, state, logit_effect(adapted), vocab, max_len)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    barrier()
-    return state
 
 
-__all__ = ["build_atlas", "check_out_dir", "checkpoint_name"]
+__all__ = ["build_atlas", "check_out_dir", "checkpoint_name", "write_atlas"]
