@@ -194,7 +194,7 @@ def empty_selection(groups: int, m: int, window: int, device: Any) -> dict[str, 
     return {
         "rank": torch.full((groups, m), -torch.inf, dtype=torch.float64, device=device),
         "gidx": torch.full((groups, m), EMPTY, dtype=torch.long, device=device),
-        "tokens": torch.full((groups, m, window), -1, dtype=torch.long, device=device),
+        "tokens": torch.full((groups, m, window), -1, dtype=torch.int32, device=device),
         "act": torch.zeros(groups, m, window, device=device),
         "self": torch.zeros(groups, m, window, device=device),
     }
