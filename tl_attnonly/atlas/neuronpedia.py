@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tl_attnonly.atlas.site import MANIFEST, read_js_data, read_record
+
 #: The quantile name of the top contexts.
 TOP_NAME = "Top activations"
 
@@ -91,17 +93,17 @@ def export_neuronpedia(
     Raises:
         FileNotFoundError: If ``atlas_dir`` holds no finished atlas.
     """
-    from tl_attnonly.atlas.notebook import Atlas
-    from tl_attnonly.atlas.site import read_record
-
-    atlas = Atlas.load(atlas_dir)
-    before, vocab, out = atlas.meta["options"]["before"], atlas.vocab, Path(out_dir)
+    directory, out = Path(atlas_dir), Path(out_dir)
+    if not (directory / MANIFEST).is_file():
+        raise FileNotFoundError(f"No atlas in {directory} (no {MANIFEST}).")
+    meta = json.loads((directory / MANIFEST).read_text("utf-8"))
+    before, vocab = meta["options"]["before"], read_js_data(directory / "vocab.js")
     written = 0
-    for layer in range(atlas.manifest["n_layers"]):
+    for layer in range(meta["manifest"]["n_layers"]):
         folder = out / str(layer)
         folder.mkdir(parents=True, exist_ok=True)
-        for neuron in range(atlas.manifest["d_mlp"]):
-            record = read_record(atlas.directory, layer, neuron)
+        for neuron in range(meta["manifest"]["d_mlp"]):
+            record = read_record(directory, layer, neuron)
             data = neuronpedia_feature(record, vocab, before, source_set)
             (folder / f"{neuron}.json").write_text(json.dumps(data), "utf-8")
             written += 1
