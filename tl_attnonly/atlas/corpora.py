@@ -30,9 +30,8 @@ def python_docs() -> Iterator[str]:
             yield topics[name]
 
 
-def python_source(lines_per_doc: int | None = None) -> Iterator[str]:
-    """Every standard-library module's source, one document per file (or per
-    ``lines_per_doc`` lines)."""
+def python_source() -> Iterator[str]:
+    """Every standard-library module's source, one document per file."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(
         p for p in stdlib.rglob("*.py")
@@ -40,14 +39,11 @@ def python_source(lines_per_doc: int | None = None) -> Iterator[str]:
     )  # fmt: skip
     for path in paths:
         try:
-            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        step = lines_per_doc or max(len(lines), 1)
-        for start in range(0, len(lines), step):
-            text = "".join(lines[start : start + step])
-            if text.strip():
-                yield text
+        if text.strip():
+            yield text
 
 
 def python_corpus() -> Iterator[str]:

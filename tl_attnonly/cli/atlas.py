@@ -23,8 +23,8 @@ from tl_attnonly.cli.common import CommandError, Probes
 
 #: ``--out``'s default.
 DEFAULT_OUT = "tl_attnonly_atlas"
-#: The models the command loads, and the names their atlases record.
-MODEL_NAMES = {"bundled": "", "smollm2": "SmolLM2-135M-Instruct"}
+#: The models the command loads.
+MODELS = ("bundled", "smollm2")
 
 
 def add_atlas_parser(sub: Any) -> None:
@@ -39,7 +39,7 @@ def add_atlas_parser(sub: Any) -> None:
         "model",
         nargs="?",
         default="bundled",
-        choices=sorted(MODEL_NAMES),
+        choices=MODELS,
         help="the model: bundled (default) or smollm2 (SmolLM2-135M-Instruct, the [smollm2] extra)",
     )
     p.add_argument(
@@ -165,7 +165,7 @@ def atlas_cmd(args: argparse.Namespace, probes: Probes | None = None) -> int:
 
 
 def _load(model: str, bridge: bool, device: str) -> tuple[str, Any]:
-    """``(name, converted model)`` of ``model`` (a key of :data:`MODEL_NAMES`) on ``device``.
+    """``(name, converted model)`` of ``model`` (one of :data:`MODELS`) on ``device``.
 
     Raises:
         CommandError: If the model's extra is not installed.
@@ -174,17 +174,22 @@ def _load(model: str, bridge: bool, device: str) -> tuple[str, Any]:
 
     if model == "smollm2":
         try:
-            from tl_attnonly.smollm2 import load_smollm2, load_smollm2_bridge, smollm2_path
+            from tl_attnonly.smollm2 import (
+                SMOLLM2_NAME,
+                load_smollm2,
+                load_smollm2_bridge,
+                smollm2_path,
+            )
 
             smollm2_path()  # fails fast, naming the extra, before anything heavy
         except ImportError as err:
             raise CommandError(f"smollm2: {err}") from err
         loaded = (load_smollm2_bridge if bridge else load_smollm2)(device=device)
-        return MODEL_NAMES["smollm2"], convert(loaded)
+        return SMOLLM2_NAME, convert(loaded)
     from tl_attnonly.bundled import BUNDLED_MODEL_NAME, load_bundled_bridge, load_bundled_model
 
-    loaded = load_bundled_bridge() if bridge else load_bundled_model()
-    return BUNDLED_MODEL_NAME, convert(loaded if device == "cpu" else loaded.to(device))
+    loaded = (load_bundled_bridge if bridge else load_bundled_model)(device=device)
+    return BUNDLED_MODEL_NAME, convert(loaded)
 
 
 __all__ = ["DEFAULT_OUT", "add_atlas_parser", "atlas_cmd", "read_corpus"]
