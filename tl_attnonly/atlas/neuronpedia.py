@@ -103,7 +103,7 @@ def export_neuronpedia(
         folder = out / str(layer)
         folder.mkdir(parents=True, exist_ok=True)
         for neuron in range(meta["manifest"]["d_mlp"]):
-            record = read_record(directory, layer, neuron)
+            record = read_record(directory, layer, neuron, meta)
             data = neuronpedia_feature(record, vocab, before, source_set)
             (folder / f"{neuron}.json").write_text(json.dumps(data), "utf-8")
             written += 1

@@ -111,7 +111,7 @@ class Atlas:
         path = match and self.directory / "neurons" / f"L{match[1]}" / f"N{match[2]}.js"
         if not match or not path or not path.is_file():
             raise KeyError(f"No neuron {label!r} in this atlas (labels like 'L0N0').")
-        record = read_record(self.directory, int(match[1]), int(match[2]))
+        record = read_record(self.directory, int(match[1]), int(match[2]), self.meta)
         return NeuronPage(record, self.vocab, self.meta["options"]["before"])
 
     def search(self, token: str) -> Any:
@@ -126,7 +126,7 @@ class Atlas:
         rows = []
         for layer in range(self.manifest["n_layers"]):
             for neuron in range(self.manifest["d_mlp"]):
-                record = read_record(self.directory, layer, neuron)
+                record = read_record(self.directory, layer, neuron, self.meta)
                 hits = [e["act"] for e in record["top_examples"] if e["tokens"][before] in ids]
                 if hits:
                     rows.append((record["index"], layer, neuron, len(hits), max(hits),

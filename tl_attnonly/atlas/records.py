@@ -49,6 +49,11 @@ def _r(values: torch.Tensor) -> list[float]:
     return [round(float(v), DIGITS) for v in values.tolist()]
 
 
+def edge_list(opts: AtlasOptions) -> list[float]:
+    """The histogram's bin edges as the records and the manifest store them."""
+    return _r(hist_edges(opts))
+
+
 def contexts(sel: dict[str, torch.Tensor], group: int, opts: AtlasOptions, max_len: int) -> list:
     """The non-empty contexts of ``group`` in the selection ``sel`` (state tensors, on CPU)."""
     out = []
@@ -110,7 +115,7 @@ def neuron_record(
         "act_mean": round(float(fixed_value(st["act_sum"][i])) / max(n_tokens, 1), DIGITS),
         "activation_frequency": int(st["fire"][i]) / max(n_tokens, 1),
         "n_tokens": n_tokens,
-        "histogram": {"edges": _r(hist_edges(opts)), "counts": hist.tolist()},
+        "histogram": {"edges": edge_list(opts), "counts": hist.tolist()},
         "top_logits": [
             [vocab[t], round(float(v), DIGITS)] for t, v in zip(top_i.tolist(), top_v)
         ],  # fmt: skip
@@ -227,6 +232,7 @@ __all__ = [
     "QUADRANTS",
     "contexts",
     "decode_record",
+    "edge_list",
     "encode_record",
     "label",
     "neuron_record",

@@ -20,12 +20,12 @@ from typing import Any
 from tl_attnonly.atlas.build import LogitEffect
 from tl_attnonly.atlas.records import (
     decode_record,
+    edge_list,
     encode_record,
     label,
     neuron_record,
     top_tokens,
 )
-from tl_attnonly.atlas.state import hist_edges
 from tl_attnonly.atlas.templates import (
     INDEX_BODY,
     INDEX_JS,
@@ -49,11 +49,15 @@ def read_js_data(path: str | Path) -> Any:
     return json.loads(text[text.index("(") + 1 : text.rindex(")")])
 
 
-def read_record(directory: str | Path, layer: int, neuron: int) -> dict[str, Any]:
+def read_record(
+    directory: str | Path, layer: int, neuron: int, meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Neuron ``neuron`` of layer ``layer``'s record in the finished atlas ``directory``, as
-    :func:`~tl_attnonly.atlas.records.neuron_record` made it (contexts unpacked)."""
+    :func:`~tl_attnonly.atlas.records.neuron_record` made it (contexts unpacked). ``meta``: the
+    atlas's manifest (``atlas.json``), read here if not given; a loop over neurons passes it."""
     directory = Path(directory)
-    meta = json.loads((directory / MANIFEST).read_text("utf-8"))
+    if meta is None:
+        meta = json.loads((directory / MANIFEST).read_text("utf-8"))
     data = read_js_data(directory / "neurons" / f"L{layer}" / f"N{neuron}.js")
     return decode_record(data, meta["hist_edges"])
 
@@ -95,7 +99,7 @@ def write_site(
     out.mkdir(parents=True, exist_ok=True)
     manifest, opts = state.manifest, state.options
     n_tokens = int(state.n_tokens)
-    edges = [round(e, 4) for e in hist_edges(opts).tolist()]
+    edges = edge_list(opts)
     meta = {"manifest": manifest, "options": opts.to_dict(), "n_tokens": n_tokens,
             "n_rows": state.n_rows, "max_len": max_len, "hist_edges": edges}  # fmt: skip
     state.save(out / "state.safetensors")

@@ -19,9 +19,8 @@ Per neuron ``i`` of a layer (activation ``a = hook_post[..., i]``, self weight
   ``u = hook_pre_linear``) the ``quadrant_k`` tokens of largest ``|a - b_in|``, and the counts;
 - ``act_min``, ``act_max``, ``act_sum`` (each batch's float64 sum, rounded to fixed point,
   :func:`fixed_point`, and added exactly: states of any split at batch boundaries add up to the
-  same bits), ``fire`` (tokens with ``pre > 0``,
-  i.e. ``s > 1/2`` for SiLU), a histogram over fixed bins uniform in ``asinh(a)``, and the token
-  count.
+  same bits), ``fire`` (tokens with ``pre > 0``, i.e. ``s > 1/2`` for SiLU), a histogram over
+  fixed bins uniform in ``asinh(a)``, and the token count.
 """
 
 from __future__ import annotations

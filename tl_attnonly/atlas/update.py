@@ -192,12 +192,13 @@ def _update_quantiles(
     last_key = -sel["rank"][:, -1].view(n, nb)  # +inf where not full
     common = last_key <= _COMMON_KEY
     key_bound = torch.where(common, last_key, -1.0).amax(1).int()  # [n]
-    edges = bucket_edges(opts).to(device=a.device, dtype=a.dtype)
-    lower = torch.cat([edges.new_full((1,), -torch.inf), edges[1:-1]])  # bucket b: x >= this
+    edges = bucket_edges(opts)
+    inner = edges[1:-1].to(device=a.device, dtype=a.dtype)  # as bin_index compares them
+    lower = torch.cat([inner.new_full((1,), -torch.inf), inner])  # bucket b: x >= this
     act_bound = torch.where(common, torch.inf, lower).amin(1)  # [n]
     mask = ((key <= key_bound) | (a >= act_bound)) & (a > 0)
     r, nn = mask.nonzero(as_tuple=True)
-    bucket = bin_index(a[r, nn], bucket_edges(opts)).long()
+    bucket = bin_index(a[r, nn], edges).long()
     _enter(sel, -key[r, nn].double(), nn * nb + bucket, (r, nn), tok, acts, opts)
 
 
