@@ -71,7 +71,8 @@ Usage::
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
         [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
         [--max-neurons-per-mlp 256] [--neuron-ranking attribution|relp|circuit] [--coarse-target T]
-        [--fresh 64] [--fresh-seed N] [--bridge] [--profiles N [--profiles-figure PATH]]
+        [--whole-mlps 0 ...] [--save-circuit DIR] [--fresh 64] [--fresh-seed N] [--bridge]
+        [--profiles N [--profiles-figure PATH]]
 """
 
 from __future__ import annotations
@@ -324,6 +325,14 @@ DISCOVER_OPTIONS: dict[str, dict] = {
         help="discover: the coarse circuit's target (default --target); above it, room for "
         "--neurons-per-mlp auto to cut layer remainders",
     ),
+    "--whole-mlps": dict(
+        type=int, nargs="*", default=[],
+        help="discover: MLP layers kept whole, never split into named neurons (0: MLP0 as an "
+        "extension of the embedding, as the IOI literature treats it)",
+    ),
+    "--save-circuit": dict(
+        default=None, help="discover: save the circuit to this directory (Circuit.save)",
+    ),
     "--fresh": dict(
         type=int, default=64,
         help="discover: fresh prompts the search never saw, for a held-out figure (0: none)",
@@ -382,7 +391,7 @@ def config_line(script: str, task: str, args) -> str:
         f"(seed {args.seed + 1}); fresh prompts {fresh}; target {args.target}; positions "
         f"{args.positions}; ranking {args.ranking}; prune_runs {args.prune_runs}; "
         f"neurons_per_mlp {args.neurons_per_mlp} (at most {args.max_neurons_per_mlp}); "
-        f"neuron_ranking {args.neuron_ranking}; "
+        f"neuron_ranking {args.neuron_ranking}; whole_mlps {args.whole_mlps}; "
         f"coarse_target {args.coarse_target}; "
         f"batch_size {args.batch_size}; threads "
         f"{args.threads}; fp32"
@@ -417,7 +426,7 @@ def stage_discover(model, data, args, fresh=None, task: str | None = None) -> Ci
         batch_size=args.batch_size, positions=positions, ranking=args.ranking,
         prune_runs=args.prune_runs, neurons_per_mlp=args.neurons_per_mlp,
         coarse_target=args.coarse_target, neuron_ranking=args.neuron_ranking,
-        max_neurons_per_mlp=args.max_neurons_per_mlp,
+        max_neurons_per_mlp=args.max_neurons_per_mlp, whole_mlps=tuple(args.whole_mlps),
     )  # fmt: skip
     seconds = time.perf_counter() - start
     where = f"resolved by position class {positions.names}" if positions else "every position"
@@ -446,6 +455,10 @@ def stage_discover(model, data, args, fresh=None, task: str | None = None) -> Ci
             f"{held.metric_circuit:.4g})"
         )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if args.save_circuit:
+        circuit.save(args.save_circuit, model=model, clean_tokens=data.tokens,
+                     corrupted_tokens=data.corrupted_tokens)  # fmt: skip
+        print(f"circuit saved to {args.save_circuit}")
     print(f"time {seconds:.0f} s; peak resident memory of the process {peak:.2f} GiB")
     if args.profiles > 0:
         stage_profiles(model, circuit, data, args, positions)

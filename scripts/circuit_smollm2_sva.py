@@ -42,7 +42,8 @@ Usage::
         [--attractor opposite|same|random] [--prompts 16] [--fresh 64] [--fresh-seed N]
         [--target 0.8] [--positions none|roles] [--ranking signed|absolute] [--prune-runs 30]
         [--neurons-per-mlp 8|auto] [--max-neurons-per-mlp 256]
-        [--neuron-ranking attribution|relp|circuit] [--coarse-target T] [--batch-size N]
+        [--neuron-ranking attribution|relp|circuit] [--coarse-target T] [--whole-mlps 0 ...]
+        [--save-circuit DIR] [--batch-size N]
         [--threads 2] [--bridge]
         [--profiles N [--profiles-figure PATH]]
 """

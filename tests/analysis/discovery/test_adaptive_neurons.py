@@ -582,3 +582,43 @@ def test_the_split_table_takes_the_runs_the_stage_made(monkeypatch):
     row = table[table.remainder].iloc[0]
     split = circuit.mlp_split.set_index("node")
     assert split.loc[row.node, "layer_effect"] == pytest.approx(row.remainder_share, abs=1e-12)
+
+
+@pytest.mark.parametrize("neurons_per_mlp", ["auto", 2])
+def test_whole_mlps_keeps_those_mlp_nodes_whole_and_names_the_others(neurons_per_mlp):
+    """``whole_mlps=(l,)`` (MLP0 as an extension of the embedding, say): layer ``l``'s MLP node
+    stays one node with its coarse edges, no neuron of it is named, the other layers are named
+    as without the option, and the circuit's faithfulness is an exact run of that graph."""
+    model = make_converted("silu", **TWO_MLPS)
+    kw = dict(neurons_per_mlp=neurons_per_mlp, max_neurons_per_mlp=16)
+    free = _discover(model, **kw)
+    layers = sorted(free.extra["named"])
+    assert len(layers) == 2, "the case needs two MLP nodes in the coarse circuit"
+    whole = layers[0]
+    circuit = _discover(model, whole_mlps=(whole,), **kw)
+    named = circuit.extra["named"]
+    assert whole not in named and set(named) == {layers[1]}
+    assert not any(n.startswith(f"L{whole}N") for n in circuit.nodes())
+    sources = set(circuit.edges().source)
+    assert f"L{whole}MLP" in sources  # still one node, its edges kept
+    if neurons_per_mlp == "auto":
+        stage = circuit.extra["neuron_stage"]
+        assert list(stage.node) == [f"L{layers[1]}MLP"]
+        goal = min(0.8, circuit.extra["coarse"].faithfulness)
+        assert circuit.faithfulness >= goal
+        cut = {layers[1]} if not stage.remainder.any() else set()
+    else:
+        assert named[layers[1]] == free.extra["named"][layers[1]]
+        cut = set()
+    again = _resolved_faithfulness(model, circuit.extra["coarse"], named, cut)
+    assert circuit.faithfulness == pytest.approx(again, rel=1e-10)
+
+
+def test_whole_mlps_is_checked():
+    with pytest.raises(ValueError, match="whole_mlps must hold MLP layer indices"):
+        DiscoveryOptions(whole_mlps=(-1,))
+    with pytest.raises(ValueError, match="give graph='coarse'"):
+        DiscoveryOptions(graph="neurons", whole_mlps=(0,))
+    model = make_converted("silu", **TWO_MLPS)
+    with pytest.raises(ValueError, match=r"whole_mlps names layer\(s\) \[7\]"):
+        _discover(model, whole_mlps=(7,))

@@ -78,6 +78,7 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     model, clean, corrupted, metric = task.model, task.clean, task.corrupted, task.metric
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
     layers = [li for li in layers if li not in coarse.graph.expert_layers]  # no neurons of its own
+    layers = [li for li in layers if li not in opts.whole_mlps]  # kept whole by the user
     coarse.extra["coarse"] = coarse
     if not layers:
         coarse.extra["named"] = {}

@@ -60,6 +60,10 @@ class DiscoveryOptions:
             replace it (``circuit.extra["neuron_stage"]``).
         max_neurons_per_mlp: ``neurons_per_mlp="auto"``: most neurons named per MLP node (its
             candidates, the best by ``neuron_ranking``).
+        whole_mlps: ``graph="coarse"``: MLP layers whose node is never split into named neurons
+            (it stays one node ``L{l}MLP`` in the circuit where the coarse circuit has it). The IOI
+            literature treats MLP0 as an extension of the embedding: ``whole_mlps=(0,)`` keeps
+            it whole, so the named neurons are the ones past layer 0.
         neuron_ranking: ``graph="coarse"``: how each MLP node's neurons are ranked (the fixed
             count's names, the adaptive stage's candidates and its order across layers):
             ``"attribution"`` (default: node attribution patching ``|score|``,
@@ -114,6 +118,7 @@ class DiscoveryOptions:
     mlp_rest: bool = False
     neurons_per_mlp: int | str = 8
     max_neurons_per_mlp: int = 256
+    whole_mlps: Collection[int] = ()
     neuron_search: str = "joint"
     neuron_ranking: str = "attribution"
     neuron_trim: bool = True
@@ -186,6 +191,15 @@ class DiscoveryOptions:
             raise ValueError(
                 "neuron_ranking= ranks the neurons named in the coarse circuit's MLP nodes: give "
                 "graph='coarse' with it (graph='neurons' ranks nodes by node attribution)."
+            )
+        if any(isinstance(li, bool) or not isinstance(li, int) or li < 0 for li in self.whole_mlps):
+            raise ValueError(
+                f"whole_mlps must hold MLP layer indices (ints >= 0), got {self.whole_mlps!r}."
+            )
+        if self.whole_mlps and self.graph != "coarse":
+            raise ValueError(
+                "whole_mlps= keeps MLP nodes of the coarse circuit whole when its neurons are "
+                "named: give graph='coarse' with it."
             )
         if self.max_neurons_per_mlp < 1:
             raise ValueError(f"max_neurons_per_mlp must be >= 1, got {self.max_neurons_per_mlp}.")

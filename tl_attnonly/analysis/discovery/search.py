@@ -168,6 +168,12 @@ def discover_circuit(
     opts = resolve_options(options, overrides)
     task = task.replace(batch_size=opts.batch_size)
     check_discoverable(model, opts.neuron_level)
+    outside = sorted(li for li in opts.whole_mlps if li >= model.cfg.n_layers)
+    if outside:
+        raise ValueError(
+            f"whole_mlps names layer(s) {outside}; the model has layers 0 to "
+            f"{model.cfg.n_layers - 1}."
+        )
     if opts.neuron_ranking == "relp":  # refused before any work where RelP cannot run
         check_relevance(model, "relp", range(model.cfg.n_layers), None)
     if opts.metric_reduction == "mean":
