@@ -31,6 +31,7 @@ function el(id) {
 const ctx = {
   location: {hash: hash || ''}, console,
   atob: (s) => Buffer.from(s, 'base64').toString('binary'),
+  DecompressionStream, Blob, Response,
   window: {addEventListener() {}},
   document: {
     title: '', getElementById: el, querySelectorAll: () => [],
@@ -43,8 +44,10 @@ const ctx = {
 vm.createContext(ctx);
 for (const m of html.matchAll(/<script>([\s\S]*?)<\/script>/g)) vm.runInContext(m[1], ctx);
 if (query !== undefined) vm.runInContext('search()', ctx);
-const shown = {main: el('main').innerHTML, hits: el('hits').innerHTML};
-console.log(JSON.stringify({...shown, title: ctx.document.title}));
+process.once('beforeExit', () => {  // once the record is inflated and rendered
+  const shown = {main: el('main').innerHTML, hits: el('hits').innerHTML};
+  console.log(JSON.stringify({...shown, title: ctx.document.title}));
+});
 """
 
 
@@ -79,3 +82,25 @@ def test_index_search_by_label_and_token(site):
     label, _, _, tokens = read_js_data(site[0] / "index.js")["neurons"][0]
     hits = run_page(site, "index.html", "", tokens[0])["hits"]
     assert f'href="neuron.html#{label}"' in hits
+
+
+def test_neuron_page_shows_the_stored_values(site):
+    """The page's JavaScript unpacks a record (inflated token ids, int8 activations, uint8 self
+    weights) to the values Python reads back: each top context's tokens, in order, with the
+    activation and self weight of every token in its hover text."""
+    import html
+    import re
+
+    from tl_attnonly.atlas.site import read_record
+
+    shown = run_page(site, "neuron.html", "#L1N34")["main"]
+    record = read_record(site[0], 1, 34)
+    vocab = read_js_data(site[0] / "vocab.js")
+    spans = re.findall(r'title="act ([-0-9.e]+), self ([-0-9.e]+)">([^<]*)</span>', shown)
+    want = [(a, s, t) for c in record["top_examples"]
+            for t, a, s in zip(c["tokens"], c["acts"], c["self"]) if t >= 0]  # fmt: skip
+    assert len(want) > 20 and len(spans) >= len(want)
+    for (act, self_w, text), (a, s, t) in zip(spans, want):
+        assert float(act) == pytest.approx(a, abs=1e-4)
+        assert float(self_w) == pytest.approx(s, abs=1e-4)
+        assert html.unescape(text) == vocab[t].replace("\n", "\u21b5").replace(" ", "\u00a0")

@@ -75,7 +75,7 @@ def test_resume_equals_no_stop(model_rows, tmp_path):
     assert not (out / ".checkpoint.safetensors").exists()
 
 
-def test_site_files_and_jupyter(model_rows, tmp_path):
+def test_site_files_and_jupyter(model_rows, tmp_path, monkeypatch):
     model, rows = model_rows
     state = build_atlas(
         model, rows, tmp_path, options=OPTS, batch_size=BATCH, progress=False, model_name="tiny"
@@ -109,6 +109,32 @@ def test_site_files_and_jupyter(model_rows, tmp_path):
     ]
     with pytest.raises(KeyError):
         atlas["L9N0"]
+    _search_reads_one_file_and_finds_what_the_records_say(atlas, tmp_path, monkeypatch)
+
+
+def _search_reads_one_file_and_finds_what_the_records_say(atlas, directory, monkeypatch) -> None:
+    """``Atlas.search`` against every neuron's record: the neurons whose top contexts centre on
+    the token, how many, their largest centre activation; without opening a neuron's file."""
+    import tl_attnonly.atlas.notebook as notebook
+
+    records = [read_record(directory, li, i) for li in range(2) for i in range(512)]
+    centres = [r["top_examples"][0]["tokens"][OPTS.before] for r in records[::97]]
+
+    def no_neuron_files(*args, **kwargs):
+        raise AssertionError("Atlas.search opened a neuron's file")
+
+    monkeypatch.setattr(notebook, "read_record", no_neuron_files)
+    for token_id in sorted(set(centres))[:4]:
+        text = atlas.vocab[token_id]
+        ids = {i for i, t in enumerate(atlas.vocab) if t == text or t.strip() == text.strip()}
+        want = {}
+        for r in records:
+            acts = [e["act"] for e in r["top_examples"] if e["tokens"][OPTS.before] in ids]
+            if acts:
+                want[r["index"]] = (len(acts), max(acts))
+        found = atlas.search(text)
+        assert want and {row.label: (row.count, row.max_act) for row in found.itertuples()} == want
+        assert list(found["count"]) == sorted(found["count"], reverse=True)
 
 
 def test_gated_quadrants():
@@ -179,7 +205,8 @@ def test_atlas_stops_after_the_last_block(model_rows):
 
 def test_packed_records_round_trip(model_rows, tmp_path):
     """The site stores each distinct context once, packed; reading it back gives the record
-    neuron_record made, its windows' activations to float16 and self weights to 1/255."""
+    neuron_record made, its windows' activations to half a step of ``as`` (1/127 of the
+    largest |activation| in its windows) and self weights to 1/255; token ids compressed."""
     from tl_attnonly.atlas.build import logit_effect
     from tl_attnonly.atlas.records import neuron_record, vocabulary
 
@@ -196,18 +223,23 @@ def test_packed_records_round_trip(model_rows, tmp_path):
         lists = [("top_examples", made["top_examples"], read["top_examples"])]
         pairs = zip(made["examples_quantiles"], read["examples_quantiles"])
         lists += [("quantile", a["examples"], b["examples"]) for a, b in pairs]
+        quads = zip((made["quadrants"] or {}).values(), (read["quadrants"] or {}).values())
+        lists += [("quadrant", a["examples"], b["examples"]) for a, b in quads]
+        stored = read_js_data(tmp_path / "neurons" / "L0" / f"N{neuron}.js")
+        pool = stored["pool"]
+        assert isinstance(pool["tokz"], str) and "edges" not in stored["histogram"]
+        peak = max(abs(a) for _, want, _ in lists for c in want for a in c["acts"])
+        assert pool["as"] == pytest.approx(peak / 127, rel=1e-3)  # acts as stored: 4 digits
         for name, want, got in lists:
             assert len(want) == len(got), name
             for a, b in zip(want, got):
                 assert (a["tokens"], a["row"], a["pos"], a["act"]) == (
                     b["tokens"], b["row"], b["pos"], b["act"])  # fmt: skip
                 torch.testing.assert_close(torch.tensor(b["acts"]), torch.tensor(a["acts"]),
-                                           rtol=1e-3, atol=1e-4)  # fmt: skip
+                                           rtol=0, atol=pool["as"] / 2 + 1e-4)  # fmt: skip
                 torch.testing.assert_close(torch.tensor(b["self"]), torch.tensor(a["self"]),
                                            rtol=0, atol=0.5 / 255 + 1e-4)  # fmt: skip
         assert read["histogram"]["edges"] == made["histogram"]["edges"]
-        stored = read_js_data(tmp_path / "neurons" / "L0" / f"N{neuron}.js")
-        assert isinstance(stored["pool"]["tok"], str) and "edges" not in stored["histogram"]
 
 
 def test_write_atlas_rerenders_from_the_saved_state(model_rows, tmp_path):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tl_attnonly.atlas.site import MANIFEST, read_js_data, read_record
+from tl_attnonly.atlas.site import CENTRES, MANIFEST, read_js_data, read_record
 
 
 def _ctx_html(example: dict[str, Any], vocab: list[str], before: int) -> str:
@@ -79,6 +79,7 @@ class Atlas:
         self.manifest: dict[str, Any] = meta["manifest"]
         self._vocab: list[str] | None = None
         self._index: dict[str, Any] | None = None
+        self._centres: list[list[float]] | None = None
 
     @classmethod
     def load(cls, directory: str | Path) -> Atlas:
@@ -118,22 +119,45 @@ class Atlas:
         """The neurons whose top contexts centre most often on ``token`` (its text, with or
         without surrounding spaces): a DataFrame with ``label``, ``layer``, ``neuron``,
         ``count`` (top contexts centred on it), ``max_act`` (their largest activation) and
-        ``activation_frequency``, most first."""
+        ``activation_frequency``, most first. Reads the site's ``centres.js`` and ``index.js``
+        (one file each, not a file per neuron)."""
         import pandas as pd
 
-        ids = [i for i, t in enumerate(self.vocab) if t == token or t.strip() == token.strip()]
-        before = self.meta["options"]["before"]
+        ids = {i for i, t in enumerate(self.vocab) if t == token or t.strip() == token.strip()}
+        index = self.index["neurons"]
+        centres = self.centres
         rows = []
-        for layer in range(self.manifest["n_layers"]):
-            for neuron in range(self.manifest["d_mlp"]):
-                record = read_record(self.directory, layer, neuron, self.meta)
-                hits = [e["act"] for e in record["top_examples"] if e["tokens"][before] in ids]
-                if hits:
-                    rows.append((record["index"], layer, neuron, len(hits), max(hits),
-                                 record["activation_frequency"]))  # fmt: skip
+        for (name, freq, *_), flat in zip(index, centres, strict=True):
+            hits = [(flat[j + 1], flat[j + 2]) for j in range(0, len(flat), 3) if flat[j] in ids]
+            if hits:
+                layer, neuron = (int(x) for x in name[1:].split("N"))
+                count = sum(int(c) for c, _ in hits)
+                rows.append((name, layer, neuron, count, max(a for _, a in hits), freq))
         columns = ["label", "layer", "neuron", "count", "max_act", "activation_frequency"]
         frame = pd.DataFrame(rows, columns=columns)
         return frame.sort_values(["count", "max_act"], ascending=False, ignore_index=True)
+
+    @property
+    def index(self) -> dict[str, Any]:
+        """The site's ``index.js``: ``layers`` and per neuron ``[label, firing frequency,
+        act_max, top tokens]``."""
+        if self._index is None:
+            self._index = read_js_data(self.directory / "index.js")
+        return self._index
+
+    @property
+    def centres(self) -> list[list[float]]:
+        """Per neuron (the index's order) its top contexts' centre tokens, flat ``[id, count,
+        act, ...]`` (:func:`~tl_attnonly.atlas.records.centre_tokens`)."""
+        path = self.directory / CENTRES
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: this atlas was written before Atlas.search read it; "
+                "write its site again with tl_attnonly.atlas.write_atlas(model, state, out)."
+            )
+        if self._centres is None:
+            self._centres = read_js_data(path)
+        return self._centres
 
     def to_neuronpedia(self, out_dir: str | Path, source_set: str = "mlp-neurons") -> int:
         """Every neuron in Neuronpedia's feature-details format, as

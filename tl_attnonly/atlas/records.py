@@ -10,16 +10,19 @@ the centre's activation. Token strings are in the site's vocabulary (:func:`voca
 
 On disk (:func:`encode_record`, read back by :func:`decode_record`) each list of contexts is
 packed: the windows' token ids (``uint16``, or ``int32`` for vocabularies of 65,535 tokens or
-more), their activations (``float16``: three significant digits) and self weights (``uint8``,
-in steps of 1/255) as base64 strings, with the rows, positions and exact centre activations as
-lists; the histogram's edges, the same for every neuron, are in the atlas's manifest. That keeps
-a neuron of SmolLM2 at a few kilobytes.
+more; zlib-compressed, which a browser inflates with ``DecompressionStream("deflate")``), their
+activations (``int8`` in steps of ``as``, 1/127 of the largest ``|activation|`` among the
+record's windows: enough for a hover, a quarter of a float32's bytes) and self weights
+(``uint8``, in steps of 1/255) as base64 strings, with the rows, positions and exact centre
+activations (to :data:`DIGITS` places) as lists; the histogram's edges, the same for every
+neuron, are in the atlas's manifest. That keeps a neuron of SmolLM2 at about 5 kB.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import zlib
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,8 @@ from tl_attnonly.atlas.state import EMPTY, AtlasOptions, bucket_edges, fixed_val
 QUADRANTS = ("g+u+", "g+u-", "g-u+", "g-u-")
 #: Decimal places kept in the JSON.
 DIGITS = 4
+#: Steps of a stored window activation on each side of 0 (``int8``).
+ACT_LEVELS = 127
 
 
 def label(layer: int, neuron: int) -> str:
@@ -145,14 +150,18 @@ def pack_contexts(contexts: list[dict[str, Any]], d_vocab: int) -> dict[str, Any
     tokens = np.array([c["tokens"] for c in contexts], dtype=np.int64).reshape(len(contexts), -1)
     if not wide:
         tokens = np.where(tokens < 0, 65535, tokens)
-    acts = np.array([c["acts"] for c in contexts], dtype=np.float32)
+    acts = np.array([c["acts"] for c in contexts], dtype=np.float64)
     self_w = np.array([c["self"] for c in contexts], dtype=np.float64)
+    peak = float(np.abs(acts).max()) if acts.size else 0.0
+    step = peak / ACT_LEVELS if peak > 0 else 1.0
+    token_bytes = tokens.astype("<i4" if wide else "<u2").tobytes()
     return {
         "n": len(contexts),
         "w": int(tokens.shape[1]),
         "tb": 4 if wide else 2,
-        "tok": _b64(tokens.astype("<i4" if wide else "<u2")),
-        "acts": _b64(acts.astype("<f2")),
+        "tokz": base64.b64encode(zlib.compress(token_bytes, 9)).decode("ascii"),
+        "a8": _b64(np.clip(np.rint(acts / step), -ACT_LEVELS, ACT_LEVELS).astype(np.int8)),
+        "as": step,
         "self": _b64(np.round(np.clip(self_w, 0, 1) * 255).astype(np.uint8)),
         "row": [c["row"] for c in contexts],
         "pos": [c["pos"] for c in contexts],
@@ -161,15 +170,20 @@ def pack_contexts(contexts: list[dict[str, Any]], d_vocab: int) -> dict[str, Any
 
 
 def unpack_contexts(packed: dict[str, Any]) -> list[dict[str, Any]]:
-    """The contexts of :func:`pack_contexts` (activations and self weights as stored)."""
+    """The contexts of :func:`pack_contexts` (activations and self weights as stored). Reads
+    the earlier packing too (raw ``tok``, ``float16`` ``acts``)."""
     n, w = packed["n"], packed["w"]
     if n == 0:
         return []
-    raw = base64.b64decode(packed["tok"])
+    if "tokz" in packed:
+        raw = zlib.decompress(base64.b64decode(packed["tokz"]))
+        acts = np.frombuffer(base64.b64decode(packed["a8"]), dtype=np.int8) * packed["as"]
+    else:
+        raw = base64.b64decode(packed["tok"])
+        acts = np.frombuffer(base64.b64decode(packed["acts"]), dtype="<f2").astype(np.float64)
     tokens = np.frombuffer(raw, dtype="<i4" if packed["tb"] == 4 else "<u2").astype(np.int64)
     if packed["tb"] == 2:
         tokens = np.where(tokens == 65535, -1, tokens)
-    acts = np.frombuffer(base64.b64decode(packed["acts"]), dtype="<f2").astype(np.float64)
     self_w = np.frombuffer(base64.b64decode(packed["self"]), dtype=np.uint8) / 255.0
     tokens, acts, self_w = tokens.reshape(n, w), acts.reshape(n, w), self_w.reshape(n, w)
     return [{"tokens": tokens[i].tolist(), "acts": [round(float(a), DIGITS) for a in acts[i]],
@@ -227,9 +241,26 @@ def top_tokens(record: dict[str, Any], vocab: list[str], before: int, n: int = 3
     return [vocab[t] for t in ranked[:n] if t >= 0]
 
 
+def centre_tokens(record: dict[str, Any], before: int) -> list[float]:
+    """The distinct centre tokens of the record's top contexts, flat: ``[id, count, act, ...]``
+    (``act``: the largest centre activation among those contexts), most frequent first (ties:
+    by rank). What :meth:`~tl_attnonly.atlas.notebook.Atlas.search` reads."""
+    found: dict[int, list[float]] = {}
+    for example in record["top_examples"]:
+        token = example["tokens"][before]
+        if token >= 0:
+            entry = found.setdefault(token, [token, 0, example["act"]])
+            entry[1] += 1
+            entry[2] = max(entry[2], example["act"])
+    ranked = sorted(found.values(), key=lambda e: -e[1])  # stable: first seen first among ties
+    return [x for entry in ranked for x in entry]
+
+
 __all__ = [
+    "ACT_LEVELS",
     "DIGITS",
     "QUADRANTS",
+    "centre_tokens",
     "contexts",
     "decode_record",
     "edge_list",

@@ -6,7 +6,10 @@ over ``index.js``), ``layer_{l}.html`` (a sortable table: firing frequency, min,
 and the layer's firing-frequency density), ``neuron.html`` (``neuron.html#L1N34`` loads
 ``neurons/L1/N34.js`` and ``vocab.js``) and the per-neuron records
 (:func:`~tl_attnonly.atlas.records.neuron_record`), each a JSON object wrapped as
-``atlasNeuron({...});`` so that a page opened from ``file://`` can load it.
+``atlasNeuron({...});`` so that a page opened from ``file://`` can load it. ``centres.js``
+holds, per neuron in the index's order, the centre tokens of its top contexts with their counts
+and largest activations (:func:`~tl_attnonly.atlas.records.centre_tokens`), for
+:meth:`~tl_attnonly.atlas.notebook.Atlas.search`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from tl_attnonly.atlas.build import LogitEffect
 from tl_attnonly.atlas.records import (
+    centre_tokens,
     decode_record,
     edge_list,
     encode_record,
@@ -36,6 +40,8 @@ from tl_attnonly.atlas.templates import (
 
 #: The manifest's file name.
 MANIFEST = "atlas.json"
+#: The file of every neuron's top-context centre tokens (:meth:`Atlas.search`).
+CENTRES = "centres.js"
 
 
 def js_data(function: str, data: Any) -> str:
@@ -104,7 +110,7 @@ def write_site(
             "n_rows": state.n_rows, "max_len": max_len, "hist_edges": edges}  # fmt: skip
     state.save(out / "state.safetensors")
     (out / "vocab.js").write_text(js_data("atlasVocab", vocab), "utf-8")
-    index_rows = []
+    index_rows, centres = [], []
     for li, layer_state in enumerate(state.layers):
         cpu = _to_cpu(layer_state)
         top_v, top_i, bot_v, bot_i = (t.cpu() for t in logits[li])
@@ -118,6 +124,7 @@ def write_site(
             stored = encode_record(record, manifest["d_vocab"])
             (folder / f"N{i}.js").write_text(js_data("atlasNeuron", stored), "utf-8")
             tops = top_tokens(record, vocab, opts.before)
+            centres.append(centre_tokens(record, opts.before))
             freq = record["activation_frequency"]
             freqs.append(freq)
             index_rows.append([label(li, i), round(freq, 6), record["act_max"], tops])
@@ -132,6 +139,7 @@ def write_site(
         (out / f"layer_{li}.html").write_text(page(f"layer {li}", body), "utf-8")
     index = {"layers": list(range(manifest["n_layers"])), "neurons": index_rows}
     (out / "index.js").write_text(js_data("atlasIndex", index), "utf-8")
+    (out / CENTRES).write_text(js_data("atlasCentres", centres), "utf-8")
     body = INDEX_BODY.format(model=html.escape(manifest["model_name"]), n_tokens=n_tokens,
                              n_layers=manifest["n_layers"], d_mlp=manifest["d_mlp"])  # fmt: skip
     (out / "index.html").write_text(page("neuron atlas", body, INDEX_JS), "utf-8")
@@ -148,4 +156,4 @@ def _to_cpu(layer_state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["MANIFEST", "js_data", "read_js_data", "read_record", "write_site"]
+__all__ = ["CENTRES", "MANIFEST", "js_data", "read_js_data", "read_record", "write_site"]

@@ -4,6 +4,8 @@
 Data reach the pages as JavaScript files that call a function with one JSON object
 (``atlasIndex({...})``, ``atlasVocab([...])``, ``atlasNeuron({...})``): a browser loads a
 ``<script src>`` from ``file://`` where it refuses ``fetch``. :func:`page` fills a template.
+A neuron page inflates its record's token ids with ``DecompressionStream`` (Chrome 80, Firefox
+113, Safari 16.4 and later).
 """
 
 from __future__ import annotations
@@ -41,20 +43,19 @@ NEURON_JS = r"""
 var VOCAB=null,PENDING=null;
 function atlasVocab(v){VOCAB=v;if(PENDING){atlasNeuron(PENDING);}}
 function b64(s){var b=atob(s),a=new Uint8Array(b.length);for(var i=0;i<b.length;i++)a[i]=b.charCodeAt(i);return a;}
-function f16(h){var s=h&0x8000?-1:1,e=(h>>10)&31,m=h&1023;
-  return e===0?s*m*Math.pow(2,-24):e===31?(m?NaN:s*Infinity):s*(1+m/1024)*Math.pow(2,e-15);}
-function unpack(p){var out=[];if(!p.n)return out;var tb=b64(p.tok),sb=b64(p.self),tv=new DataView(tb.buffer),
-  av=new DataView(b64(p.acts).buffer);
+function inflate(a){return new Response(new Blob([a]).stream().pipeThrough(new DecompressionStream('deflate'))).arrayBuffer();}
+function unpack(p){if(!p.n)return Promise.resolve([]);
+  return inflate(b64(p.tokz)).then(function(buf){var tv=new DataView(buf),sb=b64(p.self),ab=new Int8Array(b64(p.a8).buffer),out=[];
   for(var i=0;i<p.n;i++){var c={tokens:[],acts:[],self:[],row:p.row[i],pos:p.pos[i],act:p.act[i]};
     for(var j=0;j<p.w;j++){var k=i*p.w+j,t=p.tb===4?tv.getInt32(4*k,true):tv.getUint16(2*k,true);
-      c.tokens.push(p.tb===2&&t===65535?-1:t);c.acts.push(+f16(av.getUint16(2*k,true)).toPrecision(4));
-      c.self.push(sb[k]/255);}
+      c.tokens.push(p.tb===2&&t===65535?-1:t);c.acts.push(Math.round(ab[k]*p.as*1e4)/1e4);
+      c.self.push(Math.round(sb[k]/255*1e4)/1e4);}
     out.push(c);}
-  return out;}
-function unpackRecord(d){var pool=unpack(d.pool),at=function(i){return pool[i];};
+  return out;});}
+function unpackRecord(d){return unpack(d.pool).then(function(pool){var at=function(i){return pool[i];};
   d.top_examples=d.top_examples.map(at);d.examples_quantiles.forEach(function(q){q.examples=q.examples.map(at);});
   if(d.quadrants){for(var q in d.quadrants){d.quadrants[q].examples=d.quadrants[q].examples.map(at);}}
-  d.histogram={edges:META.edges,counts:d.histogram.counts};return d;}
+  d.histogram={edges:META.edges,counts:d.histogram.counts};return d;});}
 function ctxHtml(c,before){
   var h='';c.tokens.forEach(function(t,j){if(t<0)return;var s=c.self[j];
     h+='<span class="tok'+(j===before?' centre':'')+'" style="background:rgba(220,50,32,'+s.toFixed(3)+
@@ -63,8 +64,9 @@ function ctxHtml(c,before){
 }
 function logits(rows){return '<table>'+rows.map(function(r){return '<tr><td>'+esc(vis(r[0]))+
   '</td><td>'+r[1].toFixed(3)+'</td></tr>';}).join('')+'</table>';}
-function atlasNeuron(d){
-  if(!VOCAB){PENDING=d;return;}PENDING=null;d=unpackRecord(d);var B=META.before,h='';
+function atlasNeuron(d){if(!VOCAB){PENDING=d;return;}PENDING=null;unpackRecord(d).then(render);}
+function render(d){
+  if(location.hash&&location.hash.replace('#','')!==d.index)return;var B=META.before,h='';
   h+='<h1>'+d.index+'</h1><p><a href="index.html">index</a> · <a href="layer_'+d.layer+
     '.html">layer '+d.layer+'</a></p><p>fires (pre &gt; 0) on '+(100*d.activation_frequency).toFixed(3)+
     '% of '+d.n_tokens+' tokens · activation min '+d.act_min+', max '+d.act_max+', mean '+d.act_mean+'</p>';
