@@ -10,8 +10,8 @@ record (:func:`~tl_attnonly.atlas.records.neuron_record`) onto it:
 - ``examples_quantiles``: ``"Top activations"`` (the atlas's top contexts), then one
   ``"Subsample Interval {b}"`` per activation bucket that has samples; each example's ``tokens``
   are the window's token texts (tokens outside the row dropped), ``tokens_acts_list`` their
-  activations (as the site stores them, to float16; the centre's exact), ``train_token_ind``
-  the centre token's place, ``is_repeated_datapoint`` false;
+  activations (as the site stores them, in int8 steps; the centre's to 4 decimals),
+  ``train_token_ind`` the centre token's place, ``is_repeated_datapoint`` false;
 - ``top_logits``, ``bottom_logits``: the token texts of the largest and smallest direct logit
   effects;
 - ``quantile_values``: the lower activation edge of each listed subsample interval;
@@ -33,7 +33,7 @@ TOP_NAME = "Top activations"
 
 def _example(context: dict[str, Any], vocab: list[str], before: int) -> dict[str, Any]:
     inside = [j for j, token in enumerate(context["tokens"]) if token >= 0]
-    acts = list(context["acts"])  # as stored (float16); the centre's exact
+    acts = list(context["acts"])  # as stored (int8 steps); the centre to 4 decimals
     acts[before] = context["act"]
     return {
         "tokens": [vocab[context["tokens"][j]] for j in inside],
