@@ -104,3 +104,30 @@ def test_neuron_page_shows_the_stored_values(site):
         assert float(act) == pytest.approx(a, abs=1e-4)
         assert float(self_w) == pytest.approx(s, abs=1e-4)
         assert html.unescape(text) == vocab[t].replace("\n", "\u21b5").replace(" ", "\u00a0")
+
+
+def test_a_subset_site_holds_those_neurons_as_the_atlas_shows_them(site, tmp_path):
+    """``Atlas.subset``: the named neurons' records as in the full atlas, an index, search and
+    layer pages of those neurons only, and its neuron page renders."""
+    from tl_attnonly.atlas import Atlas
+
+    full = Atlas.load(site[0])
+    labels = ["L1N34", "L0N7", "L1N2", "L0N7"]
+    sub = full.subset(labels, tmp_path / "sub")
+    assert sub.meta["subset"] == ["L0N7", "L1N2", "L1N34"]
+    assert [n[0] for n in sub.index["neurons"]] == ["L0N7", "L1N2", "L1N34"]
+    assert sorted(p.name for p in (tmp_path / "sub" / "neurons").rglob("*.js")) == [
+        "N2.js", "N34.js", "N7.js"]  # fmt: skip
+    for name in sub.meta["subset"]:
+        assert sub[name].record == full[name].record
+    token = full.vocab[full["L1N34"]["top_examples"][0]["tokens"][full.meta["options"]["before"]]]
+    want = full.search(token)
+    want = want[want.label.isin(sub.meta["subset"])].reset_index(drop=True)
+    assert sub.search(token).equals(want) and len(want) >= 1
+    layer_page = (tmp_path / "sub" / "layer_1.html").read_text()
+    assert "L1N34" in layer_page and "L1N2" in layer_page and "L1N3<" not in layer_page
+    shown = run_page((tmp_path / "sub", site[1]), "neuron.html", "#L1N34")
+    assert shown["title"] == "L1N34" and "Top contexts" in shown["main"]
+    with pytest.raises(KeyError, match="not a neuron of this atlas"):
+        full.subset(["L9N0"], tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

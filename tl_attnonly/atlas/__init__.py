@@ -13,13 +13,15 @@ Modules: :mod:`~tl_attnonly.atlas.state` (the mergeable per-neuron state),
 :mod:`~tl_attnonly.atlas.build` (the streaming pass), :mod:`~tl_attnonly.atlas.run` (a whole run:
 checks, checkpoints, the site), :mod:`~tl_attnonly.atlas.records` (a neuron's JSON record),
 :mod:`~tl_attnonly.atlas.site` and :mod:`~tl_attnonly.atlas.templates` (the site),
-:mod:`~tl_attnonly.atlas.notebook` (:class:`Atlas`).
+:mod:`~tl_attnonly.atlas.notebook` (:class:`Atlas`), :mod:`~tl_attnonly.atlas.subset` (a site of
+some neurons: a circuit's).
 """
 
 from tl_attnonly.atlas.build import AtlasState, collect_atlas, logit_effect
 from tl_attnonly.atlas.notebook import Atlas, NeuronPage
 from tl_attnonly.atlas.run import build_atlas, write_atlas
 from tl_attnonly.atlas.state import AtlasOptions
+from tl_attnonly.atlas.subset import write_subset
 
 __all__ = [
     "Atlas",
@@ -30,4 +32,5 @@ __all__ = [
     "collect_atlas",
     "logit_effect",
     "write_atlas",
+    "write_subset",
 ]

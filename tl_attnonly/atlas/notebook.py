@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,13 @@ class Atlas:
         if self._centres is None:
             self._centres = read_js_data(path)
         return self._centres
+
+    def subset(self, labels: Iterable[str], out_dir: str | Path) -> Atlas:
+        """A site of the neurons ``labels`` alone (a circuit's, say) in ``out_dir``, loaded
+        (:func:`~tl_attnonly.atlas.subset.write_subset`)."""
+        from tl_attnonly.atlas.subset import write_subset
+
+        return Atlas.load(write_subset(self.directory, labels, out_dir))
 
     def to_neuronpedia(self, out_dir: str | Path, source_set: str = "mlp-neurons") -> int:
         """Every neuron in Neuronpedia's feature-details format, as

@@ -123,28 +123,53 @@ def write_site(
                                    logits=layer_logits, vocab=vocab)  # fmt: skip
             stored = encode_record(record, manifest["d_vocab"])
             (folder / f"N{i}.js").write_text(js_data("atlasNeuron", stored), "utf-8")
-            tops = top_tokens(record, vocab, opts.before)
+            row, tops = layer_row(record, vocab, opts.before)
+            rows.append(row)
+            freqs.append(record["activation_frequency"])
             centres.append(centre_tokens(record, opts.before))
-            freq = record["activation_frequency"]
-            freqs.append(freq)
-            index_rows.append([label(li, i), round(freq, 6), record["act_max"], tops])
-            cells = " | ".join(html.escape(t) for t in tops)
-            rows.append(
-                f"<tr><td data-v='{i}'><a href='neuron.html#{label(li, i)}'>{label(li, i)}</a>"
-                f"</td><td data-v='{freq}'>{100 * freq:.3f}%</td><td>{record['act_max']}</td>"
-                f"<td>{record['act_min']}</td><td>{cells}</td></tr>"
-            )
-        body = LAYER_BODY.format(model=html.escape(manifest["model_name"]), layer=li,
-                                 density=_density(freqs), rows="".join(rows))  # fmt: skip
-        (out / f"layer_{li}.html").write_text(page(f"layer {li}", body), "utf-8")
-    index = {"layers": list(range(manifest["n_layers"])), "neurons": index_rows}
+            index_rows.append([label(li, i), round(freqs[-1], 6), record["act_max"], tops])
+        write_layer_page(out, manifest["model_name"], li, rows, freqs)
+    write_pages(out, meta, index_rows, centres, list(range(manifest["n_layers"])))
+
+
+def layer_row(record: dict[str, Any], vocab: list[str], before: int) -> tuple[str, list[str]]:
+    """The record's row of its layer page's table, and its top tokens."""
+    i, name = record["neuron"], record["index"]
+    tops = top_tokens(record, vocab, before)
+    freq = record["activation_frequency"]
+    cells = " | ".join(html.escape(t) for t in tops)
+    row = (
+        f"<tr><td data-v='{i}'><a href='neuron.html#{name}'>{name}</a>"
+        f"</td><td data-v='{freq}'>{100 * freq:.3f}%</td><td>{record['act_max']}</td>"
+        f"<td>{record['act_min']}</td><td>{cells}</td></tr>"
+    )
+    return row, tops
+
+
+def write_layer_page(out: Path, model_name: str, li: int, rows: list[str], freqs: list[float]):
+    """``layer_{li}.html``: the density of ``freqs`` and the table of ``rows``."""
+    body = LAYER_BODY.format(model=html.escape(model_name), layer=li, density=_density(freqs),
+                             rows="".join(rows))  # fmt: skip
+    (out / f"layer_{li}.html").write_text(page(f"layer {li}", body), "utf-8")
+
+
+def write_pages(
+    out: Path, meta: dict[str, Any], index_rows: list, centres: list, layers: list[int]
+) -> None:
+    """The index (``index.html``, ``index.js``), ``centres.js``, ``neuron.html`` and, last (it
+    marks the site complete), the manifest ``meta``."""
+    manifest, opts = meta["manifest"], meta["options"]
+    index = {"layers": layers, "neurons": index_rows}
     (out / "index.js").write_text(js_data("atlasIndex", index), "utf-8")
     (out / CENTRES).write_text(js_data("atlasCentres", centres), "utf-8")
-    body = INDEX_BODY.format(model=html.escape(manifest["model_name"]), n_tokens=n_tokens,
+    name = manifest["model_name"]
+    if "subset" in meta:
+        name = f"{name}, {len(index_rows)} of its neurons"
+    body = INDEX_BODY.format(model=html.escape(name), n_tokens=meta["n_tokens"],
                              n_layers=manifest["n_layers"], d_mlp=manifest["d_mlp"])  # fmt: skip
     (out / "index.html").write_text(page("neuron atlas", body, INDEX_JS), "utf-8")
     neuron_body = "<div id='main'>loading...</div>"
-    data = f"var META={json.dumps({'before': opts.before, 'edges': edges})};"
+    data = f"var META={json.dumps({'before': opts['before'], 'edges': meta['hist_edges']})};"
     (out / "neuron.html").write_text(page("neuron", neuron_body, NEURON_JS, data), "utf-8")
     (out / MANIFEST).write_text(json.dumps(meta, indent=1), "utf-8")  # last: marks it complete
 
@@ -156,4 +181,14 @@ def _to_cpu(layer_state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["CENTRES", "MANIFEST", "js_data", "read_js_data", "read_record", "write_site"]
+__all__ = [
+    "CENTRES",
+    "MANIFEST",
+    "js_data",
+    "layer_row",
+    "read_js_data",
+    "read_record",
+    "write_layer_page",
+    "write_pages",
+    "write_site",
+]

@@ -1,0 +1,95 @@
+"""A small site of some neurons of an atlas: the pages of a circuit's neurons, to ship with docs
+or a paper where the whole atlas (hundreds of megabytes for SmolLM2) cannot go.
+
+:func:`write_subset` copies the named neurons' records, the neuron page and the vocabulary, and
+writes an index, a ``centres.js`` and a page for each layer it touches that list those neurons
+only. The result is an atlas like any other (:class:`~tl_attnonly.atlas.notebook.Atlas` loads
+it, ``Atlas.search`` searches its neurons); its manifest's ``"subset"`` lists the labels.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from tl_attnonly.atlas.records import centre_tokens, label
+from tl_attnonly.atlas.site import (
+    MANIFEST,
+    layer_row,
+    read_js_data,
+    read_record,
+    write_layer_page,
+    write_pages,
+)
+
+
+def _parse(labels: Iterable[str], n_layers: int, d_mlp: int) -> list[tuple[int, int]]:
+    found = []
+    for name in labels:
+        match = re.fullmatch(r"L(\d+)N(\d+)", name.strip())
+        if not match or int(match[1]) >= n_layers or int(match[2]) >= d_mlp:
+            raise KeyError(
+                f"{name!r} is not a neuron of this atlas (labels like 'L0N0'; {n_layers} layers "
+                f"x {d_mlp} neurons)."
+            )
+        found.append((int(match[1]), int(match[2])))
+    return sorted(set(found))
+
+
+def write_subset(atlas_dir: str | Path, labels: Iterable[str], out_dir: str | Path) -> Path:
+    """Write a site of the neurons ``labels`` (``"L12N345"``) of the atlas in ``atlas_dir`` into
+    ``out_dir`` (written to a temporary sibling first, then moved into place, replacing what
+    was there).
+
+    Args:
+        atlas_dir: A finished atlas (:func:`~tl_attnonly.atlas.build_atlas`).
+        labels: The neurons to keep, in any order (duplicates once).
+        out_dir: The new site's directory.
+
+    Returns:
+        ``out_dir`` as a path.
+
+    Raises:
+        FileNotFoundError: If ``atlas_dir`` holds no finished atlas.
+        KeyError: For a label that is not a neuron of the atlas.
+    """
+    src, out = Path(atlas_dir), Path(out_dir)
+    if not (src / MANIFEST).is_file():
+        raise FileNotFoundError(f"No atlas in {src} (no {MANIFEST}).")
+    meta = json.loads((src / MANIFEST).read_text("utf-8"))
+    manifest = meta["manifest"]
+    neurons = _parse(labels, manifest["n_layers"], manifest["d_mlp"])
+    if not neurons:
+        raise ValueError("labels= is empty: name at least one neuron ('L0N0').")
+    vocab = read_js_data(src / "vocab.js")
+    before = meta["options"]["before"]
+    tmp = out.with_name(out.name + ".tmp-subset")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy2(src / "vocab.js", tmp / "vocab.js")
+    index_rows, centres, layers = [], [], sorted({li for li, _ in neurons})
+    for li in layers:
+        (tmp / "neurons" / f"L{li}").mkdir(parents=True)
+        rows, freqs = [], []
+        for i in (i for lj, i in neurons if lj == li):
+            name = f"neurons/L{li}/N{i}.js"
+            shutil.copy2(src / name, tmp / name)
+            record = read_record(src, li, i, meta)
+            row, tops = layer_row(record, vocab, before)
+            rows.append(row)
+            freqs.append(record["activation_frequency"])
+            centres.append(centre_tokens(record, before))
+            index_rows.append([label(li, i), round(freqs[-1], 6), record["act_max"], tops])
+        write_layer_page(tmp, manifest["model_name"], li, rows, freqs)
+    write_pages(tmp, {**meta, "subset": [label(li, i) for li, i in neurons]}, index_rows,
+                centres, layers)  # fmt: skip
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+__all__ = ["write_subset"]
