@@ -45,7 +45,8 @@ vm.createContext(ctx);
 for (const m of html.matchAll(/<script>([\s\S]*?)<\/script>/g)) vm.runInContext(m[1], ctx);
 if (query !== undefined) vm.runInContext('search()', ctx);
 process.once('beforeExit', () => {  // once the record is inflated and rendered
-  const shown = {main: el('main').innerHTML, hits: el('hits').innerHTML};
+  const main = el('main'), shown = {main: main.innerHTML, hits: el('hits').innerHTML};
+  shown.text = main.textContent;
   console.log(JSON.stringify({...shown, title: ctx.document.title}));
 });
 """
@@ -116,8 +117,9 @@ def test_a_subset_site_holds_those_neurons_as_the_atlas_shows_them(site, tmp_pat
     sub = full.subset(labels, tmp_path / "sub")
     assert sub.meta["subset"] == ["L0N7", "L1N2", "L1N34"]
     assert [n[0] for n in sub.index["neurons"]] == ["L0N7", "L1N2", "L1N34"]
-    assert sorted(p.name for p in (tmp_path / "sub" / "neurons").rglob("*.js")) == [
-        "N2.js", "N34.js", "N7.js"]  # fmt: skip
+    files = sorted(str(p.relative_to(tmp_path / "sub")) for p in (tmp_path / "sub").rglob("S*.js"))
+    assert files == ["neurons/L0/S0.js", "neurons/L1/S0.js", "neurons/L1/S2.js"]
+    assert sorted(read_js_data(tmp_path / "sub" / files[1])) == ["2"]  # only those neurons
     for name in sub.meta["subset"]:
         assert sub[name].record == full[name].record
     token = full.vocab[full["L1N34"]["top_examples"][0]["tokens"][full.meta["options"]["before"]]]
@@ -128,6 +130,29 @@ def test_a_subset_site_holds_those_neurons_as_the_atlas_shows_them(site, tmp_pat
     assert "L1N34" in layer_page and "L1N2" in layer_page and "L1N3<" not in layer_page
     shown = run_page((tmp_path / "sub", site[1]), "neuron.html", "#L1N34")
     assert shown["title"] == "L1N34" and "Top contexts" in shown["main"]
+    shown = run_page((tmp_path / "sub", site[1]), "neuron.html", "#L1N35")  # in S2.js, not kept
+    assert shown["main"] == "" and "This atlas has no neuron L1N35" in shown["text"]
     with pytest.raises(KeyError, match="not a neuron of this atlas"):
         full.subset(["L9N0"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_site_is_sharded_and_an_earlier_format_is_refused(site, tmp_path):
+    """Records are stored 16 neurons a file (``neurons/L{l}/S{s}.js``); a site of the earlier
+    format (a file per neuron, no ``shard`` in its manifest) is refused with the way out."""
+    import shutil
+
+    out = site[0]
+    assert not list(out.rglob("N*.js"))
+    shards = sorted(p.name for p in (out / "neurons" / "L1").iterdir())
+    assert len(shards) == 512 // 16 and sorted(read_js_data(out / "neurons/L1/S2.js"), key=int) == [
+        str(i) for i in range(32, 48)]  # fmt: skip
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    meta = json.loads((old / "atlas.json").read_text())
+    del meta["shard"]
+    (old / "atlas.json").write_text(json.dumps(meta))
+    from tl_attnonly.atlas import Atlas
+
+    with pytest.raises(ValueError, match="earlier version.*write_atlas"):
+        Atlas.load(old)["L1N34"]

@@ -225,7 +225,7 @@ def test_packed_records_round_trip(model_rows, tmp_path):
         lists += [("quantile", a["examples"], b["examples"]) for a, b in pairs]
         quads = zip((made["quadrants"] or {}).values(), (read["quadrants"] or {}).values())
         lists += [("quadrant", a["examples"], b["examples"]) for a, b in quads]
-        stored = read_js_data(tmp_path / "neurons" / "L0" / f"N{neuron}.js")
+        stored = read_js_data(tmp_path / "neurons" / "L0" / f"S{neuron // 16}.js")[str(neuron)]
         pool = stored["pool"]
         assert isinstance(pool["tokz"], str) and "edges" not in stored["histogram"]
         peak = max(abs(a) for _, want, _ in lists for c in want for a in c["acts"])

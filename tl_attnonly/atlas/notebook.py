@@ -110,10 +110,12 @@ class Atlas:
         import re
 
         match = re.fullmatch(r"L(\d+)N(\d+)", label.strip())
-        path = match and self.directory / "neurons" / f"L{match[1]}" / f"N{match[2]}.js"
-        if not match or not path or not path.is_file():
-            raise KeyError(f"No neuron {label!r} in this atlas (labels like 'L0N0').")
-        record = read_record(self.directory, int(match[1]), int(match[2]), self.meta)
+        try:
+            if not match:
+                raise KeyError(label)
+            record = read_record(self.directory, int(match[1]), int(match[2]), self.meta)
+        except KeyError:
+            raise KeyError(f"No neuron {label!r} in this atlas (labels like 'L0N0').") from None
         return NeuronPage(record, self.vocab, self.meta["options"]["before"])
 
     def search(self, token: str) -> Any:

@@ -170,17 +170,12 @@ def pack_contexts(contexts: list[dict[str, Any]], d_vocab: int) -> dict[str, Any
 
 
 def unpack_contexts(packed: dict[str, Any]) -> list[dict[str, Any]]:
-    """The contexts of :func:`pack_contexts` (activations and self weights as stored). Reads
-    the earlier packing too (raw ``tok``, ``float16`` ``acts``)."""
+    """The contexts of :func:`pack_contexts` (activations and self weights as stored)."""
     n, w = packed["n"], packed["w"]
     if n == 0:
         return []
-    if "tokz" in packed:
-        raw = zlib.decompress(base64.b64decode(packed["tokz"]))
-        acts = np.frombuffer(base64.b64decode(packed["a8"]), dtype=np.int8) * packed["as"]
-    else:
-        raw = base64.b64decode(packed["tok"])
-        acts = np.frombuffer(base64.b64decode(packed["acts"]), dtype="<f2").astype(np.float64)
+    raw = zlib.decompress(base64.b64decode(packed["tokz"]))
+    acts = np.frombuffer(base64.b64decode(packed["a8"]), dtype=np.int8) * packed["as"]
     tokens = np.frombuffer(raw, dtype="<i4" if packed["tb"] == 4 else "<u2").astype(np.int64)
     if packed["tb"] == 2:
         tokens = np.where(tokens == 65535, -1, tokens)

@@ -1,12 +1,13 @@
-"""Writing the atlas's static site: an index, a page per layer, a data file per neuron.
+"""Writing the atlas's static site: an index, a page per layer, data files of 16 neurons each.
 
 ``{dir}/`` holds ``atlas.json`` (the manifest: the model's name and shape, the options, the token
 count), ``state.safetensors`` (the mergeable state), ``index.html`` (search by label or token,
 over ``index.js``), ``layer_{l}.html`` (a sortable table: firing frequency, min, max, top tokens;
 and the layer's firing-frequency density), ``neuron.html`` (``neuron.html#L1N34`` loads
-``neurons/L1/N34.js`` and ``vocab.js``) and the per-neuron records
-(:func:`~tl_attnonly.atlas.records.neuron_record`), each a JSON object wrapped as
-``atlasNeuron({...});`` so that a page opened from ``file://`` can load it. ``centres.js``
+``neurons/L1/S2.js`` and ``vocab.js``) and the per-neuron records
+(:func:`~tl_attnonly.atlas.records.neuron_record`), :data:`SHARD` to a file
+``neurons/L{l}/S{s}.js``, a JSON object (neuron index -> record) wrapped as
+``atlasShard({...});`` so that a page opened from ``file://`` can load it. ``centres.js``
 holds, per neuron in the index's order, the centre tokens of its top contexts with their counts
 and largest activations (:func:`~tl_attnonly.atlas.records.centre_tokens`), for
 :meth:`~tl_attnonly.atlas.notebook.Atlas.search`.
@@ -14,6 +15,7 @@ and largest activations (:func:`~tl_attnonly.atlas.records.centre_tokens`), for
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -42,6 +44,9 @@ from tl_attnonly.atlas.templates import (
 MANIFEST = "atlas.json"
 #: The file of every neuron's top-context centre tokens (:meth:`Atlas.search`).
 CENTRES = "centres.js"
+#: Neurons per data file: ``neurons/L{l}/S{s}.js`` holds neurons ``16 s`` to ``16 s + 15`` (a
+#: neuron's record is about 5 kB; a file of 16 loads at once and wastes little of a disk block).
+SHARD = 16
 
 
 def js_data(function: str, data: Any) -> str:
@@ -55,17 +60,70 @@ def read_js_data(path: str | Path) -> Any:
     return json.loads(text[text.index("(") + 1 : text.rindex(")")])
 
 
+def shard_file(directory: str | Path, layer: int, neuron: int, shard: int) -> Path:
+    """The data file holding neuron ``neuron`` of layer ``layer`` (``shard`` neurons a file)."""
+    return Path(directory) / "neurons" / f"L{layer}" / f"S{neuron // shard}.js"
+
+
+@functools.lru_cache(maxsize=4)
+def _read_shard(path: str, stamp: tuple[int, int]) -> dict[str, Any]:
+    """A shard file's records (cached by path and ``(mtime_ns, size)``: a loop over the
+    neurons of a layer reads each file once)."""
+    return read_js_data(path)
+
+
+def stored_record(
+    directory: str | Path, layer: int, neuron: int, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Neuron ``neuron`` of layer ``layer``'s record as the atlas ``directory`` stores it
+    (:func:`~tl_attnonly.atlas.records.encode_record`); ``meta``: its manifest.
+
+    Raises:
+        KeyError: If the atlas has no such neuron (a subset site holds some neurons only).
+        ValueError: If the atlas was written in an earlier site format.
+    """
+    directory = Path(directory)
+    missing = KeyError(f"No neuron L{layer}N{neuron} in the atlas in {directory}.")
+    if "shard" not in meta:
+        raise ValueError(
+            f"The atlas in {directory} was written by an earlier version of tl_attnonly (a file "
+            "per neuron); write its site again from its state: tl_attnonly.atlas.write_atlas("
+            f"model, AtlasState.load('{directory / 'state.safetensors'}'), '{directory}')."
+        )
+    path = shard_file(directory, layer, neuron, meta["shard"])
+    if not path.is_file():
+        raise missing
+    stat = path.stat()
+    data = _read_shard(str(path), (stat.st_mtime_ns, stat.st_size)).get(str(neuron))
+    if data is None:
+        raise missing
+    return data
+
+
 def read_record(
     directory: str | Path, layer: int, neuron: int, meta: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Neuron ``neuron`` of layer ``layer``'s record in the finished atlas ``directory``, as
     :func:`~tl_attnonly.atlas.records.neuron_record` made it (contexts unpacked). ``meta``: the
-    atlas's manifest (``atlas.json``), read here if not given; a loop over neurons passes it."""
-    directory = Path(directory)
+    atlas's manifest (``atlas.json``), read here if not given; a loop over neurons passes it.
+
+    Raises:
+        KeyError: If the atlas has no such neuron (a subset site holds some neurons only).
+    """
     if meta is None:
-        meta = json.loads((directory / MANIFEST).read_text("utf-8"))
-    data = read_js_data(directory / "neurons" / f"L{layer}" / f"N{neuron}.js")
-    return decode_record(data, meta["hist_edges"])
+        meta = json.loads((Path(directory) / MANIFEST).read_text("utf-8"))
+    return decode_record(stored_record(directory, layer, neuron, meta), meta["hist_edges"])
+
+
+def write_shards(folder: Path, stored: dict[int, dict[str, Any]], shard: int) -> None:
+    """Write the encoded records ``stored`` (neuron index -> record) of one layer into
+    ``folder``, ``shard`` neurons a file, each ``atlasShard({"34": {...}, ...});``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files: dict[int, dict[str, Any]] = {}
+    for i in sorted(stored):
+        files.setdefault(i // shard, {})[str(i)] = stored[i]
+    for s, records in files.items():
+        (folder / f"S{s}.js").write_text(js_data("atlasShard", records), "utf-8")
 
 
 def _density(freqs: list[float]) -> str:
@@ -107,7 +165,8 @@ def write_site(
     n_tokens = int(state.n_tokens)
     edges = edge_list(opts)
     meta = {"manifest": manifest, "options": opts.to_dict(), "n_tokens": n_tokens,
-            "n_rows": state.n_rows, "max_len": max_len, "hist_edges": edges}  # fmt: skip
+            "n_rows": state.n_rows, "max_len": max_len, "hist_edges": edges,
+            "shard": SHARD}  # fmt: skip
     state.save(out / "state.safetensors")
     (out / "vocab.js").write_text(js_data("atlasVocab", vocab), "utf-8")
     index_rows, centres = [], []
@@ -115,19 +174,17 @@ def write_site(
         cpu = _to_cpu(layer_state)
         top_v, top_i, bot_v, bot_i = (t.cpu() for t in logits[li])
         layer_logits = (top_v, top_i, bot_v, bot_i)
-        folder = out / "neurons" / f"L{li}"
-        folder.mkdir(parents=True, exist_ok=True)
-        rows, freqs = [], []
+        rows, freqs, stored = [], [], {}
         for i in range(manifest["d_mlp"]):
             record = neuron_record(cpu, li, i, opts=opts, max_len=max_len, n_tokens=n_tokens,
                                    logits=layer_logits, vocab=vocab)  # fmt: skip
-            stored = encode_record(record, manifest["d_vocab"])
-            (folder / f"N{i}.js").write_text(js_data("atlasNeuron", stored), "utf-8")
+            stored[i] = encode_record(record, manifest["d_vocab"])
             row, tops = layer_row(record, vocab, opts.before)
             rows.append(row)
             freqs.append(record["activation_frequency"])
             centres.append(centre_tokens(record, opts.before))
             index_rows.append([label(li, i), round(freqs[-1], 6), record["act_max"], tops])
+        write_shards(out / "neurons" / f"L{li}", stored, SHARD)
         write_layer_page(out, manifest["model_name"], li, rows, freqs)
     write_pages(out, meta, index_rows, centres, list(range(manifest["n_layers"])))
 
@@ -169,7 +226,8 @@ def write_pages(
                              n_layers=manifest["n_layers"], d_mlp=manifest["d_mlp"])  # fmt: skip
     (out / "index.html").write_text(page("neuron atlas", body, INDEX_JS), "utf-8")
     neuron_body = "<div id='main'>loading...</div>"
-    data = f"var META={json.dumps({'before': opts['before'], 'edges': meta['hist_edges']})};"
+    page_meta = {"before": opts["before"], "edges": meta["hist_edges"], "shard": meta["shard"]}
+    data = f"var META={json.dumps(page_meta)};"
     (out / "neuron.html").write_text(page("neuron", neuron_body, NEURON_JS, data), "utf-8")
     (out / MANIFEST).write_text(json.dumps(meta, indent=1), "utf-8")  # last: marks it complete
 
@@ -184,11 +242,15 @@ def _to_cpu(layer_state: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "CENTRES",
     "MANIFEST",
+    "SHARD",
     "js_data",
     "layer_row",
     "read_js_data",
     "read_record",
+    "shard_file",
+    "stored_record",
     "write_layer_page",
     "write_pages",
+    "write_shards",
     "write_site",
 ]

@@ -1,10 +1,10 @@
 """A small site of some neurons of an atlas: the pages of a circuit's neurons, to ship with docs
 or a paper where the whole atlas (hundreds of megabytes for SmolLM2) cannot go.
 
-:func:`write_subset` copies the named neurons' records, the neuron page and the vocabulary, and
-writes an index, a ``centres.js`` and a page for each layer it touches that list those neurons
-only. The result is an atlas like any other (:class:`~tl_attnonly.atlas.notebook.Atlas` loads
-it, ``Atlas.search`` searches its neurons); its manifest's ``"subset"`` lists the labels.
+:func:`write_subset` writes the named neurons' records as stored, the neuron page, the
+vocabulary, an index, a ``centres.js`` and a page for each layer it touches that list those
+neurons only. The result is an atlas like any other (:class:`~tl_attnonly.atlas.notebook.Atlas`
+loads it, ``Atlas.search`` searches its neurons); its manifest's ``"subset"`` lists the labels.
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ from pathlib import Path
 from tl_attnonly.atlas.records import centre_tokens, label
 from tl_attnonly.atlas.site import (
     MANIFEST,
+    SHARD,
     layer_row,
     read_js_data,
     read_record,
+    stored_record,
     write_layer_page,
     write_pages,
+    write_shards,
 )
 
 
@@ -71,21 +74,21 @@ def write_subset(atlas_dir: str | Path, labels: Iterable[str], out_dir: str | Pa
     tmp.mkdir(parents=True)
     shutil.copy2(src / "vocab.js", tmp / "vocab.js")
     index_rows, centres, layers = [], [], sorted({li for li, _ in neurons})
+    shard = meta.get("shard", SHARD)  # an earlier format is refused by read_record
     for li in layers:
-        (tmp / "neurons" / f"L{li}").mkdir(parents=True)
-        rows, freqs = [], []
+        rows, freqs, stored = [], [], {}
         for i in (i for lj, i in neurons if lj == li):
-            name = f"neurons/L{li}/N{i}.js"
-            shutil.copy2(src / name, tmp / name)
             record = read_record(src, li, i, meta)
+            stored[i] = stored_record(src, li, i, meta)
             row, tops = layer_row(record, vocab, before)
             rows.append(row)
             freqs.append(record["activation_frequency"])
             centres.append(centre_tokens(record, before))
             index_rows.append([label(li, i), round(freqs[-1], 6), record["act_max"], tops])
+        write_shards(tmp / "neurons" / f"L{li}", stored, shard)
         write_layer_page(tmp, manifest["model_name"], li, rows, freqs)
-    write_pages(tmp, {**meta, "subset": [label(li, i) for li, i in neurons]}, index_rows,
-                centres, layers)  # fmt: skip
+    subset = {**meta, "shard": shard, "subset": [label(li, i) for li, i in neurons]}
+    write_pages(tmp, subset, index_rows, centres, layers)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -38,7 +38,7 @@ function sortable(table){
 }
 """
 
-#: The neuron page's renderer (``atlasNeuron`` is called by each neuron's data file).
+#: The neuron page's renderer (``atlasShard`` is called by each data file of neurons).
 NEURON_JS = r"""
 var VOCAB=null,PENDING=null;
 function atlasVocab(v){VOCAB=v;if(PENDING){atlasNeuron(PENDING);}}
@@ -84,8 +84,11 @@ function hist(hg){var m=Math.max.apply(null,hg.counts)||1,w=4,h=60,s='';
   hg.counts.forEach(function(c,i){var y=Math.round(h*Math.sqrt(c/m));s+='<rect x="'+(i*w)+'" y="'+(h-y)+
     '" width="'+(w-1)+'" height="'+y+'" fill="#1a5fb4"><title>['+hg.edges[i]+', '+hg.edges[i+1]+'): '+c+'</title></rect>';});
   return '<svg width="'+(hg.counts.length*w)+'" height="'+h+'">'+s+'</svg><div class="muted">bins uniform in asinh(act); height: sqrt(count)</div>';}
+var WANT=null;
+function atlasShard(s){var d=WANT&&s[String(WANT)];if(d){atlasNeuron(d);}else{document.getElementById('main').textContent=
+  'This atlas has no neuron '+location.hash.replace('#','')+'.';}}
 function show(){var m=/^#?L(\d+)N(\d+)$/.exec(location.hash);if(!m){document.getElementById('main').textContent=
-  'Name a neuron: neuron.html#L0N0';return;}load('neurons/L'+m[1]+'/N'+m[2]+'.js');}
+  'Name a neuron: neuron.html#L0N0';return;}WANT=+m[2];load('neurons/L'+m[1]+'/S'+Math.floor(WANT/META.shard)+'.js');}
 window.addEventListener('hashchange',show);load('vocab.js');show();
 """
 
