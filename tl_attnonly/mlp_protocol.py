@@ -78,6 +78,10 @@ class NeuronHeadLayerView(MLPLayer, Protocol):
         """``(b, d, f, e, g)``, each ``[K]``, as tensors in ``like``'s dtype and device."""
         ...
 
+    def self_weight(self, pre: torch.Tensor) -> torch.Tensor:
+        """Each neuron's first head's weight on itself from ``hook_pre``, elementwise."""
+        ...
+
     @property
     def use_neuron_result(self) -> bool:
         """Whether the layer computes and hooks per-head results (``hook_result``)."""

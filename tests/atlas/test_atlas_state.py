@@ -186,6 +186,22 @@ def test_activation_sum_is_exact_in_any_order():
     torch.testing.assert_close(fixed_value(whole), exact, atol=4096 * 2.0**-40, rtol=0)
 
 
+def test_atlas_runs_each_layers_fused_path(model_rows, monkeypatch):
+    """The atlas hooks no head quantity: every MLP runs its fused path (no per-head queries,
+    scores, patterns) and the self weights come from ``hook_pre`` (``mlp.self_weight``)."""
+    from tl_attnonly.adapt import analysis_model
+
+    model, rows = model_rows
+
+    def head_path(*args, **kwargs):
+        raise AssertionError("the atlas ran an MLP's head path")
+
+    for block in analysis_model(model).blocks:
+        monkeypatch.setattr(block.mlp, "_head_z", head_path)
+    state = collect_atlas(model, rows[:BATCH], options=OPTS, batch_size=BATCH)
+    assert int(state.n_tokens) > 0
+
+
 def test_atlas_stops_after_the_last_block(model_rows):
     """The final norm and the unembedding never run (the atlas reads only block hooks). Not on
     a TransformerBridge: its ``stop_at_layer`` stops before a block, never after the last."""

@@ -1,8 +1,10 @@
 """Building an atlas: stream a corpus through a converted model, keep every neuron's state.
 
 :func:`collect_atlas` runs the corpus (rows ``first_row ..``) in batches through the model's own
-``run_with_cache`` (the neuron-head hooks ``hook_pre``, ``hook_post``, ``hook_pattern`` and, gated,
-``hook_pre_linear``), and merges each batch into an :class:`AtlasState`
+``run_with_cache`` (the neuron-head hooks ``hook_pre``, ``hook_post`` and, gated,
+``hook_pre_linear``: no head hook, so each layer runs its fused path; the self weight, the
+pattern's first column, is computed from ``hook_pre``), and merges each batch into an
+:class:`AtlasState`
 (:mod:`tl_attnonly.atlas.state`). The state stays on the model's device; the loop reads no scalar
 back per token. :func:`build_atlas` adds the checkpoints (written atomically, every
 ``checkpoint_every`` batches; a run that finds one resumes after its last row, so nothing is
@@ -128,17 +130,18 @@ def atlas_options(options: AtlasOptions | None, overrides: dict[str, Any]) -> At
 def _layer_acts(
     model: AttnOnlyModel, cache: Any, li: int, base: dict[str, torch.Tensor]
 ) -> BatchActs:
-    """Layer ``li``'s activations in ``cache`` (the self weight: each neuron's first head's)."""
-    K = model.n_heads_per_neuron
+    """Layer ``li``'s activations in ``cache`` (the self weight: each neuron's first head's,
+    from ``pre`` by ``mlp.self_weight``; over the whole batch, so that its bits do not depend on
+    which positions a pass keeps: a vector kernel rounds a tensor's tail elements otherwise)."""
     mlp = model.blocks[li].mlp
-    pattern = cache[neuron_act_name("pattern", li)]  # [batch, H, pos, 2]
+    pre = cache[neuron_act_name("pre", li)]
     return BatchActs(
         tokens=base["tokens"],
         valid=base["valid"],
         gidx=base["gidx"],
         act=cache[neuron_act_name("post", li)],
-        pre=cache[neuron_act_name("pre", li)],
-        self_weight=pattern[:, ::K, :, 0].transpose(1, 2),
+        pre=pre,
+        self_weight=mlp.self_weight(pre),
         linear=cache[neuron_act_name("pre_linear", li)] if mlp.gated else None,
         b_in=mlp.b_in.detach() if mlp.gated else None,
     )
@@ -197,7 +200,7 @@ def collect_atlas(
     starts: deque[int] = deque()  # the global index of each row handed on, in order
     mine = _shard_rows(rows, state.n_rows, stop, batch_size, shard, starts)
     names = {neuron_act_name(kind, li) for li in range(cfg.n_layers)
-             for kind in ("pre", "post", "pattern")}  # fmt: skip
+             for kind in ("pre", "post")}  # fmt: skip
     names |= {neuron_act_name("pre_linear", li) for li, g in enumerate(state.manifest["gated"])
               if g}  # fmt: skip
     passes = SummaryOptions(max_len=max_len, batch_size=batch_size, progress=False)

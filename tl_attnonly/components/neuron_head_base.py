@@ -244,6 +244,17 @@ class NeuronHeadBase(CanBeUsedAsMLP):
         layers: TL's ``b_in``). So ``z`` of a ``K = 1`` neuron is ``hook_post - b_post``."""
         return self._out_matrix.new_zeros(self.d_mlp)
 
+    def self_weight(self, pre: torch.Tensor) -> torch.Tensor:
+        """Each neuron's first head's weight on itself, ``sigmoid(b_0 pre + d_0)``, elementwise
+        on any shape of the neuron's pre-activation (``hook_pre``; a gated layer's gate): the
+        head path's ``hook_pattern[:, i * K, :, 0]`` (same operations, so equal to rounding)
+        without running the head path for every neuron. The neuron atlas reads it at the few
+        positions it keeps."""
+        c = self.coefficients
+        b, d, *_ = self._coefs(pre)
+        q = pre if c.b[0] == 1 else pre * b[0]
+        return torch.sigmoid(q if c.d[0] == 0 else q + d[0])
+
     def neuron_of_head(self, head: int) -> tuple[int, int]:
         """``(neuron, k)`` of a neuron-head index."""
         return divmod(head, self.n_heads_per_neuron)
