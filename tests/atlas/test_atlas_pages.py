@@ -70,10 +70,11 @@ def run_page(site, page: str, hash_: str = "", query: str | None = None) -> dict
     return json.loads(done.stdout)
 
 
-def test_neuron_page_renders(site):
-    shown = run_page(site, "neuron.html", "#L1N34")
-    assert shown["title"] == "L1N34"
-    for part in ("<h1>L1N34</h1>", "Top logits", "Top contexts", "Quantile samples", "rgba("):
+@pytest.mark.parametrize("label", ["L1N34", "L0N0", "L1N511"])  # a shard's middle, first, last
+def test_neuron_page_renders(site, label):
+    shown = run_page(site, "neuron.html", f"#{label}")
+    assert shown["title"] == label
+    for part in (f"<h1>{label}</h1>", "Top logits", "Top contexts", "Quantile samples", "rgba("):
         assert part in shown["main"]
 
 

@@ -85,7 +85,7 @@ function hist(hg){var m=Math.max.apply(null,hg.counts)||1,w=4,h=60,s='';
     '" width="'+(w-1)+'" height="'+y+'" fill="#1a5fb4"><title>['+hg.edges[i]+', '+hg.edges[i+1]+'): '+c+'</title></rect>';});
   return '<svg width="'+(hg.counts.length*w)+'" height="'+h+'">'+s+'</svg><div class="muted">bins uniform in asinh(act); height: sqrt(count)</div>';}
 var WANT=null;
-function atlasShard(s){var d=WANT&&s[String(WANT)];if(d){atlasNeuron(d);}else{document.getElementById('main').textContent=
+function atlasShard(s){var d=WANT!==null&&s[String(WANT)];if(d){atlasNeuron(d);}else{document.getElementById('main').textContent=
   'This atlas has no neuron '+location.hash.replace('#','')+'.';}}
 function show(){var m=/^#?L(\d+)N(\d+)$/.exec(location.hash);if(!m){document.getElementById('main').textContent=
   'Name a neuron: neuron.html#L0N0';return;}WANT=+m[2];load('neurons/L'+m[1]+'/S'+Math.floor(WANT/META.shard)+'.js');}
