@@ -109,6 +109,7 @@ def read_record(
 
     Raises:
         KeyError: If the atlas has no such neuron (a subset site holds some neurons only).
+        ValueError: If the atlas was written in an earlier site format (:func:`stored_record`).
     """
     if meta is None:
         meta = json.loads((Path(directory) / MANIFEST).read_text("utf-8"))
