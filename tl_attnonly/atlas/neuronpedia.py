@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tl_attnonly.atlas.site import MANIFEST, read_js_data, read_record
+from tl_attnonly.atlas.site import read_js_data, read_manifest, read_record
 
 #: The quantile name of the top contexts.
 TOP_NAME = "Top activations"
@@ -94,9 +94,7 @@ def export_neuronpedia(
         FileNotFoundError: If ``atlas_dir`` holds no finished atlas.
     """
     directory, out = Path(atlas_dir), Path(out_dir)
-    if not (directory / MANIFEST).is_file():
-        raise FileNotFoundError(f"No atlas in {directory} (no {MANIFEST}).")
-    meta = json.loads((directory / MANIFEST).read_text("utf-8"))
+    meta = read_manifest(directory)
     before, vocab = meta["options"]["before"], read_js_data(directory / "vocab.js")
     written = 0
     for layer in range(meta["manifest"]["n_layers"]):

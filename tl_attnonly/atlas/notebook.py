@@ -5,13 +5,12 @@ neuron's page inline (static HTML, no script), ``atlas.search(token)`` lists neu
 from __future__ import annotations
 
 import html
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tl_attnonly.atlas.site import CENTRES, MANIFEST, read_js_data, read_record
+from tl_attnonly.atlas.site import CENTRES, read_js_data, read_manifest, read_record
 
 
 def _ctx_html(example: dict[str, Any], vocab: list[str], before: int) -> str:
@@ -90,9 +89,7 @@ class Atlas:
             FileNotFoundError: If ``directory`` holds no finished atlas.
         """
         directory = Path(directory)
-        if not (directory / MANIFEST).is_file():
-            raise FileNotFoundError(f"No atlas in {directory} (no {MANIFEST}).")
-        return cls(directory, json.loads((directory / MANIFEST).read_text("utf-8")))
+        return cls(directory, read_manifest(directory))
 
     @property
     def vocab(self) -> list[str]:

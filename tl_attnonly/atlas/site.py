@@ -60,6 +60,34 @@ def read_js_data(path: str | Path) -> Any:
     return json.loads(text[text.index("(") + 1 : text.rindex(")")])
 
 
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The finished atlas ``directory``'s manifest (``atlas.json``).
+
+    Raises:
+        FileNotFoundError: If ``directory`` holds no finished atlas.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"No atlas in {directory} (no {MANIFEST}).")
+    return json.loads(path.read_text("utf-8"))
+
+
+def check_format(directory: str | Path, meta: dict[str, Any]) -> None:
+    """Refuse an atlas written in an earlier site format (a file per neuron, no ``shard`` in
+    its manifest ``meta``), naming the command that writes it again.
+
+    Raises:
+        ValueError: For such an atlas.
+    """
+    if "shard" not in meta:
+        directory = Path(directory)
+        raise ValueError(
+            f"The atlas in {directory} was written by an earlier version of tl_attnonly (a file "
+            "per neuron); write its site again from its state: tl_attnonly.atlas.write_atlas("
+            f"model, AtlasState.load('{directory / 'state.safetensors'}'), '{directory}')."
+        )
+
+
 def shard_file(directory: str | Path, layer: int, neuron: int, shard: int) -> Path:
     """The data file holding neuron ``neuron`` of layer ``layer`` (``shard`` neurons a file)."""
     return Path(directory) / "neurons" / f"L{layer}" / f"S{neuron // shard}.js"
@@ -80,16 +108,11 @@ def stored_record(
 
     Raises:
         KeyError: If the atlas has no such neuron (a subset site holds some neurons only).
-        ValueError: If the atlas was written in an earlier site format.
+        ValueError: If the atlas was written in an earlier site format (:func:`check_format`).
     """
     directory = Path(directory)
     missing = KeyError(f"No neuron L{layer}N{neuron} in the atlas in {directory}.")
-    if "shard" not in meta:
-        raise ValueError(
-            f"The atlas in {directory} was written by an earlier version of tl_attnonly (a file "
-            "per neuron); write its site again from its state: tl_attnonly.atlas.write_atlas("
-            f"model, AtlasState.load('{directory / 'state.safetensors'}'), '{directory}')."
-        )
+    check_format(directory, meta)
     path = shard_file(directory, layer, neuron, meta["shard"])
     if not path.is_file():
         raise missing
@@ -109,10 +132,10 @@ def read_record(
 
     Raises:
         KeyError: If the atlas has no such neuron (a subset site holds some neurons only).
-        ValueError: If the atlas was written in an earlier site format (:func:`stored_record`).
+        ValueError: If the atlas was written in an earlier site format (:func:`check_format`).
     """
     if meta is None:
-        meta = json.loads((Path(directory) / MANIFEST).read_text("utf-8"))
+        meta = read_manifest(directory)
     return decode_record(stored_record(directory, layer, neuron, meta), meta["hist_edges"])
 
 
@@ -244,9 +267,11 @@ __all__ = [
     "CENTRES",
     "MANIFEST",
     "SHARD",
+    "check_format",
     "js_data",
     "layer_row",
     "read_js_data",
+    "read_manifest",
     "read_record",
     "shard_file",
     "stored_record",
