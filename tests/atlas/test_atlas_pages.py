@@ -136,6 +136,9 @@ def test_a_subset_site_holds_those_neurons_as_the_atlas_shows_them(site, tmp_pat
     with pytest.raises(KeyError, match="not a neuron of this atlas"):
         full.subset(["L9N0"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+    with pytest.raises(KeyError, match="No neuron L1N35"):  # in range, not in the subset
+        sub.subset(["L1N34", "L1N35"], tmp_path / "bad2")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("bad")) == []
 
 
 def test_the_site_is_sharded_and_an_earlier_format_is_refused(site, tmp_path):
@@ -157,3 +160,6 @@ def test_the_site_is_sharded_and_an_earlier_format_is_refused(site, tmp_path):
 
     with pytest.raises(ValueError, match="earlier version.*write_atlas"):
         Atlas.load(old)["L1N34"]
+    with pytest.raises(ValueError, match="earlier version.*write_atlas"):
+        Atlas.load(old).subset(["L1N34"], tmp_path / "sub")
+    assert not (tmp_path / "sub").exists() and not (tmp_path / "sub.tmp-subset").exists()

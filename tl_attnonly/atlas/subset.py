@@ -9,19 +9,18 @@ loads it, ``Atlas.search`` searches its neurons); its manifest's ``"subset"`` li
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from tl_attnonly.atlas.records import centre_tokens, label
+from tl_attnonly.atlas.records import centre_tokens, decode_record, label
 from tl_attnonly.atlas.site import (
-    MANIFEST,
-    SHARD,
+    check_format,
     layer_row,
     read_js_data,
-    read_record,
+    read_manifest,
     stored_record,
     write_layer_page,
     write_pages,
@@ -57,42 +56,50 @@ def write_subset(atlas_dir: str | Path, labels: Iterable[str], out_dir: str | Pa
 
     Raises:
         FileNotFoundError: If ``atlas_dir`` holds no finished atlas.
-        KeyError: For a label that is not a neuron of the atlas.
+        ValueError: If it was written in an earlier site format, or ``labels`` is empty.
+        KeyError: For a label that is not a neuron of the atlas (nothing is written).
     """
     src, out = Path(atlas_dir), Path(out_dir)
-    if not (src / MANIFEST).is_file():
-        raise FileNotFoundError(f"No atlas in {src} (no {MANIFEST}).")
-    meta = json.loads((src / MANIFEST).read_text("utf-8"))
+    meta = read_manifest(src)
+    check_format(src, meta)
     manifest = meta["manifest"]
     neurons = _parse(labels, manifest["n_layers"], manifest["d_mlp"])
     if not neurons:
         raise ValueError("labels= is empty: name at least one neuron ('L0N0').")
-    vocab = read_js_data(src / "vocab.js")
-    before = meta["options"]["before"]
     tmp = out.with_name(out.name + ".tmp-subset")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(src, meta, neurons, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _write(src: Path, meta: dict[str, Any], neurons: list[tuple[int, int]], tmp: Path) -> None:
+    """The subset site of ``neurons`` of the atlas ``src`` (manifest ``meta``) into ``tmp``."""
+    vocab = read_js_data(src / "vocab.js")
+    before = meta["options"]["before"]
     shutil.copy2(src / "vocab.js", tmp / "vocab.js")
     index_rows, centres, layers = [], [], sorted({li for li, _ in neurons})
-    shard = meta.get("shard", SHARD)  # an earlier format is refused by read_record
     for li in layers:
         rows, freqs, stored = [], [], {}
         for i in (i for lj, i in neurons if lj == li):
-            record = read_record(src, li, i, meta)
             stored[i] = stored_record(src, li, i, meta)
+            record = decode_record(stored[i], meta["hist_edges"])
             row, tops = layer_row(record, vocab, before)
             rows.append(row)
             freqs.append(record["activation_frequency"])
             centres.append(centre_tokens(record, before))
             index_rows.append([label(li, i), round(freqs[-1], 6), record["act_max"], tops])
-        write_shards(tmp / "neurons" / f"L{li}", stored, shard)
-        write_layer_page(tmp, manifest["model_name"], li, rows, freqs)
-    subset = {**meta, "shard": shard, "subset": [label(li, i) for li, i in neurons]}
+        write_shards(tmp / "neurons" / f"L{li}", stored, meta["shard"])
+        write_layer_page(tmp, meta["manifest"]["model_name"], li, rows, freqs)
+    subset = {**meta, "subset": [label(li, i) for li, i in neurons]}
     write_pages(tmp, subset, index_rows, centres, layers)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 __all__ = ["write_subset"]
