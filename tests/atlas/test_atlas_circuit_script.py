@@ -15,6 +15,7 @@ from helpers import BATCH, bundled, corpus_rows  # noqa: E402
 
 from tl_attnonly.analysis import Circuit, discover_circuit, logit_diff_metric  # noqa: E402
 from tl_attnonly.atlas import Atlas, AtlasOptions, build_atlas  # noqa: E402
+from tl_attnonly.atlas.records import parse_label  # noqa: E402
 
 SCRIPTS = Path(__file__).parents[2] / "scripts"
 
@@ -45,9 +46,4 @@ def test_the_script_tables_a_circuits_named_neurons_from_the_atlas(tmp_path, cap
         row = next(line for line in out.splitlines() if line.startswith(f"| [{name}](p/"))
         assert f"{100 * record['activation_frequency']:.2f}%" in row
         assert f"`{record['top_logits'][0][0]!r}`" in row
-    assert Atlas.load(tmp_path / "pages").meta["subset"] == sorted(named, key=_order)
-
-
-def _order(label: str) -> tuple[int, int]:
-    layer, neuron = label[1:].split("N")
-    return int(layer), int(neuron)
+    assert Atlas.load(tmp_path / "pages").meta["subset"] == sorted(named, key=parse_label)

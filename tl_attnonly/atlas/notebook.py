@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tl_attnonly.atlas.records import parse_label
 from tl_attnonly.atlas.site import CENTRES, read_js_data, read_manifest, read_record
 
 
@@ -104,13 +105,8 @@ class Atlas:
         Raises:
             KeyError: For a label not of this atlas.
         """
-        import re
-
-        match = re.fullmatch(r"L(\d+)N(\d+)", label.strip())
         try:
-            if not match:
-                raise KeyError(label)
-            record = read_record(self.directory, int(match[1]), int(match[2]), self.meta)
+            record = read_record(self.directory, *parse_label(label), self.meta)
         except KeyError:
             raise KeyError(f"No neuron {label!r} in this atlas (labels like 'L0N0').") from None
         return NeuronPage(record, self.vocab, self.meta["options"]["before"])
@@ -130,7 +126,7 @@ class Atlas:
         for (name, freq, *_), flat in zip(index, centres, strict=True):
             hits = [(flat[j + 1], flat[j + 2]) for j in range(0, len(flat), 3) if flat[j] in ids]
             if hits:
-                layer, neuron = (int(x) for x in name[1:].split("N"))
+                layer, neuron = parse_label(name)
                 count = sum(int(c) for c, _ in hits)
                 rows.append((name, layer, neuron, count, max(a for _, a in hits), freq))
         columns = ["label", "layer", "neuron", "count", "max_act", "activation_frequency"]

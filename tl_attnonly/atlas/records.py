@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import re
 import zlib
 from typing import Any
 
@@ -43,6 +44,18 @@ ACT_LEVELS = 127
 def label(layer: int, neuron: int) -> str:
     """``L{layer}N{neuron}``."""
     return f"L{layer}N{neuron}"
+
+
+def parse_label(text: str) -> tuple[int, int]:
+    """``(layer, neuron)`` of a label ``L{layer}N{neuron}`` (surrounding spaces allowed).
+
+    Raises:
+        KeyError: If ``text`` is not such a label.
+    """
+    match = re.fullmatch(r"L(\d+)N(\d+)", text.strip())
+    if not match:
+        raise KeyError(f"{text!r} is not a neuron label (labels like 'L0N0').")
+    return int(match[1]), int(match[2])
 
 
 def vocabulary(tokenizer: Any, d_vocab: int) -> list[str]:
@@ -263,6 +276,7 @@ __all__ = [
     "label",
     "neuron_record",
     "pack_contexts",
+    "parse_label",
     "top_tokens",
     "unpack_contexts",
     "vocabulary",

@@ -9,13 +9,12 @@ loads it, ``Atlas.search`` searches its neurons); its manifest's ``"subset"`` li
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tl_attnonly.atlas.records import centre_tokens, decode_record, label
+from tl_attnonly.atlas.records import centre_tokens, decode_record, label, parse_label
 from tl_attnonly.atlas.site import (
     check_format,
     layer_row,
@@ -31,13 +30,16 @@ from tl_attnonly.atlas.site import (
 def _parse(labels: Iterable[str], n_layers: int, d_mlp: int) -> list[tuple[int, int]]:
     found = []
     for name in labels:
-        match = re.fullmatch(r"L(\d+)N(\d+)", name.strip())
-        if not match or int(match[1]) >= n_layers or int(match[2]) >= d_mlp:
+        try:
+            layer, neuron = parse_label(name)
+        except KeyError:
+            layer = neuron = -1
+        if not (0 <= layer < n_layers and 0 <= neuron < d_mlp):
             raise KeyError(
                 f"{name!r} is not a neuron of this atlas (labels like 'L0N0'; {n_layers} layers "
                 f"x {d_mlp} neurons)."
             )
-        found.append((int(match[1]), int(match[2])))
+        found.append((layer, neuron))
     return sorted(set(found))
 
 
