@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from circuit_smollm2_ioi import strongest_named  # noqa: E402
+from circuit_smollm2_ioi import mlp_sources, strongest_named  # noqa: E402
 
 from tl_attnonly.analysis import Circuit  # noqa: E402
 from tl_attnonly.atlas import Atlas  # noqa: E402
@@ -86,11 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     shown: list[str] = []
     for path in args.circuit:
         circuit = Circuit.load(path)
-        named = {li: ns for li, ns in circuit.extra.get("named", {}).items() if ns}
-        total = sum(len(ns) for ns in named.values())
-        per_layer = ", ".join(f"L{li}: {len(ns)}" for li, ns in sorted(named.items()))
-        print(f"\n{path}: faithfulness {circuit.faithfulness:.3f}; {total} named neurons "
-              f"({per_layer or '-'})\n")  # fmt: skip
+        print(f"\n{path}: faithfulness {circuit.faithfulness:.3f}; {mlp_sources(circuit)}\n")
         print(neuron_table(circuit, atlas, args.top, args.link))
         shown += strongest_named(circuit, args.top)
     if args.pages:
