@@ -2,7 +2,7 @@
 """The atlas site's pages: HTML with its CSS and JavaScript inline (no CDN; opens from file://).
 
 Data reach the pages as JavaScript files that call a function with one JSON object
-(``atlasIndex({...})``, ``atlasVocab([...])``, ``atlasNeuron({...})``): a browser loads a
+(``atlasIndex({...})``, ``atlasVocab([...])``, ``atlasShard({...})``): a browser loads a
 ``<script src>`` from ``file://`` where it refuses ``fetch``. :func:`page` fills a template.
 A neuron page inflates its record's token ids with ``DecompressionStream`` (Chrome 80, Firefox
 113, Safari 16.4 and later).
