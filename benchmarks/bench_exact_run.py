@@ -89,17 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         top = n_edges if size == "all" else min(int(size), n_edges)
         masks[size] = prune(scores, top_n=top, absolute=True)
     runs = CorruptedRuns()
-    with torch.no_grad():
-        model(clean)  # warm-up
-        circuit_metrics(
-            model,
-            [masks[args.sizes[0]]],
-            clean,
-            corrupted,
-            metric,
-            nodes=nodes,
-            corrupted_runs=runs,
-        )  # fmt: skip  (also makes the corrupted runs)
+    with torch.no_grad():  # warm-up; the first call also makes the corrupted runs
+        model(clean)
+        circuit_metrics(model, [masks[args.sizes[0]]], clean, corrupted, metric, nodes=nodes,
+                        corrupted_runs=runs)  # fmt: skip
     forward: list[float] = []
     per_run: dict[str, list[float]] = {size: [] for size in args.sizes}
     for _ in range(args.repeats):
