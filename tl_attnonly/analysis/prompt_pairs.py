@@ -11,6 +11,7 @@ circuit resolved by position, and the scalar and batch-additive metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,23 @@ def padding_id(tokenizer: Any) -> int:
     end-of-sequence token, else 0."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return 0 if pad is None else int(pad)
+
+
+class _ReadsEndPos:
+    """:meth:`PromptPairs.metric` as a method whose bound form declares the logits it reads
+    (a ``logit_positions`` attribute: the rows' ``end_pos``), so that patching and exact runs
+    from a block unembed only those (:mod:`~tl_attnonly.analysis.metric_reads`)."""
+
+    def __init__(self, func: Callable[..., torch.Tensor]):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Callable[..., torch.Tensor]:
+        if obj is None:
+            return self.func
+        bound = functools.partial(self.func, obj)
+        bound.logit_positions = lambda indices: obj.end_pos[indices.cpu()]  # type: ignore[attr-defined]
+        return bound
 
 
 class PromptPairs:
@@ -101,9 +119,12 @@ class PromptPairs:
             )
         return logits[torch.arange(logits.shape[0], device=logits.device), end.to(logits.device)]
 
+    @_ReadsEndPos
     def metric(self, logits: Float[torch.Tensor, "batch pos d_vocab"], *_: object) -> torch.Tensor:
         """Mean :meth:`logit_diff`: a scalar (a patching or circuit metric; extra arguments, a
-        node-circuit metric's inputs, are ignored)."""
+        node-circuit metric's inputs, are ignored). It declares the one position per row it
+        reads (``data.metric.logit_positions``: ``end_pos``), so that patching runs from a block
+        unembed only those."""
         return self.logit_diff(logits).mean()
 
     def additive_metric(self) -> AdditiveMetric:

@@ -258,9 +258,9 @@ class HookedLayerRunner:
         *,
         logit_positions: Tensor | None = None,
     ):
-        # every position's logits (logit_positions is a permission, not used here)
         copies = resid.shape[0] // self.batch
         n_pos = resid.shape[1]
+        positions = None if logit_positions is None else logit_positions.repeat(copies)
         if first_pos > 0 and self.prefix_reuse and not hooks and prefix is not None:
             first_pos = min(first_pos, n_pos)
             prefix = prefix[:, :first_pos].repeat(copies, 1, 1)
@@ -268,17 +268,63 @@ class HookedLayerRunner:
                 return prefix
             past = self._prefix_cache(first_pos, copies)
             with torch.no_grad():
-                suffix = self.model(resid[:, first_pos:], start_at_layer=layer, past_kv_cache=past)
-            return torch.cat((prefix, suffix), dim=1)
+                if positions is None:
+                    suffix = self.model(
+                        resid[:, first_pos:], start_at_layer=layer, past_kv_cache=past
+                    )
+                    return torch.cat((prefix, suffix), dim=1)
+                final = self.model(
+                    resid[:, first_pos:],
+                    start_at_layer=layer,
+                    stop_at_layer=self.model.cfg.n_layers,
+                    past_kv_cache=past,
+                )
+            return self._tail(final, positions, first_pos, prefix)
         kwargs: dict[str, Any] = {}
         if self._mask is not None:
             kwargs["attention_mask"] = self._mask.repeat(copies, 1)
         if self._shortformer is not None:
             kwargs["shortformer_pos_embed"] = self._shortformer.repeat(copies, 1, 1)
         with torch.no_grad():
-            return self.model.run_with_hooks(
-                resid, start_at_layer=layer, fwd_hooks=list(hooks), **kwargs
-            )
+            if positions is None:
+                return self.model.run_with_hooks(
+                    resid, start_at_layer=layer, fwd_hooks=list(hooks), **kwargs
+                )
+            with self.model.hooks(fwd_hooks=list(hooks)):
+                final = self.model(
+                    resid, start_at_layer=layer, stop_at_layer=self.model.cfg.n_layers, **kwargs
+                )
+                return self._tail(final, positions, 0, None)
+
+    def _tail(
+        self,
+        final: Float[torch.Tensor, "batch suffix_pos d_model"],
+        positions: Int[torch.Tensor, " batch"],
+        offset: int,
+        prefix: Float[torch.Tensor, "batch prefix_pos d_vocab"] | None,
+    ) -> Float[torch.Tensor, "batch pos d_vocab"]:
+        """The logits at ``positions`` (one per row) of the residual stream after the last
+        block, as ``HookedTransformer.forward`` ends (final norm, unembedding, logit soft cap),
+        the other positions NaN. ``final`` holds positions ``offset..``; a position before
+        ``offset`` takes ``prefix``'s logits (the corrupted run's there)."""
+        model = self.model
+        rows = torch.arange(final.shape[0], device=final.device)
+        at = positions.to(final.device)
+        n_pos = offset + final.shape[1]
+        logits = final.new_full((final.shape[0], n_pos, model.cfg.d_vocab_out), torch.nan)
+        early = at < offset
+        if prefix is not None and bool(early.any()):
+            logits[rows[early], at[early]] = prefix[rows[early], at[early]]
+        late = ~early
+        picked = final[rows[late], at[late] - offset].unsqueeze(1)  # [rows, 1, d_model]
+        if model.cfg.normalization_type is not None:
+            picked = model.ln_final(picked)
+        picked = model.unembed(picked)
+        cap = model.cfg.output_logits_soft_cap
+        if cap is not None and cap > 0:  # as HookedTransformer.forward's apply_softcap
+            picked = cap * torch.tanh(picked / cap)
+        logits[rows[late], at[late]] = picked[:, 0]
+        return logits
 
     def _prefix_cache(self, first_pos: int, copies: int) -> Any:
         """The tokens' keys and values of positions ``< first_pos``, every layer, for ``copies``
@@ -294,7 +340,12 @@ class HookedLayerRunner:
             )
             prefix = self.tokens[:, :first_pos]
             with torch.no_grad():  # causal: the prefix alone gives the same keys and values
-                self.model(prefix, past_kv_cache=cache, attention_mask=torch.ones_like(prefix))
+                self.model(  # its blocks fill the cache; no unembedding
+                    prefix,
+                    past_kv_cache=cache,
+                    attention_mask=torch.ones_like(prefix),
+                    stop_at_layer=self.model.cfg.n_layers,
+                )
             self._prefixes[first_pos] = cache
         cache = self._prefixes[first_pos]
         entries = [

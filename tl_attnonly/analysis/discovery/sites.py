@@ -7,13 +7,11 @@ an input reads (and its reading matrix ``R``), and through which normalisation.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 
 from tl_attnonly._types import check_token_pair
 from tl_attnonly.adapt import analysis_model
@@ -27,6 +25,12 @@ from tl_attnonly.analysis.discovery.graph import (
     InputGroup,
     SourceGroup,
 )
+from tl_attnonly.analysis.metric_reads import (  # re-exported: discovery's modules read them here
+    DiscoveryMetric as DiscoveryMetric,
+)
+from tl_attnonly.analysis.metric_reads import call_metric as call_metric
+from tl_attnonly.analysis.metric_reads import check_logit_positions as check_logit_positions
+from tl_attnonly.analysis.metric_reads import logit_positions as logit_positions
 from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.analysis.post_norm import has_post_norms, normed, post_norm, scale_hook
 from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
@@ -41,7 +45,6 @@ if TYPE_CHECKING:
     )
 
 Mask = dict[tuple[str, str], torch.Tensor]
-DiscoveryMetric = Callable[..., torch.Tensor]
 
 #: Default memory budget for one block of intermediate tensors (bytes).
 BLOCK_BUDGET = 2**28
@@ -192,66 +195,6 @@ def check_scoring_args(
         raise ValueError(f"method must be 'eap' or 'eap-ig', got {method!r}.")
     if method == "eap-ig" and ig_steps < 1:
         raise ValueError(f"ig_steps must be >= 1, got {ig_steps}.")
-
-
-def call_metric(
-    metric: DiscoveryMetric, logits: torch.Tensor, indices: torch.Tensor
-) -> torch.Tensor:
-    try:
-        n_args = len(
-            [
-                p
-                for p in inspect.signature(metric).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        )
-    except (TypeError, ValueError):
-        n_args = 1
-    out = metric(logits, indices) if n_args >= 2 else metric(logits)
-    if not isinstance(out, torch.Tensor) or out.numel() != 1:
-        raise ValueError("The metric must return a scalar tensor (sum or mean over the batch).")
-    return out.reshape(())
-
-
-def logit_positions(
-    metric: DiscoveryMetric, indices: Int[torch.Tensor, " batch"], n_pos: int
-) -> Int[torch.Tensor, " batch"] | None:
-    """The one position per row whose logits ``metric`` reads, where it declares them (a
-    ``logit_positions(indices)`` attribute giving ``[batch]`` positions, negative ones from the
-    end: :func:`logit_diff_metric` and the task datasets' ``additive_metric()`` do); ``None``
-    for any other metric (every position's logits are computed for it).
-
-    Exact runs from a block compute only these positions' logits (the unembedding of the other
-    positions is skipped; their logits are NaN, so a metric that reads more than it declares
-    gives NaN, which :func:`check_logit_positions` refuses)."""
-    reads = getattr(metric, "logit_positions", None)
-    if reads is None:
-        return None
-    return torch.as_tensor(reads(indices), dtype=torch.long).cpu() % n_pos
-
-
-def check_logit_positions(
-    metric: DiscoveryMetric,
-    logits: Float[torch.Tensor, "batch pos d_vocab"],
-    indices: Int[torch.Tensor, " batch"],
-    positions: Int[torch.Tensor, " batch"],
-) -> None:
-    """Refuse a metric whose value on ``logits`` changes when only its declared
-    ``positions`` (:func:`logit_positions`) are kept (the others NaN).
-
-    Raises:
-        ValueError: If it reads logits at other positions than it declares.
-    """
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    at = positions.to(logits.device)
-    kept = torch.full_like(logits, float("nan"))
-    kept[rows, at] = logits[rows, at]
-    if not torch.equal(call_metric(metric, kept, indices), call_metric(metric, logits, indices)):
-        raise ValueError(
-            "The metric reads logits at other positions than its logit_positions attribute "
-            "declares (its value changes when only those are kept): correct logit_positions, "
-            "or remove it (every position's logits are then computed)."
-        )
 
 
 def check_additive(

@@ -422,7 +422,11 @@ def run_patches(
     batch, pos = corrupted_tokens.shape
     step = patches_per_pass_for(model, batch, pos, patches_per_pass, max_bytes)
     out = torch.zeros(len(patches), dtype=torch.float64)
-    runs = LayerRuns(model, corrupted_tokens) if can_resume(model) and patches else None
+    runs = (
+        LayerRuns(model, corrupted_tokens, metric=patching_metric)
+        if can_resume(model) and patches
+        else None
+    )
     for start in tqdm(range(0, len(patches), step), desc="patching", disable=not progress):
         chunk = patches[start : start + step]
         by_hook: dict[str, list[tuple[int, PatchFn]]] = defaultdict(list)

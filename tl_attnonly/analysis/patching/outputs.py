@@ -202,7 +202,7 @@ def get_act_patch_outputs(
             f"The clean cache lacks {missing[:3]}{'...' if len(missing) > 3 else ''}. Cache "
             "them with names_filter=tl_attnonly.hooks.head_names_filter('z')."
         )
-    runs = LayerRuns(model, corrupted_tokens, extra_names=names)
+    runs = LayerRuns(model, corrupted_tokens, extra_names=names, metric=patching_metric)
     additive = additive_mlp_out(model)
     # (unit index, position or None), grouped by (method, layer) so a pass shares its start.
     groups: dict[tuple[bool, int], list[tuple[int, int | None]]] = {}

@@ -23,6 +23,7 @@ from jaxtyping import Float, Int
 
 from tl_attnonly._types import FwdHooks, Metric
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.metric_reads import checked_logit_positions
 from tl_attnonly.hooks import block_act_name, exact_names_filter
 from tl_attnonly.protocol import ModelLike
 
@@ -116,6 +117,12 @@ class LayerRuns:
             ``TransformerBridge``; see :meth:`~tl_attnonly.protocol.AttnOnlyModel.layer_runs`).
         corrupted_tokens: ``[batch, pos]``.
         extra_names: Further hooks to cache from the corrupted run (e.g. neuron-head ``z``).
+        metric: The metric the runs' logits are for: where it declares the one position per row
+            it reads (``logit_positions``, :mod:`~tl_attnonly.analysis.metric_reads`), only those
+            positions are unembedded (:meth:`read_only`).
+
+    Raises:
+        ValueError: If ``metric`` reads logits at other positions than it declares.
     """
 
     def __init__(
@@ -123,6 +130,7 @@ class LayerRuns:
         model: ModelLike,
         corrupted_tokens: Int[torch.Tensor, "batch pos"],
         extra_names: Sequence[str] = (),
+        metric: Metric | None = None,
     ):
         model = analysis_model(model, neuron_heads=False)
         if not model.can_resume:
@@ -140,6 +148,22 @@ class LayerRuns:
             )
         #: Whether passes may skip unchanged leading positions (see the module docstring).
         self.prefix_reuse = self._runner.prefix_reuse
+        #: ``[batch]``: the one position per row whose logits the runs compute (the others
+        #: NaN); ``None``: every position's.
+        self.logit_positions: Int[torch.Tensor, " batch"] | None = None
+        if metric is not None:
+            self.read_only(metric)
+
+    def read_only(self, metric: Metric) -> None:
+        """From now on, compute only the logits ``metric`` declares it reads (its
+        ``logit_positions``, checked on the corrupted run's logits), the other positions NaN; a
+        metric that declares none: every position's. The unembedding is a large part of a run
+        from a late block (SmolLM2: 49,152 x 576 per position, several blocks' arithmetic).
+
+        Raises:
+            ValueError: If ``metric`` reads logits at other positions than it declares.
+        """
+        self.logit_positions = checked_logit_positions(metric, self.logits)
 
     def resid(self, layer: int) -> Float[torch.Tensor, "batch pos d_model"]:
         """The corrupted residual stream entering block ``layer`` (``n_layers``: the final one)."""
@@ -159,9 +183,18 @@ class LayerRuns:
         ``layer`` on (``n_layers``: only the final norm and the unembedding).
 
         ``first_pos``: ``resid`` equals the corrupted residual stream at every position before
-        it, so where :attr:`prefix_reuse` holds only positions ``first_pos..`` are run.
+        it, so where :attr:`prefix_reuse` holds only positions ``first_pos..`` are run. Where
+        :attr:`logit_positions` is set, only those positions' logits are computed (the others
+        NaN).
         """
-        return self._runner.run(resid, layer, list(fwd_hooks), first_pos, self.logits)
+        return self._runner.run(
+            resid,
+            layer,
+            list(fwd_hooks),
+            first_pos,
+            self.logits,
+            logit_positions=self.logit_positions,
+        )
 
 
 def run_copies(

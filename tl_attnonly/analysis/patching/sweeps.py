@@ -220,6 +220,8 @@ class _ReceiverSweep:
             self.names,
         )
         final, per_receiver, step = self.final, self.per_receiver, self.step
+        if self.runs is not None:
+            self.runs.read_only(patching_metric)
         out = torch.zeros(len(per_receiver), dtype=torch.float64)
         for start in tqdm(
             range(0, len(per_receiver), step), desc="path patching", disable=not progress
