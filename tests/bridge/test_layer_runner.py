@@ -187,3 +187,85 @@ def test_a_cache_given_by_position_is_replaced_too():
     assert len(received) == 2 and received[0] is received[1]  # one cache for the run's blocks
     assert isinstance(received[0], DynamicCache) and received[0] is not cache
     assert received[0].get_seq_length() == 3 and cache.get_seq_length() == 3  # its own keys
+
+
+def _recorded(bridge, batch: torch.Tensor, copies: int) -> _BlockCalls:
+    calls = _BlockCalls(bridge)
+    with torch.no_grad(), calls.recording():
+        bridge(batch.repeat(copies, 1))
+    return calls
+
+
+def _same(scaled, recorded) -> None:
+    """``scaled`` is ``recorded``: the same structure, equal tensors and values."""
+    from tl_attnonly.bridge.layer_runner import _EmptyCache
+
+    if isinstance(recorded, torch.Tensor):
+        assert isinstance(scaled, torch.Tensor) and torch.equal(scaled, recorded)
+    elif isinstance(recorded, (tuple, list)):
+        assert type(scaled) is type(recorded) and len(scaled) == len(recorded)
+        for a, b in zip(scaled, recorded, strict=True):
+            _same(a, b)
+    elif isinstance(recorded, dict):
+        assert scaled.keys() == recorded.keys()
+        for key in recorded:
+            _same(scaled[key], recorded[key])
+    elif isinstance(recorded, _EmptyCache):
+        assert isinstance(scaled, _EmptyCache)
+    else:
+        assert scaled == recorded
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("name", [n for n in DECODERS if n not in NOT_CALLED])
+def test_calls_scaled_to_many_copies_are_the_ones_a_pass_of_them_records(name, batch_size):
+    """Issue 47: a run of ``c`` copies took its blocks' arguments from a pass of ``c`` copies of
+    the batch (a whole forward pass of up to 256 copies per call, several times a late layer's
+    sweep). They are scaled from the passes of one and two copies instead, and are the
+    arguments a pass of ``c`` copies gives, on every decoder of the zoo."""
+    bridge = build_bridge(name, torch.float32)
+    repair_z_layouts(bridge)
+    batch = tokens(batch_size, 7)
+    one, two = _recorded(bridge, batch, 1), _recorded(bridge, batch, 2)
+    scaled = one.scaled(two, 5)
+    assert scaled is not None and scaled.complete
+    recorded = _recorded(bridge, batch, 5)
+    for layer, (args, kwargs) in recorded.calls.items():
+        _same(scaled.calls[layer][0], args)
+        _same(scaled.calls[layer][1], kwargs)
+
+
+def test_a_runner_of_many_copies_never_runs_a_pass_of_them():
+    bridge = build_bridge("llama", torch.float32)
+    adapter = analysis_model(bridge, neuron_heads=False)
+    batch = tokens(2, 7)
+    assert blocks_can_be_called(bridge, batch)  # the check's pass, before counting
+    with torch.no_grad():
+        full, cache = bridge.run_with_cache(
+            batch.repeat(4, 1), names_filter="blocks.1.hook_resid_pre"
+        )
+    runner = adapter.layer_runs(batch)
+    rows: list[int] = []
+    handle = bridge.blocks[0].register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
+    try:
+        got = runner.run(cache["blocks.1.hook_resid_pre"], 1, [], 0, None)
+    finally:
+        handle.remove()
+    assert rows == [2, 4]  # the passes of one and two copies, not one of four
+    assert torch.equal(got, full)
+
+
+def test_an_argument_that_follows_neither_rule_is_recorded():
+    """A value that differs between one and two copies other than by repeating (here a count
+    of rows) is not scaled: the calls are recorded for the copies asked for."""
+    from types import SimpleNamespace
+
+    one, two = _BlockCalls(SimpleNamespace(blocks=[])), _BlockCalls(SimpleNamespace(blocks=[]))
+    one.calls = {0: ((torch.ones(2, 3),), {"rows": 2})}
+    two.calls = {0: ((torch.ones(4, 3),), {"rows": 4})}
+    assert one.scaled(two, 3) is None
+    two.calls = {0: ((torch.ones(4, 3),), {"rows": 2})}
+    scaled = one.scaled(two, 3)
+    assert scaled is not None and scaled.calls[0][0][0].shape == (6, 3)
+    two.calls = {0: ((torch.arange(4.0)[:, None].expand(4, 3),), {"rows": 2})}  # not a repeat
+    assert one.scaled(two, 3) is None

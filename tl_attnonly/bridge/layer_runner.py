@@ -3,7 +3,10 @@
 A run from block ``l`` calls the bridge's blocks from ``l`` on with the arguments a full pass of
 the batch gave them (rotary tables, masks, ALiBi biases; recorded once per batch; a key-value
 cache as a new empty copy of the one the pass began with, for each run), then the final norm and
-the unembedding: the blocks below ``l`` are not run. Where that does not give the full pass's
+the unembedding: the blocks below ``l`` are not run. For ``c`` stacked copies of the batch the
+arguments are scaled from the passes of one and two copies (:meth:`_BlockCalls.scaled`), not
+recorded in a pass of ``c`` copies (a whole forward pass of up to 256 copies, which cost several
+times a late layer's patching sweep). Where that does not give the full pass's
 logits exactly (checked once per bridge: a forward that does more after its blocks, such as
 Gemma 2's logit soft-cap), TransformerLens 4.x's ``start_at_layer`` runs it (which still runs the
 blocks below), and on 3.x a full pass of the tokens whose residual stream entering block ``l`` is
@@ -101,6 +104,26 @@ class _BlockCalls:
             for handle in handles:
                 handle.remove()
 
+    def scaled(self, two: _BlockCalls, copies: int) -> _BlockCalls | None:
+        """These calls (recorded for one copy of a batch) for ``copies`` stacked copies, from
+        how the calls recorded for two copies (``two``) differ from them: a tensor twice as long
+        along its first axis that equals this one repeated is repeated ``copies`` times; a value
+        equal in both is kept; a key-value cache stays a new empty one per run. ``None`` where a
+        value follows neither rule (the calls for ``copies`` must then be recorded)."""
+        try:
+            calls = {
+                layer: (
+                    _scale(args, two.calls[layer][0], copies),
+                    _scale(kwargs, two.calls[layer][1], copies),
+                )
+                for layer, (args, kwargs) in self.calls.items()
+            }
+        except (_NotScalable, KeyError):
+            return None
+        out = _BlockCalls(self.bridge)
+        out.calls = calls
+        return out
+
     @property
     def complete(self) -> bool:
         """Whether every block's arguments were recorded."""
@@ -134,6 +157,43 @@ class _BlockCalls:
         logits = picked.new_full((hidden.shape[0], hidden.shape[1], picked.shape[-1]), torch.nan)
         logits[rows, at] = picked[:, 0]
         return logits
+
+
+class _NotScalable(Exception):
+    """A recorded argument that neither repeats with the batch nor stays the same."""
+
+
+def _scale(one: Any, two: Any, copies: int) -> Any:
+    """``one`` (an argument for one copy of the batch) for ``copies`` copies, by its relation
+    to ``two`` (the same argument for two copies); see :meth:`_BlockCalls.scaled`."""
+    if isinstance(one, torch.Tensor):
+        if not isinstance(two, torch.Tensor):
+            raise _NotScalable
+        if one.shape == two.shape and torch.equal(one, two):
+            return one
+        reps = (2,) + (1,) * (one.ndim - 1)
+        if one.ndim and two.shape[0] == 2 * one.shape[0] and torch.equal(one.repeat(reps), two):
+            return one.repeat((copies,) + reps[1:])
+        raise _NotScalable
+    if isinstance(one, (tuple, list)):
+        if type(one) is not type(two) or len(one) != len(two):
+            raise _NotScalable
+        return type(one)(_scale(a, b, copies) for a, b in zip(one, two, strict=True))
+    if isinstance(one, dict):
+        if not isinstance(two, dict) or one.keys() != two.keys():
+            raise _NotScalable
+        return {key: _scale(value, two[key], copies) for key, value in one.items()}
+    if isinstance(one, _EmptyCache):
+        if not isinstance(two, _EmptyCache):
+            raise _NotScalable
+        return one  # each run copies it anew; an empty cache has no batch yet
+    try:
+        same = one is two or bool(one == two)
+    except Exception:  # noqa: BLE001 - a value without a plain equality: not scalable
+        same = False
+    if not same:
+        raise _NotScalable
+    return one
 
 
 def _is_kv_cache(value: Any) -> bool:
@@ -228,6 +288,18 @@ class BridgeLayerRunner:
             self._exact = blocks_can_be_called(self.model.model, self.tokens)
         if not self._exact:
             return None
+        calls = self._calls.get(copies)
+        if calls is not None and calls.complete:
+            return calls
+        if copies > 2:  # scaled from the calls for one and two copies, where they follow them
+            calls = self._recorded(1).scaled(self._recorded(2), copies)
+        if calls is None or not calls.complete:
+            calls = self._recorded(copies)
+        self._calls[copies] = calls
+        return calls
+
+    def _recorded(self, copies: int) -> _BlockCalls:
+        """The blocks' arguments recorded in a pass of ``copies`` copies of the batch (once)."""
         calls = self._calls.get(copies)
         if calls is None or not calls.complete:
             calls = self._calls[copies] = _BlockCalls(self.model.model)
