@@ -41,20 +41,48 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Gemma2ForCausalLM",
         "Gemma2Config",
         dict(
-            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=64, sliding_window=4096,
-            attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=64,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
         ),
     ),  # fmt: skip
 }
 
 
-def build(family: str, vocab: int) -> Any:
-    """The converted bridge of a random model of ``family`` (:data:`FAMILIES`)."""
+#: Random Llama-like models of three public models' sizes, for ``bench_discovery_scaling.py``:
+#: name -> (config sizes, vocabulary). Tied embeddings, as those models have.
+SCALES: dict[str, tuple[dict[str, Any], int]] = {
+    "135M": (SIZES, 49152),  # SmolLM2-135M
+    "0.5B": (
+        dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+             num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=2048),
+        151936,
+    ),  # Qwen2.5-0.5B's sizes
+    "1B": (
+        dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+             max_position_embeddings=2048),
+        128256,
+    ),  # Llama-3.2-1B's sizes
+    "tiny": (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+        512,
+    ),  # for the benchmark's test
+}  # fmt: skip
+
+
+def build(family: str, vocab: int, sizes: dict[str, Any] | None = None) -> Any:
+    """The converted bridge of a random model of ``family`` (:data:`FAMILIES`), of ``sizes``
+    (default SmolLM2-135M's, :data:`SIZES`)."""
     import transformers
     from transformer_lens.model_bridge.sources import build_bridge_from_module
 
     architecture, config_name, own = FAMILIES[family]
-    config = getattr(transformers, config_name)(vocab_size=vocab, **SIZES, **own)
+    config = getattr(transformers, config_name)(vocab_size=vocab, **(sizes or SIZES), **own)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     with warnings.catch_warnings():
