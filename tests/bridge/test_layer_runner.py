@@ -269,3 +269,36 @@ def test_an_argument_that_follows_neither_rule_is_recorded():
     assert scaled is not None and scaled.calls[0][0][0].shape == (6, 3)
     two.calls = {0: ((torch.arange(4.0)[:, None].expand(4, 3),), {"rows": 2})}  # not a repeat
     assert one.scaled(two, 3) is None
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma2"])
+def test_a_run_of_the_final_norm_and_unembedding_runs_no_block(name):
+    """Issue 47: a run from ``n_layers`` (only the final norm and the unembedding: a patch of the
+    last layer's output) ran the last block on zeros and replaced its output, and unembedded
+    every position: a sweep of SmolLM2's layer 29 took 45 s on a bridge against 3 s on a
+    HookedTransformer. Where the blocks can be called it now runs no block, and unembeds only
+    the positions asked for."""
+    bridge = build_bridge(name, torch.float32)
+    adapter = analysis_model(bridge, neuron_heads=False)
+    batch = tokens(2, 7)
+    last = adapter.cfg.n_layers - 1
+    final = f"blocks.{last}.hook_resid_post"
+    with torch.no_grad():
+        full, cache = bridge.run_with_cache(batch.repeat(3, 1), names_filter=final)
+    runner = adapter.layer_runs(batch)
+    runner._block_calls(3)  # the recording passes, before counting
+    last_block, handle = _count(bridge.blocks[last])
+    try:
+        got = runner.run(cache[final], last + 1, [], 0, None)
+        at = torch.tensor([6, 3])
+        picked = runner.run(cache[final], last + 1, [], 0, None, logit_positions=at)
+    finally:
+        handle.remove()
+    rows = torch.arange(6)
+    if name in NOT_CALLED:  # the bridge's own run (its last block on zeros, output replaced)
+        torch.testing.assert_close(got, full)
+        return
+    assert last_block[0] == 0
+    assert torch.equal(got, full)
+    torch.testing.assert_close(picked[rows, at.repeat(3)], full[rows, at.repeat(3)])
+    assert picked.isnan().sum() == 6 * 6 * full.shape[-1]  # the other 6 positions of each row

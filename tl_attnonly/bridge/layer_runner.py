@@ -319,12 +319,14 @@ class BridgeLayerRunner:
     ):
         copies = resid.shape[0] // self.batch
         hooks = list(hooks)
-        if layer < self.n_layers:
+        if layer < self.n_layers or not hooks:
+            # from a block, or (no hook to fire) only the final norm and the unembedding
             calls = self._block_calls(copies)
             if calls is not None:
                 positions = None if logit_positions is None else logit_positions.repeat(copies)
                 with torch.no_grad(), self.hook_table.added(hooks, (), layer):
                     return calls.run(resid, layer, positions)
+        if layer < self.n_layers:
             site, start = f"blocks.{layer}.hook_resid_pre", layer
         else:  # only the final norm and the unembedding
             site, start = f"blocks.{self.n_layers - 1}.hook_resid_post", self.n_layers - 1
