@@ -13,13 +13,17 @@ there, many patches per pass) for each of ``--layers``, twice in one process on 
 Printed: the config, the time of each layer's sweep both ways (wall clock, one run each, the two
 interleaved per layer), their ratio, and the largest difference of the two sweeps' values.
 
+``--whole``: instead, one call over every layer with the declared metric (as a user would patch
+every neuron-head of the model), its time, and three random patches of it against one patch per
+full forward pass (``patches_per_pass=1``: TransformerLens's ``generic_activation_patch``).
+
 Models: ``bundled`` (the bundled 2-layer model; an IOI-shaped pair of random tokens) and
 ``smollm2`` (SmolLM2-135M-Instruct; ``make_ioi_dataset``, ``--prompts`` prompts, ABC corruption,
 seed 1; the ``[smollm2]`` extra), a ``HookedTransformer`` converted on TL 3.x, a converted
 ``TransformerBridge`` on 4.x (``--bridge``: the bridge on 3.x too).
 
 Run: ``python benchmarks/bench_patch_sweep.py [--model bundled|smollm2] [--layers 29 15 1]
-[--prompts 1] [--threads 2] [--bridge]``.
+[--prompts 1] [--threads 2] [--bridge] [--whole]``.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")
+    parser.add_argument("--whole", action="store_true", help="one call over every layer")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     bridge = args.bridge or not HAS_HOOKED_TRANSFORMER
@@ -88,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
             model, data.corrupted_tokens, cache, metric, "z", layers=[layer], progress=False
         )
 
+    if args.whole:
+        whole(model, data, cache)
+        return
     sweep(data.metric, layers[0])  # warm-up (once-per-model checks)
     totals = dict.fromkeys(metrics, 0.0)
     for layer in layers:
@@ -105,6 +113,30 @@ def main(argv: list[str] | None = None) -> None:
     ratio = totals["declared"] / totals["every position"]
     print(f"total: every position {totals['every position']:.1f} s, declared "
           f"{totals['declared']:.1f} s ({ratio:.2f}x)")  # fmt: skip
+
+
+def whole(model, data, cache) -> None:
+    """``--whole``: every neuron-head of every layer in one call, and three random patches of
+    it against one patch per full forward pass."""
+    start = time.perf_counter()
+    values = get_act_patch_neuron_heads(
+        model, data.corrupted_tokens, cache, data.metric, "z", progress=True
+    )
+    seconds = time.perf_counter() - start
+    print(f"every neuron-head: {values.numel():,} patches in {seconds:.1f} s "
+          f"({seconds / 60:.1f} min), declared metric")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, values.numel(), (3,), generator=gen).tolist()
+    n = values.shape[1]
+    diffs = []
+    for i in picks:
+        one = get_act_patch_neuron_heads(
+            model, data.corrupted_tokens, cache, data.metric, "z", layers=[i // n],
+            heads=[i % n], patches_per_pass=1, progress=False,
+        )  # fmt: skip
+        diffs.append(abs(one.item() - values[i // n, i % n].item()))
+    print(f"three random patches against one patch per forward pass: max |difference| "
+          f"{max(diffs):.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,3 +21,12 @@ def test_bench_patch_sweep_prints_both_sweeps_per_layer_and_their_agreement(caps
     assert int(line[1].replace(",", "")) == 512  # the bundled model's d_mlp, K = 1
     assert float(line[5]) < 1e-4  # the same values
     assert re.search(r"total: every position [\d.]+ s, declared [\d.]+ s \([\d.]+x\)", out)
+
+
+def test_bench_patch_sweep_whole_patches_every_neuron_head_and_checks_three(capsys):
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "bench_patch_sweep.py"), run_name="bench")
+    bench["main"](["--whole", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"every neuron-head: 1,024 patches in [\d.]+ s", out), out
+    diff = re.search(r"one patch per forward pass: max \|difference\| ([\d.e+-]+)", out)
+    assert diff is not None and float(diff[1]) < 1e-4
