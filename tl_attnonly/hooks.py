@@ -391,6 +391,11 @@ class NamesFilter:
 def neuron_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) -> NamesFilter:
     """Neuron-head hooks only: ``blocks.{l}.mlp.hook_{kind}`` for ``l`` in ``layers``.
 
+    On a model with mixtures of experts (no such hooks on a dense model), also each expert's and
+    shared expert's ``hook_{kind}`` (``blocks.{l}.mlp.experts.{e}.hook_z``, ``[1, routed_tokens,
+    ...]``) and the router's top-k indices (``hook_routing_indices`` or ``hook_expert_indices``,
+    ``[tokens, top_k]``), which say which token each expert row is.
+
     Args:
         *kinds: Neuron-head hook kinds (``pre, q, k, v, attn_scores, pattern, z, result, post``;
             aliases as in :func:`neuron_act_name`).
@@ -400,7 +405,13 @@ def neuron_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) 
         raise ValueError("Name at least one kind, e.g. neuron_names_filter('pattern').")
     kinds_full = [neuron_hook_kind(kind) for kind in kinds]
     layer_set = _layer_set(layers)
-    return NamesFilter([("mlp", kind, layer_set) for kind in kinds_full])
+    rules = [
+        (sublayer, kind, layer_set)
+        for kind in kinds_full
+        for sublayer in ("mlp", "mlp.experts.*", "mlp.shared*")
+    ]
+    routers = [("mlp", kind, layer_set) for kind in ("routing_indices", "expert_indices")]
+    return NamesFilter(rules + routers)
 
 
 def attn_names_filter(*kinds: str, layers: None | int | Iterable[int] = None) -> NamesFilter:

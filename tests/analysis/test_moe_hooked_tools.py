@@ -74,3 +74,31 @@ def test_hooked_moe_heads_and_expert_components_equal_transformer_lens(norm_topk
             corrupted, fwd_hooks=[("blocks.0.hook_mlp_out", lambda act, hook: clean_out)]
         )
     assert together["metric"][0] == pytest.approx(float(_metric(logits)), abs=ATOL)
+
+
+@hooked_only("NeuronHeadMoE")
+def test_hooked_moe_neuron_head_patching_sweeps_the_experts():
+    """``get_act_patch_neuron_heads`` on an ``AttnOnlyTransformer`` of ``NeuronHeadMoE`` layers
+    sweeps each layer's experts' neuron-heads end to end, as the expert tool patches them (from a
+    cache made with ``neuron_names_filter("z")``: the experts' ``hook_z`` and TL's
+    ``hook_expert_indices``)."""
+    from tl_attnonly.analysis import get_act_patch_neuron_heads
+    from tl_attnonly.analysis.experts import get_act_patch_expert_neuron_heads
+    from tl_attnonly.hooks import neuron_names_filter
+
+    original = make_model(
+        "silu", torch.float32, 0, normalization_type="RMS", num_experts=4, experts_per_token=2
+    )
+    converted = tl_attnonly.convert(original)
+    clean, corrupted = make_tokens(), make_tokens(seed=3)
+    with torch.no_grad():
+        _, cache = converted.run_with_cache(clean, names_filter=neuron_names_filter("z"))
+    heads = [0, 5, 70]
+    out = get_act_patch_neuron_heads(converted, corrupted, cache, _metric, heads=heads)
+    for layer in range(converted.cfg.n_layers):
+        table = get_act_patch_expert_neuron_heads(converted, corrupted, cache, _metric, layer=layer)
+        expected = torch.tensor(table.metric.values[heads], dtype=torch.float64)
+        torch.testing.assert_close(out[layer], expected)
+    with torch.no_grad():
+        baseline = float(_metric(converted(corrupted)))
+    assert (out - baseline).abs().max() > 1e-5

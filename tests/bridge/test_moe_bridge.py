@@ -442,6 +442,7 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     """As on ``AttnOnlyTransformer``'s ``NeuronHeadMoE`` (tests/analysis/test_gated_analysis.py,
     tests/analysis/discovery): the tools that need dense neuron-heads refuse a converted MoE
     bridge's expert layer before any work, naming it and the expert tools to use instead
+    (neuron-head patching sweeps the layer's experts: a clean cache without them is refused)
     (``analysis_model`` takes the model: tests/bridge/test_moe_tools.py; ``discover_circuit``
     takes an expert layer as one node: tests/analysis/discovery/test_moe_discovery.py)."""
     from tl_attnonly.adapt import analysis_model
@@ -453,7 +454,7 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     toks = tokens()
     match = rf"blocks\.{layer}\.mlp is a mixture of experts \(BridgeNeuronHeadExperts\)"
     assert analysis_model(bridge).blocks[layer].mlp.is_mixture_of_experts
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(KeyError, match="neuron_names_filter"):  # patched through its experts
         get_act_patch_neuron_heads(
             bridge, toks, {}, lambda logits: logits[0, -1, 0], layers=[layer]
         )

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from zoo import build_bridge, convert_zoo_bridge, tokens
+from zoo_tools import expert_patch_by_hand
 
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis import (
@@ -120,8 +121,8 @@ def test_attention_logit_attrs_equal_transformer_lens(moe):
 
 
 def test_dense_neuron_head_tools_refuse_before_work(moe):
-    """Patching dense neuron-heads of an expert layer refuses before a forward pass, naming the
-    expert tools; so do the dense decompositions."""
+    """Naming a dense neuron-head (``L0N3``) of an expert layer in the head and output sweeps
+    refuses before a forward pass, naming the expert tools."""
     calls = []
 
     def metric(logits):
@@ -130,13 +131,79 @@ def test_dense_neuron_head_tools_refuse_before_work(moe):
 
     bridge, corrupted, cache = moe["bridge"], moe["corrupted"], moe["cache"]
     for run in (
-        lambda: get_act_patch_neuron_heads(bridge, corrupted, cache, metric),
-        lambda: get_act_patch_neuron_heads(bridge, corrupted, cache, metric, layers=[1]),
         lambda: get_act_patch_all_heads(bridge, corrupted, cache, metric, heads=["L0N3"]),
         lambda: get_act_patch_outputs(bridge, corrupted, cache, metric, heads=["L1N0"]),
     ):
         with pytest.raises(NotImplementedError, match="get_act_patch_expert_neuron_heads"):
             run()
+    assert not calls
+
+
+def test_neuron_head_patching_reaches_expert_layers(moe):
+    """``get_act_patch_neuron_heads`` sweeps an expert layer as its experts' neuron-heads end to
+    end (routed experts, then shared): each cell equals a plain-hook patch of that expert's
+    ``hook_z`` at the tokens routed to it in both runs, from a cache made with
+    ``neuron_names_filter("z")``; the index frame labels the cells."""
+    from tl_attnonly.analysis.experts import get_act_patch_expert_neuron_heads
+    from tl_attnonly.hooks import neuron_names_filter
+
+    bridge, corrupted = moe["bridge"], moe["corrupted"]
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(moe["clean"], names_filter=neuron_names_filter("z"))
+    out, frame = get_act_patch_neuron_heads(
+        bridge, corrupted, cache, _metric, return_index_df=True, progress=False
+    )
+    n_layers = bridge.cfg.n_layers
+    expected = [
+        get_act_patch_expert_neuron_heads(bridge, corrupted, moe["cache"], _metric, layer=layer)
+        for layer in range(n_layers)
+    ]
+    width = max(len(table) for table in expected)
+    assert out.shape == (n_layers, width) and out.dtype == torch.float64
+    for layer, table in enumerate(expected):
+        torch.testing.assert_close(
+            out[layer, : len(table)], torch.tensor(table.metric.values, dtype=torch.float64)
+        )
+        assert out[layer, len(table) :].isnan().all()
+        labels = frame[frame.layer == layer].label.tolist()[: len(table)]
+        assert labels == table.label.tolist()
+    n_first = int((expected[1].expert == 0).sum())
+    with torch.no_grad():
+        logits = expert_patch_by_hand(bridge, corrupted, moe["cache"], 1, 1, 2)
+    by_hand = float(_metric(logits))
+    assert float(out[1, n_first + 2]) == pytest.approx(by_hand, abs=ATOL)
+    assert frame.label[(frame.layer == 1) & (frame["head"] == n_first + 2)].item() == "L1E1N2"
+    with torch.no_grad():
+        baseline = float(_metric(bridge(corrupted)))
+    assert (out[~out.isnan()] - baseline).abs().max() > 1e-5
+    one = get_act_patch_neuron_heads(
+        bridge, corrupted, cache, _metric, layers=[1], heads=[n_first + 2], progress=False
+    )
+    assert float(one.item()) == pytest.approx(by_hand, abs=ATOL)
+
+
+def test_neuron_head_patching_of_expert_layers_refuses_what_it_cannot_do(moe):
+    """Options an expert layer's sweep cannot take, a head it does not have and a cache without
+    the experts' hooks are refused before any forward pass, naming the option."""
+    from tl_attnonly.hooks import attn_names_filter
+
+    calls = []
+
+    def metric(logits):
+        calls.append(1)
+        return _metric(logits)
+
+    bridge, corrupted, cache = moe["bridge"], moe["corrupted"], moe["cache"]
+    with pytest.raises(ValueError, match="activation_name='v'"):
+        get_act_patch_neuron_heads(bridge, corrupted, cache, metric, "v")
+    with pytest.raises(ValueError, match="per_position=True"):
+        get_act_patch_neuron_heads(bridge, corrupted, cache, metric, per_position=True)
+    with pytest.raises(IndexError, match="blocks.0.mlp has"):
+        get_act_patch_neuron_heads(bridge, corrupted, cache, metric, heads=[10**6])
+    with torch.no_grad():
+        _, attn_only = bridge.run_with_cache(moe["clean"], names_filter=attn_names_filter("z"))
+    with pytest.raises(KeyError, match="neuron_names_filter"):
+        get_act_patch_neuron_heads(bridge, corrupted, attn_only, metric)
     assert not calls
 
 
@@ -359,3 +426,30 @@ def test_expert_patching_patches_each_experts_weighted_contribution(moe):
     with torch.no_grad():
         base = float(_metric(bridge(corrupted)))
     assert (table["metric"] - base).abs().max() > 1e-4  # the patches act
+
+
+def test_neuron_head_patching_of_dense_and_expert_layers_together():
+    """DeepSeek-V3 (a dense layer 0, experts in layer 1): one sweep gives layer 0's dense
+    neuron-heads as the dense sweep does and layer 1's experts' as the expert tool does, NaN past
+    the narrower layer's heads."""
+    from tl_attnonly.analysis.experts import get_act_patch_expert_neuron_heads
+    from tl_attnonly.hooks import neuron_names_filter
+
+    torch.manual_seed(0)
+    bridge = build_bridge("deepseek_v3", torch.float32)
+    convert_zoo_bridge(bridge)
+    clean, corrupted = tokens(), tokens(seed=5)
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(clean, names_filter=neuron_names_filter("z"))
+    out, frame = get_act_patch_neuron_heads(
+        bridge, corrupted, cache, _metric, return_index_df=True, progress=False
+    )
+    dense = get_act_patch_neuron_heads(bridge, corrupted, cache, _metric, layers=[0])
+    experts = get_act_patch_expert_neuron_heads(bridge, corrupted, cache, _metric, layer=1)
+    n_dense, n_experts = dense.shape[-1], len(experts)
+    assert n_dense != n_experts and out.shape == (2, max(n_dense, n_experts))
+    torch.testing.assert_close(out[0, :n_dense], dense[0])
+    torch.testing.assert_close(out[1, :n_experts], torch.tensor(experts.metric.values).double())
+    assert out[0, n_dense:].isnan().all() and out[1, n_experts:].isnan().all()
+    assert frame[frame.layer == 0].label.tolist()[:2] == ["L0N0", "L0N1"]
+    assert frame[frame.layer == 1].label.tolist()[:n_experts] == experts.label.tolist()

@@ -44,6 +44,38 @@ _TOKENIZERS = Path(tempfile.mkdtemp(prefix="zoo_tools_tokenizer_"))
 atexit.register(shutil.rmtree, _TOKENIZERS, ignore_errors=True)
 
 
+def expert_patch_by_hand(
+    bridge: Any, corrupted: torch.Tensor, cache: Any, layer: int, expert: int, head: int
+) -> torch.Tensor:
+    """The corrupted run's logits with routed expert ``expert``'s neuron-head ``head`` at
+    ``layer`` given its clean ``z`` (``cache``) at the tokens routed to it in both runs, by plain
+    hooks: one reads the corrupted run's routing, the other writes the expert's ``hook_z``."""
+    from tl_attnonly.analysis.experts.routing import routing_hook_name
+
+    routing = routing_hook_name(layer, bridge)
+
+    def order(index: torch.Tensor) -> list[int]:  # the token of each expert row: slot, then token
+        return [t for s in range(index.shape[1]) for t in range(index.shape[0])
+                if int(index[t, s]) == expert]  # fmt: skip
+
+    clean_order = order(cache[routing])
+    clean_z = cache[f"blocks.{layer}.mlp.experts.{expert}.hook_z"]  # [1, routed, heads, 1]
+    seen: dict[str, list[int]] = {}
+
+    def read_routing(index: torch.Tensor, hook: Any) -> None:
+        seen["order"] = order(index)
+
+    def patch(z: torch.Tensor, hook: Any) -> torch.Tensor:
+        z = z.clone()
+        for i, token in enumerate(seen["order"]):
+            if token in clean_order:
+                z[0, i, head] = clean_z[0, clean_order.index(token), head]
+        return z
+
+    hooks = [(routing, read_routing), (f"blocks.{layer}.mlp.experts.{expert}.hook_z", patch)]
+    return bridge.run_with_hooks(corrupted, fwd_hooks=hooks)
+
+
 class WrongResult(Exception):
     """A tool ran but broke its documented contract (a silent defect: counted as an error)."""
 
@@ -143,6 +175,15 @@ def _neuron_head_patching(task: Task) -> None:
         task.bridge, task.corrupted, cache, task.patching_metric, heads=[0, 1], progress=False
     )
     # its contract: one neuron-head's patch is the bridge run with that head's z patched by a hook
+    from tl_attnonly.adapt import analysis_model
+
+    if getattr(analysis_model(task.bridge).neuron_heads[0], "is_mixture_of_experts", False):
+        # an expert layer: its heads are its experts' end to end; head 0 is expert 0's head 0
+        with torch.no_grad():
+            logits = expert_patch_by_hand(task.bridge, task.corrupted, cache, 0, 0, 0)
+        expected = task.patching_metric(logits).reshape(1)
+    else:
+        expected = task.hooked_patch(cache, "blocks.0.mlp.hook_z", 0).reshape(1)
     one = get_act_patch_neuron_heads(
         task.bridge,
         task.corrupted,
@@ -155,7 +196,7 @@ def _neuron_head_patching(task: Task) -> None:
     )
     check_contract(
         one.flatten(),
-        task.hooked_patch(cache, "blocks.0.mlp.hook_z", 0).reshape(1),
+        expected,
         "a neuron-head's patch is not the run with its z patched",
     )
 

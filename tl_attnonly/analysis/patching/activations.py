@@ -42,9 +42,11 @@ from tl_attnonly._types import FwdHooks, Metric, check_tokens, on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.dense_layers import (
     dense_neuron_layers,
+    expert_layers,
     head_refs,
     refuse_expert_refs,
 )
+from tl_attnonly.analysis.patching.expert_sweeps import patch_neuron_heads_with_experts
 from tl_attnonly.analysis.patching.options import (
     PatchingOptions,
     patch_level,
@@ -229,10 +231,13 @@ def get_act_patch_neuron_heads(
         layers, heads, positions: Which to sweep; default all. ``heads`` are neuron-head indices
             (``neuron * K + k``, in ``[0, n_neuron_heads)``) at ``level="head"`` and neuron
             indices (in ``[0, d_mlp)``; neuron ``i`` is heads ``i*K .. i*K+K-1``) at
-            ``level="neuron"``. A mixture-of-experts layer has no dense neuron-heads: by
-            default the dense layers only; an expert layer named (or a model of expert layers
-            only) is refused before any work (expert neuron-heads:
-            :func:`~tl_attnonly.analysis.experts.get_act_patch_expert_neuron_heads`).
+            ``level="neuron"``. A mixture-of-experts layer's neuron-heads are its experts'
+            laid end to end (routed experts in index order, then the shared ones), each patched
+            as :func:`~tl_attnonly.analysis.experts.get_act_patch_expert_neuron_heads` does: at
+            the tokens routed to the expert in both runs, one pass per head, ``z`` only and not
+            per position (:mod:`~tl_attnonly.analysis.patching.expert_sweeps`); the clean cache
+            then needs the experts' ``hook_z`` and the routers' indices
+            (``neuron_names_filter("z")`` keeps them).
         level: ``"neuron"``: one patch per neuron, its ``K`` heads together; ``"head"``: one per
             neuron-head. Default (``None``): ``"neuron"`` where ``K > 1``, ``"head"`` where
             ``K = 1`` (the same patches; ``"head"`` keeps the index frame's ``head`` column).
@@ -258,7 +263,9 @@ def get_act_patch_neuron_heads(
         (patterns per position), with the sizes of the subsets given, where ``n_heads`` counts
         neuron-heads (``n_neuron_heads``) at ``level="head"`` and neurons (``d_mlp``) at
         ``level="neuron"``; and the index frame if ``return_index_df`` (its ``head`` column is
-        ``neuron`` at ``level="neuron"``).
+        ``neuron`` at ``level="neuron"``). With mixture-of-experts layers in the sweep: ``[n_layers,
+        n_heads]``, ``n_heads`` the widest layer's (NaN past a narrower layer's heads), and an
+        index frame of one row per cell: ``layer, head, expert, label`` (``L1E3N17``).
     """
     opts = resolve_patching_options(
         "get_act_patch_neuron_heads",
@@ -278,6 +285,20 @@ def get_act_patch_neuron_heads(
     level = patch_level(opts.level, K)
     corrupted_tokens = on_model_device(model, corrupted_tokens)
     check_tokens(corrupted_tokens)
+    chosen = list(range(model.cfg.n_layers)) if layers is None else [int(li) for li in layers]
+    if expert_layers(model) & set(chosen):  # experts' neuron-heads end to end (expert_sweeps)
+
+        def dense_sweep(dense: list[int], cols: list[int]) -> torch.Tensor:
+            return get_act_patch_neuron_heads(
+                model, corrupted_tokens, clean_cache, patching_metric, activation_name,
+                layers=dense, heads=cols, options=opts,
+            )  # fmt: skip
+
+        out, frame = patch_neuron_heads_with_experts(
+            model, corrupted_tokens, clean_cache, patching_metric, activation_name, chosen,
+            heads, opts, dense_sweep,
+        )  # fmt: skip
+        return (out, frame) if return_index_df else out
     index_df = neuron_head_patch_index(
         model,
         activation_name,

@@ -1,9 +1,10 @@
 """Which layers' neuron-heads the dense patching tools reach on a model with mixtures of experts.
 
 A mixture-of-experts layer has no dense neuron-heads (``blocks.{l}.mlp.hook_z``): each expert's
-neuron-heads see only the tokens routed to it (:mod:`tl_attnonly.analysis.experts`). The dense
-sweeps (:func:`~tl_attnonly.analysis.get_act_patch_neuron_heads`,
-:func:`~tl_attnonly.analysis.get_act_patch_all_heads`,
+neuron-heads see only the tokens routed to it (:mod:`tl_attnonly.analysis.experts`).
+:func:`~tl_attnonly.analysis.get_act_patch_neuron_heads` sweeps an expert layer through its
+experts (:mod:`~tl_attnonly.analysis.patching.expert_sweeps`). The dense sweeps
+(:func:`~tl_attnonly.analysis.get_act_patch_all_heads`,
 :func:`~tl_attnonly.analysis.get_act_patch_outputs`,
 :func:`~tl_attnonly.analysis.attribution_patch`) therefore sweep, by default, every attention
 head and the neuron-heads of the dense layers only (DeepSeek's first layers; none in Mixtral);
