@@ -14,6 +14,7 @@ what works.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -207,8 +208,53 @@ def test_neuron_head_patching_of_expert_layers_refuses_what_it_cannot_do(moe):
     assert not calls
 
 
+def test_neuron_head_views_show_an_expert_layer_as_its_experts_heads(moe):
+    """The attention view and the strips draw an expert layer's neuron-heads, its experts' end to
+    end (from the model or a cache): ranked by max |z| over each head's routed tokens, labelled
+    by expert, each row the head's self weight at a routed token and empty elsewhere."""
+    from tl_attnonly.analysis.experts import expert_activation, layer_heads
+    from tl_attnonly.analysis.experts.routing import (
+        cached_routing,
+        expert_hook_name,
+        expert_tokens,
+        hook_rows,
+    )
+    from tl_attnonly.vis import neuron_head_attention_view, neuron_head_strips
+
+    bridge, clean, cache, layer = moe["bridge"], moe["clean"], moe["cache"], 1
+    numbered = layer_heads(analysis_model(bridge), layer)
+    experts = list(dict.fromkeys(e for e, _ in numbered))
+    z = torch.cat([expert_activation(cache, layer, e, "z")[0] for e in experts], dim=-1)
+    order = torch.argsort(z.abs().nan_to_num(0.0).amax(0), descending=True, stable=True)
+    n_pos, empty_rows = clean.shape[1], 0
+    for source in (bridge, cache):
+        view = neuron_head_attention_view(source, layer, clean[0], top_k=6, page_size=6)
+        assert view.heads == order[:6].tolist()
+        assert "mixture of experts" in view.caption
+        attention = torch.tensor(json.loads(view.props)["attention"])
+        for i, head in enumerate(view.heads):
+            expert, h = numbered[head]
+            tag = f"E{expert}" if isinstance(expert, int) else "S"
+            assert view.labels[i] == f"L{layer}{tag}N{h}"
+            rows = hook_rows(cache[expert_hook_name(layer, expert, "pattern")], "pattern")[:, h]
+            routing = cached_routing(cache, layer) if isinstance(expert, int) else None
+            tokens = expert_tokens(routing, expert, rows.shape[0] if routing is None else 2 * n_pos)
+            expected = torch.zeros(n_pos)
+            mine = tokens < n_pos  # prompt 0's tokens
+            expected[tokens[mine]] = rows[mine].float()
+            torch.testing.assert_close(attention[i, 1:, 1:].diagonal(), expected, atol=1e-4, rtol=0)
+            ran = expected > 0
+            assert (attention[i, 1:, 0][~ran] == 0).all()
+            empty_rows += int((~ran).sum())
+    assert empty_rows > 0, "some shown head's expert skipped a token"
+    strips = neuron_head_strips(bridge, layer, clean[0], top_k=3)
+    assert list(strips.layout.yaxis.ticktext) == [
+        label for label in neuron_head_attention_view(bridge, layer, clean[0], top_k=3).labels
+    ]
+
+
 def test_neuron_head_views_and_summaries_refuse_before_work(moe):
-    """The dense neuron-head views, summaries, path patching (which freezes every
+    """The dense neuron-head summaries, path patching (which freezes every
     neuron-head's ``z``), node-level circuits, the gate/value split and composition scores of
     an expert layer's neuron-heads refuse before a forward pass, naming the expert tools."""
     from tl_attnonly.analysis import (
@@ -222,15 +268,12 @@ def test_neuron_head_views_and_summaries_refuse_before_work(moe):
         path_patch_sweep,
         summarize_neuron_heads,
     )
-    from tl_attnonly.vis import neuron_head_attention_view
 
     bridge, clean = moe["bridge"], moe["clean"]
     ran: list[int] = []
     handle = bridge.blocks[0].register_forward_pre_hook(lambda module, args: ran.append(1))
     try:
         for run in (
-            lambda: neuron_head_attention_view(bridge, 0, clean[0]),
-            lambda: neuron_head_attention_view(moe["cache"], 1, clean[0]),
             lambda: summarize_neuron_heads(bridge, [clean[0]]),
             lambda: path_patch_sweep(bridge, clean, moe["corrupted"], "logits", _metric),
             lambda: path_patch(bridge, clean, moe["corrupted"], ["L0H0"], "logits", _metric),

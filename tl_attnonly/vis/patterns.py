@@ -20,8 +20,7 @@ from jaxtyping import Float
 from transformer_lens import ActivationCache
 
 from tl_attnonly._types import HeadsLike, replace_options
-from tl_attnonly.hooks import neuron_head_label
-from tl_attnonly.mlp_protocol import refuse_expert_layers
+from tl_attnonly.analysis.experts.routing import layer_head_labels, layer_heads
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.vis.export import circuitsvis_js, script_safe_json
 from tl_attnonly.vis.sources import (
@@ -108,13 +107,14 @@ def circuitsvis_pattern_args(
         str_tokens: The prompt's string tokens, one per query position.
 
     Returns:
-        ``{"tokens": ["<bias>", *str_tokens], "attention": [head, 1 + pos, 1 + pos]}``.
+        ``{"tokens": ["<bias>", *str_tokens], "attention": [head, 1 + pos, 1 + pos]}``; a row
+        that is NaN in ``pattern`` (a token not routed to an expert head) is drawn empty (0).
 
     Raises:
         ValueError: For a pattern that is not one prompt's compact pattern, or tokens that are
             not one per position.
     """
-    square = square_neuron_pattern(pattern.detach().float().cpu())
+    square = square_neuron_pattern(pattern.detach().float().cpu()).nan_to_num(0.0)
     if len(str_tokens) != pattern.shape[1]:
         raise ValueError(
             f"{len(str_tokens)} tokens given for a cache of {pattern.shape[1]} positions: pass the "
@@ -149,23 +149,26 @@ def neuron_head_scores(
 
     Returns:
         One score per neuron-head ``[n_neuron_heads]`` (or per neuron ``[d_mlp]``), higher = more
-        active.
+        active. On a mixture-of-experts layer (the view's cache: the experts' heads end to end,
+        NaN at tokens not routed to a head's expert) each head is scored over its routed tokens.
     """
     if rank_by not in RANK_BY:
         raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}.")
     if level not in ("head", "neuron"):
         raise ValueError(f"level must be 'neuron' or 'head', got {level!r}.")
     K = converted_model_of(cache).n_heads_per_neuron
-    if rank_by in ("self", "contrast"):
+    if rank_by in ("self", "contrast"):  # NaN: a token not routed to an expert head's expert
         weight_self = _cached(cache, "pattern", layer)[batch_index, :, :, 0].float()
-        score = weight_self.amax(-1)
+        ran = ~weight_self.isnan()
+        score = weight_self.nan_to_num(0.0).amax(-1)
         if rank_by == "contrast":
-            score = score - weight_self.amin(-1)
+            score = score - weight_self.masked_fill(~ran, 1.0).amin(-1)
+        score = score.masked_fill(~ran.any(-1), 0.0)  # a head that saw no token
         return score.reshape(-1, K).amax(-1) if level == "neuron" else score
     z_heads = _cached(cache, "z", layer)[batch_index, :, :, 0]  # [pos, n_neuron_heads]
     if level == "neuron":  # the neuron: the sum of its heads, then the max over tokens
         z_heads = z_heads.reshape(z_heads.shape[0], -1, K).sum(-1)
-    z = z_heads.float().abs().amax(0)
+    z = z_heads.float().abs().nan_to_num(0.0).amax(0)
     if rank_by == "z":
         return z
     mlp = converted_model_of(cache).blocks[layer].mlp
@@ -205,7 +208,7 @@ def rank_neuron_heads(
         scores = (
             None if heads is not None else neuron_head_scores(cache, layer, rank_by, batch_index)
         )
-        return select_neuron_heads(scores, model.n_neuron_heads, heads, top_k)
+        return select_neuron_heads(scores, len(layer_heads(model, layer)), heads, top_k)
     scores = neuron_head_scores(cache, layer, rank_by, batch_index, level="neuron")
     neurons = select_neuron_heads(scores, scores.shape[0], None, top_k)
     return [n * K + k for n in neurons for k in range(K)]
@@ -412,13 +415,11 @@ def neuron_head_attention_view(
             f"page_size must be in [1, {MAX_HEADS_PER_VIEW}] (circuitsvis draws one chart per "
             f"head), got {page_size}. Use page=... to go through a larger selection."
         )
-    mlps = [block.mlp for block in converted_model_of(source).blocks]
-    refuse_expert_layers(mlps, [layer], "neuron_head_attention_view")  # before the run
     cache, str_tokens = cache_and_tokens(source, tokens, layer, batch_index)
     model = converted_model_of(cache)
-    n_heads = model.n_neuron_heads
+    n_heads = len(layer_heads(model, layer))
     k_per_neuron = model.n_heads_per_neuron
-    heads = heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
+    heads = heads_from_neurons(heads, neurons, k_per_neuron, n_heads // k_per_neuron)
     ranked = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
     n_pages = max(1, math.ceil(len(ranked) / page_size))
     if not 0 <= page < n_pages:
@@ -427,7 +428,7 @@ def neuron_head_attention_view(
     drawn = circuitsvis_pattern_args(
         _cached(cache, "pattern", layer)[batch_index, shown], str_tokens
     )
-    labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
+    labels = layer_head_labels(model, layer, shown)
     what = "neurons" if level == "neuron" and k_per_neuron > 1 else "heads"
     description = _RANK_DESCRIPTIONS[rank_by]
     if rank_by == "z" and what == "heads" and k_per_neuron > 1:  # one head is not the neuron
@@ -440,6 +441,11 @@ def neuron_head_attention_view(
         f"{len(ranked)} {how} (of {n_heads} in the layer; page {page + 1}/{n_pages}). "
         f"Column 0 is the bias token {BIAS_TOKEN}; the diagonal is each token's weight on itself."
     )
+    if getattr(model.neuron_heads[layer], "is_mixture_of_experts", False):
+        caption += (
+            " A mixture of experts: its experts' neuron-heads end to end; a token not routed to "
+            "a head's expert has an empty row."
+        )
     props = {
         "attention": np.round(drawn["attention"].double().numpy(), 4),
         "tokens": drawn["tokens"],

@@ -12,7 +12,8 @@ from transformer_lens import ActivationCache
 
 from tl_attnonly._types import HeadsLike
 from tl_attnonly.adapt import analysis_model, model_of_cache
-from tl_attnonly.hooks import neuron_act_name
+from tl_attnonly.analysis.experts.routing import expert_heads_as_dense
+from tl_attnonly.hooks import neuron_act_name, neuron_names_filter
 from tl_attnonly.mlp_protocol import refuse_expert_layers
 from tl_attnonly.protocol import AttnOnlyModel
 
@@ -85,6 +86,14 @@ def heads_from_neurons(
 def cache_and_tokens(
     source: Any, tokens: TokensLike | None, layer: int, batch_index: int
 ) -> tuple[ActivationCache, list[str]]:
+    """The cache a view of ``layer`` reads (``source`` itself, or a run of the model ``source``
+    on ``tokens``) and the prompt's string tokens.
+
+    For a mixture-of-experts layer the cache returned holds the layer's experts' neuron-heads in
+    a dense layer's hooks (``blocks.{layer}.mlp.hook_pattern`` and ``hook_z``; numbered and
+    laid out as :func:`~tl_attnonly.analysis.experts.expert_heads_as_dense` does, NaN at the
+    tokens not routed to a head's expert), so the views read every layer alike.
+    """
     if isinstance(source, ActivationCache):
         model = converted_model_of(source)
         _check_layer(model, layer)
@@ -93,8 +102,10 @@ def cache_and_tokens(
                 "Pass tokens=...: the prompt (text or ids) or its string tokens, to label the view."
             )
         if isinstance(tokens, (list, tuple)):
-            return source, [str(t) for t in tokens]
-        return source, _str_tokens(model, cast("str | torch.Tensor", tokens), batch_index)
+            str_tokens = [str(t) for t in tokens]
+        else:
+            str_tokens = _str_tokens(model, cast("str | torch.Tensor", tokens), batch_index)
+        return _layer_view(source, layer, len(str_tokens)), str_tokens
     model = converted_model_of(source)
     if tokens is None:
         raise ValueError("Pass tokens=...: the prompt to run the model on (text or token ids).")
@@ -108,10 +119,30 @@ def cache_and_tokens(
     if ids.ndim == 1:
         ids = ids.unsqueeze(0)
     _check_layer(model, layer)
-    names = (neuron_act_name("pattern", layer), neuron_act_name("z", layer))
+    names = neuron_names_filter("pattern", "z", layers=layer)  # an expert layer's too
     with torch.inference_mode():
-        _, cache = model.run_with_cache(ids, names_filter=lambda n: n in names, **run_kwargs)
-    return cache, _str_tokens(model, ids, batch_index)
+        _, cache = model.run_with_cache(ids, names_filter=names, **run_kwargs)
+    return _layer_view(cache, layer, ids.shape[-1]), _str_tokens(model, ids, batch_index)
+
+
+def _layer_view(cache: ActivationCache, layer: int, n_pos: int) -> ActivationCache:
+    """``cache``, or for a mixture-of-experts layer a cache of its experts' neuron-heads in the
+    dense hooks of ``layer`` (see :func:`cache_and_tokens`)."""
+    model = converted_model_of(cache)
+    if not getattr(model.neuron_heads[layer], "is_mixture_of_experts", False):
+        return cache
+    try:
+        dense = {
+            neuron_act_name(kind, layer): expert_heads_as_dense(cache, layer, kind, n_pos)
+            for kind in ("pattern", "z")
+        }
+    except KeyError as missing:
+        raise KeyError(
+            f"A view of blocks.{layer}.mlp (a mixture of experts) reads its experts' hook_pattern "
+            f"and hook_z and the router's indices; the cache lacks {missing}. Cache them with "
+            f"names_filter=tl_attnonly.hooks.neuron_names_filter('pattern', 'z')."
+        ) from None
+    return ActivationCache(dense, cache.model)
 
 
 def _check_layer(model: AttnOnlyModel, layer: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import plotly.graph_objects as go
 
-from tl_attnonly.hooks import neuron_head_label
+from tl_attnonly.analysis.experts.routing import layer_head_labels, layer_heads
 from tl_attnonly.vis.figures import tick_label
 from tl_attnonly.vis.patterns import BIAS_TOKEN, HeadsLike, rank_neuron_heads
 from tl_attnonly.vis.sources import (
@@ -69,11 +69,12 @@ def neuron_head_strips(
     cache, str_tokens = cache_and_tokens(source, tokens, layer, batch_index)
     model = converted_model_of(cache)
     k_per_neuron = model.n_heads_per_neuron
-    heads = heads_from_neurons(heads, neurons, k_per_neuron, model.cfg.d_mlp or 0)
+    n_heads = len(layer_heads(model, layer))  # a mixture of experts: its experts' end to end
+    heads = heads_from_neurons(heads, neurons, k_per_neuron, n_heads // k_per_neuron)
     shown = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
     pattern, z_shown = weights_and_z(cache, layer, shown, len(str_tokens), batch_index)
     n_heads, n_pos, _ = pattern.shape  # [head, pos, (self, bias)]
-    labels = [neuron_head_label(layer, h, k_per_neuron) for h in shown]
+    labels = layer_head_labels(model, layer, shown)
     # rows: head i -> 3i (self), 3i + 1 (bias), 3i + 2 (a gap); unique names, so categorical
     rows = [name for label in labels for name in (f"{label} self", f"{label} bias", f"{label} ")]
     z_rows = np.repeat(z_shown, 3, axis=0).astype(np.float32)  # numbers only: a small figure

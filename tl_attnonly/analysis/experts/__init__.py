@@ -33,6 +33,11 @@ An :class:`~tl_attnonly.AttnOnlyTransformer`'s MoE (TransformerLens's) has no sh
 
 * :func:`expert_routing`: the weight each token gave each expert in a run, ``[batch, pos,
   n_experts]`` (drawn by :func:`tl_attnonly.vis.expert_routing_heatmap`).
+* :func:`layer_heads`, :func:`layer_head_labels`, :func:`expert_heads_as_dense`: a layer's
+  neuron-heads numbered layer-wide, its experts' end to end (routed experts, then the shared
+  ones), as :func:`~tl_attnonly.analysis.get_act_patch_neuron_heads` and the neuron-head views
+  number them, and their ``pattern``/``z`` in a dense layer's layout (NaN at the tokens not
+  routed to a head's expert).
 
 The dense decompositions (:func:`~tl_attnonly.analysis.decompose_resid_heads`,
 :func:`~tl_attnonly.analysis.head_logit_attrs`) read an expert layer as its experts' weighted
@@ -62,9 +67,12 @@ from tl_attnonly.analysis.experts.routing import (
     SHARED,
     Expert,
     expert_activation,
+    expert_heads_as_dense,
     expert_hook_name,
     expert_neuron_head_label,
     experts_used,
+    layer_head_labels,
+    layer_heads,
     moe_layer,
     resolve_expert,
     routed_tokens,
@@ -90,10 +98,13 @@ __all__ = [
     "experts_used",
     "routing_weights_hook_name",
     "expert_activation",
+    "expert_heads_as_dense",
     "expert_hook_name",
     "expert_neuron_head_label",
     "get_act_patch_expert_neuron_heads",
     "get_act_patch_experts",
+    "layer_head_labels",
+    "layer_heads",
     "moe_layer",
     "resolve_expert",
     "routed_tokens",

@@ -6,7 +6,9 @@ router's top-k indices) and how a shared expert sees every token is told in
 :func:`expert_hook_name`), labels (:func:`expert_neuron_head_label`), the experts of a block
 (:func:`moe_layer`, :func:`shared_experts`, :func:`resolve_expert`), the routing order
 (:func:`routed_tokens`), an expert hook's rows back at their tokens (:func:`hook_rows`,
-:func:`scatter_rows`) and :func:`expert_activation`. Activation patching
+:func:`scatter_rows`), :func:`expert_activation`, and a layer's neuron-heads numbered
+layer-wide, experts end to end (:func:`layer_heads`, :func:`layer_head_labels`,
+:func:`expert_heads_as_dense`). Activation patching
 (:mod:`.patching`) and dataset summaries (:mod:`tl_attnonly.analysis.summaries.experts`) read
 experts through these.
 """
@@ -303,6 +305,81 @@ def experts_used(
     return {layer: cached_routing(cache, layer).reshape(*shape, -1) for layer in layers}
 
 
+def layer_heads(model: AttnOnlyModel, layer: int) -> list[tuple[Expert | None, int]]:
+    """A layer's neuron-heads in the order the layer-wide tools number them: ``(None, h)`` for a
+    dense layer's; for a mixture of experts, its experts' end to end, ``(expert, h)`` with ``h``
+    counted within the expert (routed experts in index order, then the shared ones by name)."""
+    mlp = model.neuron_heads[layer]
+    if not getattr(mlp, "is_mixture_of_experts", False):
+        return [(None, h) for h in range(mlp.n_neuron_heads)]
+    moe = moe_layer(model, layer)
+    return [
+        (expert, h)
+        for expert in resolve_experts(moe, layer, None)
+        for h in range(expert_layer(moe, expert).n_neuron_heads)
+    ]
+
+
+def layer_head_labels(model: AttnOnlyModel, layer: int, heads: Sequence[int]) -> list[str]:
+    """The labels of heads ``heads`` of :func:`layer_heads`: ``L1N17`` (a dense layer's),
+    ``L1E3N17`` (routed expert 3's), ``L1SN17`` (the shared expert's)."""
+    from tl_attnonly.hooks import neuron_head_label
+
+    numbered, K = layer_heads(model, layer), model.n_heads_per_neuron
+    labels = []
+    for head in heads:
+        expert, h = numbered[head]
+        labels.append(
+            neuron_head_label(layer, h, K)
+            if expert is None
+            else expert_neuron_head_label(layer, expert, h, K)
+        )
+    return labels
+
+
+def expert_heads_as_dense(
+    cache: Any, layer: int, kind: str, n_pos: int
+) -> Float[torch.Tensor, "batch ..."]:
+    """A mixture-of-experts layer's neuron-heads (:func:`layer_heads`) in a dense layer's hook
+    layout, in token space: ``pattern`` ``[batch, n_heads, pos, 2]``, ``z`` ``[batch, pos,
+    n_heads, 1]``, NaN where a token was not routed to the head's expert (it did not run there).
+
+    Args:
+        cache: A cache of the converted model holding every expert's (and shared expert's)
+            ``hook_{kind}`` of ``layer`` and, for routed experts, the router's top-k indices.
+        layer: The MoE layer.
+        kind: ``"pattern"`` or ``"z"``.
+        n_pos: Positions per prompt (the batch is the cached tokens over ``n_pos``).
+
+    Raises:
+        ValueError: For another kind, or tokens that are not a multiple of ``n_pos``.
+        KeyError: If the cache lacks a hook.
+    """
+    if kind not in ("pattern", "z"):
+        raise ValueError(f"kind must be 'pattern' or 'z', got {kind!r}.")
+    model = model_of_cache(cache, allow_experts=True)
+    experts = resolve_experts(moe_layer(model, layer), layer, None)  # layer_heads's order
+    routing = cached_routing(cache, layer) if any(isinstance(e, int) for e in experts) else None
+    columns = []
+    for expert in experts:
+        act = cache[expert_hook_name(layer, expert, kind)]
+        if kind == "pattern":  # [lead, heads, query, 2] -> rows [lead * query, heads, 2]
+            rows = act.transpose(1, 2).reshape(-1, act.shape[1], 2)
+        else:  # [lead, query, heads, 1]
+            rows = act.reshape(-1, *act.shape[-2:])
+        columns.append((expert, rows))
+    n_tokens = routing.shape[0] if routing is not None else columns[0][1].shape[0]
+    if n_tokens % n_pos:
+        raise ValueError(f"{n_tokens} cached tokens are not whole prompts of {n_pos} positions.")
+    batch = n_tokens // n_pos
+    out = []
+    for expert, rows in columns:
+        tokens = expert_tokens(routing, expert, n_tokens).to(rows.device)
+        out.append(scatter_rows(rows, tokens, batch, n_pos, float("nan")))  # [batch, pos, h, .]
+    dense = torch.cat(out, dim=2)
+    return dense.permute(0, 2, 1, 3) if kind == "pattern" else dense
+
+
 def scatter_rows(
     act: Float[torch.Tensor, "rows ..."],
     rows: Int[torch.Tensor, " rows"],
@@ -323,12 +400,15 @@ __all__ = [
     "Expert",
     "cached_routing",
     "expert_activation",
+    "expert_heads_as_dense",
     "expert_hook_name",
     "expert_layer",
     "expert_neuron_head_label",
     "expert_tokens",
     "experts_used",
     "hook_rows",
+    "layer_head_labels",
+    "layer_heads",
     "moe_layer",
     "resolve_expert",
     "resolve_experts",

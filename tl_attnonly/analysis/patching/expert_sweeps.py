@@ -27,10 +27,8 @@ from tl_attnonly.analysis.experts.patching import get_act_patch_expert_neuron_he
 from tl_attnonly.analysis.experts.routing import (
     Expert,
     expert_hook_name,
-    expert_layer,
     expert_neuron_head_label,
-    moe_layer,
-    resolve_experts,
+    layer_heads,
     routing_hook_name,
 )
 from tl_attnonly.analysis.patching.dense_layers import expert_layers
@@ -40,20 +38,6 @@ from tl_attnonly.protocol import AttnOnlyModel
 
 #: ``(layers, heads) -> [len(layers), len(heads)]``: the dense layers' sweep.
 DenseSweep = Callable[[list[int], list[int]], torch.Tensor]
-
-
-def layer_heads(model: AttnOnlyModel, layer: int) -> list[tuple[Expert | None, int]]:
-    """A layer's neuron-heads in sweep order: ``(None, h)`` for a dense layer's, ``(expert, h)``
-    for a mixture of experts' (routed experts, then shared; ``h`` counts within the expert)."""
-    mlp = model.neuron_heads[layer]
-    if not getattr(mlp, "is_mixture_of_experts", False):
-        return [(None, h) for h in range(mlp.n_neuron_heads)]
-    moe = moe_layer(model, layer)
-    return [
-        (expert, h)
-        for expert in resolve_experts(moe, layer, None)
-        for h in range(expert_layer(moe, expert).n_neuron_heads)
-    ]
 
 
 def _experts(heads: list[tuple[Expert | None, int]]) -> list[Expert]:
@@ -203,4 +187,4 @@ def _index_frame(
     return pd.DataFrame(rows)
 
 
-__all__ = ["layer_heads", "patch_neuron_heads_with_experts"]
+__all__ = ["patch_neuron_heads_with_experts"]
