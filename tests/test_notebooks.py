@@ -11,8 +11,8 @@ On TransformerLens 4.x (no ``HookedTransformer``) every notebook runs except tho
 ``HOOKED_TRANSFORMER_NOTEBOOKS``, each skipped with its reason. 07 works on a bridge on both lines;
 01, 03, 05 and 08 load the bundled model as a ``HookedTransformer`` where there is one (3.x) and as
 a bridge otherwise, in one cell, and are otherwise the same on both (01 saves and reloads only an
-``AttnOnlyTransformer``). docs/notebooks.md says which
-notebook runs on which line (a test here checks it against this list).
+``AttnOnlyTransformer``); 06 does so with SmolLM2 (``load_smollm2_pair``). docs/notebooks.md says
+which notebook runs on which line (a test here checks it against this list).
 
 Run with the rest of the tests (``python -m pytest``). ``pytest --nbmake notebooks`` runs them too,
 but without the offline environment and the checks here.
@@ -51,8 +51,6 @@ HOOKED_TRANSFORMER_NOTEBOOKS = {
     "composition scores against HookedTransformer.all_composition_scores",
     "04_verifying_the_theorems": "verifies the theorems on the literal form (to_literal) and "
     "converts a random GELU HookedTransformer: both HookedTransformer-only",
-    "06_gated_neuron_heads_smollm2": "loads SmolLM2 as a HookedTransformer (load_smollm2) and "
-    "compares it with its conversion",
 }
 
 
