@@ -297,9 +297,14 @@ def all_head_refs(
     ``get_full_resid_decomposition``, which lists attention heads before neurons).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer`, an analysis adapter
+            (:func:`tl_attnonly.adapt.analysis_model`) or a converted ``TransformerBridge``.
         kinds: Which kinds of head, ``"attn"`` and/or ``"neuron"``.
         layers: Which layers; default all.
+
+    Raises:
+        TypeError: For a model without neuron-heads (not converted), with ``"neuron"`` in
+            ``kinds``.
     """
     check_kinds(kinds)
     layer_list = list(range(model.cfg.n_layers)) if layers is None else list(layers)
@@ -307,9 +312,24 @@ def all_head_refs(
     if "attn" in kinds:
         refs += [HeadRef("attn", li, h) for li in layer_list for h in range(model.cfg.n_heads)]
     if "neuron" in kinds:
-        n = model.n_neuron_heads
+        n = _n_neuron_heads(model)
         refs += [HeadRef("neuron", li, h) for li in layer_list for h in range(n)]
     return refs
+
+
+def _n_neuron_heads(model: HeadCounts) -> int:
+    """``model.n_neuron_heads``; a converted ``TransformerBridge`` has none of its own, and its
+    blocks' MLPs (the neuron-head layers, which the bridge's components forward to) say it."""
+    n = getattr(model, "n_neuron_heads", None)
+    if n is None:
+        blocks = getattr(model, "blocks", None)
+        n = getattr(blocks[0].mlp, "n_neuron_heads", None) if blocks else None
+    if n is None:
+        raise TypeError(
+            f"This {type(model).__name__} has no neuron-heads: convert it first "
+            "(tl_attnonly.convert(model); in place for a TransformerBridge)."
+        )
+    return int(n)
 
 
 def head_labels(refs: Iterable[HeadRef], n_heads_per_neuron: int = 1) -> list[str]:

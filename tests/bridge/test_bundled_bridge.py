@@ -129,3 +129,19 @@ def test_load_bundled_model_on_tl4_says_to_use_the_bridge(monkeypatch):
     monkeypatch.setattr(compat, "HAS_HOOKED_TRANSFORMER", False)
     with pytest.raises(ImportError, match=r"load_bundled_bridge\(\)"):
         bundled.load_bundled_model()
+
+
+def test_all_head_refs_takes_a_converted_bridge():
+    """``all_head_refs`` lists a converted bridge's heads as its analysis adapter's (the bridge
+    has no ``n_neuron_heads`` of its own), and refuses an unconverted one by name."""
+    from tl_attnonly.adapt import analysis_model
+    from tl_attnonly.hooks import all_head_refs
+
+    bridge = bundled.load_bundled_bridge()
+    with pytest.raises(TypeError, match="convert it first"):
+        all_head_refs(bridge)
+    assert len(all_head_refs(bridge, kinds=("attn",))) == 2 * 4
+    tl_attnonly.convert(bridge)
+    refs = all_head_refs(bridge, layers=[1])
+    assert refs == all_head_refs(analysis_model(bridge), layers=[1])
+    assert len(refs) == 4 + 512 and refs[-1].label() == "L1N511"
