@@ -9,10 +9,11 @@ runs as usual.
 
 On TransformerLens 4.x (no ``HookedTransformer``) every notebook runs except those in
 ``HOOKED_TRANSFORMER_NOTEBOOKS``, each skipped with its reason. 07 works on a bridge on both lines;
-01, 03, 05 and 08 load the bundled model as a ``HookedTransformer`` where there is one (3.x) and as
-a bridge otherwise, in one cell, and are otherwise the same on both (01 saves and reloads only an
-``AttnOnlyTransformer``); 06 does so with SmolLM2 (``load_smollm2_pair``). docs/notebooks.md says
-which notebook runs on which line (a test here checks it against this list).
+01, 02, 03, 05 and 08 load the bundled model as a ``HookedTransformer`` where there is one (3.x)
+and as a bridge otherwise, in one cell, and are otherwise the same on both (01 saves and reloads
+only an ``AttnOnlyTransformer``; 02 folds LayerNorm as each kind does); 06 does so with SmolLM2
+(``load_smollm2_pair``). docs/notebooks.md says which
+notebook runs on which line (a test here checks it against this list).
 
 Run with the rest of the tests (``python -m pytest``). ``pytest --nbmake notebooks`` runs them too,
 but without the offline environment and the checks here.
@@ -47,8 +48,6 @@ HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm
 #: Notebooks that need TransformerLens 3.x (``HookedTransformer``), with the reason; the others run
 #: on 3.x and 4.x.
 HOOKED_TRANSFORMER_NOTEBOOKS = {
-    "02_circuits": "folds LayerNorm with HookedTransformer.process_weights_ and checks the "
-    "composition scores against HookedTransformer.all_composition_scores",
     "04_verifying_the_theorems": "verifies the theorems on the literal form (to_literal) and "
     "converts a random GELU HookedTransformer: both HookedTransformer-only",
 }
