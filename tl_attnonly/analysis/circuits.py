@@ -114,7 +114,8 @@ def neuron_ov_circuit(
     at each position (``blocks.{l}.mlp.hook_pre_linear``). Without it, gated layers raise.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         layer: One layer, or None for all.
         per_unit_u: For gated layers, give the OV circuit per unit of the linear branch ``u``.
 

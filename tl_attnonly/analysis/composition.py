@@ -257,7 +257,8 @@ def composition_top_k(
     score; one head per neuron is scored (``K^2`` times fewer pairs).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         mode: ``"Q"``, ``"K"`` or ``"V"``.
         k: How many pairs.
         senders: Heads that write (labels or :class:`HeadRef`); default every head (on a

@@ -381,9 +381,10 @@ def neuron_head_attention_view(
     :data:`MAX_HEADS_PER_VIEW` heads: circuitsvis draws one chart per head.
 
     Args:
-        source: An :class:`~tl_attnonly.AttnOnlyTransformer` (it is run on ``tokens``) or the
-            :class:`~transformer_lens.ActivationCache` of its run (holding
-            ``blocks.{layer}.mlp.hook_pattern``, and ``hook_z`` to rank by ``"z"``/``"output"``).
+        source: An :class:`~tl_attnonly.AttnOnlyTransformer` or a converted ``TransformerBridge``
+            (it is run on ``tokens``), or the :class:`~transformer_lens.ActivationCache` of its
+            run (holding ``blocks.{layer}.mlp.hook_pattern``, and ``hook_z`` to rank by
+            ``"z"``/``"output"``; an expert layer: its experts' hooks and the router's indices).
         layer: Layer index.
         tokens: The prompt: text, token ids ``[pos]``/``[batch, pos]``, or (with a cache) its
             string tokens. Needed to label the tokens.

@@ -50,8 +50,9 @@ def neuron_head_strips(
     ``sigmoid(q)``) and on the bias token (``bias``, ``1 - self``). Hover shows both and ``z``.
 
     Args:
-        source: An :class:`~tl_attnonly.AttnOnlyTransformer` (run on ``tokens``) or its cache
-            (holding ``blocks.{layer}.mlp.hook_pattern``, and ``hook_z`` to rank by ``"z"``).
+        source: An :class:`~tl_attnonly.AttnOnlyTransformer` or a converted ``TransformerBridge``
+            (run on ``tokens``), or its cache (holding ``blocks.{layer}.mlp.hook_pattern``, and
+            ``hook_z`` to rank by ``"z"``).
         layer: Layer index.
         tokens: The prompt (text or ids), or with a cache its string tokens.
         heads: Neuron-head indices to show (``h = neuron * K + k``).

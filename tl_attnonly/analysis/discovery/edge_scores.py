@@ -112,7 +112,8 @@ def edge_attribution_scores(
     """Score every edge of the head graph by edge attribution patching.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
         metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar, additive over batches.
         method: ``"eap"`` (gradient on the corrupted run) or ``"eap-ig"`` (gradients averaged over

@@ -49,7 +49,8 @@ def top_nodes(
     """The ``n_nodes`` attention heads and neurons with the largest node attribution ``|score|``.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
         metric: As in :func:`~tl_attnonly.analysis.edge_attribution_scores` (additive over
             batches).

@@ -73,7 +73,8 @@ def circuit_metric(
     """The metric of the circuit ``mask``, exactly (see the module docstring).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         mask: ``(source group, input group) -> bool [n_sources, n_inputs]``
             (:func:`~tl_attnonly.analysis.prune`, ``HeadGraph.full_mask``).
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``.

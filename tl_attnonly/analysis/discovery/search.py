@@ -133,7 +133,8 @@ def discover_circuit(
     neurons (gate and value apart) and their remainder.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
         metric: ``metric(logits)`` or ``metric(logits, indices)`` -> scalar, additive over
             examples (``metric_reduction="sum"``, checked when there are several batches) or a

@@ -135,7 +135,8 @@ def top_edges(
     without holding every score.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         n: How many edges to keep.
         clean_tokens, corrupted_tokens: ``[n_examples, pos]``, same shape.
         metric: As in :func:`~tl_attnonly.analysis.edge_attribution_scores`.

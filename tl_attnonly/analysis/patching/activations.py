@@ -133,7 +133,8 @@ def neuron_head_patch_index(
     ``neuron`` (neuron ``i`` stands for its heads ``i*K .. i*K+K-1``).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         activation_name: One of ``z, v, q, result, pattern, attn_scores``.
         per_position: One patch per (layer, head, position) instead of per (layer, head).
         layers, heads, positions: Subsets to sweep; default all (positions need ``n_pos``).
@@ -216,7 +217,8 @@ def get_act_patch_neuron_heads(
     head of a neuron patches a part of it only (``level="head"``, the per-head sweep).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         corrupted_tokens: ``[batch, pos]``.
         clean_cache: Cache of the clean run holding ``blocks.{l}.mlp.hook_{activation_name}``
             for the swept layers (e.g. ``names_filter=neuron_names_filter("z")``).
@@ -492,7 +494,8 @@ def get_act_patch_all_heads(
     order and labels.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         corrupted_tokens: ``[batch, pos]``.
         clean_cache: Clean cache with the ``z`` of every head swept
             (``names_filter=head_names_filter("z")``).

@@ -308,7 +308,8 @@ def attribute_then_patch(
     (:func:`~tl_attnonly.analysis.get_act_patch_outputs`, batched), and the two are compared.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         clean_tokens: ``[batch, pos]``; the patched values come from this run.
         corrupted_tokens: ``[batch, pos]``, same shape; the run that is patched.
         patching_metric: Logits ``[batch, pos, d_vocab]`` -> scalar, differentiable.

@@ -138,7 +138,8 @@ def get_act_patch_outputs(
     neuron's ``K`` heads together (the neuron's ``hook_post``); ``level="head"`` each head.
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         corrupted_tokens: ``[batch, pos]``, the run that is patched.
         clean_cache: Cache of the clean run holding ``hook_z`` of every layer swept, attention
             and neuron-heads (``names_filter=tl_attnonly.hooks.head_names_filter("z")``).

@@ -257,7 +257,8 @@ def path_patch(
     """Path patching from ``senders`` to ``receivers`` (see the module docstring).
 
     Args:
-        model: An :class:`~tl_attnonly.AttnOnlyTransformer`.
+        model: An :class:`~tl_attnonly.AttnOnlyTransformer` or a ``TransformerBridge``
+            converted with :func:`tl_attnonly.convert` (in place).
         clean_tokens: ``[batch, pos]``; the senders' values come from this run.
         corrupted_tokens: ``[batch, pos]``, same shape; the run that is patched.
         senders: Head labels (``"L0H1"``, ``"L0N5"``, ``"L0N5.1"``) or :class:`HeadRef`s.
