@@ -70,24 +70,11 @@ def _ids(tokenizer, prompt: str) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-class _OneIOIPrompt:
-    """``PROMPTS[1]`` as a one-row IOI dataset (logit difference " Mary" - " John" at the end)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokens = _ids(tokenizer, PROMPTS[1])
-        self.io, self.s = (int(_ids(tokenizer, name)[0, 0]) for name in (" Mary", " John"))
-
-    def logit_diff(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, -1, self.io] - logits[:, -1, self.s]
-
-
 def _ioi(bridge, tokenizer):
-    """The IOI prompts of ``tl_attnonly.analysis.make_ioi_dataset`` (16 rows, no BOS, as HF);
-    on TransformerLens 4.x, where ``tl_attnonly.analysis`` needs 3.x, ``PROMPTS[1]`` alone."""
-    try:
-        from tl_attnonly.analysis.ioi import make_ioi_dataset
-    except ImportError:
-        return _OneIOIPrompt(tokenizer)
+    """The IOI prompts of ``tl_attnonly.analysis.make_ioi_dataset`` (16 rows, no BOS, as HF), on
+    both TransformerLens lines."""
+    from tl_attnonly.analysis.ioi import make_ioi_dataset
+
     return make_ioi_dataset(bridge, 16, prepend_bos=False)
 
 
