@@ -70,8 +70,8 @@ def neuron_head_strips(
     cache, str_tokens = cache_and_tokens(source, tokens, layer, batch_index)
     model = converted_model_of(cache)
     k_per_neuron = model.n_heads_per_neuron
-    n_heads = len(layer_heads(model, layer))  # a mixture of experts: its experts' end to end
-    heads = heads_from_neurons(heads, neurons, k_per_neuron, n_heads // k_per_neuron)
+    n_layer_heads = len(layer_heads(model, layer))  # a mixture of experts: experts' end to end
+    heads = heads_from_neurons(heads, neurons, k_per_neuron, n_layer_heads // k_per_neuron)
     shown = rank_neuron_heads(cache, layer, heads, top_k, rank_by, batch_index, level)
     pattern, z_shown = weights_and_z(cache, layer, shown, len(str_tokens), batch_index)
     n_heads, n_pos, _ = pattern.shape  # [head, pos, (self, bias)]

@@ -27,13 +27,13 @@ from tl_attnonly.analysis.experts.patching import get_act_patch_expert_neuron_he
 from tl_attnonly.analysis.experts.routing import (
     Expert,
     expert_hook_name,
-    expert_neuron_head_label,
+    layer_head_labels,
     layer_heads,
     routing_hook_name,
 )
 from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.analysis.patching.options import PatchingOptions, patch_level
-from tl_attnonly.hooks import neuron_head_label, neuron_hook_kind
+from tl_attnonly.hooks import neuron_hook_kind
 from tl_attnonly.protocol import AttnOnlyModel
 
 #: ``(layers, heads) -> [len(layers), len(heads)]``: the dense layers' sweep.
@@ -70,11 +70,13 @@ def _refuse_options(model: AttnOnlyModel, expert_layers: list[int], kind: str, o
         )
 
 
-def _check_cache(model: AttnOnlyModel, clean_cache: Any, expert_layers: list[int]) -> None:
-    """Refuse a clean cache without the experts' ``hook_z`` or the routers' top-k indices."""
+def _check_cache(
+    model: AttnOnlyModel, clean_cache: Any, per_layer: dict[int, list[tuple[Expert | None, int]]]
+) -> None:
+    """Refuse a clean cache without the experts' ``hook_z`` or the routers' top-k indices (of the
+    expert layers among ``per_layer``: layer -> its :func:`layer_heads`)."""
     names = []
-    for layer in expert_layers:
-        heads = layer_heads(model, layer)
+    for layer, heads in sorted(per_layer.items()):
         if any(isinstance(expert, int) for expert, _ in heads):
             names.append(routing_hook_name(layer, model))
         names += [expert_hook_name(layer, e, "z") for e in _experts(heads)]
@@ -134,7 +136,7 @@ def patch_neuron_heads_with_experts(
                 f"blocks.{layer}.mlp has {len(per_layer[layer])} neuron-heads (experts' heads end "
                 f"to end on a mixture of experts); got heads {bad[:5]}."
             )
-    _check_cache(model, clean_cache, sorted(expert_set))
+    _check_cache(model, clean_cache, {li: per_layer[li] for li in expert_set})
     out = torch.full((len(layers), len(columns)), float("nan"), dtype=torch.float64)
     dense = [li for li in layers if li not in expert_set]
     if dense:
@@ -143,47 +145,44 @@ def patch_neuron_heads_with_experts(
         values = dense_sweep(dense, cols).to(torch.float64).reshape(len(dense), len(cols))
         for i, layer in enumerate(dense):
             out[layers.index(layer), : len(cols)] = values[i]
-    wanted = set(columns)
-    jobs = [  # (layer, expert, the expert's heads swept)
-        (layer, expert, [h for c, (e, h) in enumerate(heads_of) if e == expert and c in wanted])
-        for layer, heads_of in sorted((li, per_layer[li]) for li in expert_set)
-        for expert in _experts(heads_of)
-    ]
+    cell = {c: j for j, c in enumerate(columns)}  # layer-wide head -> column of the result
+    jobs = []  # (layer, expert, [(the expert's head, its column)] swept)
+    for layer in sorted(expert_set):
+        heads_of = per_layer[layer]
+        for expert in _experts(heads_of):
+            local = [(h, cell[c]) for c, (e, h) in enumerate(heads_of) if e == expert and c in cell]
+            jobs.append((layer, expert, local))
     bar = tqdm(total=sum(len(h) for *_, h in jobs), disable=not opts.progress, desc="expert heads")
     for layer, expert, local in jobs:
         if not local:
             continue
         rows = get_act_patch_expert_neuron_heads(
             model, corrupted_tokens, clean_cache, patching_metric, layer=layer, experts=[expert],
-            heads=local,
+            heads=[h for h, _ in local],
         )  # fmt: skip
-        for head, metric in zip(rows["head"], rows["metric"], strict=True):
-            out[layers.index(layer), columns.index(per_layer[layer].index((expert, head)))] = metric
+        assert rows["head"].tolist() == [h for h, _ in local]  # one row per head, in order
+        for (_, j), metric in zip(local, rows["metric"], strict=True):
+            out[layers.index(layer), j] = metric
         bar.update(len(local))
     bar.close()
-    return out, _index_frame(per_layer, layers, columns, model.n_heads_per_neuron)
+    return out, _index_frame(model, per_layer, layers, columns)
 
 
 def _index_frame(
+    model: AttnOnlyModel,
     per_layer: dict[int, list[tuple[Expert | None, int]]],
     layers: Sequence[int],
     columns: list[int],
-    K: int,
 ) -> pd.DataFrame:
     """One row per cell of the sweep: ``layer, head, expert, label`` (``None`` past a layer's
-    heads; ``expert``: ``None`` on a dense layer)."""
+    heads; ``expert``: ``None`` on a dense layer; labels from :func:`layer_head_labels`)."""
     rows = []
     for layer in layers:
+        inside = [c for c in columns if c < len(per_layer[layer])]
+        labels = dict(zip(inside, layer_head_labels(model, layer, inside), strict=True))
         for c in columns:
-            label, expert = None, None
-            if c < len(per_layer[layer]):
-                expert, h = per_layer[layer][c]
-                label = (
-                    neuron_head_label(layer, h, K)
-                    if expert is None
-                    else expert_neuron_head_label(layer, expert, h, K)
-                )
-            rows.append({"layer": layer, "head": c, "expert": expert, "label": label})
+            expert = per_layer[layer][c][0] if c in labels else None
+            rows.append({"layer": layer, "head": c, "expert": expert, "label": labels.get(c)})
     return pd.DataFrame(rows)
 
 
