@@ -189,3 +189,36 @@ def test_an_expert_layer_s_neurons_are_not_nodes():
     moe = convert_zoo_bridge(build_bridge("qwen2_moe", torch.float32))
     with pytest.raises(ValueError, match="mixture of experts"):
         node_patching_metric(moe, CLEAN, CORRUPTED, METRIC, ["L1N3"])
+
+
+def test_node_attribution_takes_an_expert_layer_whole():
+    """Node attribution (the default neuron ranking of ``discover_circuit``'s neuron stage, and
+    ``top_nodes``) on a model with a dense layer 0 and an expert layer 1: the dense layer's
+    neurons are scored, the expert layer is one node ``L1MLP`` scored at its output (it refused
+    every model with an expert layer, so the default call failed whenever a dense layer's MLP
+    was in the coarse circuit)."""
+    from tl_attnonly.analysis.discovery.node_circuits import ModelInputs, node_attribution_scores
+    from tl_attnonly.analysis.discovery.search import top_nodes
+
+    moe = _bridge(DENSE_0)
+    rows = torch.arange(4)
+    got = node_attribution_scores(
+        moe, ModelInputs(CLEAN), ModelInputs(CORRUPTED), lambda out, inputs: METRIC(out, rows)
+    )
+    name = "blocks.1.hook_mlp_out"
+    with torch.no_grad():
+        clean = moe.run_with_cache(CLEAN, names_filter=[name])[1][name]
+    held = {}
+
+    def grab(act, hook):
+        held["x"] = act.detach().requires_grad_(True)
+        return held["x"]
+
+    logits = moe.run_with_hooks(CORRUPTED, fwd_hooks=[(name, grab)])
+    (grad,) = torch.autograd.grad(METRIC(logits, rows), [held["x"]])
+    want = ((clean - held["x"].detach()) * grad).sum().item()
+    assert abs(want) > 1e-4
+    assert got.scores["L1MLP"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert "L0N0" in got.scores and not any(k.startswith("L1N") for k in got.scores.index)
+    labels, _ = top_nodes(moe, CLEAN, CORRUPTED, METRIC, 200, progress=False)
+    assert "L1MLP" in labels and HeadGraph(moe, nodes=labels).expert_layers == {1}

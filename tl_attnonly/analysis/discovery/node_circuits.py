@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.hooks import head_act_name, neuron_act_name
-from tl_attnonly.mlp_protocol import refuse_expert_layers
+from tl_attnonly.hooks import block_act_name, head_act_name, neuron_act_name
+from tl_attnonly.mlp_protocol import expert_layer_indices, refuse_expert_layers
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel, ModelLike
@@ -91,9 +91,13 @@ def pair_cosine_metric(mean: bool = True) -> NodeMetric:
     return metric
 
 
-def _node_hooks(model: AttnOnlyModel) -> list[tuple[str, str, int]]:
-    """``(node group, hook name, layer)``: where each group's output is patched."""
-    refuse_expert_layers([block.mlp for block in model.blocks], None, "Node-level circuits")
+def _node_hooks(model: AttnOnlyModel, experts: bool = False) -> list[tuple[str, str, int]]:
+    """``(node group, hook name, layer)``: where each group's output is patched. A mixture of
+    experts is refused, or with ``experts`` taken whole (group ``"experts"``, ``hook_mlp_out``)."""
+    mlps = [block.mlp for block in model.blocks]
+    whole = set(expert_layer_indices(mlps)) if experts else set()
+    if not experts:
+        refuse_expert_layers(mlps, None, "Node-level circuits")
     out = []
     if _is_encoder(model):
         out.append(("embed", "hook_full_embed", -1))
@@ -101,7 +105,10 @@ def _node_hooks(model: AttnOnlyModel) -> list[tuple[str, str, int]]:
         out += [("embed", name, -1) for name in model.embed_hooks]
     for li in range(model.cfg.n_layers):
         out.append(("attn", head_act_name("z", li, "attn"), li))
-        out.append(("neuron", neuron_act_name("post", li), li))
+        if li in whole:
+            out.append(("experts", block_act_name("mlp_out", li), li))
+        else:
+            out.append(("neuron", neuron_act_name("post", li), li))
     return out
 
 
@@ -136,14 +143,17 @@ class NodeScores:
 def node_attribution_scores(
     model: ModelLike, clean: ModelInputs, corrupted: ModelInputs, metric: NodeMetric
 ) -> NodeScores:
-    """Attribution patching of every node and neuron input (one backward pass)."""
+    """Attribution patching of every node and neuron input (one backward pass). A mixture of
+    experts' layer is one node ``L{l}MLP`` (its output ``hook_mlp_out``; its ``gate``/``value``
+    rows stay 0): it has no neurons of its own."""
     model = analysis_model(model)
     if clean.tokens.shape != corrupted.tokens.shape:
         raise ValueError("clean and corrupted inputs must have the same shape.")
     L, K = model.cfg.n_layers, model.n_heads_per_neuron
-    hooks = _node_hooks(model)
+    hooks = _node_hooks(model, experts=True)
+    dense = [li for g, _, li in hooks if g == "neuron"]
     names = {name for _, name, _ in hooks} | {
-        neuron_act_name(k, li) for li in range(L) for k in ("q", "v")
+        neuron_act_name(k, li) for li in dense for k in ("q", "v")
     }
     caches = []
     values = []
@@ -189,6 +199,9 @@ def node_attribution_scores(
         per_head = attr(head_act_name("z", li, "attn")).sum((0, 1, 3))
         for h, s in enumerate(per_head.tolist()):
             scores[f"L{li}H{h}"] = s
+        if li not in dense:  # a mixture of experts: the whole layer
+            scores[f"L{li}MLP"] = float(attr(block_act_name("mlp_out", li)).sum())
+            continue
         per_neuron = attr(neuron_act_name("post", li)).sum((0, 1))
         for i, s in enumerate(per_neuron.tolist()):
             scores[f"L{li}N{i}"] = s
