@@ -143,14 +143,6 @@ def test_unconvert_restores_the_bridge_s_own_split():
     assert type(conversion) is before and conversion.d_head == split
 
 
-def test_discovery_refuses_latent_attention_naming_what_works(pair):
-    from tl_attnonly.analysis import circuit_metric
-
-    _, converted = pair
-    with pytest.raises(NotImplementedError, match="latent attention.*What works"):
-        circuit_metric(converted, {}, CLEAN, CORRUPTED, lambda logits: metric(logits))
-
-
 def test_blocks_without_attention_need_no_repair():
     """A hybrid model's linear-attention or state-space blocks have no ``attn``: the repair and
     the check pass over them (TransformerLens 4.3's Qwen3.5 suite: its conversion raised an

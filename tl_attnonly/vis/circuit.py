@@ -31,10 +31,10 @@ import plotly.graph_objects as go
 
 from tl_attnonly.analysis.discovery.circuit import register_figure_builder
 from tl_attnonly.analysis.discovery.counts import (
-    KV_LABEL,
     circuit_counts,
     counts_text,
     kind_layer,
+    reader_kind,
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
 
@@ -45,6 +45,7 @@ EDGE_STYLES = {
     "v": ("#1f77b4", "solid"),
     "gate": ("#d62728", "dash"),
     "value": ("#ff7f0e", "solid"),
+    "qkv": ("#17becf", "solid"),
     "": ("#444444", "solid"),
 }
 #: Legend name of each input kind.
@@ -54,12 +55,14 @@ INPUT_NAMES = {
     "v": "attention v",
     "gate": "neuron gate (pattern)",
     "value": "neuron value",
+    "qkv": "latent attention input (q, k, v)",
     "": "logits",
 }
 NODE_STYLES = {
     EMBED: ("square", "#7f7f7f"),
     "attn": ("circle", "#1f77b4"),
     "kv": ("circle-open", "#1f77b4"),
+    "latent": ("square-open", "#1f77b4"),
     "neuron": ("diamond", "#ff7f0e"),
     LOGITS: ("square", "#7f7f7f"),
 }
@@ -68,6 +71,7 @@ NODE_NAMES = {
     EMBED: "embeddings",
     "attn": "attention head",
     "kv": "key/value group (GQA: k, v shared by query heads)",
+    "latent": "latent attention input (MLA: read by every head)",
     "neuron": "neuron-head",
     LOGITS: "logits",
 }
@@ -349,7 +353,7 @@ def circuit_figure(
     plot_h = max(240.0, (max(len(m) for _, _, m in levels) + 1) * row)
     pos = {}
     for slot, _, members in levels:
-        members.sort(key=lambda s: (KV_LABEL.match(s) is not None, len(s), s))
+        members.sort(key=lambda s: (reader_kind(s) is not None, len(s), s))
         for i, label in enumerate(members):
             pos[label] = ((slot + 0.5) * col, plot_h / 2 + ((len(members) - 1) / 2 - i) * row)
     fig = go.Figure()
@@ -374,7 +378,7 @@ def circuit_figure(
             )
         )
         shown.add(name)
-    kinds = {n: "kv" if KV_LABEL.match(n) else kind_layer(n)[0] for n in labels}
+    kinds = {n: reader_kind(n) or kind_layer(n)[0] for n in labels}
     mlp = [n for n in labels if kinds[n] == "neuron"]
     sizes, opacities, hover = mlp_markers(mlp, mlp_carry(circuit))
     marker: dict[str, tuple[float, float, str]] = {n: (NODE_SIZE, 1.0, n) for n in labels}
@@ -387,7 +391,7 @@ def circuit_figure(
         if gv is not None:
             gate_value = f"gate {gv.gate:.3g} / value {gv.value:.3g}"
             marker[n] = (*marker[n][:2], f"{marker[n][2]}<br>{gate_value}")
-    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "neuron": 3}
+    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "neuron": 3}
     order = sorted(labels, key=lambda n: (rank[kinds[n]], -marker[n][0], n))
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], texts[n]) for n in order], (span) * col, plot_h
@@ -439,5 +443,6 @@ __all__ = [
     "occupied_levels",
     "page_layout",
     "place_labels",
+    "reader_kind",
     "text_size",
 ]

@@ -15,7 +15,7 @@ from models import facts, make_converted, tl3_extra
 
 from tl_attnonly.analysis import HeadGraph, circuit_metrics, logit_diff_metric
 from tl_attnonly.analysis.discovery.exact_run import _recompute
-from tl_attnonly.analysis.discovery.graph import EXPERTS, LOGITS, MLP_REST
+from tl_attnonly.analysis.discovery.graph import EXPERTS, LATENT_ATTN, LOGITS, MLP_REST
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan
 from tl_attnonly.analysis.discovery.search import coarse_nodes, expand_mask
 from tl_attnonly.analysis.discovery.sites import (
@@ -45,7 +45,8 @@ MODELS = {
 
 def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, metric=METRIC):
     """The circuit's metric by its definition, one edge at a time. A mixture of experts' input
-    (one reader: the layer) is normalised by the Hugging Face norm the bridge wraps."""
+    and a latent attention layer's (one reader: the layer) are normalised by the Hugging Face
+    norm the bridge wraps."""
     adapter = facts(model)  # what the package's helpers read of the model
     with torch.no_grad():
         _, cache = model.run_with_cache(corrupted)
@@ -86,6 +87,8 @@ def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, 
                         return reader_input(dst, 0)
                     if dst.kind == EXPERTS:
                         return model.blocks[dst.layer].ln2.original_component(reader_input(dst, 0))
+                    if dst.kind == LATENT_ATTN:
+                        return model.blocks[dst.layer].ln1.original_component(reader_input(dst, 0))
                     for j in range(len(dst.labels)):
                         which = dst.index if dst.kind == MLP_REST else (dst.index[j],)
                         x = reader_input(dst, j).unsqueeze(2)

@@ -22,6 +22,9 @@ Our graph maps onto it so:
   same input of each query head it serves, its score split evenly among them (the per-head split
   is not measured; the sum is kept), in the graph for those of them that are circuit nodes
   (heads with an edge out of them in the circuit: the others' inputs change nothing);
+* multi-head latent attention: our edge into the layer's one input ``L{l}ATTN`` becomes the
+  edges into the ``q``, ``k`` and ``v`` of each of its heads, its score split evenly among them,
+  in the graph for the heads that are circuit nodes;
 * edges resolved by position classes (``@io``) merge: MIB's edges cover every position, and the
   classes partition the positions;
 * an MIB edge's ``score`` is the sum of the scores of the edges of ours it stands for (EAP and
@@ -44,8 +47,9 @@ refused.
 ``utils/create_graph_files.py``; Neuronpedia's schema
 ``apps/webapp/app/api/graph/graph-schema.json``, a copy in ``tests/data/``): ``metadata``,
 ``qParams``, ``nodes`` and ``links``. Every node of a circuit edge is a node, labelled by role in
-``feature_type`` (``"embedding"``, ``"attention head"``, ``"attention key/value head"``, ``"mlp
-neuron"``, ``"mlp neuron-head"``, ``"mlp layer"``, ``"logit"``) and ``clerp`` (``"L3H2: attention
+``feature_type`` (``"embedding"``, ``"attention head"``, ``"attention key/value head"``,
+``"attention layer input"``, ``"mlp neuron"``, ``"mlp neuron-head"``, ``"mlp layer"``,
+``"logit"``) and ``clerp`` (``"L3H2: attention
 head 2 of layer 3"``); each pair of nodes joined by circuit edges is one link whose ``weight`` is
 the sum of their scores (the scores by input, ``q``/``k``/``v`` or ``gate``/``value``, under
 ``inputs``; ``resid`` for the logits). ``layer`` is the node's sublayer in the residual stream:
@@ -128,6 +132,13 @@ def _mib_readers(
         return [("logits", 1.0, True, every)]
     if dst.kind in ("neuron", MLP_REST, graphs.EXPERTS):
         return [(f"m{dst.layer}", 1.0, True, every)]
+    if dst.kind == graphs.LATENT_ATTN:  # every input of every head, the score split evenly
+        share = 1.0 / (3 * graph.n_heads)
+        return [
+            (f"a{dst.layer}.h{h}<{x}>", share, f"a{dst.layer}.h{h}" in alive, every)
+            for h in range(graph.n_heads)
+            for x in "qkv"
+        ]
     if dst.input == "q" or not graph.gqa:
         return [
             (f"a{dst.layer}.h{h}<{dst.input}>", 1.0, True, [v]) for v, h in enumerate(dst.index)
@@ -300,6 +311,14 @@ def _node_roles(graph: HeadGraph) -> dict[str, dict[str, Any]]:
                         feature_type="attention key/value head",
                         clerp=f"{label}: key/value head {j} of layer {d.layer} (serves {served})",
                     )  # fmt: skip
+    for d in graph.inputs:
+        if d.kind == graphs.LATENT_ATTN and d.labels:
+            roles[d.labels[0]] = dict(
+                layer=str(2 * d.layer + 1), feature=graph.n_heads + graph.n_kv,
+                feature_type="attention layer input",
+                clerp=f"{d.labels[0]}: the normalised input every head of layer {d.layer} reads "
+                "(multi-head latent attention)",
+            )  # fmt: skip
     return roles
 
 

@@ -75,13 +75,14 @@ def model_record(model: Any) -> dict[str, Any]:
 
 
 def _shape_record(shape: GraphShape) -> dict[str, Any]:
-    """``shape`` as its JSON reads back; ``expert_layers`` only where there are some (the
-    records of files saved before it existed stay equal)."""
+    """``shape`` as its JSON reads back; ``expert_layers`` and ``latent_attn_layers`` only where
+    there are some (the records of files saved before they existed stay equal)."""
     record = dataclasses.asdict(shape)
-    if shape.expert_layers:
-        record["expert_layers"] = list(shape.expert_layers)
-    else:
-        del record["expert_layers"]
+    for name in ("expert_layers", "latent_attn_layers"):
+        if getattr(shape, name):
+            record[name] = list(getattr(shape, name))
+        else:
+            del record[name]
     return record
 
 

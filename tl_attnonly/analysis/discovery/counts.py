@@ -1,5 +1,5 @@
 """One vocabulary of counts for a circuit (:func:`circuit_counts`): attention heads, key/value
-groups, MLP layers, named neurons and edges, counted the same way in
+groups, latent attention inputs, MLP layers, named neurons and edges, counted the same way in
 :meth:`~tl_attnonly.analysis.Circuit.report` and every circuit figure's title
 (:mod:`tl_attnonly.vis.circuit`, :mod:`tl_attnonly.vis.neuron_circuit`).
 """
@@ -21,15 +21,29 @@ KV_GROUP_LEGEND = (
     "key/value groups L{l}KV{j}: under grouped-query attention one key/value head gives its k and "
     "v to several query heads, so the k and v inputs are nodes of their own (not heads)"
 )
+#: A latent attention layer's input's label, ``L{l}ATTN``.
+LATENT_LABEL = re.compile(r"^L\d+ATTN$")
+#: What a latent attention input node is (the report's legend).
+LATENT_ATTN_LEGEND = (
+    "latent attention inputs L{l}ATTN: under multi-head latent attention (DeepSeek-V2/V3) every "
+    "head's q, k and v come from latents the heads share, so the layer's normalised input is one "
+    "node that all its heads read (the heads themselves write their own outputs)"
+)
+
+
+def reader_kind(label: str) -> str | None:
+    """``"kv"`` for a key/value group ``L{l}KV{j}``, ``"latent"`` for a latent attention input
+    ``L{l}ATTN`` (attention readers that are not heads), else None."""
+    return "kv" if KV_LABEL.match(label) else "latent" if LATENT_LABEL.match(label) else None
 
 
 def kind_layer(label: str) -> tuple[str, int]:
-    """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}``,
-    ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP``, ``(label, -1)`` for the embeddings and
-    logits."""
+    """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}`` /
+    ``L{l}ATTN``, ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP``, ``(label, -1)`` for the
+    embeddings and logits."""
     if label in (EMBED, LOGITS):
         return label, -1
-    match = re.match(r"^L(\d+)(H|KV|N|MLP)", label)
+    match = re.match(r"^L(\d+)(H|KV|N|MLP|ATTN)", label)
     if match is None:
         raise ValueError(f"Not a node label: {label!r}.")
     return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
@@ -51,8 +65,10 @@ def circuit_counts(circuit: Any) -> dict[str, int]:
 
     ``attention_heads``: query heads ``L{l}H{h}`` with an edge (as :meth:`Circuit.report` counts
     them); ``kv_groups``: key/value groups ``L{l}KV{j}`` of grouped-query attention with an edge
-    (the k and v inputs shared by several query heads; not heads); ``mlp_layers``: layers with an
-    MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge, or a named neuron;
+    (the k and v inputs shared by several query heads; not heads); ``latent_attn_inputs``:
+    latent attention layers' inputs ``L{l}ATTN`` with an edge (not heads); ``mlp_layers``:
+    layers with an MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge, or a
+    named neuron;
     ``named_neurons``: the neurons named as nodes
     (:func:`~tl_attnonly.analysis.discovery.profiles.named_neurons`, with or without an edge);
     ``edges``: the circuit's edges; ``coarse_edges``: the coarse circuit's (before neurons were
@@ -66,6 +82,7 @@ def circuit_counts(circuit: Any) -> dict[str, int]:
     return dict(
         attention_heads=sum(bool(_HEAD.match(n)) for n in nodes),
         kv_groups=sum(bool(KV_LABEL.match(n)) for n in nodes),
+        latent_attn_inputs=sum(bool(LATENT_LABEL.match(n)) for n in nodes),
         mlp_layers=len(mlp | {kind_layer(n)[1] for n in named}),
         named_neurons=len(named),
         edges=len(frame),
@@ -78,6 +95,8 @@ def counts_text(counts: dict[str, int]) -> str:
     parts = [f"{counts['attention_heads']} attention heads"]
     if counts["kv_groups"]:
         parts.append(f"{counts['kv_groups']} key/value groups")
+    if counts["latent_attn_inputs"]:
+        parts.append(f"{counts['latent_attn_inputs']} latent attention inputs")
     parts.append(f"{counts['mlp_layers']} MLP layers")
     if counts["named_neurons"]:
         parts.append(f"{counts['named_neurons']} named neurons")
@@ -90,8 +109,11 @@ def counts_text(counts: dict[str, int]) -> str:
 __all__ = [
     "KV_GROUP_LEGEND",
     "KV_LABEL",
+    "LATENT_ATTN_LEGEND",
+    "LATENT_LABEL",
     "circuit_counts",
     "counts_text",
     "kind_layer",
     "named_neurons",
+    "reader_kind",
 ]

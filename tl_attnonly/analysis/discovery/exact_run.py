@@ -21,6 +21,7 @@ import torch
 
 from tl_attnonly.analysis.discovery.graph import (
     EXPERTS,
+    LATENT_ATTN,
     LOGITS,
     MLP_REST,
     HeadGraph,
@@ -301,11 +302,11 @@ def circuit_run(
     def patch_inputs(dst: InputGroup, none, mixed, index, site_name: str, hook_name: str):
         def patch(act, hook):
             act = act.clone()
-            if dst.kind in (LOGITS, EXPERTS):  # one reader of the residual stream itself
+            if dst.kind in (LOGITS, EXPERTS, LATENT_ATTN):  # one reader of the residual stream
                 if len(mixed) == 0:
                     return corr[hook_name].clone()
                 x = run.inputs(dst, site_name, mixed)[:, :, 0]
-                norm = input_site(model, dst)[0]  # a mixture of experts reads it normalised
+                norm = input_site(model, dst)[0]  # experts and latent attention: normalised
                 return (x if norm is None else norm(x)).to(act.dtype)
             corr_act = corr[hook_name]
             if dst.kind in ("neuron", MLP_REST):

@@ -54,11 +54,21 @@ MLP_REST = "mlp"
 #: output, ``hook_mlp_out``) and one input (what its norm reads: the router and every expert read
 #: the normalised input, ``blocks.{l}.mlp.hook_in``). Routing is recomputed from each run's input.
 EXPERTS = "experts"
+#: Kind of the input ``L{l}ATTN`` of a multi-head latent attention layer (DeepSeek-V2/V3): one
+#: reader, the layer's normalised input (``blocks.{l}.attn.hook_in``), which every head reads. Its
+#: queries, keys and values are decompressed from latents the heads share (the key/value latent
+#: normalised across them), so no head reads an input of its own; the heads stay source nodes.
+LATENT_ATTN = "latent_attn"
 
 
 def mlp_rest_label(layer: int) -> str:
     """``"L{layer}MLP"``: the node of a layer's neurons left out of a restricted graph."""
     return f"L{layer}MLP"
+
+
+def latent_attn_label(layer: int) -> str:
+    """``"L{layer}ATTN"``: the input every head of a multi-head latent attention layer reads."""
+    return f"L{layer}ATTN"
 
 
 class _Labels(tuple):
@@ -124,11 +134,13 @@ class InputGroup:
 
     Attributes:
         key: ``"attn.{l}.q"``, ``"neuron.{l}.gate"``, ``"logits"``, ...
-        kind: ``"attn"``, ``"neuron"`` or ``"logits"``.
+        kind: ``"attn"``, ``"neuron"``, ``"logits"``, :data:`EXPERTS`, :data:`MLP_REST` or
+            :data:`LATENT_ATTN` (key ``"attn.{l}.in"``).
         layer: Layer index (``n_layers`` for the logits).
-        input: ``"q"``, ``"k"``, ``"v"``, ``"gate"``, ``"value"`` or ``""`` (logits).
+        input: ``"q"``, ``"k"``, ``"v"``, ``"gate"``, ``"value"``, ``"qkv"`` (a latent attention
+            layer's one input) or ``""`` (logits, an expert layer).
         labels: The reading nodes' labels (for ``k``/``v`` of grouped-query attention, the key/value
-            heads ``L{l}KV{j}``).
+            heads ``L{l}KV{j}``; a latent attention layer's input ``L{l}ATTN``).
         order: Reads every source group of smaller order.
         index: Positions of ``labels`` in the full group (all of it unless restricted); for an
             MLP remainder (kind ``"mlp"``, one reader) the positions of the neurons it holds.
@@ -162,13 +174,18 @@ class GraphShape:
     parallel_attn_mlp: bool
     #: The mixture-of-experts layers (each one node ``L{l}MLP`` of kind :data:`EXPERTS`).
     expert_layers: tuple[int, ...] = ()
+    #: The multi-head latent attention layers (each read through one input ``L{l}ATTN`` of kind
+    #: :data:`LATENT_ATTN`).
+    latent_attn_layers: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:  # a saved shape's JSON list
-        object.__setattr__(self, "expert_layers", tuple(int(li) for li in self.expert_layers))
+    def __post_init__(self) -> None:  # a saved shape's JSON lists
+        for name in ("expert_layers", "latent_attn_layers"):
+            object.__setattr__(self, name, tuple(int(li) for li in getattr(self, name)))
 
     @classmethod
     def of(cls, model: ModelLike) -> GraphShape:
         """The shape of ``model`` (either model kind, through :func:`analysis_model`)."""
+        from tl_attnonly.analysis.discovery.attention_support import latent_attention_layers
         from tl_attnonly.analysis.patching.dense_layers import expert_layers
 
         model = analysis_model(model)
@@ -179,6 +196,7 @@ class GraphShape:
             n_heads_per_neuron=int(model.n_heads_per_neuron), gated_mlp=bool(cfg.gated_mlp),
             parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
             expert_layers=tuple(sorted(expert_layers(model))),
+            latent_attn_layers=tuple(latent_attention_layers(model)),
         )  # fmt: skip
 
 
@@ -222,6 +240,7 @@ class HeadGraph:
         self.n_heads_per_neuron = cfg.n_heads_per_neuron
         self.neuron_level = neuron_level or cfg.n_heads_per_neuron == 1
         self.expert_layers = frozenset(cfg.expert_layers)
+        self.latent_attn_layers = frozenset(cfg.latent_attn_layers)
         self.gated = cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
         self.parallel = cfg.parallel_attn_mlp
         n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -263,7 +282,16 @@ class HeadGraph:
         for li in range(cfg.n_layers):
             heads = tuple(attn_head_label(li, h) for h in range(cfg.n_heads))
             kv = tuple(f"L{li}KV{j}" for j in range(n_kv)) if self.gqa else heads
-            for inp in ATTN_INPUTS:
+            if li in self.latent_attn_layers:  # one reader: kept with any of the layer's heads
+                reader = pick(
+                    (latent_attn_label(li),),
+                    lambda j, heads=heads: keep is None or any(h in keep for h in heads),
+                )
+                self.inputs.append(
+                    InputGroup(f"attn.{li}.in", LATENT_ATTN, li, "qkv", reader[0], 3 * li + 1,
+                               *reader[1:])
+                )  # fmt: skip
+            for inp in ATTN_INPUTS if li not in self.latent_attn_layers else ():
                 if inp == "q" or not self.gqa:
                     picked = pick(heads)
                 else:  # a key/value head is kept with any of the query heads it serves
@@ -431,6 +459,7 @@ def edges_frame(
 __all__ = [
     "ATTN_INPUTS",
     "EMBED",
+    "LATENT_ATTN",
     "LOGITS",
     "MLP_REST",
     "NEURON_INPUTS",
@@ -440,5 +469,6 @@ __all__ = [
     "SourceGroup",
     "edge_label",
     "edges_frame",
+    "latent_attn_label",
     "mlp_rest_label",
 ]

@@ -15,10 +15,14 @@ from jaxtyping import Int
 
 from tl_attnonly._types import check_token_pair
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.discovery.attention_support import attention_problems
+from tl_attnonly.analysis.discovery.attention_support import (
+    attention_problems,
+    latent_attn_input_hook,
+)
 from tl_attnonly.analysis.discovery.graph import (
     EMBED,
     EXPERTS,
+    LATENT_ATTN,
     LOGITS,
     MLP_REST,
     HeadGraph,
@@ -89,7 +93,7 @@ def check_discoverable(model: ModelLike, neuron_level: bool = True) -> None:
     if cfg.positional_embedding_type not in ("standard", "rotary", "alibi"):
         problems.append(f"positional_embedding_type={cfg.positional_embedding_type!r}")
     problems += post_norm_problems(model)
-    problems += attention_problems(model)  # multi-head latent attention
+    problems += attention_problems(model)  # multi-head latent attention without its input hook
     if cfg.attn_only:
         problems.append("attn_only=True (no neuron-heads)")
     problems += expert_problems(model)
@@ -299,7 +303,7 @@ def input_site(model: AttnOnlyModel, dst: InputGroup) -> tuple[Norm | None, str]
     if dst.kind == LOGITS:
         return None, block_act_name("resid_post", model.cfg.n_layers - 1)
     block = model.blocks[dst.layer]
-    if dst.kind == "attn":
+    if dst.kind in ("attn", LATENT_ATTN):
         return block.ln1, block_act_name("resid_pre", dst.layer)
     resid = "resid_pre" if model.cfg.parallel_attn_mlp else "resid_mid"
     return block.ln2, block_act_name(resid, dst.layer)
@@ -430,7 +434,7 @@ def reader_matrix(
 ) -> torch.Tensor:
     """``R [n, d_model, s]``: input ``n`` reads ``normalised_resid @ R[n]`` (plus a bias)."""
     model = analysis_model(model)
-    if dst.kind in (LOGITS, EXPERTS):  # the residual stream (normalised: EXPERTS) itself
+    if dst.kind in (LOGITS, EXPERTS, LATENT_ATTN):  # the residual stream (else normalised) itself
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if dst.kind == "attn":
         return _kept(qkv_weights(model.blocks[dst.layer].attn, dst.input)[0], dst, 0)
@@ -448,6 +452,8 @@ def input_hook_name(dst: InputGroup, graph: HeadGraph) -> str:
         return block_act_name("resid_post", graph.n_layers - 1)
     if dst.kind == EXPERTS:
         return experts_input_hook(dst.layer)
+    if dst.kind == LATENT_ATTN:
+        return latent_attn_input_hook(dst.layer)
     if dst.kind in ("neuron", MLP_REST) and graph.gated:
         return neuron_act_name("pre" if dst.input == "gate" else "pre_linear", dst.layer)
     head_kind = "attn" if dst.kind == "attn" else "neuron"
@@ -463,7 +469,7 @@ def read_gradient(
 ) -> torch.Tensor:
     """d metric / d (what input ``n`` reads), ``[batch, pos, n, s]``."""
     model = analysis_model(model)
-    if dst.kind in (LOGITS, EXPERTS):
+    if dst.kind in (LOGITS, EXPERTS, LATENT_ATTN):
         return grad.unsqueeze(2)
     if dst.kind == "attn":
         return _kept(grad, dst, 2)

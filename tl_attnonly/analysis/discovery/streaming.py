@@ -66,7 +66,8 @@ class TopEdges:
 
     def nodes(self) -> list[str]:
         """The attention heads and neurons the edges join (a key/value head of grouped-query
-        attention stands for every query head it serves)."""
+        attention stands for every query head it serves, a latent attention layer's input
+        ``L{l}ATTN`` for every head of the layer)."""
         out: dict[str, None] = {}
         group = self.graph.n_heads // self.graph.n_kv
         frame = self.frame
@@ -79,6 +80,9 @@ class TopEdges:
                 layer, j = target[1:].split("KV")
                 for h in range(int(j) * group, (int(j) + 1) * group):
                     out[f"L{layer}H{h}"] = None
+            elif target.endswith("ATTN"):  # a latent attention layer's input: all its heads
+                for h in range(self.graph.n_heads):
+                    out[f"{target[:-4]}H{h}"] = None
             else:
                 out[target] = None
         return list(out)
