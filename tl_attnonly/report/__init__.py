@@ -15,11 +15,7 @@ analysis and vis tools, which take either kind.
 
 from __future__ import annotations
 
-import base64
-import functools
-import gzip
 import html
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +25,6 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 from plotly.offline import get_plotlyjs
-from tqdm.auto import tqdm
 
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.patching.dense_layers import expert_layers
@@ -40,6 +35,17 @@ from tl_attnonly.hooks import (
     neuron_head_label,
 )
 from tl_attnonly.protocol import AttnOnlyModel
+from tl_attnonly.report.page import (
+    CSS,
+    DEFERRED_TYPE,
+    NO_DECOMPRESSION,
+    PACKED_TYPE,
+    Steps,
+    deferred,
+    df_html,
+    packed,
+    plotly_html,
+)
 from tl_attnonly.verify import REFERENCE_NAMES
 from tl_attnonly.vis import (
     BIAS_TOKEN,
@@ -57,19 +63,6 @@ from tl_attnonly.vis import (
 REPORT_TOP_K = 32
 #: Neuron-heads per layer in the report's square circuitsvis views (a few: the strips show many).
 REPORT_SQUARE_K = 4
-
-_CSS = """
-body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px auto;
-       max-width: 1200px; color: #222; line-height: 1.45; padding: 0 16px; }
-h1 { font-size: 26px; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 4px; margin-top: 36px; }
-table.df { border-collapse: collapse; font-size: 13px; margin: 8px 0 16px; }
-table.df th, table.df td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
-table.df th { background: #f3f3f3; }
-pre.prompt { background: #f7f7f7; padding: 8px; border-radius: 4px; overflow-x: auto; }
-.note { color: #555; font-size: 14px; }
-nav a { margin-right: 14px; }
-code { background: #f3f3f3; padding: 0 3px; }
-"""
 
 
 #: The report's sections, in order (their ``<section id>``), the same for both model kinds.
@@ -132,7 +125,7 @@ def write_demo_report(
     n_layers = adapted.cfg.n_layers
     experts = expert_layers(adapted)
     dense = [layer for layer in range(n_layers) if layer not in experts]
-    steps = _Steps(total=5 + n_layers, enabled=progress)
+    steps = Steps(total=5 + n_layers, enabled=progress)
     sections: list[tuple[str, str, str]] = []  # (anchor, title, body html)
     reference = REFERENCE_NAMES.get(adapted.kind, "original")
 
@@ -179,18 +172,14 @@ def write_demo_report(
             (
                 "activity",
                 "Neuron-head activity over tokens",
-                _activity_intro(sorted(experts)) + "".join(_plotly(fig) for fig in strips),
+                _activity_intro(sorted(experts)) + "".join(plotly_html(fig) for fig in strips),
             )
         )
 
+    corrupted, how = _corrupted(adapted, tokens, corrupted_prompt)
     with steps.step("attribution patching"):
-        sections.append(
-            (
-                "patching",
-                "Attribution patching of every head",
-                _patching(adapted, tokens, corrupted_prompt, dense),
-            )
-        )
+        patching = how if corrupted is None else _patching(adapted, tokens, corrupted, how, dense)
+        sections.append(("patching", "Attribution patching of every head", patching))
 
     with steps.step("GELU-fit curves"):
         sections.append(("gelu", "GELU as neuron-heads: fit error", _gelu(adapted)))
@@ -214,7 +203,7 @@ def _equivalence(tables: dict[str, pd.DataFrame], reference: str) -> str:
     ]
     for title, df in tables.items():
         parts.append(f"<h3>{html.escape(str(title))}</h3>")
-        parts.append(_df_html(df))
+        parts.append(df_html(df))
     return "\n".join(parts)
 
 
@@ -263,7 +252,7 @@ def _views(views: Sequence[NeuronHeadView | go.Figure], model: AttnOnlyModel) ->
                 "<code>summarize_expert_neuron_heads</code>, "
                 "<code>get_act_patch_expert_neuron_heads</code>).</p>"
             )
-            parts.append(_plotly(view))
+            parts.append(plotly_html(view))
             continue
         div_id = f"cv-layer-{view.layer}"
         parts.append(f"<h3>Layer {view.layer}</h3>")
@@ -289,27 +278,33 @@ def _activity_intro(experts: Sequence[int] = ()) -> str:
     )
 
 
-def _patching(
-    model: AttnOnlyModel,
-    tokens: torch.Tensor,
-    corrupted_prompt: str | None,
-    dense: Sequence[int],
-) -> str:
-    from tl_attnonly.analysis.patching.attribution import attribution_patch
-
+def _corrupted(
+    model: AttnOnlyModel, tokens: torch.Tensor, corrupted_prompt: str | None
+) -> tuple[torch.Tensor | None, str]:
+    """The corrupted run's tokens and how they were made, or ``(None, why not)``."""
     if corrupted_prompt is None:
         corrupted = tokens.clone()
         start = 1 if model.cfg.default_prepend_bos else 0
         corrupted[:, start:] = tokens[:, start:].flip(-1)
-        how = "the prompt's tokens in reverse order"
-    else:
-        corrupted = model.to_tokens(corrupted_prompt)
-        how = "the corrupted prompt given"
-        if corrupted.shape != tokens.shape:
-            return (
-                f'<p class="note">Skipped: the corrupted prompt has {corrupted.shape[-1]} tokens, '
-                f"the prompt {tokens.shape[-1]}; patching needs equal lengths.</p>"
-            )
+        return corrupted, "the prompt's tokens in reverse order"
+    corrupted = model.to_tokens(corrupted_prompt)
+    if corrupted.shape != tokens.shape:
+        return None, (
+            f'<p class="note">Skipped: the corrupted prompt has {corrupted.shape[-1]} tokens, '
+            f"the prompt {tokens.shape[-1]}; patching needs equal lengths.</p>"
+        )
+    return corrupted, "the corrupted prompt given"
+
+
+def _patching(
+    model: AttnOnlyModel,
+    tokens: torch.Tensor,
+    corrupted: torch.Tensor,
+    how: str,
+    dense: Sequence[int],
+) -> str:
+    from tl_attnonly.analysis.patching.attribution import attribution_patch
+
     clean_ids = tokens[:, 1:]
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
@@ -326,7 +321,7 @@ def _patching(
     n_attn = n_layers * n_heads
     attn = scores[:n_attn].reshape(n_layers, n_heads)
     name = "est. change of mean log p(clean next token)"
-    figures = _plotly(patching_heatmap(attn, title="Attention heads", value_name="effect"))
+    figures = plotly_html(patching_heatmap(attn, title="Attention heads", value_name="effect"))
     if dense:  # the dense layers' neuron-heads (an expert layer has none of its own)
         figures += _neuron_patching(model, scores[n_attn:], dense)
     else:
@@ -363,7 +358,7 @@ def _neuron_patching(model: AttnOnlyModel, scores: torch.Tensor, dense: Sequence
         row, head = divmod(flat, width)
         label = neuron_head_label(dense[row], head, k)
         rows.append({"neuron-head": label, "effect": neuron[row, head].item()})
-    return _plotly(neuron_fig) + "<h3>Largest neuron-heads</h3>" + _df_html(pd.DataFrame(rows))
+    return plotly_html(neuron_fig) + "<h3>Largest neuron-heads</h3>" + df_html(pd.DataFrame(rows))
 
 
 def _gelu(model: AttnOnlyModel) -> str:
@@ -386,9 +381,9 @@ def _gelu(model: AttnOnlyModel) -> str:
         "one head (weight on self = sigmoid(x), value = x); GELU is not, and is approximated by a "
         "sum of K heads. Below: GELU and the K-head approximations the conversion uses, and their "
         "error (every activation: <code>tl_attnonly.activation_error_table()</code>).</p>"
-        + _plotly(fig)
+        + plotly_html(fig)
         + "<h3>Error per activation and K</h3>"
-        + _df_html(table)
+        + df_html(table)
     )
 
 
@@ -432,14 +427,14 @@ def _page(
     return (
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8">\n'
         f"<title>tl-attnonly report: {html.escape(model_name)}</title>\n"
-        f"<style>{_CSS}</style>\n"
+        f"<style>{CSS}</style>\n"
         "</head><body>\n"
-        f"{_NO_DECOMPRESSION}\n"
+        f"{NO_DECOMPRESSION}\n"
         f"<h1>Every MLP neuron as an attention head: {html.escape(model_name)}</h1>\n"
-        f"{summary}\n<nav>{nav}</nav>\n{_deferred(body)}\n"
+        f"{summary}\n<nav>{nav}</nav>\n{deferred(body)}\n"
         f'<p class="note">Generated by tl-attnonly on {generated}. After Huben &amp; Morris '
         "(2023), arXiv 2309.08593.</p>\n"
-        f"{_packed(libraries)}\n</body></html>\n"
+        f"{packed(libraries)}\n</body></html>\n"
     )
 
 
@@ -448,95 +443,6 @@ def _experts_note(model: AttnOnlyModel) -> str:
     experts = sorted(expert_layers(model))
     listed = ", ".join(map(str, experts))
     return f"; layers {listed} are mixtures of experts" if experts else ""
-
-
-# ------------------------------------------------------------------------------------------------
-# packed JavaScript: plotly.js and circuitsvis are gzip-compressed (6.1 MB -> 2.4 MB as base64)
-# and unpacked by the browser (DecompressionStream), then the page's own scripts run, in order.
-# ------------------------------------------------------------------------------------------------
-#: Type of the page's own scripts, run once the libraries are unpacked.
-DEFERRED_TYPE = "text/x-tl-attnonly-deferred"
-#: Type of a packed library (gzip, then base64).
-PACKED_TYPE = "application/x-tl-attnonly-gzip-base64"
-
-_NO_DECOMPRESSION = (
-    '<p id="tl-unpack-error" class="note" style="display:none; color:#b2182b">This browser cannot '
-    "unpack the report's JavaScript (it needs DecompressionStream: Chrome 80, Firefox 113, Safari "
-    "16.4 or later), so the figures are not drawn.</p>"
-)
-_UNPACK = """<script>
-(async () => {
-  if (typeof DecompressionStream === "undefined") {
-    document.getElementById("tl-unpack-error").style.display = "block";
-    return;
-  }
-  for (const packed of document.querySelectorAll('script[type="PACKED"]')) {
-    const bytes = Uint8Array.from(atob(packed.textContent.trim()), (c) => c.charCodeAt(0));
-    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-    (0, eval)(await new Response(stream).text());
-  }
-  for (const script of document.querySelectorAll('script[type="DEFERRED"]')) {
-    (0, eval)(script.textContent);
-  }
-})();
-</script>"""
-
-
-def _packed(libraries: dict[str, str]) -> str:
-    parts = []
-    for name, js in libraries.items():
-        data = _gzip_base64(js)
-        parts.append(f'<script type="{PACKED_TYPE}" data-library="{name}">{data}</script>')
-    unpack = _UNPACK.replace("PACKED", PACKED_TYPE).replace("DEFERRED", DEFERRED_TYPE)
-    return "\n".join(parts) + "\n" + unpack
-
-
-@functools.lru_cache(maxsize=4)
-def _gzip_base64(js: str) -> str:
-    return base64.b64encode(gzip.compress(js.encode("utf-8"), compresslevel=9, mtime=0)).decode()
-
-
-def _deferred(body: str) -> str:
-    """The body's inline scripts, marked to run after the libraries are unpacked."""
-    return re.sub(r'<script(?: type="text/javascript")?>', f'<script type="{DEFERRED_TYPE}">', body)
-
-
-def _plotly(fig: go.Figure) -> str:
-    return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
-
-
-def _df_html(df: pd.DataFrame) -> str:
-    return df.to_html(
-        index=False,
-        classes="df",
-        border=0,
-        float_format=lambda v: f"{v:.3g}",
-        na_rep="",
-    )
-
-
-class _Steps:
-    """A tqdm bar over named steps (``with steps.step("name"): ...``)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = tqdm(total=total, desc="report", unit="step", disable=not enabled)
-
-    def step(self, name: str) -> _Step:
-        return _Step(self.bar, name)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-class _Step:
-    def __init__(self, bar: Any, name: str):
-        self.bar, self.name = bar, name
-
-    def __enter__(self) -> None:
-        self.bar.set_postfix_str(self.name)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.bar.update(1)
 
 
 __all__ = [
