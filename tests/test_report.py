@@ -45,6 +45,7 @@ EXPECTED_SECTIONS = [
     ("patterns", 0, 2, ["Layer 0", "Layer 1"]),
     ("activity", 2, 0, []),
     ("patching", 2, 0, ["Largest neuron-heads"]),
+    ("circuit", 2, 0, ["Faithfulness against size (MIB's grid)"]),
     ("gelu", 1, 0, ["Error per activation and K"]),
 ]
 KINDS = ("hooked", "bridge")
@@ -318,3 +319,32 @@ def test_both_kinds_draw_the_same_numbers(tmp_path_factory):
                 za, zb = _array(a["z"]), _array(b["z"])
                 scale = np.nanmax(np.abs(za))
                 np.testing.assert_allclose(za, zb, atol=1e-3 * scale, equal_nan=True)
+
+
+def test_report_shows_the_circuit_discover_circuit_finds(demo):
+    """The circuit section is ``discover_circuit``'s defaults on the report's task (the prompt
+    against its tokens reversed, the mean log-probability of the prompt's next tokens): its
+    faithfulness, CPR and CMD, and the curve's table, equal a call made here on the bundled
+    model; the curve figure draws that table."""
+    import tl_attnonly
+    from tl_attnonly.analysis import discover_circuit
+    from tl_attnonly.report.circuit import next_token_metric
+
+    body = _sections(_text(demo))["circuit"]
+    model = tl_attnonly.convert(load_bundled_bridge())
+    tokens = model.to_tokens(DEFAULT_PROMPT)
+    corrupted = tokens.clone()
+    corrupted[:, 1:] = tokens[:, 1:].flip(-1)
+    circuit = discover_circuit(model, tokens, corrupted, next_token_metric(tokens), progress=False)
+    assert f"faithfulness {circuit.faithfulness:.3f} (exact run" in body
+    cpr, cmd = circuit.extra["mib_cpr"], circuit.extra["mib_cmd"]
+    assert f"CPR {cpr:.3f}" in body and f"CMD {cmd:.3f}" in body
+    parser = _Tables()
+    parser.feed(body)
+    rows = parser.tables["Faithfulness against size (MIB's grid)"]
+    assert rows[0] == ["fraction", "edges", "metric", "faithfulness"]
+    want = circuit.extra["mib_curve"]
+    assert [float(r[3]) for r in rows[1:]] == pytest.approx(list(want["faithfulness"]), abs=2e-3)
+    (_, _), (curve, layout) = _figures(body)
+    assert _array(curve[0]["y"]) == pytest.approx(list(want["faithfulness"]), abs=1e-4)
+    assert f"CPR {cpr:.3f}" in layout["title"]["text"]

@@ -5,7 +5,9 @@ from a file. Sections (:data:`REPORT_SECTIONS`): the equivalence table, the neur
 patterns of each layer (circuitsvis, the bias token drawn as the first token ``<bias>``; a
 mixture-of-experts layer: its routing, :func:`~tl_attnonly.vis.expert_routing_heatmap`), the
 neuron-head activity strips (dense layers), an attribution-patching heatmap over every head (the
-attention heads and the dense layers' neuron-heads), and the GELU-fit error curves.
+attention heads and the dense layers' neuron-heads), the circuit ``discover_circuit`` finds for the
+same task with its faithfulness against size on MIB's grid (:mod:`.circuit`), and the GELU-fit
+error curves.
 
 One report for both model kinds: an :class:`~tl_attnonly.AttnOnlyTransformer` (TransformerLens
 3.x) and a ``TransformerBridge`` converted with :func:`tl_attnonly.convert` (3.x and 4.x). The
@@ -35,6 +37,7 @@ from tl_attnonly.hooks import (
     neuron_head_label,
 )
 from tl_attnonly.protocol import AttnOnlyModel
+from tl_attnonly.report.circuit import circuit_section, next_token_metric
 from tl_attnonly.report.page import (
     CSS,
     DEFERRED_TYPE,
@@ -66,7 +69,7 @@ REPORT_SQUARE_K = 4
 
 
 #: The report's sections, in order (their ``<section id>``), the same for both model kinds.
-REPORT_SECTIONS = ("equivalence", "patterns", "activity", "patching", "gelu")
+REPORT_SECTIONS = ("equivalence", "patterns", "activity", "patching", "circuit", "gelu")
 
 
 def write_demo_report(
@@ -97,8 +100,8 @@ def write_demo_report(
             models' dtype.
         top_k: Neurons per layer in the per-token (self, bias) strips (most active first).
         square_k: Neuron-heads per layer in the square circuitsvis pattern views.
-        corrupted_prompt: Corrupted run for the attribution-patching section; default: the
-            prompt's tokens in reverse order (same length, BOS kept).
+        corrupted_prompt: Corrupted run for the attribution-patching and circuit sections;
+            default: the prompt's tokens in reverse order (same length, BOS kept).
         model_name: The title's model name; default: ``converted.cfg.model_name``.
         progress: Show a progress bar over the report's steps.
 
@@ -125,7 +128,7 @@ def write_demo_report(
     n_layers = adapted.cfg.n_layers
     experts = expert_layers(adapted)
     dense = [layer for layer in range(n_layers) if layer not in experts]
-    steps = Steps(total=5 + n_layers, enabled=progress)
+    steps = Steps(total=6 + n_layers, enabled=progress)
     sections: list[tuple[str, str, str]] = []  # (anchor, title, body html)
     reference = REFERENCE_NAMES.get(adapted.kind, "original")
 
@@ -180,6 +183,10 @@ def write_demo_report(
     with steps.step("attribution patching"):
         patching = how if corrupted is None else _patching(adapted, tokens, corrupted, how, dense)
         sections.append(("patching", "Attribution patching of every head", patching))
+
+    with steps.step("circuit discovery"):
+        found = how if corrupted is None else circuit_section(adapted, tokens, corrupted, how)
+        sections.append(("circuit", "A circuit of the prompt (discover_circuit)", found))
 
     with steps.step("GELU-fit curves"):
         sections.append(("gelu", "GELU as neuron-heads: fit error", _gelu(adapted)))
@@ -305,12 +312,7 @@ def _patching(
 ) -> str:
     from tl_attnonly.analysis.patching.attribution import attribution_patch
 
-    clean_ids = tokens[:, 1:]
-
-    def metric(logits: torch.Tensor) -> torch.Tensor:
-        logprobs = logits[:, :-1].log_softmax(-1)
-        return logprobs.gather(-1, clean_ids.unsqueeze(-1)).mean()
-
+    metric = next_token_metric(tokens)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     z_filter = head_names_filter("z")
     z_names = {name for name in model.hook_dict if z_filter(name)}  # the adapter's: read once
@@ -365,7 +367,7 @@ def _gelu(model: AttnOnlyModel) -> str:
     from tl_attnonly.activations import SUPPORTED_ACTIVATIONS, activation_error_table
 
     ks = (1, 2, 3, 4)
-    fig = gelu_fit_error_figure(ks=ks)
+    fig = gelu_fit_error_figure(ks=ks, n_points=241)  # steps of 0.05: smooth, and a smaller page
     # only the rows the page discusses: GELU at the K drawn, and this model's own activation
     # (one the table lists: GPT-OSS's scaled SiLU, x sigmoid(alpha x), is one exact head)
     gelu = activation_error_table("gelu", max_heads=max(ks))

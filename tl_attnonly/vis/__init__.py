@@ -16,6 +16,7 @@ best for a few heads), :mod:`~tl_attnonly.vis.strips` (per-token (self, bias) st
 at a glance), :mod:`~tl_attnonly.vis.figures` (plotly figures), :mod:`~tl_attnonly.vis.circuit`
 (circuits over attention heads and neuron-heads), :mod:`~tl_attnonly.vis.neuron_circuit` (a
 circuit's heads and named neurons by layer, with their profiles),
+:mod:`~tl_attnonly.vis.curves` (a circuit's faithfulness against its size),
 :mod:`~tl_attnonly.vis.summaries` (dataset summaries) and :mod:`~tl_attnonly.vis.export`
 (:func:`save_figure`, standalone HTML, text safe inside ``<script>``).
 
@@ -27,6 +28,7 @@ Example:
 """
 
 from tl_attnonly.vis.circuit import circuit_figure
+from tl_attnonly.vis.curves import faithfulness_curve_figure
 from tl_attnonly.vis.export import (
     circuitsvis_js,
     find_chromium,
@@ -78,6 +80,7 @@ __all__ = [
     "circuitsvis_js",
     "error_table_figure",
     "expert_routing_heatmap",
+    "faithfulness_curve_figure",
     "find_chromium",
     "gelu_fit_error_figure",
     "neuron_activity_heatmap",

@@ -1,0 +1,86 @@
+"""The report's circuit section: ``discover_circuit`` on the report's prompt pair, its figure and
+its faithfulness against size on MIB's grid of sizes, with CPR and CMD.
+
+The task is the report's attribution-patching task: the prompt against its corrupted version
+(by default its tokens reversed), the metric the mean log-probability of the prompt's own next
+tokens. The circuit is found with ``discover_circuit``'s defaults.
+"""
+
+from __future__ import annotations
+
+import html
+import warnings
+
+import pandas as pd
+import torch
+
+from tl_attnonly.analysis import discover_circuit
+from tl_attnonly.analysis.discovery.counts import circuit_counts, counts_text
+from tl_attnonly.protocol import AttnOnlyModel
+from tl_attnonly.report.page import df_html, plotly_html
+from tl_attnonly.vis import circuit_figure, faithfulness_curve_figure
+
+#: The curve's columns the report's table shows.
+CURVE_COLUMNS = ["fraction", "edges", "metric", "faithfulness"]
+
+
+def next_token_metric(tokens: torch.Tensor):
+    """``metric(logits)``: the mean log-probability of ``tokens``' own next tokens
+    (``tokens [1, pos]``; the report's attribution-patching metric)."""
+    clean_ids = tokens[:, 1:]
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        logprobs = logits[:, :-1].log_softmax(-1)
+        return logprobs.gather(-1, clean_ids.to(logits.device).unsqueeze(-1)).mean()
+
+    return metric
+
+
+def circuit_section(
+    model: AttnOnlyModel, tokens: torch.Tensor, corrupted: torch.Tensor, how: str
+) -> str:
+    """The section's HTML: the circuit ``discover_circuit`` finds for the prompt pair, or the
+    refusal's reason where the model cannot be discovered (a post-LN residual stream).
+
+    Args:
+        model: The adapted model (:func:`~tl_attnonly.adapt.analysis_model`).
+        tokens, corrupted: ``[1, pos]``, the prompt and its corrupted version.
+        how: How ``corrupted`` was made, in words.
+    """
+    metric = next_token_metric(tokens)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its warnings are in its report, shown below
+            circuit = discover_circuit(model, tokens, corrupted, metric, progress=False)
+    except NotImplementedError as refusal:  # what the maths rules out, said by the refusal
+        reason = html.escape(str(refusal).split(". ")[0])
+        return f'<p class="note">discover_circuit does not run on this model: {reason}.</p>'
+    intro = (
+        '<p class="note">The circuit <code>tl_attnonly.analysis.discover_circuit</code> finds, '
+        "with its defaults, for the prompt against a corrupted run "
+        f"({html.escape(how)}), the metric being the mean log-probability of the prompt's own "
+        f"next tokens: {html.escape(counts_text(circuit_counts(circuit)))}; faithfulness "
+        f"{circuit.faithfulness:.3f} (exact run: 1 is the model, 0 the corrupted run). Its "
+        "nodes are attention heads, MLP layers and the neurons it names, every one a "
+        "head of the attention-only model.</p>"
+    )
+    parts = [intro, plotly_html(circuit_figure(circuit))]
+    if "mib_curve" in circuit.extra:
+        cpr, cmd = circuit.extra["mib_cpr"], circuit.extra["mib_cmd"]
+        parts += [
+            "<h3>Faithfulness against size (MIB's grid)</h3>",
+            '<p class="note">The top-k circuits of the same edge ranking at MIB\'s edge '
+            f"fractions, each by an exact run: CPR {cpr:.3f} (the area under the faithfulness "
+            f"curve; higher recovers more), CMD {cmd:.3f} (the area under |1 - faithfulness|; "
+            "lower is closer to the model).</p>",
+            plotly_html(faithfulness_curve_figure(circuit)),
+            df_html(pd.DataFrame(circuit.extra["mib_curve"])[CURVE_COLUMNS]),
+        ]
+    parts.append(
+        "<details><summary>The circuit's report (<code>circuit.report()</code>)</summary>"
+        f'<pre class="prompt">{html.escape(circuit.report())}</pre></details>'
+    )
+    return "\n".join(parts)
+
+
+__all__ = ["CURVE_COLUMNS", "circuit_section", "next_token_metric"]
