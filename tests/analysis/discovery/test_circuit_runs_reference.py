@@ -104,6 +104,24 @@ def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, 
         return metric(logits, torch.arange(clean.shape[0])).item()
 
 
+def _branch_gradient(model, at: str, names: list[str], clean, corrupted, metric):
+    """``(grad, clean acts, corrupted acts)``: the gradient of ``metric`` on the corrupted run
+    at a copy of the activation taken at hook ``at`` (a norm's input: the branch through that
+    norm only, the residual path around it not counted), and the two runs' ``names``."""
+    held = {}
+
+    def branch(act, hook):
+        held["x"] = act.detach().clone().requires_grad_(True)
+        return held["x"]
+
+    with torch.no_grad():
+        _, clean_cache = model.run_with_cache(clean, names_filter=names)
+        _, corrupted_cache = model.run_with_cache(corrupted, names_filter=names)
+    logits = model.run_with_hooks(corrupted, fwd_hooks=[(at, branch)])
+    (grad,) = torch.autograd.grad(metric(logits, torch.arange(clean.shape[0])), [held["x"]])
+    return grad, clean_cache, corrupted_cache
+
+
 def _random_mask(graph: HeadGraph, p: float, seed: int):
     g = torch.Generator().manual_seed(seed)
     return {k: torch.rand(m.shape, generator=g) < p for k, m in graph.full_mask().items()}

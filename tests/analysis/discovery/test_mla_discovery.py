@@ -26,7 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[2]))
 sys.path.insert(0, str(Path(__file__).parents[2] / "bridge"))
 
-from test_circuit_runs_reference import _random_mask, _reference  # noqa: E402
+from test_circuit_runs_reference import (  # noqa: E402
+    _branch_gradient,
+    _random_mask,
+    _reference,
+)
 from zoo import ZOO, build_bridge, convert_zoo_bridge, tokens  # noqa: E402
 
 from tl_attnonly.analysis import (  # noqa: E402
@@ -104,18 +108,9 @@ def test_eap_scores_into_a_latent_attention_layer_are_its_branch_gradient(mla):
     scores = edge_attribution_scores(
         mla, CLEAN, CORRUPTED, METRIC, method="eap", nodes=coarse_nodes(mla)
     ).scores
-    held = {}
-
-    def branch(act, hook):
-        held["x"] = act.detach().clone().requires_grad_(True)
-        return held["x"]
-
     names = ["hook_embed", "blocks.0.attn.hook_z"]
-    with torch.no_grad():
-        _, clean = mla.run_with_cache(CLEAN, names_filter=names)
-        _, corrupted = mla.run_with_cache(CORRUPTED, names_filter=names)
-    logits = mla.run_with_hooks(CORRUPTED, fwd_hooks=[("blocks.1.ln1.hook_in", branch)])
-    (grad,) = torch.autograd.grad(METRIC(logits, torch.arange(4)), [held["x"]])
+    at = "blocks.1.ln1.hook_in"
+    grad, clean, corrupted = _branch_gradient(mla, at, names, CLEAN, CORRUPTED, METRIC)
     embed = (grad * (clean["hook_embed"] - corrupted["hook_embed"])).sum()
     got = scores[("embed", "attn.1.in")]
     assert got.shape == (1, 1) and embed.abs() > 1e-3

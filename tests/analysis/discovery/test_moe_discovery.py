@@ -23,7 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[2]))
 sys.path.insert(0, str(Path(__file__).parents[2] / "bridge"))
 
-from test_circuit_runs_reference import _random_mask, _reference  # noqa: E402
+from test_circuit_runs_reference import (  # noqa: E402
+    _branch_gradient,
+    _random_mask,
+    _reference,
+)
 from zoo import ZOO, build_bridge, convert_zoo_bridge, tokens  # noqa: E402
 
 from tl_attnonly.adapt import analysis_model  # noqa: E402
@@ -108,18 +112,9 @@ def test_eap_scores_into_and_out_of_an_expert_layer_are_its_branch_gradient(moe)
     scores = edge_attribution_scores(
         moe, CLEAN, CORRUPTED, METRIC, method="eap", nodes=coarse_nodes(moe)
     ).scores
-    held = {}
-
-    def branch(act, hook):
-        held["x"] = act.detach().clone().requires_grad_(True)
-        return held["x"]
-
     names = ["hook_embed", "blocks.0.hook_mlp_out"]
-    with torch.no_grad():
-        _, clean = moe.run_with_cache(CLEAN, names_filter=names)
-        _, corrupted = moe.run_with_cache(CORRUPTED, names_filter=names)
-    logits = moe.run_with_hooks(CORRUPTED, fwd_hooks=[("blocks.1.ln2.hook_in", branch)])
-    (grad,) = torch.autograd.grad(METRIC(logits, torch.arange(4)), [held["x"]])
+    at = "blocks.1.ln2.hook_in"
+    grad, clean, corrupted = _branch_gradient(moe, at, names, CLEAN, CORRUPTED, METRIC)
     layer_0 = "experts.0" if 0 in _experts(moe) else "mlp.0"  # a dense layer 0: its coarse node
     for source, name in (("embed", "hook_embed"), (layer_0, "blocks.0.hook_mlp_out")):
         want = (grad * (clean[name] - corrupted[name])).sum()
