@@ -155,16 +155,9 @@ def test_expert_patching_against_plain_hooks_bridge(bridge):
     _patch_table(bridge, clean, corrupted)
 
 
-def test_other_tools_still_refuse_experts_and_expert_tools_refuse_bad_arguments(bridge):
-    """The dense summaries and discovery refuse MoE by layer (tests/bridge/test_moe_bridge.py),
-    pointing to the expert summaries; the expert tools refuse an unknown expert, kind, head or
-    option before any work."""
-    from tl_attnonly.analysis import summarize_neuron_heads
-
+def test_expert_tools_refuse_bad_arguments(bridge):
+    """The expert tools refuse an unknown expert, kind, head or option before any work."""
     toks = tokens()
-    with pytest.raises(NotImplementedError, match=r"blocks\.0\.mlp is a mixture of experts.*"
-                       r"summarize_expert_neuron_heads"):  # fmt: skip
-        summarize_neuron_heads(bridge, [toks[0]])
     with pytest.raises(ValueError, match="has 4 experts"):
         summarize_expert_neuron_heads(bridge, [toks[0]], layer=LAYER, experts=[4])
     with pytest.raises(NotImplementedError, match="token_stats"):

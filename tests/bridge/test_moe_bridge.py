@@ -444,9 +444,10 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
     bridge's expert layer before any work, naming it and the expert tools to use instead
     (neuron-head patching sweeps the layer's experts: a clean cache without them is refused)
     (``analysis_model`` takes the model: tests/bridge/test_moe_tools.py; ``discover_circuit``
-    takes an expert layer as one node: tests/analysis/discovery/test_moe_discovery.py)."""
+    takes an expert layer as one node: tests/analysis/discovery/test_moe_discovery.py; the
+    summaries read its experts' heads: tests/analysis/test_moe_summaries.py)."""
     from tl_attnonly.adapt import analysis_model
-    from tl_attnonly.analysis import get_act_patch_neuron_heads, summarize_neuron_heads
+    from tl_attnonly.analysis import composition_scores, get_act_patch_neuron_heads
 
     bridge = convert_zoo_bridge(build_bridge(name, torch.float32))
     layer = min(_moe_layers(bridge))
@@ -459,7 +460,7 @@ def test_analysis_tools_refuse_mixtures_of_experts_by_layer(name):
             bridge, toks, {}, lambda logits: logits[0, -1, 0], layers=[layer]
         )
     with pytest.raises(NotImplementedError, match=match):
-        summarize_neuron_heads(bridge, [toks[0]])
+        composition_scores(bridge, "Q", senders=[f"L{layer}N0"])
     assert not ran, "refused before any forward pass"
 
 

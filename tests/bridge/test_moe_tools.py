@@ -253,10 +253,11 @@ def test_neuron_head_views_show_an_expert_layer_as_its_experts_heads(moe):
     ]
 
 
-def test_neuron_head_views_and_summaries_refuse_before_work(moe):
-    """The dense neuron-head summaries, path patching (which freezes every
-    neuron-head's ``z``), node-level circuits, the gate/value split and composition scores of
-    an expert layer's neuron-heads refuse before a forward pass, naming the expert tools."""
+def test_path_patching_and_node_circuits_refuse_before_work(moe):
+    """Path patching (which freezes every neuron-head's ``z``), node-level circuits, the
+    gate/value split and composition scores of an expert layer's neuron-heads refuse before a
+    forward pass, naming the expert tools (the summaries take expert layers:
+    tests/analysis/test_moe_summaries.py)."""
     from tl_attnonly.analysis import (
         ModelInputs,
         circuit_gate_value_split,
@@ -266,7 +267,6 @@ def test_neuron_head_views_and_summaries_refuse_before_work(moe):
         path_gate_value_split,
         path_patch,
         path_patch_sweep,
-        summarize_neuron_heads,
     )
 
     bridge, clean = moe["bridge"], moe["clean"]
@@ -274,7 +274,6 @@ def test_neuron_head_views_and_summaries_refuse_before_work(moe):
     handle = bridge.blocks[0].register_forward_pre_hook(lambda module, args: ran.append(1))
     try:
         for run in (
-            lambda: summarize_neuron_heads(bridge, [clean[0]]),
             lambda: path_patch_sweep(bridge, clean, moe["corrupted"], "logits", _metric),
             lambda: path_patch(bridge, clean, moe["corrupted"], ["L0H0"], "logits", _metric),
             lambda: path_gate_value_split(

@@ -42,6 +42,8 @@ class SummaryView:
 
 
 def _shade(weight: float) -> str:
+    if weight != weight:  # NaN: a token not routed to the head's expert
+        return "transparent"
     w = min(max(weight, 0.0), 1.0)
     return f"rgba(214,39,40,{0.85 * w:.3f})"
 
@@ -66,6 +68,10 @@ def summary_html(
 ) -> SummaryView:
     """HTML of the top contexts of some neuron-heads of one layer.
 
+    A mixture-of-experts layer's heads are its experts' (:meth:`NeuronHeadSummaries.label`
+    names them): firing fraction, token counts and contexts over the tokens routed to the head's
+    expert; a context token not routed to it is unshaded.
+
     Args:
         summaries: From :func:`~tl_attnonly.analysis.summarize_neuron_heads`.
         layer: Layer.
@@ -86,12 +92,14 @@ def summary_html(
         heads = summaries.rank(layer, by=by, top=8)
     top = summaries.top[ranking][layer]
     fire = summaries.firing_fraction()[layer]
+    positions = summaries.head_positions()[layer]
     K = summaries.n_heads_per_neuron
     by_tok = (
         summaries.firing_fraction_by_token(min_count=5)[layer]
         if summaries.fire_count_by_token is not None
         else None
     )
+    counts = summaries.head_token_count()[layer] if by_tok is not None else None
     parts = [
         "<div style='font-family:sans-serif;font-size:13px'>",
         f"<p>Layer {layer}, contexts ranked by "
@@ -100,16 +108,18 @@ def summary_html(
     ]
     for head in heads:
         label = html.escape(summaries.label(layer, head))
+        expert, _ = summaries.head_expert(layer, head)
+        seen = "" if expert is None else f" of the {int(positions[head])} routed to its expert"
         parts.append(
             f"<h4 style='margin:8px 0 2px'>{label} &mdash; fires at "
-            f"{100 * float(fire[head]):.1f}% of positions</h4>"
+            f"{100 * float(fire[head]):.1f}% of positions{seen}</h4>"
         )
-        if by_tok is not None:
+        if by_tok is not None and counts is not None:
             row = by_tok[head].nan_to_num(-1.0)
             values, idx = row.topk(min(n_tokens, row.numel()))
             listed = [
                 f"{html.escape(repr(_token_text(tokenizer, int(t))))}: {100 * float(v):.0f}% "
-                f"(n={int(summaries.token_count[t])})"
+                f"(n={int(counts[head, t])})"
                 for t, v in zip(idx, values, strict=True)
                 if v >= 0
             ]
@@ -129,9 +139,14 @@ def summary_html(
                 w = float(top.self_weight[head, j, t])
                 text = html.escape(_token_text(tokenizer, tok)).replace("\n", "&#8629;")
                 border = "border:1px solid black;" if t == centre else ""
+                title = (
+                    "not routed to its expert"
+                    if w != w
+                    else f"self {w:.3f}, z {float(top.z[head, j, t]):.3g}"
+                )
                 spans.append(
                     f"<span style='background:{_shade(w)};{border}white-space:pre' "
-                    f"title='self {w:.3f}, z {float(top.z[head, j, t]):.3g}'>{text}</span>"
+                    f"title='{title}'>{text}</span>"
                 )
             self_w = float(top.self_weight[head, j, centre])
             parts.append(

@@ -43,8 +43,8 @@ The dense decompositions (:func:`~tl_attnonly.analysis.decompose_resid_heads`,
 :func:`~tl_attnonly.analysis.head_logit_attrs`) read an expert layer as its experts' weighted
 contributions; circuit discovery takes it as one node
 (:data:`~tl_attnonly.analysis.discovery.graph.EXPERTS`);
-:func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers) refuses mixtures of experts
-before any work, naming the layer.
+:func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers) summarises an expert layer's
+neuron-heads as :func:`layer_heads` numbers them, each over the tokens routed to its expert.
 
 Modules: :mod:`~tl_attnonly.analysis.experts.routing` (hook names, the experts of a block, routing,
 activations), :mod:`~tl_attnonly.analysis.experts.patching` (activation patching) and

@@ -342,21 +342,22 @@ def expert_heads_as_dense(
 ) -> Float[torch.Tensor, "batch ..."]:
     """A mixture-of-experts layer's neuron-heads (:func:`layer_heads`) in a dense layer's hook
     layout, in token space: ``pattern`` ``[batch, n_heads, pos, 2]``, ``z`` ``[batch, pos,
-    n_heads, 1]``, NaN where a token was not routed to the head's expert (it did not run there).
+    n_heads, 1]``, ``post`` ``[batch, pos, n_neurons]`` (the experts' neurons end to end, in the
+    same order), NaN where a token was not routed to the head's expert (it did not run there).
 
     Args:
         cache: A cache of the converted model holding every expert's (and shared expert's)
             ``hook_{kind}`` of ``layer`` and, for routed experts, the router's top-k indices.
         layer: The MoE layer.
-        kind: ``"pattern"`` or ``"z"``.
+        kind: ``"pattern"``, ``"z"`` or ``"post"``.
         n_pos: Positions per prompt (the batch is the cached tokens over ``n_pos``).
 
     Raises:
         ValueError: For another kind, or tokens that are not a multiple of ``n_pos``.
         KeyError: If the cache lacks a hook.
     """
-    if kind not in ("pattern", "z"):
-        raise ValueError(f"kind must be 'pattern' or 'z', got {kind!r}.")
+    if kind not in ("pattern", "z", "post"):
+        raise ValueError(f"kind must be 'pattern', 'z' or 'post', got {kind!r}.")
     model = model_of_cache(cache, allow_experts=True)
     experts = resolve_experts(moe_layer(model, layer), layer, None)  # layer_heads's order
     routing = cached_routing(cache, layer) if any(isinstance(e, int) for e in experts) else None
@@ -365,6 +366,8 @@ def expert_heads_as_dense(
         act = cache[expert_hook_name(layer, expert, kind)]
         if kind == "pattern":  # [lead, heads, query, 2] -> rows [lead * query, heads, 2]
             rows = act.transpose(1, 2).reshape(-1, act.shape[1], 2)
+        elif kind == "post":  # [tokens, d_mlp] (a shared expert's: maybe [batch, pos, d_mlp])
+            rows = hook_rows(act, kind)
         else:  # [lead, query, heads, 1]
             rows = act.reshape(-1, *act.shape[-2:])
         columns.append((expert, rows))

@@ -14,6 +14,12 @@ bounded by the number of heads (never by the corpus):
   detector of the token (token selectivity);
 - the number of positions seen, per token.
 
+A mixture-of-experts layer's neuron-heads are its experts' end to end (routed experts in index
+order, then the shared ones: ``L{l}E{e}N{i}``, ``L{l}SN{i}``), each counted over the tokens routed
+to its expert only (its firing fraction, top contexts and per-token statistics; the positions each
+head counted: :meth:`~NeuronHeadSummaries.head_positions`); per-head tensors are as wide as the
+widest layer, with nothing counted past a narrower layer's heads.
+
 :class:`NeuronHeadSummaries` saves to and loads from a directory (safetensors + JSON), ranks heads
 by dataset statistics (:meth:`~NeuronHeadSummaries.rank`; pass the result as ``heads=`` to the
 views in :mod:`tl_attnonly.vis`), and renders an HTML page per head

@@ -22,9 +22,14 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import replace_options
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis.summaries.results import RANKINGS, NeuronHeadSummaries, TopContexts
+from tl_attnonly.analysis.summaries.results import (
+    RANKINGS,
+    HeadGroups,
+    NeuronHeadSummaries,
+    TopContexts,
+)
 from tl_attnonly.hooks import neuron_act_name
-from tl_attnonly.mlp_protocol import refuse_expert_layers
+from tl_attnonly.mlp_protocol import expert_layer_indices
 
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
@@ -283,6 +288,90 @@ def cached_batches(
     bar.close()
 
 
+def add_heads(
+    top: dict[str, list[TopContexts]],
+    fire: list[torch.Tensor],
+    group: int,
+    self_w: Float[torch.Tensor, "batch pos n"],
+    z: Float[torch.Tensor, "batch pos n"],
+    here: torch.Tensor,
+    tokens: Int[torch.Tensor, "batch pos"],
+    lengths: torch.Tensor,
+    row_offset: int,
+    opts: SummaryOptions,
+) -> None:
+    """Count one batch into the firing counts ``fire[group]`` ``[n]`` and top contexts
+    ``top[ranking][group]`` of ``n`` heads, at the positions ``here`` only.
+
+    Args:
+        here: ``[batch, pos, n]`` (or ``[batch, pos, 1]``) the positions each head counts: not
+            padding, and for an expert's head routed to its expert.
+        row_offset: The batch's first row (in streaming order).
+        opts: ``before`` and ``after``.
+    """
+    fire[group] += (here & (self_w > 0.5)).sum((0, 1))
+    for ranking, values in (("self", self_w), ("abs_z", z.abs())):
+        top[ranking][group] = merge_top(
+            top[ranking][group], values.masked_fill(~here, -torch.inf), tokens, self_w, z,
+            lengths, row_offset, opts.before, opts.after,
+        )  # fmt: skip
+
+
+def _head_groups(model: AttnOnlyModel) -> list[HeadGroups]:
+    """Per layer, its heads' groups (:attr:`NeuronHeadSummaries.groups`); none without a mixture
+    of experts."""
+    if not expert_layer_indices([block.mlp for block in model.blocks]):
+        return []
+    from tl_attnonly.analysis.experts.routing import layer_heads
+
+    groups = []
+    for layer in range(model.cfg.n_layers):
+        experts = [expert for expert, _ in layer_heads(model, layer)]
+        groups.append([(e, experts.count(e)) for e in dict.fromkeys(experts)])
+    return groups
+
+
+def _hook_names(model: AttnOnlyModel, groups: list[HeadGroups], kinds: tuple[str, ...]) -> set[str]:
+    """The hooks the summaries read: a dense layer's ``blocks.{l}.mlp.hook_{kind}``; an expert
+    layer's experts' and, for routed experts, the router's top-k indices."""
+    from tl_attnonly.analysis.experts.routing import expert_hook_name, routing_hook_name
+
+    names = set()
+    for layer in range(model.cfg.n_layers):
+        experts = [e for e, _ in groups[layer]] if groups else [None]
+        if experts == [None]:
+            names |= {neuron_act_name(kind, layer) for kind in kinds}
+            continue
+        if any(isinstance(e, int) for e in experts):
+            names.add(routing_hook_name(layer, model))
+        names |= {
+            expert_hook_name(layer, e, kind) for e in experts if e is not None for kind in kinds
+        }
+    return names
+
+
+def _layer_values(
+    cache: Any, layer: int, experts: bool, kinds: tuple[str, ...], n_pos: int
+) -> list[torch.Tensor]:
+    """``self_w [batch, pos, n]``, ``z [batch, pos, n]`` (float32) and with ``"post"`` in
+    ``kinds`` ``post [batch, pos, n / K]`` (float64) of ``layer``'s neuron-heads, on the CPU; an
+    expert layer's experts' end to end, NaN where a token was not routed to the expert."""
+    if experts:
+        from tl_attnonly.analysis.experts.routing import expert_heads_as_dense
+
+        read = {kind: expert_heads_as_dense(cache, layer, kind, n_pos) for kind in kinds}
+    else:
+        read = {kind: cache[neuron_act_name(kind, layer)] for kind in kinds}
+    values = [
+        read["pattern"][..., 0].transpose(1, 2).float().cpu(),
+        read["z"][..., 0].float().cpu(),
+    ]
+    if "post" in read:
+        post = read["post"].double().cpu()
+        values.append(post.masked_fill(post.isnan(), 0.0) if experts else post)
+    return values
+
+
 def summarize_neuron_heads(
     model: ModelLike,
     corpus: Iterable[str | torch.Tensor] | None = None,
@@ -292,10 +381,15 @@ def summarize_neuron_heads(
 ) -> NeuronHeadSummaries:
     """Stream ``corpus`` through ``model`` and summarise every neuron-head (module docstring).
 
+    A mixture-of-experts layer's neuron-heads are its experts' end to end (routed experts, then
+    the shared ones; labelled ``L{l}E{e}N{n}``, ``L{l}SN{n}``), each counted over the tokens
+    routed to its expert only, as :func:`~tl_attnonly.analysis.experts.
+    summarize_expert_neuron_heads` counts them (:attr:`NeuronHeadSummaries.groups`).
+
     Args:
         model: An :class:`~tl_attnonly.AttnOnlyTransformer` or
-            :class:`~tl_attnonly.AttnOnlyEncoder` (padding is masked out of its attention), with a
-            tokenizer if the corpus holds strings.
+            :class:`~tl_attnonly.AttnOnlyEncoder` (padding is masked out of its attention), or a
+            converted ``TransformerBridge``, with a tokenizer if the corpus holds strings.
         corpus: Strings and/or int token tensors (``[pos]`` or ``[batch, pos]``); default
             :func:`stdlib_corpus`.
         k: Top contexts kept per head and ranking.
@@ -314,20 +408,23 @@ def summarize_neuron_heads(
 
     Raises:
         TypeError: For a keyword that is not an option (naming :class:`SummaryOptions`).
+        MemoryError: When the statistics would need more than ``max_bytes``.
     """
     opts = summary_options("summarize_neuron_heads", options, overrides)
     k, before, after, max_len = opts.k, opts.before, opts.after, opts.max_len
     token_stats, max_bytes = opts.token_stats, opts.max_bytes
     model = analysis_model(model)
-    refuse_expert_layers([block.mlp for block in model.blocks], None, "summarize_neuron_heads")
     cfg = model.cfg
     assert cfg.d_mlp is not None  # a converted model has MLPs
-    L, N, K, V = cfg.n_layers, cfg.d_mlp, model.n_heads_per_neuron, cfg.d_vocab
-    H = N * K
+    L, K, V = cfg.n_layers, model.n_heads_per_neuron, cfg.d_vocab
+    groups = _head_groups(model)
+    widths = [sum(n for _, n in layer) for layer in groups] or [cfg.d_mlp * K] * L
+    H = max(widths)
+    N, G = H // K, max((len(layer) for layer in groups), default=0)
     window = before + after + 1
     need = (L * H * k * (2 + 3 * window)) * 8 * len(RANKINGS)
     if token_stats:
-        need += L * (N + H) * V * 8
+        need += L * (N + H + G) * V * 8
     if need > max_bytes:
         raise MemoryError(
             f"The summaries need {need / 2**30:.2f} GiB (budget {max_bytes / 2**30:.2f} GiB): "
@@ -335,31 +432,40 @@ def summarize_neuron_heads(
             "Pass token_stats=False, a smaller k, or max_bytes=... to raise the budget."
         )
     max_len = max_len or cfg.n_ctx
-    top = {r: [TopContexts.empty(H, k, window) for _ in range(L)] for r in RANKINGS}
-    fire = torch.zeros(L, H, dtype=torch.long)
+    top = {r: [TopContexts.empty(w, k, window) for w in widths] for r in RANKINGS}
+    fire = [torch.zeros(w, dtype=torch.long) for w in widths]
     token_count = torch.zeros(V, dtype=torch.long)
     post_sum = torch.zeros(L, N, V, dtype=torch.float64) if token_stats else None
     fire_tok = torch.zeros(L, H, V, dtype=torch.long) if token_stats else None
-    names = {neuron_act_name(kind, li) for li in range(L) for kind in ("pattern", "z", "post")}
+    group_positions = torch.zeros(L, G, dtype=torch.long) if groups else None
+    group_tok = torch.zeros(L, G, V, dtype=torch.long) if groups and token_stats else None
+    kinds = ("pattern", "z", "post") if token_stats else ("pattern", "z")
+    expert_layers = set(expert_layer_indices([block.mlp for block in model.blocks]))
     n_positions = n_rows = 0
-    for tokens, lengths, valid, cache in cached_batches(model, corpus, names, opts):
+    for tokens, lengths, valid, cache in cached_batches(
+        model, corpus, _hook_names(model, groups, kinds), opts
+    ):
         flat_tokens = tokens[valid]  # [n_valid]
         token_count += torch.bincount(flat_tokens, minlength=V)
-        for li in range(L):
-            self_w = cache[neuron_act_name("pattern", li)][..., 0].transpose(1, 2).float().cpu()
-            z = cache[neuron_act_name("z", li)][..., 0].float().cpu()  # [batch, pos, H]
-            post = cache[neuron_act_name("post", li)].double().cpu()  # [batch, pos, N]
-            fires = self_w > 0.5
-            fire[li] += (fires & valid[..., None]).sum((0, 1))
+        for li, w in enumerate(widths):
+            self_w, z, *post = _layer_values(cache, li, li in expert_layers, kinds, tokens.shape[1])
+            here = valid[..., None] & ~self_w.isnan()  # counted: not padding, routed
+            add_heads(top, fire, li, self_w, z, here, tokens, lengths, n_rows, opts)
             if post_sum is not None and fire_tok is not None:
-                post_sum[li].index_add_(1, flat_tokens, post[valid].T)
-                fire_tok[li].index_add_(1, flat_tokens, fires[valid].T.long())
-            for ranking, values in (("self", self_w), ("abs_z", z.abs())):
-                top[ranking][li] = merge_top(
-                    top[ranking][li], values, tokens, self_w, z, lengths, n_rows, before, after
-                )
+                post_sum[li, : w // K].index_add_(1, flat_tokens, post[0][valid].T)
+                fires = here & (self_w > 0.5)
+                fire_tok[li, :w].index_add_(1, flat_tokens, fires[valid].T.long())
+            if group_positions is not None:  # each group's first head: its routed positions
+                starts = torch.tensor([0, *(n for _, n in groups[li])]).cumsum(0)[:-1]
+                routed = here[..., starts]  # [batch, pos, groups]
+                group_positions[li, : len(starts)] += routed.sum((0, 1))
+                if group_tok is not None:
+                    group_tok[li, : len(starts)].index_add_(1, flat_tokens, routed[valid].T.long())
         n_positions += int(valid.sum())
         n_rows += tokens.shape[0]
+    fire_count = torch.zeros(L, H, dtype=torch.long)
+    for li, w in enumerate(widths):
+        fire_count[li, :w] = fire[li]
     return NeuronHeadSummaries(
         n_layers=L,
         d_mlp=N,
@@ -368,19 +474,23 @@ def summarize_neuron_heads(
         before=before,
         after=after,
         top=top,
-        fire_count=fire,
+        fire_count=fire_count,
         token_count=token_count,
         post_sum_by_token=post_sum,
         fire_count_by_token=fire_tok,
         n_positions=n_positions,
         n_rows=n_rows,
         meta={"k": k, "max_len": max_len},
+        groups=groups,
+        group_positions=group_positions,
+        group_token_count=group_tok,
     )
 
 
 __all__ = [
     "STDLIB_MODULES",
     "SummaryOptions",
+    "add_heads",
     "cached_batches",
     "merge_top",
     "summary_options",

@@ -35,8 +35,8 @@ from tl_attnonly.analysis.experts.routing import (
 )
 from tl_attnonly.analysis.summaries.collect import (
     SummaryOptions,
+    add_heads,
     cached_batches,
-    merge_top,
     summary_options,
 )
 from tl_attnonly.analysis.summaries.results import (
@@ -276,7 +276,8 @@ def summarize_expert_neuron_heads(
     if overrides.get("token_stats"):
         raise NotImplementedError(
             "summarize_expert_neuron_heads does not record per-token statistics "
-            "(token_stats=True); supported: token_stats=False (the default here)."
+            "(token_stats=True); supported: token_stats=False (the default here), or "
+            "summarize_neuron_heads, which records them for every expert head."
         )
     adapted = analysis_model(model, allow_experts=True)
     moe = moe_layer(adapted, layer)
@@ -314,22 +315,10 @@ def summarize_expert_neuron_heads(
             z = scatter_rows(z_rows.float().cpu(), rows, batch, pos, nan)
             here = valid[..., None] & ~self_w.isnan()  # [batch, pos, H]: routed, not padding
             routed_count[i] += int(here[..., 0].sum())
-            fire[i] += (here & (self_w > 0.5)).sum((0, 1))
             self_sum[i] += self_w.masked_fill(~here, 0.0).double().sum((0, 1))
             z_sum[i] += z.masked_fill(~here, 0.0).double().sum((0, 1))
             z_max[i] = torch.maximum(z_max[i], z.masked_fill(~here, -torch.inf).amax((0, 1)))
-            for ranking, values in (("self", self_w), ("abs_z", z.abs())):
-                top[ranking][i] = merge_top(
-                    top[ranking][i],
-                    values.masked_fill(~here, -torch.inf),
-                    tokens,
-                    self_w,
-                    z,
-                    lengths,
-                    n_rows,
-                    opts.before,
-                    opts.after,
-                )
+            add_heads(top, fire, i, self_w, z, here, tokens, lengths, n_rows, opts)
         n_positions += int(valid.sum())
         n_rows += tokens.shape[0]
     return ExpertNeuronHeadSummaries(
