@@ -122,6 +122,31 @@ def _branch_gradient(model, at: str, names: list[str], clean, corrupted, metric)
     return grad, clean_cache, corrupted_cache
 
 
+def _check_exact_runs(model, nodes, clean, corrupted, metric, *, ends: float, rel: float):
+    """Four circuits of the graph of ``nodes`` (full, empty, two random) run exactly: the full
+    graph gives the clean run's metric and the empty graph the corrupted run's (to ``ends``),
+    each equals :func:`_reference` (to ``rel``, and ``ends`` absolute), and they differ."""
+    graph = HeadGraph(model, nodes=nodes)
+    masks = [
+        graph.full_mask(),
+        graph.full_mask(False),
+        _random_mask(graph, 0.3, seed=1),
+        _random_mask(graph, 0.7, seed=2),
+    ]
+    got = circuit_metrics(model, masks, clean, corrupted, metric, nodes=nodes, batch_size=2)
+    rows = torch.arange(clean.shape[0])
+    with torch.no_grad():
+        want_clean = metric(model(clean), rows).item()
+        want_corrupted = metric(model(corrupted), rows).item()
+    assert got[0] == pytest.approx(want_clean, abs=ends)
+    assert got[1] == pytest.approx(want_corrupted, abs=ends)
+    for value, mask in zip(got, masks, strict=True):
+        want = _reference(model, graph, mask, clean, corrupted, metric)
+        assert value == pytest.approx(want, rel=rel, abs=ends)
+    assert len({round(v, 4) for v in got}) == len(got)  # the circuits differ
+    return graph
+
+
 def _random_mask(graph: HeadGraph, p: float, seed: int):
     g = torch.Generator().manual_seed(seed)
     return {k: torch.rand(m.shape, generator=g) < p for k, m in graph.full_mask().items()}

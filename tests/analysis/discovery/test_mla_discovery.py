@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bridge"))
 
 from test_circuit_runs_reference import (  # noqa: E402
     _branch_gradient,
-    _random_mask,
-    _reference,
+    _check_exact_runs,
 )
 from zoo import ZOO, build_bridge, convert_zoo_bridge, tokens  # noqa: E402
 
@@ -80,23 +79,7 @@ def test_each_latent_attention_layer_is_read_through_one_input(mla):
 
 def test_exact_runs_equal_the_edge_by_edge_definition(mla):
     nodes = coarse_nodes(mla) + ["L0N2", "L0N5"]  # the dense layer 0's neurons, by name
-    graph = HeadGraph(mla, nodes=nodes)
-    masks = [
-        graph.full_mask(),
-        graph.full_mask(False),
-        _random_mask(graph, 0.3, seed=1),
-        _random_mask(graph, 0.7, seed=2),
-    ]
-    got = circuit_metrics(mla, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
-    with torch.no_grad():
-        clean = METRIC(mla(CLEAN), torch.arange(4)).item()
-        corrupted = METRIC(mla(CORRUPTED), torch.arange(4)).item()
-    assert got[0] == pytest.approx(clean, abs=1e-10)
-    assert got[1] == pytest.approx(corrupted, abs=1e-10)
-    for value, mask in zip(got, masks, strict=True):
-        want = _reference(mla, graph, mask, CLEAN, CORRUPTED, METRIC)
-        assert value == pytest.approx(want, rel=1e-9, abs=1e-10)
-    assert len({round(v, 6) for v in got}) == len(got)  # the circuits differ
+    _check_exact_runs(mla, nodes, CLEAN, CORRUPTED, METRIC, ends=1e-10, rel=1e-9)
 
 
 def test_eap_scores_into_a_latent_attention_layer_are_its_branch_gradient(mla):

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "bridge"))
 
 from test_circuit_runs_reference import (  # noqa: E402
     _branch_gradient,
+    _check_exact_runs,
     _random_mask,
-    _reference,
 )
 from zoo import ZOO, build_bridge, convert_zoo_bridge, tokens  # noqa: E402
 
@@ -83,25 +83,10 @@ def test_exact_runs_equal_the_edge_by_edge_definition(moe):
     experts = _experts(moe)
     named = [] if 0 in experts else ["L0N2", "L0N5"]  # a dense layer 0's neurons, by name
     nodes = coarse_nodes(moe) + named
-    graph = HeadGraph(moe, nodes=nodes)
+    graph = _check_exact_runs(moe, nodes, CLEAN, CORRUPTED, METRIC, ends=1e-5, rel=1e-4)
     assert [g.key for g in graph.sources if g.kind == EXPERTS] == [
         f"experts.{li}" for li in experts
     ]
-    masks = [
-        graph.full_mask(),
-        graph.full_mask(False),
-        _random_mask(graph, 0.3, seed=1),
-        _random_mask(graph, 0.7, seed=2),
-    ]
-    got = circuit_metrics(moe, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
-    with torch.no_grad():
-        clean = METRIC(moe(CLEAN), torch.arange(4)).item()
-        corrupted = METRIC(moe(CORRUPTED), torch.arange(4)).item()
-    assert got[0] == pytest.approx(clean, abs=1e-6) and got[1] == pytest.approx(corrupted, abs=1e-6)
-    for value, mask in zip(got, masks, strict=True):
-        want = _reference(moe, graph, mask, CLEAN, CORRUPTED, METRIC)
-        assert value == pytest.approx(want, rel=1e-4, abs=1e-5)
-    assert len({round(v, 4) for v in got}) == len(got)  # the circuits differ
 
 
 def test_eap_scores_into_and_out_of_an_expert_layer_are_its_branch_gradient(moe):
