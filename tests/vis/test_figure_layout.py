@@ -145,6 +145,7 @@ def test_counts_agree_with_the_edges_and_the_titles(circuit):
         attention_heads=len({n for n in nodes if re.fullmatch(r"L\d+H\d+", n)}),
         kv_groups=len({n for n in nodes if re.fullmatch(r"L\d+KV\d+", n)}),
         latent_attn_inputs=0,
+        experts=0,
         mlp_layers=len(
             {
                 int(n[1:].split("N")[0].split("M")[0])

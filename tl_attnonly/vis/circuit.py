@@ -63,6 +63,7 @@ NODE_STYLES = {
     "attn": ("circle", "#1f77b4"),
     "kv": ("circle-open", "#1f77b4"),
     "latent": ("square-open", "#1f77b4"),
+    "expert": ("hexagon", "#ff7f0e"),
     "neuron": ("diamond", "#ff7f0e"),
     LOGITS: ("square", "#7f7f7f"),
 }
@@ -72,6 +73,7 @@ NODE_NAMES = {
     "attn": "attention head",
     "kv": "key/value group (GQA: k, v shared by query heads)",
     "latent": "latent attention input (MLA: read by every head)",
+    "expert": "expert (its weighted output)",
     "neuron": "neuron-head",
     LOGITS: "logits",
 }
@@ -391,7 +393,7 @@ def circuit_figure(
         if gv is not None:
             gate_value = f"gate {gv.gate:.3g} / value {gv.value:.3g}"
             marker[n] = (*marker[n][:2], f"{marker[n][2]}<br>{gate_value}")
-    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "neuron": 3}
+    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "expert": 3, "neuron": 3}
     order = sorted(labels, key=lambda n: (rank[kinds[n]], -marker[n][0], n))
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], texts[n]) for n in order], (span) * col, plot_h

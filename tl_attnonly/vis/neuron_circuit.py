@@ -69,7 +69,8 @@ EDGE_WIDTHS = (1.0, 2.5, 4.5)
 
 def node_kind(label: str) -> str:
     """``"embed"``, ``"attn"``, ``"kv"`` (``L{l}KV{j}``), ``"latent"`` (``L{l}ATTN``),
-    ``"neuron"``, ``"rest"`` (``L{l}MLP``) or ``"logits"``."""
+    ``"expert"`` (``L{l}E{e}``, ``L{l}S``), ``"neuron"``, ``"rest"`` (``L{l}MLP``) or
+    ``"logits"``."""
     if label in (EMBED, LOGITS):
         return label
     kind, _ = kind_layer(label)
@@ -204,7 +205,8 @@ def neuron_circuit_figure(
     marker = {n: (float(NODE_SIZE), 1.0, _hover(n, profiles)) for n in labels}
     for n, size, opacity, carry in zip(mlp, *mlp_markers(mlp, mlp_carry(circuit)), strict=True):
         marker[n] = (size, opacity, f"{marker[n][2]}<br>{carry}")
-    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "neuron": 3, "rest": 3}
+    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "expert": 3, "neuron": 3,
+            "rest": 3}  # fmt: skip
     order = sorted(labels, key=lambda n: (rank[node_kind(n)], -marker[n][0], n))
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], [n]) for n in order], plot_w, plot_h

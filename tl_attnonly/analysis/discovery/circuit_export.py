@@ -48,8 +48,8 @@ refused.
 ``apps/webapp/app/api/graph/graph-schema.json``, a copy in ``tests/data/``): ``metadata``,
 ``qParams``, ``nodes`` and ``links``. Every node of a circuit edge is a node, labelled by role in
 ``feature_type`` (``"embedding"``, ``"attention head"``, ``"attention key/value head"``,
-``"attention layer input"``, ``"mlp neuron"``, ``"mlp neuron-head"``, ``"mlp layer"``,
-``"logit"``) and ``clerp`` (``"L3H2: attention
+``"attention layer input"``, ``"mlp neuron"``, ``"mlp neuron-head"``, ``"mlp layer"``, ``"mlp
+expert"``, ``"mlp layer input"``, ``"logit"``) and ``clerp`` (``"L3H2: attention
 head 2 of layer 3"``); each pair of nodes joined by circuit edges is one link whose ``weight`` is
 the sum of their scores (the scores by input, ``q``/``k``/``v`` or ``gate``/``value``, under
 ``inputs``; ``resid`` for the logits). ``layer`` is the node's sublayer in the residual stream:
@@ -288,6 +288,13 @@ def _node_roles(graph: HeadGraph) -> dict[str, dict[str, Any]]:
                     layer=str(2 * g.layer + 2), feature=i, feature_type=role,
                     clerp=f"{label}: {what} of layer {g.layer}",
                 )  # fmt: skip
+        elif g.kind == graphs.EXPERT:
+            for label, e in zip(g.labels, g.index, strict=True):
+                roles[label] = dict(
+                    layer=str(2 * g.layer + 2), feature=e, feature_type="mlp expert",
+                    clerp=f"{label}: component {e} of layer {g.layer}'s mixture of experts "
+                    "(its weighted output)",
+                )  # fmt: skip
         elif g.kind == graphs.EXPERTS:
             roles[g.labels[0]] = dict(
                 layer=str(2 * g.layer + 2), feature=0, feature_type="mlp layer",
@@ -312,6 +319,13 @@ def _node_roles(graph: HeadGraph) -> dict[str, dict[str, Any]]:
                         clerp=f"{label}: key/value head {j} of layer {d.layer} (serves {served})",
                     )  # fmt: skip
     for d in graph.inputs:
+        if d.kind == graphs.EXPERTS and d.layer in graph.split_experts and d.labels:
+            roles[d.labels[0]] = dict(
+                layer=str(2 * d.layer + 2), feature=len(graph.expert_part_labels[d.layer]),
+                feature_type="mlp layer input",
+                clerp=f"{d.labels[0]}: the normalised input layer {d.layer}'s router and experts "
+                "read",
+            )  # fmt: skip
         if d.kind == graphs.LATENT_ATTN and d.labels:
             roles[d.labels[0]] = dict(
                 layer=str(2 * d.layer + 1), feature=graph.n_heads + graph.n_kv,

@@ -75,12 +75,14 @@ def model_record(model: Any) -> dict[str, Any]:
 
 
 def _shape_record(shape: GraphShape) -> dict[str, Any]:
-    """``shape`` as its JSON reads back; ``expert_layers`` and ``latent_attn_layers`` only where
-    there are some (the records of files saved before they existed stay equal)."""
+    """``shape`` as its JSON reads back; ``expert_layers``, ``latent_attn_layers`` and
+    ``expert_parts`` only where there are some (the records of files saved before they existed
+    stay equal)."""
     record = dataclasses.asdict(shape)
-    for name in ("expert_layers", "latent_attn_layers"):
-        if getattr(shape, name):
-            record[name] = list(getattr(shape, name))
+    for name in ("expert_layers", "latent_attn_layers", "expert_parts"):
+        value = getattr(shape, name)
+        if value:
+            record[name] = [list(v) if isinstance(v, tuple) else v for v in value]
         else:
             del record[name]
     return record
@@ -362,6 +364,8 @@ def _check_model(record: dict, model: Any, file: Path) -> None:
     if saved is None:
         return
     current = model_record(model)
+    if "expert_parts" not in (saved.get("shape") or {}):  # saved before the field existed
+        current["shape"].pop("expert_parts", None)
     for key in ("architecture", "d_model", "d_vocab", "dtype", "shape"):
         if saved.get(key) != current[key]:
             raise CircuitFileError(

@@ -21,6 +21,8 @@ KV_GROUP_LEGEND = (
     "key/value groups L{l}KV{j}: under grouped-query attention one key/value head gives its k and "
     "v to several query heads, so the k and v inputs are nodes of their own (not heads)"
 )
+#: A mixture of experts' expert node's label, ``L{l}E{e}`` or ``L{l}S`` (:mod:`.expert_nodes`).
+EXPERT_LABEL = re.compile(r"^L\d+(E\d+|S\d*)$")
 #: A latent attention layer's input's label, ``L{l}ATTN``.
 LATENT_LABEL = re.compile(r"^L\d+ATTN$")
 #: What a latent attention input node is (the report's legend).
@@ -32,21 +34,28 @@ LATENT_ATTN_LEGEND = (
 
 
 def reader_kind(label: str) -> str | None:
-    """``"kv"`` for a key/value group ``L{l}KV{j}``, ``"latent"`` for a latent attention input
-    ``L{l}ATTN`` (attention readers that are not heads), else None."""
-    return "kv" if KV_LABEL.match(label) else "latent" if LATENT_LABEL.match(label) else None
+    """The figures' kind of a node that is neither a head nor a neuron: ``"kv"`` for a key/value
+    group ``L{l}KV{j}`` and ``"latent"`` for a latent attention input ``L{l}ATTN`` (attention
+    readers that are not heads), ``"expert"`` for a mixture of experts' expert ``L{l}E{e}`` /
+    ``L{l}S``, else None."""
+    if KV_LABEL.match(label):
+        return "kv"
+    if LATENT_LABEL.match(label):
+        return "latent"
+    return "expert" if EXPERT_LABEL.match(label) else None
 
 
 def kind_layer(label: str) -> tuple[str, int]:
     """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}`` /
-    ``L{l}ATTN``, ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP``, ``(label, -1)`` for the
-    embeddings and logits."""
+    ``L{l}ATTN``, ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP`` / a mixture of experts'
+    experts ``L{l}E{e}``, ``L{l}S``, ``(label, -1)`` for the embeddings and logits."""
     if label in (EMBED, LOGITS):
         return label, -1
-    match = re.match(r"^L(\d+)(H|KV|N|MLP|ATTN)", label)
+    match = re.match(r"^L(\d+)(H|KV|N|MLP|ATTN|E\d+$|S\d*$)", label)
     if match is None:
         raise ValueError(f"Not a node label: {label!r}.")
-    return ("neuron" if match.group(2) in ("N", "MLP") else "attn"), int(match.group(1))
+    mlp = match.group(2) in ("N", "MLP") or match.group(2)[0] in "ES"
+    return ("neuron" if mlp else "attn"), int(match.group(1))
 
 
 def named_neurons(circuit: Any) -> list[str]:
@@ -66,7 +75,8 @@ def circuit_counts(circuit: Any) -> dict[str, int]:
     ``attention_heads``: query heads ``L{l}H{h}`` with an edge (as :meth:`Circuit.report` counts
     them); ``kv_groups``: key/value groups ``L{l}KV{j}`` of grouped-query attention with an edge
     (the k and v inputs shared by several query heads; not heads); ``latent_attn_inputs``:
-    latent attention layers' inputs ``L{l}ATTN`` with an edge (not heads); ``mlp_layers``:
+    latent attention layers' inputs ``L{l}ATTN`` with an edge (not heads); ``experts``: a
+    mixture of experts' experts ``L{l}E{e}``, ``L{l}S`` with an edge; ``mlp_layers``:
     layers with an MLP node (a named neuron or the remainder ``L{l}MLP``) with an edge, or a
     named neuron;
     ``named_neurons``: the neurons named as nodes
@@ -83,6 +93,7 @@ def circuit_counts(circuit: Any) -> dict[str, int]:
         attention_heads=sum(bool(_HEAD.match(n)) for n in nodes),
         kv_groups=sum(bool(KV_LABEL.match(n)) for n in nodes),
         latent_attn_inputs=sum(bool(LATENT_LABEL.match(n)) for n in nodes),
+        experts=sum(bool(EXPERT_LABEL.match(n)) for n in nodes),
         mlp_layers=len(mlp | {kind_layer(n)[1] for n in named}),
         named_neurons=len(named),
         edges=len(frame),
@@ -98,6 +109,8 @@ def counts_text(counts: dict[str, int]) -> str:
     if counts["latent_attn_inputs"]:
         parts.append(f"{counts['latent_attn_inputs']} latent attention inputs")
     parts.append(f"{counts['mlp_layers']} MLP layers")
+    if counts["experts"]:
+        parts.append(f"{counts['experts']} experts")
     if counts["named_neurons"]:
         parts.append(f"{counts['named_neurons']} named neurons")
     edges = f"{counts['edges']} edges"
@@ -108,6 +121,7 @@ def counts_text(counts: dict[str, int]) -> str:
 
 __all__ = [
     "KV_GROUP_LEGEND",
+    "EXPERT_LABEL",
     "KV_LABEL",
     "LATENT_ATTN_LEGEND",
     "LATENT_LABEL",

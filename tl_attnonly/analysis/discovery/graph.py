@@ -54,6 +54,10 @@ MLP_REST = "mlp"
 #: output, ``hook_mlp_out``) and one input (what its norm reads: the router and every expert read
 #: the normalised input, ``blocks.{l}.mlp.hook_in``). Routing is recomputed from each run's input.
 EXPERTS = "experts"
+#: Kind of the source nodes ``L{l}E{e}`` (routed experts) and ``L{l}S`` (shared) of a
+#: mixture-of-experts layer named by its experts (:mod:`.expert_nodes`); the layer keeps its one
+#: input ``L{l}MLP`` (:data:`EXPERTS`).
+EXPERT = "expert"
 #: Kind of the input ``L{l}ATTN`` of a multi-head latent attention layer (DeepSeek-V2/V3): one
 #: reader, the layer's normalised input (``blocks.{l}.attn.hook_in``), which every head reads. Its
 #: queries, keys and values are decompressed from latents the heads share (the key/value latent
@@ -177,15 +181,21 @@ class GraphShape:
     #: The multi-head latent attention layers (each read through one input ``L{l}ATTN`` of kind
     #: :data:`LATENT_ATTN`).
     latent_attn_layers: tuple[int, ...] = ()
+    #: Per expert layer (in ``expert_layers``' order), its components' label suffixes (``E0``,
+    #: ..., ``S``): the nodes it has when named by its experts (:data:`EXPERT`).
+    expert_parts: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:  # a saved shape's JSON lists
         for name in ("expert_layers", "latent_attn_layers"):
             object.__setattr__(self, name, tuple(int(li) for li in getattr(self, name)))
+        parts = tuple(tuple(str(p) for p in layer) for layer in self.expert_parts)
+        object.__setattr__(self, "expert_parts", parts)
 
     @classmethod
     def of(cls, model: ModelLike) -> GraphShape:
         """The shape of ``model`` (either model kind, through :func:`analysis_model`)."""
         from tl_attnonly.analysis.discovery.attention_support import latent_attention_layers
+        from tl_attnonly.analysis.discovery.expert_nodes import expert_parts
         from tl_attnonly.analysis.patching.dense_layers import expert_layers
 
         model = analysis_model(model)
@@ -197,6 +207,7 @@ class GraphShape:
             parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
             expert_layers=tuple(sorted(expert_layers(model))),
             latent_attn_layers=tuple(latent_attention_layers(model)),
+            expert_parts=expert_parts(model, sorted(expert_layers(model))),
         )  # fmt: skip
 
 
@@ -219,7 +230,8 @@ class HeadGraph:
 
     Attributes:
         gated: Whether the MLPs are gated (inputs ``gate = g``, ``value = u``; see above).
-        restricted: Whether ``nodes`` dropped any node.
+        restricted: Whether ``nodes`` dropped any node (or named an expert layer's experts:
+            the graph is not the full graph, ``nodes=None``).
 
     Raises:
         ValueError: If ``nodes`` names a node the model does not have.
@@ -241,6 +253,17 @@ class HeadGraph:
         self.neuron_level = neuron_level or cfg.n_heads_per_neuron == 1
         self.expert_layers = frozenset(cfg.expert_layers)
         self.latent_attn_layers = frozenset(cfg.latent_attn_layers)
+        #: Expert layer -> its components' labels (``L{l}E{e}``, ``L{l}S``).
+        self.expert_part_labels = {
+            li: tuple(f"L{li}{suffix}" for suffix in parts)
+            for li, parts in zip(cfg.expert_layers, cfg.expert_parts, strict=False)
+        }
+        #: The expert layers named by their experts here (their components are the nodes).
+        self.split_experts: frozenset[int] = frozenset(
+            li
+            for li, parts in self.expert_part_labels.items()
+            if nodes is not None and any(p in nodes for p in parts)
+        )
         self.gated = cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
         self.parallel = cfg.parallel_attn_mlp
         n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -253,13 +276,15 @@ class HeadGraph:
         keep = None if nodes is None else set(nodes)
         if keep is not None:
             known = _known_labels(cfg.n_layers, cfg.n_heads, d_mlp, k_labels)
-            unknown = sorted(keep - known - {EMBED, LOGITS})
+            parts = {p for labels in self.expert_part_labels.values() for p in labels}
+            unknown = sorted(keep - known - parts - {EMBED, LOGITS})
             if unknown:
                 raise ValueError(
                     f"nodes names {len(unknown)} node(s) this graph does not have, e.g. "
                     f"{unknown[:3]}: give attention heads 'L{{l}}H{{h}}', "
                     + ("neurons 'L{l}N{i}'" if self.neuron_level else "neuron-heads 'L{l}N{i}.{k}'")
-                    + f" (neuron_level={self.neuron_level}) and MLP remainders 'L{{l}}MLP'."
+                    + f" (neuron_level={self.neuron_level}), MLP remainders 'L{{l}}MLP' and a "
+                    "mixture of experts' experts 'L{l}E{e}', 'L{l}S'."
                 )
 
         def pick(labels, kept_by=None):
@@ -317,10 +342,16 @@ class HeadGraph:
             mlp_order = 3 * li + 1 if self.parallel else 3 * li + 2
             if li in self.expert_layers:  # the whole layer: one node, one input
                 label = (mlp_rest_label(li),)
-                whole = pick(label)
+                whole = pick(label) if li not in self.split_experts else (label, (0,), 1)
                 self.inputs.append(
                     InputGroup(f"experts.{li}", EXPERTS, li, "", whole[0], mlp_order, *whole[1:])
                 )
+                if li in self.split_experts:  # its experts: one node each, the layer's input
+                    part = pick(self.expert_part_labels[li])
+                    self.sources.append(
+                        SourceGroup(f"expert.{li}", EXPERT, li, part[0], 3 * li + 2, *part[1:])
+                    )
+                    continue
                 self.sources.append(
                     SourceGroup(f"experts.{li}", EXPERTS, li, whole[0], 3 * li + 2, *whole[1:])
                 )
@@ -359,8 +390,11 @@ class HeadGraph:
                 for g in self.inputs
                 for p in self.positions
             ]
-        self.restricted = any(len(g.labels) < g.size for g in self.sources) or any(
-            len(g.labels) < g.size for g in self.inputs
+        # (a layer named by its experts differs from the full graph's whole layer too)
+        self.restricted = (
+            any(len(g.labels) < g.size for g in self.sources)
+            or any(len(g.labels) < g.size for g in self.inputs)
+            or bool(self.split_experts)
         )
         self.source_by_key = {g.key: g for g in self.sources}
         self.input_by_key = {g.key: g for g in self.inputs}
@@ -459,6 +493,7 @@ def edges_frame(
 __all__ = [
     "ATTN_INPUTS",
     "EMBED",
+    "EXPERT",
     "LATENT_ATTN",
     "LOGITS",
     "MLP_REST",

@@ -76,13 +76,14 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     """Step 3 and 4 of :mod:`.search`' module docstring: the circuit on the graph with named
     neurons (the task's model, prompts, metric, position classes and corrupted runs)."""
     model, clean, corrupted, metric = task.model, task.clean, task.corrupted, task.metric
+    base_nodes = coarse_nodes(model, experts=opts.expert_nodes)  # the coarse graph's
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
     layers = [li for li in layers if li not in coarse.graph.expert_layers]  # no neurons of its own
     layers = [li for li in layers if li not in opts.whole_mlps]  # kept whole by the user
     coarse.extra["coarse"] = coarse
     if not layers:
         coarse.extra["named"] = {}
-        return coarse, coarse_nodes(model)
+        return coarse, base_nodes
     node_scores = _neuron_scores(task, opts, layers, coarse)
     auto = opts.neurons_per_mlp == "auto"
     count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
@@ -99,7 +100,7 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     cut: set[int] = set()
     measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
     if auto:
-        ground = NeuronStage(task, coarse, named, opts, coarse_nodes(model))
+        ground = NeuronStage(task, coarse, named, opts, base_nodes)
         try:
             if opts.neuron_search == "joint":
                 named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
@@ -110,7 +111,7 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
             ground.bar.close()  # closed with its summary unless the search raised
         stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
         measured = ground.measured
-    fine_nodes = coarse_nodes(model) + [n for li in layers for n in named[li]]
+    fine_nodes = base_nodes + [n for li in layers for n in named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
         nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress,
@@ -159,7 +160,7 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     # its step 5) are not made again
     todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
     fresh = circuit_metrics(
-        model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=coarse_nodes(model),
+        model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=base_nodes,
         batch_size=task.batch_size, progress=opts.progress, positions=task.positions,
         corrupted_runs=task.corrupted_runs, kept_neurons=todo,
     ) if todo else []  # fmt: skip

@@ -19,6 +19,11 @@ from tqdm.auto import tqdm
 
 from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.expert_nodes import (
+    component_index,
+    expert_patch_hooks,
+    expert_source_hooks,
+)
 from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
@@ -95,12 +100,25 @@ def top_nodes(
     return labels, total
 
 
-def coarse_nodes(model: ModelLike) -> list[str]:
-    """The coarse graph's nodes: every attention head and every MLP layer as one node."""
+def coarse_nodes(model: ModelLike, experts: bool = False) -> list[str]:
+    """The coarse graph's nodes: every attention head and every MLP layer as one node; with
+    ``experts``, a mixture-of-experts layer as its experts (``L{l}E{e}``, ``L{l}S``:
+    :mod:`.expert_nodes`) instead."""
     model = analysis_model(model)
     cfg = model.cfg
     heads = [attn_head_label(li, h) for li in range(cfg.n_layers) for h in range(cfg.n_heads)]
-    return heads + [mlp_rest_label(li) for li in range(cfg.n_layers)]
+    mlps = [mlp_rest_label(li) for li in range(cfg.n_layers)]
+    if experts:
+        from tl_attnonly.analysis.discovery.expert_nodes import expert_parts
+
+        layers = sorted(expert_layers(model))
+        parts = dict(zip(layers, expert_parts(model, layers), strict=True))
+        mlps = [
+            label
+            for li in range(cfg.n_layers)
+            for label in ([f"L{li}{p}" for p in parts[li]] if li in parts else [mlps[li]])
+        ]
+    return heads + mlps
 
 
 def node_patching_metric(
@@ -119,7 +137,9 @@ def node_patching_metric(
 
     Args:
         nodes: Attention heads ``L{l}H{h}``, neurons ``L{l}N{i}``, MLP layers ``L{l}MLP`` (every
-            neuron of the layer); ``"embed"`` patches the token and position embeddings.
+            neuron of the layer), a mixture of experts' experts ``L{l}E{e}``, ``L{l}S`` (their
+            weighted outputs: :mod:`.expert_nodes`); ``"embed"`` patches the token and position
+            embeddings.
             :func:`discover_circuit` gives the circuit's sources (a neuron-head's whole neuron at
             neuron-head level).
         Others: As in :func:`~tl_attnonly.analysis.circuit_metric`.
@@ -130,9 +150,13 @@ def node_patching_metric(
     model = analysis_model(model)
     heads: dict[int, list[int]] = {}
     neurons: dict[int, list[int] | None] = {}
+    parts: dict[int, list[int]] = {}  # a mixture of experts' experts
     embed = False
     for label in nodes:
-        if label == EMBED:
+        part = component_index(model, label) if label != EMBED else None
+        if part is not None:
+            parts.setdefault(part[0], []).append(part[1])
+        elif label == EMBED:
             embed = True
         elif label.endswith("MLP"):
             neurons[int(label[1:-3])] = None
@@ -145,8 +169,8 @@ def node_patching_metric(
                 neurons.setdefault(li, []).append(i)  # type: ignore[union-attr]
         else:
             raise ValueError(
-                f"node_patching_metric patches heads 'L0H1', neurons 'L0N5', MLP layers 'L0MLP' "
-                f"and 'embed'; got {label!r}."
+                f"node_patching_metric patches heads 'L0H1', neurons 'L0N5', MLP layers 'L0MLP', "
+                f"a mixture of experts' experts 'L1E0', 'L1S' and 'embed'; got {label!r}."
             )
     names: dict[str, list[int] | None] = {}
     if embed:
@@ -162,10 +186,13 @@ def node_patching_metric(
                 "tl_attnonly.analysis.experts.get_act_patch_expert_neuron_heads)."
             )
         names[block_act_name("mlp_out", li) if li in experts else neuron_act_name("post", li)] = idx
+    part_names = {n for li in parts for n in expert_source_hooks(model, li)}
     total = 0.0
     for rows in batch_indices(clean_tokens.shape[0], batch_size):
         with torch.no_grad():
-            _, cache = model.run_with_cache(clean_tokens[rows], names_filter=lambda n: n in names)
+            _, cache = model.run_with_cache(
+                clean_tokens[rows], names_filter=lambda n: n in names or n in part_names
+            )
 
             def patch(act, hook, cache=cache):
                 which = names[hook.name]
@@ -175,9 +202,11 @@ def node_patching_metric(
                 act[:, :, which] = cache[hook.name][:, :, which].to(act.dtype)
                 return act
 
-            logits = model.run_with_hooks(
-                corrupted_tokens[rows], fwd_hooks=[(n, patch) for n in names]
-            )
+            clean = dict(cache.cache_dict)
+            hooks = [(n, patch) for n in names]
+            for li, which in parts.items():
+                hooks += expert_patch_hooks(model, li, which, clean)
+            logits = model.run_with_hooks(corrupted_tokens[rows], fwd_hooks=hooks)
             total += call_metric(metric, logits, rows).item()
     return total
 

@@ -64,6 +64,10 @@ class DiscoveryOptions:
             (it stays one node ``L{l}MLP`` in the circuit where the coarse circuit has it). The IOI
             literature treats MLP0 as an extension of the embedding: ``whole_mlps=(0,)`` keeps
             it whole, so the named neurons are the ones past layer 0.
+        expert_nodes: ``graph="coarse"``: a mixture-of-experts layer's nodes are its experts
+            (``L{l}E{e}``, shared ``L{l}S``: each writes its weighted output;
+            :mod:`~.expert_nodes`) instead of the whole layer ``L{l}MLP``; the layer keeps its
+            one input ``L{l}MLP``. Refused on a model without experts.
         neuron_ranking: ``graph="coarse"``: how each MLP node's neurons are ranked (the fixed
             count's names, the adaptive stage's candidates and its order across layers):
             ``"attribution"`` (default: node attribution patching ``|score|``,
@@ -119,6 +123,7 @@ class DiscoveryOptions:
     neurons_per_mlp: int | str = 8
     max_neurons_per_mlp: int = 256
     whole_mlps: Collection[int] = ()
+    expert_nodes: bool = False
     neuron_search: str = "joint"
     neuron_ranking: str = "attribution"
     neuron_trim: bool = True
@@ -200,6 +205,11 @@ class DiscoveryOptions:
             raise ValueError(
                 "whole_mlps= keeps MLP nodes of the coarse circuit whole when its neurons are "
                 "named: give graph='coarse' with it."
+            )
+        if self.expert_nodes and self.graph != "coarse":
+            raise ValueError(
+                "expert_nodes=True names a mixture of experts' experts as nodes of the coarse "
+                "graph: give graph='coarse' with it (or name them in nodes=[...]: 'L1E0', 'L1S')."
             )
         if self.max_neurons_per_mlp < 1:
             raise ValueError(f"max_neurons_per_mlp must be >= 1, got {self.max_neurons_per_mlp}.")

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Bool
 
-from tl_attnonly.analysis.discovery.graph import EMBED, LATENT_ATTN, LOGITS, HeadGraph, InputGroup
+from tl_attnonly.analysis.discovery.graph import (
+    EMBED,
+    EXPERTS,
+    LATENT_ATTN,
+    LOGITS,
+    HeadGraph,
+    InputGroup,
+)
 from tl_attnonly.analysis.discovery.sites import Mask
 from tl_attnonly.hooks import attn_head_label
 
@@ -29,6 +36,8 @@ def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
         return []
     if dst.kind == LATENT_ATTN:  # every head of the layer reads it
         return [attn_head_label(dst.layer, h) for h in range(graph.n_heads)]
+    if dst.kind == EXPERTS and dst.layer in graph.split_experts:  # every expert of the layer
+        return list(graph.expert_part_labels[dst.layer])
     if dst.kind == "attn" and dst.input in "kv" and graph.gqa:
         group = graph.n_heads // graph.n_kv
         j = dst.index[v]

@@ -94,6 +94,7 @@ from tl_attnonly.analysis.discovery.sweep import FIRST_SIZE as FIRST_SIZE
 from tl_attnonly.analysis.discovery.sweep import MONOTONE_TOLERANCE as MONOTONE_TOLERANCE
 from tl_attnonly.analysis.discovery.sweep import sweep_to_target
 from tl_attnonly.analysis.discovery.timing import StageTimer
+from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.analysis.task import DiscoveryTask
 
 if TYPE_CHECKING:
@@ -174,6 +175,11 @@ def discover_circuit(
         raise ValueError(
             f"whole_mlps names layer(s) {outside}; the model has layers 0 to "
             f"{model.cfg.n_layers - 1}."
+        )
+    if opts.expert_nodes and not expert_layers(model):
+        raise ValueError(
+            "expert_nodes=True names a mixture of experts' experts as nodes, but this model has "
+            "no mixture-of-experts layer."
         )
     if opts.neuron_ranking == "relp":  # refused before any work where RelP cannot run
         check_relevance(model, "relp", range(model.cfg.n_layers), None)
@@ -281,7 +287,7 @@ def _graph_nodes(task: DiscoveryTask, opts: DiscoveryOptions, extra: dict) -> li
     model = task.model
     nodes: list[str] | None
     if opts.graph == "coarse":
-        return coarse_nodes(model)
+        return coarse_nodes(model, experts=opts.expert_nodes)
     if opts.mlp_rest and opts.nodes is None and opts.n_nodes is None:
         raise ValueError(
             "mlp_rest=True keeps the neurons left out of a restricted graph; give nodes=[...] "

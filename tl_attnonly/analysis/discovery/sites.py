@@ -19,8 +19,14 @@ from tl_attnonly.analysis.discovery.attention_support import (
     attention_problems,
     latent_attn_input_hook,
 )
+from tl_attnonly.analysis.discovery.expert_nodes import (
+    expert_source_hooks,
+    expert_source_values,
+    expert_writer,
+)
 from tl_attnonly.analysis.discovery.graph import (
     EMBED,
+    EXPERT,
     EXPERTS,
     LATENT_ATTN,
     LOGITS,
@@ -333,7 +339,9 @@ def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
     names = list(model.embed_hooks)
     for li in range(graph.n_layers):
         names.append(head_act_name("z", li, "attn"))
-        if li in graph.expert_layers:  # the whole layer's output
+        if li in graph.split_experts:  # its experts' outputs
+            names += expert_source_hooks(model, li)
+        elif li in graph.expert_layers:  # the whole layer's output
             names.append(block_act_name("mlp_out", li))
         else:
             names.append(neuron_act_name("post" if graph.neuron_level else "z", li))
@@ -375,6 +383,8 @@ def source_values(
         out = acts[head_act_name("z", src.layer, "attn")]
     elif src.kind == EXPERTS:  # [batch, pos, 1, d_model]: the layer's output
         out = acts[block_act_name("mlp_out", src.layer)].unsqueeze(2)
+    elif src.kind == EXPERT:  # [batch, pos, n_components, d_model]: each expert's
+        out = expert_source_values(acts, analysis_model(model), src.layer)
     elif graph.neuron_level:
         out = acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
     else:
@@ -394,6 +404,8 @@ def writer_matrix(
     model = analysis_model(model)
     if src.kind in (EMBED, EXPERTS):
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
+    if src.kind == EXPERT:  # each component writes its output vector
+        return expert_writer(len(src.labels), like, model.cfg.d_model)
     norm = post_norm(model, src.layer, "attn" if src.kind == "attn" else "mlp")
     if norm is not None:  # w * centre(x U) / sigma = (x / sigma) (w * centre(U))
         scale = like.new_ones(()).expand(1, 1)  # the weights only: the scale is the run's

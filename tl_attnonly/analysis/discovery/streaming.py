@@ -29,7 +29,7 @@ from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.eap_blocks import block_scores
 from tl_attnonly.analysis.discovery.edge_scores import attribution_terms
-from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
+from tl_attnonly.analysis.discovery.graph import EMBED, EXPERTS, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
@@ -67,7 +67,8 @@ class TopEdges:
     def nodes(self) -> list[str]:
         """The attention heads and neurons the edges join (a key/value head of grouped-query
         attention stands for every query head it serves, a latent attention layer's input
-        ``L{l}ATTN`` for every head of the layer)."""
+        ``L{l}ATTN`` for every head of the layer, an expert layer's input ``L{l}MLP`` for its
+        experts where they are its nodes)."""
         out: dict[str, None] = {}
         group = self.graph.n_heads // self.graph.n_kv
         frame = self.frame
@@ -83,6 +84,9 @@ class TopEdges:
             elif target.endswith("ATTN"):  # a latent attention layer's input: all its heads
                 for h in range(self.graph.n_heads):
                     out[f"{target[:-4]}H{h}"] = None
+            elif kind == EXPERTS and int(target[1:-3]) in self.graph.split_experts:
+                for part in self.graph.expert_part_labels[int(target[1:-3])]:  # its experts
+                    out[part] = None
             else:
                 out[target] = None
         return list(out)

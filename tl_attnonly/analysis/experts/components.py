@@ -21,6 +21,7 @@ from tl_attnonly.analysis.experts.routing import (
     expert_hook_name,
     hook_rows,
     moe_layer,
+    routing_hook_name,
     shared_experts,
 )
 from tl_attnonly.components.expert_facts import routed_slots
@@ -140,6 +141,40 @@ def expert_components(
     return pos_slice.apply(stack, dim=-2), labels
 
 
+def component_suffixes(moe: Any) -> list[str]:
+    """The node label suffixes of a mixture of experts' components, in
+    :func:`expert_components`' order: ``E{e}`` per routed expert, then ``S`` (one shared expert)
+    or ``S{j}`` (several)."""
+    shared = shared_experts(moe)
+    named = ["S"] if len(shared) == 1 else [f"S{j}" for j in range(len(shared))]
+    return [f"E{e}" for e in range(len(moe.expert_list()))] + named
+
+
+def expert_component_hooks(model: Any, layer: int) -> list[str]:
+    """The hooks :func:`expert_components` reads of ``layer`` in a run: the router's top-k
+    indices and weights, each routed expert's ``hook_post`` and ``hook_z`` (whichever fires), each
+    shared expert's ``hook_out`` and gate, and the layer's ``hook_mlp_out`` (for the shape).
+
+    Args:
+        model: The adapted model (:func:`~tl_attnonly.adapt.analysis_model`).
+        layer: The MoE layer.
+    """
+    moe = moe_layer(model, layer)
+    names = [
+        routing_hook_name(layer, model),
+        routing_weights_hook_name(layer),
+        f"blocks.{layer}.hook_mlp_out",
+    ]
+    for index in range(len(moe.expert_list())):
+        names += [expert_hook_name(layer, index, kind) for kind in ("post", "z")]
+    gates = getattr(moe, "shared_gates", {})
+    for name in shared_experts(moe):
+        names.append(f"blocks.{layer}.mlp.{name}.hook_out")
+        if name in gates:
+            names.append(f"blocks.{layer}.mlp.{gates[name]}.hook_out")
+    return [name for name in names if name in model.hook_dict]
+
+
 def expert_routing(cache: Any, layer: int) -> Float[torch.Tensor, "batch pos n_experts"]:
     """The weight the block gave each routed expert of ``layer`` at each token of the cache's run,
     0 where the token was not routed to the expert (routing is recomputed in every run from its
@@ -170,6 +205,8 @@ def expert_routing(cache: Any, layer: int) -> Float[torch.Tensor, "batch pos n_e
 
 __all__ = [
     "ROUTING_WEIGHTS_HOOK",
+    "component_suffixes",
+    "expert_component_hooks",
     "expert_components",
     "expert_routing",
     "routing_weights_hook_name",
