@@ -245,7 +245,7 @@ UPPER = ("tl_attnonly.vis", "tl_attnonly.report", "tl_attnonly.cli")
 CORE = ("tl_attnonly.components", "tl_attnonly.literal", "tl_attnonly.hooks",
         "tl_attnonly.neuron_head_model", "tl_attnonly.derived_cache", "tl_attnonly.options",
         "tl_attnonly.activations", "tl_attnonly.model", "tl_attnonly.encoder",
-        "tl_attnonly.hooked", "tl_attnonly.bridge")  # fmt: skip
+        "tl_attnonly.hooked", "tl_attnonly.bridge", "tl_attnonly.theorem3")  # fmt: skip
 
 
 def _in(module: str, prefixes: tuple[str, ...]) -> bool:

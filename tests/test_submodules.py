@@ -28,6 +28,7 @@ DOCUMENTED = (
     "derived_cache",
     "hooks",
     "protocol",
+    "theorem3",
     "verify",
     "vis",
 )
