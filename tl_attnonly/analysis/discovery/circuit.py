@@ -242,9 +242,11 @@ class Circuit:
                 f"faithfulness {self.faithfulness:.3f}"
             )
         if "faithfulness_named_only" in self.extra:
+            share = self.extra.get("named_share")
             lines.append(
                 "named neurons only (every remainder's outgoing edges removed): faithfulness "
                 f"{self.extra['faithfulness_named_only']:.3f}"
+                + ("" if share is None else f" ({share:.0%} of the MLP layers' effect)")
             )
         if "swept" in self.extra:
             swept, steps = self.extra["swept"], self.extra["pruning"]

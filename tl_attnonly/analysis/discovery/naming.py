@@ -72,6 +72,21 @@ def _neuron_scores(
     )
 
 
+#: Below this share of the MLP layers' effect carried by the named neurons
+#: (:func:`named_share`), the circuit warns that its named neurons carry little.
+NAMED_SHARE_WARNING = 0.1
+
+
+def named_share(with_all: float, named_only: float, without: float) -> float | None:
+    """The share of the named MLP layers' effect their named neurons carry: ``(named_only -
+    without) / (with_all - without)``, the metric with every remainder cut, with every named
+    layer cut and with both kept; None where the layers move the metric by (nearly) nothing."""
+    effect = with_all - without
+    if abs(effect) <= 1e-9 * max(1.0, abs(with_all), abs(without)):
+        return None
+    return (named_only - without) / effect
+
+
 def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     """Step 3 and 4 of :mod:`.search`' module docstring: the circuit on the graph with named
     neurons (the task's model, prompts, metric, position classes and corrupted runs)."""
@@ -152,10 +167,13 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
                 kept.append(without(li, named_out=True, rest_out=True))
                 j_layer = len(kept) - 1
         runs.append((j_named, j_rest, j_layer))
-    named_only = 0
+    named_only = no_mlp = 0
     if set(layers) - cut:
         kept.append({**base, **{li: neurons(li) for li in layers}})
         named_only = len(kept) - 1
+        # every named layer passing on nothing: the MLP nodes' whole effect removed
+        kept.append({**base, **{li: neurons(li, named_in=False) for li in layers}})
+        no_mlp = len(kept) - 1
     # the runs the adaptive stage made already (the returned circuit; without each kept layer,
     # its step 5) are not made again
     todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
@@ -183,14 +201,25 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
         )
     columns = ["node", "named", "named_effect", "rest_effect", "layer_effect"]
     split = pd.DataFrame(rows, columns=columns)
+    share = named_share(values[0], values[named_only], values[no_mlp]) if no_mlp else None
+    notes = list(coarse.warnings)
+    if share is not None and share < NAMED_SHARE_WARNING:
+        notes.append(
+            f"the named neurons carry {share:.0%} of the MLP layers' effect (faithfulness "
+            f"{faithfulness(values[named_only], m_clean, m_corr):.3f} with every remainder cut, "
+            f"{faithfulness(values[no_mlp], m_clean, m_corr):.3f} with every named layer cut, "
+            f"{faithfulness(m_fine, m_clean, m_corr):.3f} with both): the layers' effect is in "
+            "neurons not named. neurons_per_mlp='auto' chooses neurons by exact runs; "
+            "circuit.mlp_split gives each layer's split."
+        )
     fine = Circuit(
         scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
         extra={**coarse.extra, "named": named, **stage,
-               "faithfulness_named_only": faithfulness(values[named_only], m_clean, m_corr)},
-        ceiling=coarse.ceiling, curve=coarse.curve, warnings=list(coarse.warnings),
-        mlp_split=split,
+               "faithfulness_named_only": faithfulness(values[named_only], m_clean, m_corr),
+               **({} if share is None else {"named_share": share})},
+        ceiling=coarse.ceiling, curve=coarse.curve, warnings=notes, mlp_split=split,
     )  # fmt: skip
     return fine, fine_nodes
 
 
-__all__ = ["name_neurons"]
+__all__ = ["NAMED_SHARE_WARNING", "name_neurons", "named_share"]
