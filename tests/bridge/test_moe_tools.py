@@ -257,13 +257,14 @@ def test_path_patching_and_node_circuits_refuse_before_work(moe):
     """Path patching (which freezes every neuron-head's ``z``), node-level circuits, the
     gate/value split and composition scores of an expert layer's neuron-heads refuse before a
     forward pass, naming the expert tools (the summaries take expert layers:
-    tests/analysis/test_moe_summaries.py)."""
+    tests/analysis/test_moe_summaries.py; node attribution takes an expert layer whole:
+    tests/analysis/discovery/test_moe_discovery.py)."""
     from tl_attnonly.analysis import (
         ModelInputs,
         circuit_gate_value_split,
         composition_scores,
         composition_top_k,
-        node_attribution_scores,
+        discover_node_circuit,
         path_gate_value_split,
         path_patch,
         path_patch_sweep,
@@ -279,8 +280,8 @@ def test_path_patching_and_node_circuits_refuse_before_work(moe):
             lambda: path_gate_value_split(
                 bridge, clean, moe["corrupted"], ["L0H0"], ["L1N0"], _metric
             ),
-            lambda: node_attribution_scores(
-                bridge, ModelInputs(clean), ModelInputs(moe["corrupted"]), _metric
+            lambda: discover_node_circuit(
+                bridge, ModelInputs(clean), ModelInputs(moe["corrupted"]), _metric, top_n=4
             ),
             lambda: circuit_gate_value_split(
                 bridge, {}, clean, moe["corrupted"], _metric, neurons=["L0N0"]

@@ -313,6 +313,7 @@ def discover_node_circuit(
         corrupted)`` and ``interaction = both - gate - value``.
     """
     model = analysis_model(model)
+    _node_hooks(model)  # refuses a mixture of experts before any work
     scores = node_attribution_scores(model, clean, corrupted, metric)
     ranked = scores.scores.abs().sort_values(ascending=False, kind="stable")
     nodes = set(ranked.index[:top_n])
