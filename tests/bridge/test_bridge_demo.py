@@ -37,7 +37,7 @@ def test_demo_bridge_flag_verifies_and_writes_the_full_report(tmp_path, capsys):
     assert verdicts["float32"] <= 1e-4 * 25 and verdicts["float64"] <= 1e-10
     page = report.read_text(encoding="utf-8")
     sections = re.findall(r'<section id="(\w+)">', page)
-    assert sections == ["equivalence", "patterns", "activity", "patching", "gelu"]
+    assert sections == ["equivalence", "patterns", "activity", "patching", "circuit", "gelu"]
     assert f"Report written to {report} (" in out
 
 
