@@ -348,3 +348,18 @@ def test_report_shows_the_circuit_discover_circuit_finds(demo):
     (_, _), (curve, layout) = _figures(body)
     assert _array(curve[0]["y"]) == pytest.approx(list(want["faithfulness"]), abs=1e-4)
     assert f"CPR {cpr:.3f}" in layout["title"]["text"]
+
+
+def test_a_prompt_without_a_behaviour_still_gets_its_report(tmp_path):
+    """A one-token prompt reversed is itself: the corrupted run is the clean run, so there is no
+    circuit to find; the report says so in its circuit section instead of failing (the demo
+    raised ZeroDivisionError from discover_circuit)."""
+    import tl_attnonly
+    from tl_attnonly.report import write_demo_report
+
+    bridge = load_bundled_bridge()
+    converted = tl_attnonly.convert(load_bundled_bridge())
+    assert converted.to_tokens("x").shape[-1] == 2  # BOS and one token
+    path = write_demo_report(bridge, converted, "x", tmp_path / "x.html", progress=False)
+    body = _sections(path.read_text(encoding="utf-8"))["circuit"]
+    assert "Skipped: the corrupted run is the prompt itself" in body

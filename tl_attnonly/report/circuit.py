@@ -48,6 +48,11 @@ def circuit_section(
         how: How ``corrupted`` was made, in words.
     """
     metric = next_token_metric(tokens)
+    if torch.equal(tokens, corrupted):  # e.g. one token after BOS, reversed: the same prompt
+        return (
+            '<p class="note">Skipped: the corrupted run is the prompt itself '
+            f"({html.escape(how)}), so there is no behaviour for a circuit to carry.</p>"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its warnings are in its report, shown below
@@ -55,6 +60,8 @@ def circuit_section(
     except NotImplementedError as refusal:  # what the maths rules out, said by the refusal
         reason = html.escape(str(refusal).split(". ")[0])
         return f'<p class="note">discover_circuit does not run on this model: {reason}.</p>'
+    except ZeroDivisionError as same:  # the metric does not tell the two runs apart
+        return f'<p class="note">Skipped: {html.escape(str(same))}</p>'
     intro = (
         '<p class="note">The circuit <code>tl_attnonly.analysis.discover_circuit</code> finds, '
         "with its defaults, for the prompt against a corrupted run "
