@@ -272,7 +272,6 @@ def _dangling_reference(graph, mask):
     on all edges at once): repeatedly remove every edge whose source node has no kept input
     edge (the embedding excepted) or whose input no node with a kept output edge reads."""
     from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
-    from tl_attnonly.analysis.discovery.pruning import _node_of_input
 
     mask = {k: m.clone() for k, m in mask.items()}
     while True:
@@ -281,14 +280,14 @@ def _dangling_reference(graph, mask):
             m = mask[(src.key, dst.key)]
             has_out.update(src.labels[u] for u in m.any(1).nonzero().flatten().tolist())
             for v in m.any(0).nonzero().flatten().tolist():
-                has_in.update(_node_of_input(graph, dst, v))
+                has_in.update(graph.reading_nodes(dst, v))
         changed = False
         for src, dst in graph.blocks():
             m = mask[(src.key, dst.key)]
             dead_u = torch.tensor([s.kind != EMBED and lab not in has_in
                                    for s in [src] for lab in src.labels])  # fmt: skip
             dead_v = torch.tensor([
-                dst.kind != LOGITS and not any(n in has_out for n in _node_of_input(graph, dst, v))
+                dst.kind != LOGITS and not any(n in has_out for n in graph.reading_nodes(dst, v))
                 for v in range(len(dst.labels))
             ])  # fmt: skip
             new = m & ~dead_u[:, None] & ~dead_v[None, :]

@@ -258,12 +258,6 @@ class HeadGraph:
             li: tuple(f"L{li}{suffix}" for suffix in parts)
             for li, parts in zip(cfg.expert_layers, cfg.expert_parts, strict=False)
         }
-        #: The expert layers named by their experts here (their components are the nodes).
-        self.split_experts: frozenset[int] = frozenset(
-            li
-            for li, parts in self.expert_part_labels.items()
-            if nodes is not None and any(p in nodes for p in parts)
-        )
         self.gated = cfg.gated_mlp  # what the blocks' MLPs say (MLPLayer.gated)
         self.parallel = cfg.parallel_attn_mlp
         n_kv = cfg.n_key_value_heads or cfg.n_heads
@@ -274,6 +268,12 @@ class HeadGraph:
         k_labels = 0 if self.neuron_level else K  # neurons, or K neuron-heads each
         neuron_labels = _neuron_labels(cfg.n_layers, d_mlp, k_labels)
         keep = None if nodes is None else set(nodes)
+        #: The expert layers named by their experts here (their components are the nodes).
+        self.split_experts: frozenset[int] = frozenset(
+            li
+            for li, parts in self.expert_part_labels.items()
+            if keep is not None and not keep.isdisjoint(parts)
+        )
         if keep is not None:
             known = _known_labels(cfg.n_layers, cfg.n_heads, d_mlp, k_labels)
             parts = {p for labels in self.expert_part_labels.values() for p in labels}
@@ -407,6 +407,23 @@ class HeadGraph:
             for src in self.sources:
                 if src.order < dst.order and src.labels:
                     yield src, dst
+
+    def reading_nodes(self, dst: InputGroup, v: int) -> list[str]:
+        """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on
+        it): none for the logits, every head a grouped key/value head serves, every head of a
+        latent attention layer, every expert of a layer named by its experts, else the reader
+        itself."""
+        if dst.kind == LOGITS:
+            return []
+        if dst.kind == LATENT_ATTN:  # every head of the layer reads it
+            return [attn_head_label(dst.layer, h) for h in range(self.n_heads)]
+        if dst.kind == EXPERTS and dst.layer in self.split_experts:  # every expert of the layer
+            return list(self.expert_part_labels[dst.layer])
+        if dst.kind == "attn" and dst.input in "kv" and self.gqa:
+            group = self.n_heads // self.n_kv
+            j = dst.index[v]
+            return [attn_head_label(dst.layer, h) for h in range(j * group, (j + 1) * group)]
+        return [dst.labels[v]]
 
     def members(self, label: str) -> list[str]:
         """The neurons (or neuron-heads) of an MLP remainder ``"L{l}MLP"``."""

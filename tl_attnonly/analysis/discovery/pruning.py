@@ -15,34 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Bool
 
-from tl_attnonly.analysis.discovery.graph import (
-    EMBED,
-    EXPERTS,
-    LATENT_ATTN,
-    LOGITS,
-    HeadGraph,
-    InputGroup,
-)
+from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, HeadGraph
 from tl_attnonly.analysis.discovery.sites import Mask
-from tl_attnonly.hooks import attn_head_label
 
 if TYPE_CHECKING:
     from tl_attnonly.analysis.discovery.scored_edges import EdgeScores
-
-
-def _node_of_input(graph: HeadGraph, dst: InputGroup, v: int) -> list[str]:
-    """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on it)."""
-    if dst.kind == LOGITS:
-        return []
-    if dst.kind == LATENT_ATTN:  # every head of the layer reads it
-        return [attn_head_label(dst.layer, h) for h in range(graph.n_heads)]
-    if dst.kind == EXPERTS and dst.layer in graph.split_experts:  # every expert of the layer
-        return list(graph.expert_part_labels[dst.layer])
-    if dst.kind == "attn" and dst.input in "kv" and graph.gqa:
-        group = graph.n_heads // graph.n_kv
-        j = dst.index[v]
-        return [attn_head_label(dst.layer, h) for h in range(j * group, (j + 1) * group)]
-    return [dst.labels[v]]
 
 
 def prune(
@@ -121,9 +98,7 @@ class _EdgeNodes:
         for dst in graph.inputs:
             col_start[dst.key] = len(col_nodes)
             for v in range(len(dst.labels)):
-                col_nodes.append(
-                    [ids.setdefault(n, len(ids)) for n in _node_of_input(graph, dst, v)]
-                )
+                col_nodes.append([ids.setdefault(n, len(ids)) for n in graph.reading_nodes(dst, v)])
                 logits_col.append(dst.kind == LOGITS)
         for s, d in blocks:
             rows = torch.tensor([ids.setdefault(lab, len(ids)) for lab in s.labels])

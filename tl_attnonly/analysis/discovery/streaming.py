@@ -29,7 +29,7 @@ from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.eap_blocks import block_scores
 from tl_attnonly.analysis.discovery.edge_scores import attribution_terms
-from tl_attnonly.analysis.discovery.graph import EMBED, EXPERTS, MLP_REST, HeadGraph, edge_label
+from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, edge_label
 from tl_attnonly.analysis.discovery.sites import (
     BLOCK_BUDGET,
     DiscoveryMetric,
@@ -69,26 +69,19 @@ class TopEdges:
         attention stands for every query head it serves, a latent attention layer's input
         ``L{l}ATTN`` for every head of the layer, an expert layer's input ``L{l}MLP`` for its
         experts where they are its nodes)."""
-        out: dict[str, None] = {}
-        group = self.graph.n_heads // self.graph.n_kv
         frame = self.frame
-        for source, target, kind in zip(frame.source, frame.target, frame.target_kind, strict=True):
+        wanted = set(frame.target)
+        readers = {  # each target's reading nodes (HeadGraph.reading_nodes)
+            label: self.graph.reading_nodes(dst, v)
+            for dst in self.graph.inputs
+            for v, label in enumerate(dst.labels)
+            if label in wanted
+        }
+        out: dict[str, None] = {}
+        for source, target in zip(frame.source, frame.target, strict=True):
             if source != EMBED:
                 out[source] = None
-            if kind == "logits":
-                continue
-            if "KV" in target:
-                layer, j = target[1:].split("KV")
-                for h in range(int(j) * group, (int(j) + 1) * group):
-                    out[f"L{layer}H{h}"] = None
-            elif target.endswith("ATTN"):  # a latent attention layer's input: all its heads
-                for h in range(self.graph.n_heads):
-                    out[f"{target[:-4]}H{h}"] = None
-            elif kind == EXPERTS and int(target[1:-3]) in self.graph.split_experts:
-                for part in self.graph.expert_part_labels[int(target[1:-3])]:  # its experts
-                    out[part] = None
-            else:
-                out[target] = None
+            out.update(dict.fromkeys(readers[target]))
         return list(out)
 
     def restricted_mask(self, model: ModelLike) -> tuple[list[str], Mask]:
