@@ -77,6 +77,9 @@ NODE_NAMES = {
     "neuron": "neuron-head",
     LOGITS: "logits",
 }
+#: Which node kinds' labels are placed first (lower first): ends, heads, other attention
+#: readers, MLP nodes.
+NODE_RANK = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "expert": 3, "neuron": 3}
 #: Page width (px) the circuit figures fit by default.
 MAX_WIDTH = 1600
 #: Node labels' font size (px); :func:`text_size` estimates their boxes from it.
@@ -393,8 +396,7 @@ def circuit_figure(
         if gv is not None:
             gate_value = f"gate {gv.gate:.3g} / value {gv.value:.3g}"
             marker[n] = (*marker[n][:2], f"{marker[n][2]}<br>{gate_value}")
-    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "expert": 3, "neuron": 3}
-    order = sorted(labels, key=lambda n: (rank[kinds[n]], -marker[n][0], n))
+    order = sorted(labels, key=lambda n: (NODE_RANK[kinds[n]], -marker[n][0], n))
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], texts[n]) for n in order], (span) * col, plot_h
     ), strict=True))  # fmt: skip
@@ -431,6 +433,7 @@ __all__ = [
     "LABEL_POSITIONS",
     "MAX_WIDTH",
     "NODE_NAMES",
+    "NODE_RANK",
     "NODE_SIZE",
     "NODE_STYLES",
     "boxes_overlap",

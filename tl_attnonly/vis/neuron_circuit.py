@@ -37,6 +37,7 @@ from tl_attnonly.vis.circuit import (
     LINE_HEIGHT,
     MAX_WIDTH,
     NODE_NAMES,
+    NODE_RANK,
     NODE_SIZE,
     NODE_STYLES,
     circuit_counts,
@@ -205,8 +206,7 @@ def neuron_circuit_figure(
     marker = {n: (float(NODE_SIZE), 1.0, _hover(n, profiles)) for n in labels}
     for n, size, opacity, carry in zip(mlp, *mlp_markers(mlp, mlp_carry(circuit)), strict=True):
         marker[n] = (size, opacity, f"{marker[n][2]}<br>{carry}")
-    rank = {EMBED: 0, LOGITS: 0, "attn": 1, "kv": 2, "latent": 2, "expert": 3, "neuron": 3,
-            "rest": 3}  # fmt: skip
+    rank = {**NODE_RANK, "rest": NODE_RANK["neuron"]}
     order = sorted(labels, key=lambda n: (rank[node_kind(n)], -marker[n][0], n))
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], [n]) for n in order], plot_w, plot_h

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tl_attnonly.analysis.discovery.expert_nodes import EXPERT_LABEL
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
 from tl_attnonly.analysis.discovery.profile_stats import NEURON_LABEL, parse_neuron_label
 
@@ -21,8 +22,6 @@ KV_GROUP_LEGEND = (
     "key/value groups L{l}KV{j}: under grouped-query attention one key/value head gives its k and "
     "v to several query heads, so the k and v inputs are nodes of their own (not heads)"
 )
-#: A mixture of experts' expert node's label, ``L{l}E{e}`` or ``L{l}S`` (:mod:`.expert_nodes`).
-EXPERT_LABEL = re.compile(r"^L\d+(E\d+|S\d*)$")
 #: A latent attention layer's input's label, ``L{l}ATTN``.
 LATENT_LABEL = re.compile(r"^L\d+ATTN$")
 #: What a latent attention input node is (the report's legend).

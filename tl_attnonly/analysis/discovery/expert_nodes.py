@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
 
 
+#: An expert node's label: ``L{l}E{e}``, ``L{l}S``, ``L{l}S{j}`` (groups: the layer, the suffix).
+EXPERT_LABEL = re.compile(r"^L(\d+)(E\d+|S\d*)$")
+
+
 class _Acts:
     """A run's recorded activations, read as :func:`~tl_attnonly.analysis.experts.
     expert_components` reads a cache (``cache_dict``, ``cache[name]``, ``cache.model``)."""
@@ -69,7 +73,7 @@ def expert_source_values(
 def component_index(model: AttnOnlyModel, label: str) -> tuple[int, int] | None:
     """``(layer, component)`` of an expert node label (``L1E3``, ``L1S``), or None for another
     label."""
-    match = _PART.match(label)
+    match = EXPERT_LABEL.match(label)
     if match is None:
         return None
     layer = int(match.group(1))
@@ -103,10 +107,6 @@ def expert_patch_hooks(
     return [(n, record) for n in names if n != out_name] + [(out_name, patch)]
 
 
-#: An expert node's label: ``L{l}E{e}``, ``L{l}S``, ``L{l}S{j}``.
-_PART = re.compile(r"^L(\d+)(E\d+|S\d*)$")
-
-
 def expert_writer(n: int, like: torch.Tensor, d_model: int) -> torch.Tensor:
     """``[n, d_model, d_model]``: the identity for each of ``n`` components (a view)."""
     eye = torch.eye(d_model, dtype=like.dtype, device=like.device)
@@ -114,6 +114,7 @@ def expert_writer(n: int, like: torch.Tensor, d_model: int) -> torch.Tensor:
 
 
 __all__ = [
+    "EXPERT_LABEL",
     "component_index",
     "expert_parts",
     "expert_patch_hooks",
