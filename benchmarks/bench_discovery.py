@@ -5,12 +5,12 @@ fp32) on the bracket task of ``scripts/circuit_bracket.py`` (clean ``"    return
 corrupted ``"    return{a}[{b}"``; metric: mean ``logit(")") - logit("]")``), and
 ``discover_circuit(model, clean, corrupted, metric)`` with its defaults (``DiscoveryOptions()``:
 coarse graph of attention heads and whole MLP layers, EAP-IG with 5 steps ranked by signed effect,
-sweep of exact runs to faithfulness 0.8, up to 30 pruning runs, 8 neurons named per MLP node of the
-circuit, gate/value split of 4 neurons). Printed, each line with the configuration it was
-measured under: the time of each stage (``circuit.extra["seconds"]``: edge scores, sweep, pruning,
-neurons, node patching, gate/value), the total, the peak resident memory above the loaded model
-(Linux ``VmHWM`` after resetting it), and the circuit found (edges, faithfulness, ceiling,
-node-patching baseline, sweep and pruning runs).
+sweep of exact runs to faithfulness 0.8, up to 30 pruning runs, MIB's curve, MLP nodes kept whole
+(no neuron named: ``neurons_per_mlp=0``), gate/value split of 4 MLP nodes). Printed, each line
+with the configuration it was measured under: the time of each stage (``circuit.extra["seconds"]``:
+edge scores, sweep, pruning, MIB curve, neurons where named, node patching, gate/value), the
+total, the peak resident memory above the loaded model (Linux ``VmHWM`` after resetting it), and
+the circuit found (edges, faithfulness, ceiling, node-patching baseline, sweep and pruning runs).
 
 ``--smollm2`` measures the same call on SmolLM2-135M-Instruct IOI too (``make_ioi_dataset``,
 ``--ioi-prompts`` prompts, ABC corruption, seed 1, ``data.additive_metric()``; the [smollm2]
@@ -190,9 +190,9 @@ def _report(config: str, runs: list):
         f"[{config}] circuit: coarse {mask_size(coarse.mask):,} of {coarse.graph.n_edges():,} "
         f"edges, faithfulness {circuit.faithfulness:.3f} (ceiling {circuit.ceiling:.3f}, node "
         f"patching {circuit.node_patching:.3f}); {len(curve) if curve is not None else 0} exact "
-        f"sweep runs, {len(circuit.extra.get('pruning', ()))} pruning runs; with named neurons "
-        f"{mask_size(circuit.mask):,} edges; "
-        f"{circuit.extra['n_warnings']} warning(s)"
+        f"sweep runs, {len(circuit.extra.get('pruning', ()))} pruning runs; "
+        + ("" if circuit is coarse else f"with named neurons {mask_size(circuit.mask):,} edges; ")
+        + f"{circuit.extra['n_warnings']} warning(s)"
         + ("" if len(runs) == 1 else "; the same in every run" if len(same) == 1 else
            "; DIFFERENT across runs")
     )  # fmt: skip
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--neurons-per-mlp", default=None, metavar="N|auto",
-        help="discover_circuit's neurons_per_mlp (default: its default, 8); 'auto' prints the "
+        help="discover_circuit's neurons_per_mlp (default: its default, 0); 'auto' prints the "
         "neuron stage's table",
     )  # fmt: skip
     parser.add_argument(

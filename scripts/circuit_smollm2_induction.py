@@ -16,7 +16,7 @@ The script first prints the clean and corrupted metric and top-1 accuracy of the
 defaults (coarse graph of attention heads and whole MLP layers scored by EAP-IG and ranked by
 signed effect, the smallest circuit reaching ``--target`` by exact runs, pruned by more exact runs,
 then ``--neurons-per-mlp`` neurons named in each of
-its MLP nodes) on the converted model, and prints the circuit's evidence
+its MLP nodes, none by default) on the converted model, and prints the circuit's evidence
 (:meth:`~tl_attnonly.analysis.Circuit.report`, whose last line is the time of each stage,
 ``circuit.extra["seconds"]``), the whole call's time and the process's peak resident memory.
 
@@ -28,7 +28,7 @@ two ``TransformerBridge`` objects (one converted in place) on 4.x, which has no
 Usage::
 
     python scripts/circuit_smollm2_induction.py [--threads 1] [--prompts 16] [--half-len 8]
-        [--corruption first|second] [--target 0.8] [--neurons-per-mlp 8] [--batch-size N]
+        [--corruption first|second] [--target 0.8] [--neurons-per-mlp 0] [--batch-size N]
         [--bridge]
 """
 
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.8, help="faithfulness")
     parser.add_argument(
-        "--neurons-per-mlp", type=int, default=8,
-        help="neurons named in each MLP node of the circuit (discover_circuit's default: 8)",
+        "--neurons-per-mlp", type=int, default=0,
+        help="neurons named in each MLP node of the circuit (discover_circuit's default: 0)",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--bridge", action="store_true", help="TransformerBridge (4.x: always)")

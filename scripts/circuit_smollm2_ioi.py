@@ -34,8 +34,8 @@ when ``roles`` runs too):
 
 * ``discover``: :func:`~tl_attnonly.analysis.discover_circuit` with its defaults (coarse graph of
   heads and whole MLP layers scored by EAP-IG and ranked by signed effect, the smallest circuit
-  reaching ``--target`` by exact runs, pruned by more exact runs, then neurons named in its MLP
-  nodes), on ``--templates package`` (IOI_TEMPLATES) or
+  reaching ``--target`` by exact runs, pruned by more exact runs; its MLP nodes whole layers unless
+  ``--neurons-per-mlp`` names neurons in them), on ``--templates package`` (IOI_TEMPLATES) or
   ``heldout`` (IOI_TEMPLATES_HELDOUT, a second set); prints the circuit's evidence, the time and
   the process's peak resident memory. ``--positions roles`` resolves the edges by position
   class (``data.position_classes()``: IO, S1, S1+1, S2, END and the other positions).
@@ -69,7 +69,7 @@ Usage::
     python scripts/circuit_smollm2_ioi.py [--stages roles edges nodes discover] [--threads 2]
         [--method eap|eap-ig] [--ig-steps 5] [--n-nodes 200] [--templates package|heldout]
         [--corruption abc|swap] [--target 0.8] [--positions none|roles]
-        [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 8|auto]
+        [--ranking signed|absolute] [--prune-runs 30] [--neurons-per-mlp 0|N|auto]
         [--max-neurons-per-mlp 256] [--neuron-ranking attribution|relp|circuit] [--coarse-target T]
         [--whole-mlps 0 ...] [--save-circuit DIR] [--fresh 64] [--fresh-seed N] [--bridge]
         [--profiles N [--profiles-figure PATH]]
@@ -308,8 +308,9 @@ DISCOVER_OPTIONS: dict[str, dict] = {
         help="discover: exact runs of the pruning pass after the sweep (0: none)",
     ),
     "--neurons-per-mlp": dict(
-        type=neurons_per_mlp, default=8,
-        help="discover: neurons named per MLP node, or auto (discover_circuit's default: 8)",
+        type=neurons_per_mlp, default=0,
+        help="discover: neurons named per MLP node, or auto (discover_circuit's default: 0, "
+        "MLP nodes whole)",
     ),
     "--max-neurons-per-mlp": dict(
         type=int, default=256,

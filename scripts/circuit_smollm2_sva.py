@@ -16,9 +16,10 @@ the last token.
 The script prints the original model's metric on the clean and corrupted prompts and how often it
 prefers the agreeing form, then a config line (every setting the figures depend on) and runs
 :func:`~tl_attnonly.analysis.discover_circuit` with its defaults on the converted model: the
-circuit's evidence (:meth:`~tl_attnonly.analysis.Circuit.report`), its MLP sources (named
-neurons per layer, layer remainders kept; ``--neurons-per-mlp auto`` chooses the count per MLP
-node by exact runs), and its faithfulness on the search prompts.
+circuit's evidence (:meth:`~tl_attnonly.analysis.Circuit.report`), its MLP sources (whole
+layers by default; ``--neurons-per-mlp N`` names N per layer, remainders kept,
+``--neurons-per-mlp auto`` chooses the count per MLP node by exact runs), and its faithfulness
+on the search prompts.
 
 **Fresh split.** The circuit is chosen on its ``--prompts`` search prompts (seed ``--seed`` + 1),
 so its faithfulness there is fitted to them. ``--fresh 64`` (default; 0: off) draws 64 more
@@ -41,7 +42,7 @@ Usage::
     python scripts/circuit_smollm2_sva.py [--templates package|heldout]
         [--attractor opposite|same|random] [--prompts 16] [--fresh 64] [--fresh-seed N]
         [--target 0.8] [--positions none|roles] [--ranking signed|absolute] [--prune-runs 30]
-        [--neurons-per-mlp 8|auto] [--max-neurons-per-mlp 256]
+        [--neurons-per-mlp 0|N|auto] [--max-neurons-per-mlp 256]
         [--neuron-ranking attribution|relp|circuit] [--coarse-target T] [--whole-mlps 0 ...]
         [--save-circuit DIR] [--batch-size N]
         [--threads 2] [--bridge]

@@ -132,3 +132,23 @@ def test_profiles_figure_uses_the_builder_vis_registers_and_refuses_without_one(
         profiles.figure()
     with pytest.raises(TypeError, match="Circuit or its NeuronProfiles"):
         neuron_circuit_figure(profiles.table)
+
+
+def test_a_circuit_naming_no_neuron_draws_and_reports_its_mlp_nodes_as_whole_layers(profiles):
+    """The default call names no neuron: its ``L{l}MLP`` nodes are whole layers, drawn and
+    reported as such (with how to resolve them); a circuit with named neurons keeps the word
+    remainder."""
+    from tl_attnonly.analysis.discovery.counts import WHOLE_MLP_NOTE
+    from tl_attnonly.vis.neuron_circuit import WHOLE_MLP_NAME
+
+    coarse, named = profiles.circuit.extra["coarse"], profiles.circuit
+    mlp = [n for n in coarse.nodes() if n.endswith("MLP")]
+    assert mlp, "the coarse circuit holds an MLP node"
+    nodes = _nodes(neuron_circuit_figure(coarse))
+    assert {nodes[n][0] for n in mlp} == {WHOLE_MLP_NAME}
+    assert WHOLE_MLP_NOTE in coarse.report()
+    assert "neurons_per_mlp='auto'" in WHOLE_MLP_NOTE
+    rest = {nodes[0] for label, nodes in _nodes(neuron_circuit_figure(named)).items()
+            if label.endswith("MLP")}  # fmt: skip
+    assert rest <= {"MLP remainder (neurons not named)"}
+    assert WHOLE_MLP_NOTE not in named.report()

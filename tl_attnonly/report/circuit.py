@@ -68,8 +68,8 @@ def circuit_section(
         f"({html.escape(how)}), the metric being the mean log-probability of the prompt's own "
         f"next tokens: {html.escape(counts_text(circuit_counts(circuit)))}; faithfulness "
         f"{circuit.faithfulness:.3f} (exact run: 1 is the model, 0 the corrupted run). Its "
-        "nodes are attention heads, MLP layers and the neurons it names, every one a "
-        "head of the attention-only model.</p>"
+        "nodes are attention heads and whole MLP layers, each layer a group of neuron-heads of "
+        "the attention-only model (the circuit's report says how to name neurons in them).</p>"
     )
     parts = [intro, plotly_html(circuit_figure(circuit))]
     if "mib_curve" in circuit.extra:

@@ -4,7 +4,8 @@ The vertical axis is the residual stream's order (the embeddings at the bottom, 
 layer's attention and MLP, the logits on top; a run of layers with no node collapses into half a
 row whose tick names them); attention heads are circles, key/value groups of grouped-query
 attention (``L{l}KV{j}``) open circles, named neurons diamonds, an MLP layer's remainder (its
-neurons not named, ``L{l}MLP``) an open diamond, the embeddings and logits squares. MLP nodes are
+neurons not named, ``L{l}MLP``; the whole layer in a circuit that names no neuron, the default
+call's) an open diamond, the embeddings and logits squares. MLP nodes are
 drawn by what they carry (:func:`~tl_attnonly.vis.circuit.mlp_markers`: size by the ``|score|`` of
 their edges out, faded by their group's share of the layer's effect where ``circuit.mlp_split``
 measured it), so named neurons that carry little are small and faint. Edges are the circuit's
@@ -64,6 +65,8 @@ _NODE_NAMES = {
     "rest": "MLP remainder (neurons not named)",
     LOGITS: "logits",
 }
+#: The legend's name of ``L{l}MLP`` in a circuit that names no neuron (the default call's).
+WHOLE_MLP_NAME = "MLP layer (whole; no neuron named)"
 #: Edge widths, by ``|score|`` relative to the largest drawn: below 1/3, below 2/3, above.
 EDGE_WIDTHS = (1.0, 2.5, 4.5)
 
@@ -211,6 +214,7 @@ def neuron_circuit_figure(
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], [n]) for n in order], plot_w, plot_h
     ), strict=True))  # fmt: skip
+    names = _NODE_NAMES if named else {**_NODE_NAMES, "rest": WHOLE_MLP_NAME}
     for kind, (symbol, colour) in NEURON_CIRCUIT_NODES.items():
         members = [label for label in labels if node_kind(label) == kind]
         if not members:
@@ -218,7 +222,7 @@ def neuron_circuit_figure(
         fig.add_trace(
             node_trace(
                 [pos[m][0] for m in members], [pos[m][1] for m in members],
-                [placed[m][0] for m in members], symbol, colour, _NODE_NAMES[kind],
+                [placed[m][0] for m in members], symbol, colour, names[kind],
                 [marker[m][2] for m in members], customdata=members,
                 textposition=[placed[m][1] for m in members],
                 size=[marker[m][0] for m in members], opacity=[marker[m][1] for m in members],
@@ -242,6 +246,7 @@ register_profiles_figure_builder(neuron_circuit_figure)
 __all__ = [
     "EDGE_WIDTHS",
     "NEURON_CIRCUIT_NODES",
+    "WHOLE_MLP_NAME",
     "neuron_circuit_figure",
     "node_kind",
     "node_level",

@@ -123,8 +123,8 @@ def test_layers_search_keeps_a_needed_remainder_and_states_its_share():
         assert circuit.metric_circuit == pytest.approx(coarse.metric_circuit, rel=1e-10)
 
 
-def test_auto_options_are_checked_and_the_default_is_unchanged():
-    assert DiscoveryOptions().neurons_per_mlp == 8
+def test_auto_options_are_checked_and_the_default_names_none():
+    assert DiscoveryOptions().neurons_per_mlp == 0
     assert DiscoveryOptions(neurons_per_mlp="auto").max_neurons_per_mlp == 256
     with pytest.raises(ValueError, match="'auto'"):
         DiscoveryOptions(neurons_per_mlp="many")

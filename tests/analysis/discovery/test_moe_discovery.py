@@ -109,14 +109,15 @@ def test_eap_scores_into_and_out_of_an_expert_layer_are_its_branch_gradient(moe)
 
 
 def test_discover_circuit_runs_with_expert_layers_as_nodes(moe):
-    """End to end (the defaults: coarse graph, EAP-IG, sweep, pruning, the neuron stage, MIB's
-    curve): the full graph is the model, no neuron is named in an expert layer, and the found
-    circuit's own exact run is its reported metric; its figures, exports and file work."""
+    """End to end (the defaults: coarse graph, EAP-IG, sweep, pruning, MIB's curve; and 8
+    neurons named per MLP node): the full graph is the model, no neuron is named in an expert
+    layer, and the found circuit's own exact run is its reported metric; its figures, exports
+    and file work."""
     import tl_attnonly.vis  # noqa: F401  (registers Circuit.figure)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        circuit = discover_circuit(moe, CLEAN, CORRUPTED, METRIC, progress=False)
+        circuit = discover_circuit(moe, CLEAN, CORRUPTED, METRIC, neurons_per_mlp=8, progress=False)
     # an expert layer has no neurons of its own to name; a dense one has
     assert not set(circuit.extra["named"]) & set(_experts(moe))
     assert circuit.ceiling == pytest.approx(1.0, abs=1e-5)

@@ -321,9 +321,9 @@ def test_eap_ig_node_ranking_agrees_with_exact_node_removal(name):
 @pytest.mark.slow
 @pytest.mark.skipif(BRIDGES, reason="HookedTransformer (TL 3 only)")
 def test_coarse_to_fine_discovery_on_a_hooked_gemma2_is_exact():
-    """The default search (coarse graph, then named neurons with their remainder) on a Gemma-2-like
-    model with soft caps: its ceiling (the full graph) is 1, and its circuit's metric is the
-    circuit's exact run again."""
+    """The default search with neurons named (coarse graph, then named neurons with their
+    remainder) on a Gemma-2-like model with soft caps: its ceiling (the full graph) is 1, and its
+    circuit's metric is the circuit's exact run again."""
     from tl_attnonly.analysis.discovery import evaluate_circuit
 
     _, converted = _hooked("gemma2")
@@ -331,7 +331,8 @@ def test_coarse_to_fine_discovery_on_a_hooked_gemma2_is_exact():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         circuit = discover_circuit(
-            converted, clean, corrupted, metric, target=0.8, batch_size=4, progress=False
+            converted, clean, corrupted, metric, target=0.8, batch_size=4, neurons_per_mlp=8,
+            progress=False,
         )
     assert circuit.ceiling == pytest.approx(1.0, abs=1e-9)
     again = evaluate_circuit(converted, circuit, clean, corrupted, metric, batch_size=4)

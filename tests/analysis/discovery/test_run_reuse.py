@@ -305,7 +305,9 @@ def test_discover_circuit_is_the_same_with_corrupted_runs_kept_or_not(monkeypatc
     def found():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the circuit's notes are not the subject
-            return discover_circuit(model, clean, corrupted, metric, batch_size=2, progress=False)
+            return discover_circuit(
+                model, clean, corrupted, metric, batch_size=2, neurons_per_mlp=8, progress=False
+            )
 
     kept = found()
     calls = _count_corrupted_runs(monkeypatch, model)

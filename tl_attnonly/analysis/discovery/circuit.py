@@ -217,6 +217,7 @@ class Circuit:
         from tl_attnonly.analysis.discovery.counts import (
             KV_GROUP_LEGEND,
             LATENT_ATTN_LEGEND,
+            WHOLE_MLP_NOTE,
             circuit_counts,
             counts_text,
         )
@@ -232,6 +233,8 @@ class Circuit:
             lines.insert(2, KV_GROUP_LEGEND)
         if counts["latent_attn_inputs"]:
             lines.insert(2, LATENT_ATTN_LEGEND)
+        if counts["mlp_layers"] and not counts["named_neurons"]:
+            lines.append(WHOLE_MLP_NOTE)
         if self.ceiling is not None:
             n_all = (coarse if coarse is not None else self).graph.n_edges()
             lines.append(f"ceiling (all {n_all:,} edges of its graph): {self.ceiling:.3f}")

@@ -57,6 +57,17 @@ def kind_layer(label: str) -> tuple[str, int]:
     return ("neuron" if mlp else "attn"), int(match.group(1))
 
 
+#: :meth:`~tl_attnonly.analysis.Circuit.report`'s line for a circuit whose MLP nodes are whole
+#: layers (the default ``neurons_per_mlp=0``): how to resolve them into neurons.
+WHOLE_MLP_NOTE = (
+    "MLP nodes: each L{l}MLP is its whole layer; no neuron is named (neurons_per_mlp=0, the "
+    "default). To resolve them into neurons: discover_circuit(..., neurons_per_mlp='auto') names "
+    "as few per node as keep the target by exact runs (slower; whole_mlps=(0,) keeps MLP0 whole, "
+    "as the IOI literature treats it), neurons_per_mlp=N the N best by node attribution. The "
+    "report then states how much the named neurons carry."
+)
+
+
 def named_neurons(circuit: Any) -> list[str]:
     """The neurons named as nodes of ``circuit``: the neuron stage's (``circuit.extra["named"]``,
     lowest layer first, each layer in its ranking order), then any other neuron with a circuit
@@ -124,6 +135,7 @@ __all__ = [
     "KV_LABEL",
     "LATENT_ATTN_LEGEND",
     "LATENT_LABEL",
+    "WHOLE_MLP_NOTE",
     "circuit_counts",
     "counts_text",
     "kind_layer",

@@ -29,9 +29,10 @@ class DiscoveryOptions:
 
     Attributes:
         graph: ``"coarse"`` (default): every attention head (its ``q``, ``k``, ``v`` apart), every
-            MLP layer as one node ``L{l}MLP``, the embeddings and the logits; then the neurons of
-            the circuit's MLP nodes are named (``neurons_per_mlp``). ``"neurons"``: the
-            neuron-level graph (every neuron, or ``nodes`` / ``n_nodes`` of them).
+            MLP layer as one node ``L{l}MLP``, the embeddings and the logits; the neurons of the
+            circuit's MLP nodes are named where ``neurons_per_mlp`` asks for them.
+            ``"neurons"``: the neuron-level graph (every neuron, or ``nodes`` / ``n_nodes`` of
+            them).
         target: The faithfulness the smallest circuit must reach (sweep of exact circuit runs);
             used when neither ``top_n`` nor ``threshold`` is given.
         coarse_target: ``graph="coarse"``: the faithfulness the coarse circuit's sweep and
@@ -51,13 +52,17 @@ class DiscoveryOptions:
         neuron_level: One node per neuron (default) or per neuron-head (``graph="neurons"``).
         nodes, n_nodes, mlp_rest: ``graph="neurons"`` only: restrict the graph
             (:func:`~tl_attnonly.analysis.top_nodes`, :class:`~.graph.HeadGraph`).
-        neurons_per_mlp: ``graph="coarse"``: neurons named in each MLP node of the circuit (the
-            largest node attribution ``|score|``; the rest of the layer stays one node
-            ``L{l}MLP``); 0 names none. ``"auto"``: as few as keep the exact faithfulness at
-            ``min(target, coarse faithfulness)`` with the rest of their layers cut
-            (:mod:`~.neuron_stage`: doubling, then bisection, by exact runs; ``neuron_search``),
-            a remainder kept only where its layer's ``max_neurons_per_mlp`` candidates cannot
-            replace it (``circuit.extra["neuron_stage"]``).
+        neurons_per_mlp: ``graph="coarse"``: neurons named in each MLP node of the circuit. 0
+            (default) names none: each MLP node stays its whole layer, and
+            :meth:`~.circuit.Circuit.report` says how to resolve it (a fixed count by node
+            attribution often names neurons that carry little of their layer's effect; the
+            report states their share either way). ``N``: the ``N`` with the largest node
+            attribution ``|score|``, the rest of the layer one node ``L{l}MLP``. ``"auto"``: as
+            few as keep the exact faithfulness at ``min(target, coarse faithfulness)`` with the
+            rest of their layers cut (:mod:`~.neuron_stage`: doubling, then bisection, by exact
+            runs; ``neuron_search``), a remainder kept only where its layer's
+            ``max_neurons_per_mlp`` candidates cannot replace it
+            (``circuit.extra["neuron_stage"]``).
         max_neurons_per_mlp: ``neurons_per_mlp="auto"``: most neurons named per MLP node (its
             candidates, the best by ``neuron_ranking``).
         whole_mlps: ``graph="coarse"``: MLP layers whose node is never split into named neurons
@@ -120,7 +125,7 @@ class DiscoveryOptions:
     nodes: Collection[str] | None = None
     n_nodes: int | None = None
     mlp_rest: bool = False
-    neurons_per_mlp: int | str = 8
+    neurons_per_mlp: int | str = 0
     max_neurons_per_mlp: int = 256
     whole_mlps: Collection[int] = ()
     expert_nodes: bool = False

@@ -18,9 +18,11 @@ fine:
    stays at the target. The circuit returned is the last one kept; its faithfulness is its exact
    run's, and ``circuit.extra["swept"]`` / ``["pruning"]`` hold the sweep's circuit and every
    pruning run.
-3. **Neurons.** Inside each MLP node of that circuit, the ``neurons_per_mlp`` neurons with the
-   largest node attribution ``|score|`` (or RelP relevance, or the score along the node's circuit
-   edges: ``neuron_ranking="relp"``, ``"circuit"``) are named:
+3. **Neurons** (where asked for: the default ``neurons_per_mlp=0`` keeps each MLP node its whole
+   layer, and the report says how to resolve it). Inside each MLP node of that circuit, the
+   ``neurons_per_mlp`` neurons with the largest node attribution ``|score|`` (or RelP
+   relevance, or the score along the node's circuit edges: ``neuron_ranking="relp"``,
+   ``"circuit"``) are named:
    the graph is rebuilt with them as nodes (the rest of the layer stays one node ``L{l}MLP``), and
    every coarse edge into or out of ``L{l}MLP`` becomes the same edge into or out of each named
    neuron and the remainder. That circuit computes exactly what the coarse one does (the layer's
