@@ -36,8 +36,10 @@ const ctx = {
   document: {
     title: '', getElementById: el, querySelectorAll: () => [],
     createElement: () => ({}),
-    head: {appendChild(e) {
-      vm.runInContext(fs.readFileSync(path.join(dir, e.src), 'utf8'), ctx);
+    head: {appendChild(e) {  // a missing file calls the script's onerror, as a browser does
+      const file = path.join(dir, e.src);
+      if (!fs.existsSync(file)) { if (e.onerror) e.onerror(); return; }
+      vm.runInContext(fs.readFileSync(file, 'utf8'), ctx);
     }},
   },
 };
@@ -133,6 +135,8 @@ def test_a_subset_site_holds_those_neurons_as_the_atlas_shows_them(site, tmp_pat
     assert shown["title"] == "L1N34" and "Top contexts" in shown["main"]
     shown = run_page((tmp_path / "sub", site[1]), "neuron.html", "#L1N35")  # in S2.js, not kept
     assert shown["main"] == "" and "This atlas has no neuron L1N35" in shown["text"]
+    shown = run_page((tmp_path / "sub", site[1]), "neuron.html", "#L1N100")  # S6.js, not kept
+    assert shown["main"] == "" and shown["text"] == "This atlas has no neuron L1N100."
     with pytest.raises(KeyError, match="not a neuron of this atlas"):
         full.subset(["L9N0"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

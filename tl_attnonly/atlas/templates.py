@@ -27,7 +27,7 @@ input{font-size:1em;padding:4px;width:24em}
 COMMON_JS = r"""
 function esc(s){return String(s).replace(/[&<>"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));}
 function vis(s){return s.replace(/\n/g,'\u21b5').replace(/ /g,'\u00a0');}
-function load(src){var e=document.createElement('script');e.src=src;document.head.appendChild(e);}
+function load(src,fail){var e=document.createElement('script');e.src=src;if(fail)e.onerror=fail;document.head.appendChild(e);}
 function sortable(table){
   table.querySelectorAll('th').forEach(function(th,col){th.onclick=function(){
     var rows=Array.from(table.tBodies[0].rows),asc=th.dataset.asc!=='1';th.dataset.asc=asc?'1':'0';
@@ -85,10 +85,11 @@ function hist(hg){var m=Math.max.apply(null,hg.counts)||1,w=4,h=60,s='';
     '" width="'+(w-1)+'" height="'+y+'" fill="#1a5fb4"><title>['+hg.edges[i]+', '+hg.edges[i+1]+'): '+c+'</title></rect>';});
   return '<svg width="'+(hg.counts.length*w)+'" height="'+h+'">'+s+'</svg><div class="muted">bins uniform in asinh(act); height: sqrt(count)</div>';}
 var WANT=null;
-function atlasShard(s){var d=WANT!==null&&s[String(WANT)];if(d){atlasNeuron(d);}else{document.getElementById('main').textContent=
-  'This atlas has no neuron '+location.hash.replace('#','')+'.';}}
-function show(){var m=/^#?L(\d+)N(\d+)$/.exec(location.hash);if(!m){document.getElementById('main').textContent=
-  'Name a neuron: neuron.html#L0N0';return;}WANT=+m[2];load('neurons/L'+m[1]+'/S'+Math.floor(WANT/META.shard)+'.js');}
+function missing(){document.getElementById('main').textContent='This atlas has no neuron '+location.hash.replace('#','')+'.';}
+function atlasShard(s){var d=WANT!==null&&s[String(WANT)];if(d){atlasNeuron(d);}else{missing();}}
+function show(){var m=/^#?L(\d+)N(\d+)$/.exec(location.hash),want=location.hash;if(!m){document.getElementById('main').textContent=
+  'Name a neuron: neuron.html#L0N0';return;}WANT=+m[2];
+  load('neurons/L'+m[1]+'/S'+Math.floor(WANT/META.shard)+'.js',function(){if(location.hash===want)missing();});}
 window.addEventListener('hashchange',show);load('vocab.js');show();
 """
 
