@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "atlas"))
 
-from browser import CHROME, chrome, shown_neuron, url  # noqa: E402
+from browser import CHROME, chrome, close, shown_neuron, url  # noqa: E402
 
 LOAD_END = "return performance.getEntriesByType('navigation')[0].loadEventEnd"
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"page of the site: {first:.1f} ms")  # fmt: skip
                 print(f"  load event: {summary(times['load'][1:])}")
     finally:
-        driver.quit()
+        close(driver)
 
 
 if __name__ == "__main__":

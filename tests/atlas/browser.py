@@ -30,18 +30,27 @@ new MutationObserver(function (m, obs) {
 
 def chrome() -> Any:
     """A selenium ``webdriver.Chrome`` on headless Chromium with a fresh empty profile, its
-    console log kept (``goog:loggingPrefs``) and :data:`SHOWN_PROBE` in every page."""
+    console log kept (``goog:loggingPrefs``) and :data:`SHOWN_PROBE` in every page; close it with
+    :func:`close` (which removes the profile)."""
     from selenium import webdriver
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROME
     for flag in CHROME_FLAGS:
         options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='atlas-chrome-')}")
+    profile = tempfile.mkdtemp(prefix="atlas-chrome-")
+    options.add_argument(f"--user-data-dir={profile}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(CHROMEDRIVER))
+    driver.profile_dir = profile
     driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": SHOWN_PROBE})
     return driver
+
+
+def close(driver: Any) -> None:
+    """Quits the browser and removes its profile."""
+    driver.quit()
+    shutil.rmtree(driver.profile_dir, ignore_errors=True)
 
 
 def url(path: Path, fragment: str = "") -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from browser import CHROME, CHROMEDRIVER, chrome, shown_neuron, url  # noqa: E402
+from browser import CHROME, CHROMEDRIVER, chrome, close, shown_neuron, url  # noqa: E402
 from helpers import BATCH, bundled, corpus_rows  # noqa: E402
 
 from tl_attnonly.atlas import Atlas, AtlasOptions, build_atlas  # noqa: E402
@@ -52,7 +52,7 @@ def site(tmp_path_factory):
 def browser():
     driver = chrome()
     yield driver
-    driver.quit()
+    close(driver)
 
 
 @pytest.fixture
