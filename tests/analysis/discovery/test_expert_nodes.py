@@ -81,12 +81,16 @@ def test_the_components_of_a_run_sum_to_the_layer_output(moe):
     assert parts.shape[2] == len(HeadGraph(moe).shape.expert_parts[-1])
 
 
+def two_caches(moe) -> tuple[object, object]:
+    """The clean and the corrupted run's caches."""
+    with torch.no_grad():
+        return moe.run_with_cache(CLEAN)[1], moe.run_with_cache(CORRUPTED)[1]
+
+
 def test_node_patching_of_one_expert_swaps_its_weighted_output(moe):
     layer = _last_expert_layer(moe)
     out = f"blocks.{layer}.hook_mlp_out"
-    with torch.no_grad():
-        _, clean = moe.run_with_cache(CLEAN)
-        _, corrupted = moe.run_with_cache(CORRUPTED)
+    clean, corrupted = two_caches(moe)
     e = 2
     want_part = expert_components(clean, layer)[0][e] - expert_components(corrupted, layer)[0][e]
 
@@ -101,12 +105,9 @@ def test_node_patching_of_one_expert_swaps_its_weighted_output(moe):
     assert abs(want - corrupted_metric) > 1e-4  # the patch changes the metric
 
 
-def test_eap_into_the_logits_is_the_change_times_the_gradient(moe):
-    layer = _last_expert_layer(moe)
-    nodes = coarse_nodes(moe, experts=True)
-    scores = edge_attribution_scores(
-        moe, CLEAN, CORRUPTED, METRIC, method="eap", nodes=nodes
-    ).scores[(f"expert.{layer}", "logits")][:, 0]
+def logit_gradient(moe) -> tuple[torch.Tensor, object, object]:
+    """``(grad, clean cache, corrupted cache)``: the gradient of the metric on the corrupted run
+    at the last residual stream (what plain EAP into the logits reads), and the two runs."""
     last = f"blocks.{moe.cfg.n_layers - 1}.hook_resid_post"
     held = {}
 
@@ -117,9 +118,16 @@ def test_eap_into_the_logits_is_the_change_times_the_gradient(moe):
     (grad,) = torch.autograd.grad(
         METRIC(moe.run_with_hooks(CORRUPTED, fwd_hooks=[(last, grab)]), ROWS), [held["x"]]
     )
-    with torch.no_grad():
-        _, clean = moe.run_with_cache(CLEAN)
-        _, corrupted = moe.run_with_cache(CORRUPTED)
+    return (grad, *two_caches(moe))
+
+
+def test_eap_into_the_logits_is_the_change_times_the_gradient(moe):
+    layer = _last_expert_layer(moe)
+    nodes = coarse_nodes(moe, experts=True)
+    scores = edge_attribution_scores(
+        moe, CLEAN, CORRUPTED, METRIC, method="eap", nodes=nodes
+    ).scores[(f"expert.{layer}", "logits")][:, 0]
+    grad, clean, corrupted = logit_gradient(moe)
     delta = expert_components(clean, layer)[0] - expert_components(corrupted, layer)[0]
     want = torch.einsum("nbpd,bpd->n", delta, grad)
     assert want.abs().max() > 1e-4
@@ -171,9 +179,11 @@ def test_expert_nodes_are_refused_where_there_are_none():
         discover_circuit(llama, CLEAN, CORRUPTED, METRIC, progress=False, expert_nodes=True)
 
 
-def test_a_circuit_saved_before_expert_parts_loads(tmp_path):
-    """A mixture-of-experts circuit saved before the shape recorded its experts' labels (its
-    ``circuit.json`` without ``expert_parts``) loads against the model."""
+@pytest.mark.parametrize("field", ["expert_parts", "expert_widths"])
+def test_a_circuit_saved_before_a_shape_field_loads(tmp_path, field):
+    """A mixture-of-experts circuit saved before the shape recorded its experts' labels or
+    their widths (its ``circuit.json`` without ``expert_parts`` / ``expert_widths``) loads
+    against the model."""
     moe = _bridge("mixtral")
     graph = HeadGraph(moe, nodes=coarse_nodes(moe))
     with warnings.catch_warnings():
@@ -186,10 +196,11 @@ def test_a_circuit_saved_before_expert_parts_loads(tmp_path):
 
     def drop(value):
         if isinstance(value, dict):
-            return {k: drop(v) for k, v in value.items() if k != "expert_parts"}
+            return {k: drop(v) for k, v in value.items() if k != field}
         return [drop(v) for v in value] if isinstance(value, list) else value
 
+    assert drop(record) != record
     (path / "circuit.json").write_text(json.dumps(drop(record)))
     loaded = Circuit.load(path, model=moe)
-    assert loaded.graph.shape.expert_parts == () and graph.shape.expert_parts
+    assert getattr(loaded.graph.shape, field) == () and getattr(graph.shape, field)
     assert loaded.metric_circuit == circuit.metric_circuit

@@ -53,15 +53,15 @@ METRIC = logit_diff_metric(torch.tensor([3, 4, 5, 6]), torch.tensor([7, 8, 9, 10
 NAMES = ["qwen2_moe", "mixtral", "olmoe", DENSE_0]
 
 
-def _bridge(name: str):
+def _bridge(name: str, dtype: torch.dtype = torch.float32):
     if name != DENSE_0:
-        return convert_zoo_bridge(build_bridge(name, torch.float32))
+        return convert_zoo_bridge(build_bridge(name, dtype))
     spec = ZOO["qwen2_moe"]
     ZOO[DENSE_0] = dataclasses.replace(
         spec, name=DENSE_0, kwargs={**spec.kwargs, "mlp_only_layers": [0]}
     )
     try:
-        return convert_zoo_bridge(build_bridge(DENSE_0, torch.float32))
+        return convert_zoo_bridge(build_bridge(DENSE_0, dtype))
     finally:
         del ZOO[DENSE_0]
 

@@ -74,12 +74,18 @@ def model_record(model: Any) -> dict[str, Any]:
     }
 
 
+#: The fields of :class:`~.graph.GraphShape` added after the format's first files.
+_LATER_FIELDS = ("expert_layers", "latent_attn_layers", "expert_parts", "expert_widths")
+#: Of those, the ones a model's record may lack although the model has them (a file saved
+#: before the field existed).
+_LATER_MODEL_FIELDS = ("expert_parts", "expert_widths")
+
+
 def _shape_record(shape: GraphShape) -> dict[str, Any]:
-    """``shape`` as its JSON reads back; ``expert_layers``, ``latent_attn_layers`` and
-    ``expert_parts`` only where there are some (the records of files saved before they existed
-    stay equal)."""
+    """``shape`` as its JSON reads back; the fields of :data:`_LATER_FIELDS` only where there
+    are some (the records of files saved before they existed stay equal)."""
     record = dataclasses.asdict(shape)
-    for name in ("expert_layers", "latent_attn_layers", "expert_parts"):
+    for name in _LATER_FIELDS:
         value = getattr(shape, name)
         if value:
             record[name] = [list(v) if isinstance(v, tuple) else v for v in value]
@@ -364,8 +370,9 @@ def _check_model(record: dict, model: Any, file: Path) -> None:
     if saved is None:
         return
     current = model_record(model)
-    if "expert_parts" not in (saved.get("shape") or {}):  # saved before the field existed
-        current["shape"].pop("expert_parts", None)
+    for name in _LATER_MODEL_FIELDS:
+        if name not in (saved.get("shape") or {}):  # saved before the field existed
+            current["shape"].pop(name, None)
     for key in ("architecture", "d_model", "d_vocab", "dtype", "shape"):
         if saved.get(key) != current[key]:
             raise CircuitFileError(

@@ -38,6 +38,7 @@ import pandas as pd
 import torch
 
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.expert_nodes import expert_neuron_nodes
 from tl_attnonly.hooks import attn_head_label, neuron_head_label
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ EXPERTS = "experts"
 #: mixture-of-experts layer named by its experts (:mod:`.expert_nodes`); the layer keeps its one
 #: input ``L{l}MLP`` (:data:`EXPERTS`).
 EXPERT = "expert"
+#: Kind of the source nodes ``L{l}E{e}N{j}`` / ``L{l}SN{j}``: an expert's neurons named beside
+#: its node (then its remainder; :mod:`.expert_nodes`), reading the layer's input too.
+EXPERT_NEURON = "expert_neuron"
 #: Kind of the input ``L{l}ATTN`` of a multi-head latent attention layer (DeepSeek-V2/V3): one
 #: reader, the layer's normalised input (``blocks.{l}.attn.hook_in``), which every head reads. Its
 #: queries, keys and values are decompressed from latents the heads share (the key/value latent
@@ -184,30 +188,33 @@ class GraphShape:
     #: Per expert layer (in ``expert_layers``' order), its components' label suffixes (``E0``,
     #: ..., ``S``): the nodes it has when named by its experts (:data:`EXPERT`).
     expert_parts: tuple[tuple[str, ...], ...] = ()
+    #: Per expert layer, its components' neurons (:data:`EXPERT_NEURON` nodes it can name).
+    expert_widths: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:  # a saved shape's JSON lists
         for name in ("expert_layers", "latent_attn_layers"):
             object.__setattr__(self, name, tuple(int(li) for li in getattr(self, name)))
         parts = tuple(tuple(str(p) for p in layer) for layer in self.expert_parts)
         object.__setattr__(self, "expert_parts", parts)
+        widths = tuple(tuple(int(n) for n in layer) for layer in self.expert_widths)
+        object.__setattr__(self, "expert_widths", widths)
 
     @classmethod
     def of(cls, model: ModelLike) -> GraphShape:
         """The shape of ``model`` (either model kind, through :func:`analysis_model`)."""
         from tl_attnonly.analysis.discovery.attention_support import latent_attention_layers
-        from tl_attnonly.analysis.discovery.expert_nodes import expert_parts
+        from tl_attnonly.analysis.discovery.expert_nodes import expert_parts, expert_widths
         from tl_attnonly.analysis.patching.dense_layers import expert_layers
 
         model = analysis_model(model)
-        cfg = model.cfg
+        cfg, experts = model.cfg, sorted(expert_layers(model))
         return cls(
             n_layers=int(cfg.n_layers), n_heads=int(cfg.n_heads),
             n_key_value_heads=cfg.n_key_value_heads, d_mlp=int(cast(int, cfg.d_mlp)),
             n_heads_per_neuron=int(model.n_heads_per_neuron), gated_mlp=bool(cfg.gated_mlp),
             parallel_attn_mlp=bool(cfg.parallel_attn_mlp),
-            expert_layers=tuple(sorted(expert_layers(model))),
-            latent_attn_layers=tuple(latent_attention_layers(model)),
-            expert_parts=expert_parts(model, sorted(expert_layers(model))),
+            expert_layers=tuple(experts), latent_attn_layers=tuple(latent_attention_layers(model)),
+            expert_parts=expert_parts(model, experts), expert_widths=expert_widths(model, experts),
         )  # fmt: skip
 
 
@@ -223,7 +230,8 @@ class HeadGraph:
             at head level neuron-heads ``"L0N5.1"``); the embeddings and the logits are always
             kept. ``"L{l}MLP"`` keeps layer ``l``'s other neurons as one node (their summed output
             is its output; its gate and value inputs are theirs, all receiving the same edges).
-            Default: every node.
+            A mixture of experts' experts ``"L{l}E{e}"``, ``"L{l}S"`` and their neurons
+            ``"L{l}E{e}N{j}"``, ``"L{l}SN{j}"`` (:mod:`.expert_nodes`). Default: every node.
         positions: Names of position classes (:class:`~.positions.PositionClasses`): every
             input group is split into one group per class (key ``"attn.23.v@io"``), so edges
             are resolved by position. Default: none (one group per input, every position).
@@ -268,15 +276,19 @@ class HeadGraph:
         k_labels = 0 if self.neuron_level else K  # neurons, or K neuron-heads each
         neuron_labels = _neuron_labels(cfg.n_layers, d_mlp, k_labels)
         keep = None if nodes is None else set(nodes)
+        #: Expert layer -> its expert neurons named here (``L{l}E{e}N{j}``, ``L{l}SN{j}``).
+        widths = dict(zip(cfg.expert_layers, cfg.expert_widths, strict=False))
+        self.expert_neurons = expert_neuron_nodes(keep, self.expert_part_labels, widths)
         #: The expert layers named by their experts here (their components are the nodes).
         self.split_experts: frozenset[int] = frozenset(
             li
             for li, parts in self.expert_part_labels.items()
-            if keep is not None and not keep.isdisjoint(parts)
+            if keep is not None and (not keep.isdisjoint(parts) or li in self.expert_neurons)
         )
         if keep is not None:
             known = _known_labels(cfg.n_layers, cfg.n_heads, d_mlp, k_labels)
             parts = {p for labels in self.expert_part_labels.values() for p in labels}
+            parts.update(n for named in self.expert_neurons.values() for n in named)
             unknown = sorted(keep - known - parts - {EMBED, LOGITS})
             if unknown:
                 raise ValueError(
@@ -284,7 +296,8 @@ class HeadGraph:
                     f"{unknown[:3]}: give attention heads 'L{{l}}H{{h}}', "
                     + ("neurons 'L{l}N{i}'" if self.neuron_level else "neuron-heads 'L{l}N{i}.{k}'")
                     + f" (neuron_level={self.neuron_level}), MLP remainders 'L{{l}}MLP' and a "
-                    "mixture of experts' experts 'L{l}E{e}', 'L{l}S'."
+                    "mixture of experts' experts 'L{l}E{e}', 'L{l}S' and their neurons "
+                    "'L{l}E{e}N{j}', 'L{l}SN{j}'."
                 )
 
         def pick(labels, kept_by=None):
@@ -351,6 +364,12 @@ class HeadGraph:
                     self.sources.append(
                         SourceGroup(f"expert.{li}", EXPERT, li, part[0], 3 * li + 2, *part[1:])
                     )
+                    named = self.expert_neurons.get(li, ())
+                    if named:  # its named neurons (the experts' nodes are their remainders)
+                        self.sources.append(SourceGroup(
+                            f"{EXPERT_NEURON}.{li}", EXPERT_NEURON, li, named, 3 * li + 2,
+                            tuple(range(len(named))), len(named),
+                        ))  # fmt: skip
                     continue
                 self.sources.append(
                     SourceGroup(f"experts.{li}", EXPERTS, li, whole[0], 3 * li + 2, *whole[1:])
@@ -411,14 +430,14 @@ class HeadGraph:
     def reading_nodes(self, dst: InputGroup, v: int) -> list[str]:
         """Labels of the source nodes that read input ``v`` of ``dst`` (their outputs depend on
         it): none for the logits, every head a grouped key/value head serves, every head of a
-        latent attention layer, every expert of a layer named by its experts, else the reader
-        itself."""
+        latent attention layer, every expert (and named expert neuron) of a layer named by its
+        experts, else the reader itself."""
         if dst.kind == LOGITS:
             return []
         if dst.kind == LATENT_ATTN:  # every head of the layer reads it
             return [attn_head_label(dst.layer, h) for h in range(self.n_heads)]
         if dst.kind == EXPERTS and dst.layer in self.split_experts:  # every expert of the layer
-            return list(self.expert_part_labels[dst.layer])
+            return [*self.expert_part_labels[dst.layer], *self.expert_neurons.get(dst.layer, ())]
         if dst.kind == "attn" and dst.input in "kv" and self.gqa:
             group = self.n_heads // self.n_kv
             j = dst.index[v]
@@ -511,6 +530,7 @@ __all__ = [
     "ATTN_INPUTS",
     "EMBED",
     "EXPERT",
+    "EXPERT_NEURON",
     "LATENT_ATTN",
     "LOGITS",
     "MLP_REST",

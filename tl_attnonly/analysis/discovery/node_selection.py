@@ -21,6 +21,7 @@ from tl_attnonly._types import tokens_on_model_device
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery.expert_nodes import (
     component_index,
+    expert_neuron_layer,
     expert_patch_hooks,
     expert_source_hooks,
 )
@@ -138,8 +139,9 @@ def node_patching_metric(
     Args:
         nodes: Attention heads ``L{l}H{h}``, neurons ``L{l}N{i}``, MLP layers ``L{l}MLP`` (every
             neuron of the layer), a mixture of experts' experts ``L{l}E{e}``, ``L{l}S`` (their
-            weighted outputs: :mod:`.expert_nodes`); ``"embed"`` patches the token and position
-            embeddings.
+            weighted outputs: :mod:`.expert_nodes`) and expert neurons ``L{l}E{e}N{j}``,
+            ``L{l}SN{j}`` (their contributions; with their expert, the whole expert);
+            ``"embed"`` patches the token and position embeddings.
             :func:`discover_circuit` gives the circuit's sources (a neuron-head's whole neuron at
             neuron-head level).
         Others: As in :func:`~tl_attnonly.analysis.circuit_metric`.
@@ -151,11 +153,14 @@ def node_patching_metric(
     heads: dict[int, list[int]] = {}
     neurons: dict[int, list[int] | None] = {}
     parts: dict[int, list[int]] = {}  # a mixture of experts' experts
+    expert_neurons: dict[int, list[str]] = {}  # and their neurons
     embed = False
     for label in nodes:
         part = component_index(model, label) if label != EMBED else None
         if part is not None:
             parts.setdefault(part[0], []).append(part[1])
+        elif (layer := expert_neuron_layer(label)) is not None:
+            expert_neurons.setdefault(layer, []).append(label)
         elif label == EMBED:
             embed = True
         elif label.endswith("MLP"):
@@ -170,7 +175,8 @@ def node_patching_metric(
         else:
             raise ValueError(
                 f"node_patching_metric patches heads 'L0H1', neurons 'L0N5', MLP layers 'L0MLP', "
-                f"a mixture of experts' experts 'L1E0', 'L1S' and 'embed'; got {label!r}."
+                f"a mixture of experts' experts 'L1E0', 'L1S', their neurons 'L1E0N5', 'L1SN5' "
+                f"and 'embed'; got {label!r}."
             )
     names: dict[str, list[int] | None] = {}
     if embed:
@@ -186,7 +192,11 @@ def node_patching_metric(
                 "tl_attnonly.analysis.experts.get_act_patch_expert_neuron_heads)."
             )
         names[block_act_name("mlp_out", li) if li in experts else neuron_act_name("post", li)] = idx
-    part_names = {n for li in parts for n in expert_source_hooks(model, li)}
+    part_names = {
+        n
+        for li in {*parts, *expert_neurons}
+        for n in expert_source_hooks(model, li, neurons=li in expert_neurons)
+    }
     total = 0.0
     for rows in batch_indices(clean_tokens.shape[0], batch_size):
         with torch.no_grad():
@@ -204,8 +214,9 @@ def node_patching_metric(
 
             clean = dict(cache.cache_dict)
             hooks = [(n, patch) for n in names]
-            for li, which in parts.items():
-                hooks += expert_patch_hooks(model, li, which, clean)
+            for li in sorted({*parts, *expert_neurons}):
+                which, named = parts.get(li, []), expert_neurons.get(li, [])
+                hooks += expert_patch_hooks(model, li, which, clean, named)
             logits = model.run_with_hooks(corrupted_tokens[rows], fwd_hooks=hooks)
             total += call_metric(metric, logits, rows).item()
     return total

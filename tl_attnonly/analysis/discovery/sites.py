@@ -20,6 +20,8 @@ from tl_attnonly.analysis.discovery.attention_support import (
     latent_attn_input_hook,
 )
 from tl_attnonly.analysis.discovery.expert_nodes import (
+    expert_neuron_values,
+    expert_neuron_writer,
     expert_source_hooks,
     expert_source_values,
     expert_writer,
@@ -27,6 +29,7 @@ from tl_attnonly.analysis.discovery.expert_nodes import (
 from tl_attnonly.analysis.discovery.graph import (
     EMBED,
     EXPERT,
+    EXPERT_NEURON,
     EXPERTS,
     LATENT_ATTN,
     LOGITS,
@@ -339,8 +342,8 @@ def source_hook_names(model: ModelLike, graph: HeadGraph) -> list[str]:
     names = list(model.embed_hooks)
     for li in range(graph.n_layers):
         names.append(head_act_name("z", li, "attn"))
-        if li in graph.split_experts:  # its experts' outputs
-            names += expert_source_hooks(model, li)
+        if li in graph.split_experts:  # its experts' outputs (and their named neurons')
+            names += expert_source_hooks(model, li, neurons=li in graph.expert_neurons)
         elif li in graph.expert_layers:  # the whole layer's output
             names.append(block_act_name("mlp_out", li))
         else:
@@ -383,8 +386,11 @@ def source_values(
         out = acts[head_act_name("z", src.layer, "attn")]
     elif src.kind == EXPERTS:  # [batch, pos, 1, d_model]: the layer's output
         out = acts[block_act_name("mlp_out", src.layer)].unsqueeze(2)
-    elif src.kind == EXPERT:  # [batch, pos, n_components, d_model]: each expert's
-        out = expert_source_values(acts, analysis_model(model), src.layer)
+    elif src.kind == EXPERT:  # [batch, pos, n_components, d_model]: each expert's remainder
+        named = graph.expert_neurons.get(src.layer, ())
+        out = expert_source_values(acts, analysis_model(model), src.layer, named)
+    elif src.kind == EXPERT_NEURON:  # [batch, pos, n, 1]: on each one's row of W_out
+        out = expert_neuron_values(acts, analysis_model(model), src.layer, src.labels)
     elif graph.neuron_level:
         out = acts[neuron_act_name("post", src.layer)].unsqueeze(-1)
     else:
@@ -406,6 +412,8 @@ def writer_matrix(
         return torch.eye(model.cfg.d_model, dtype=like.dtype, device=like.device).unsqueeze(0)
     if src.kind == EXPERT:  # each component writes its output vector
         return expert_writer(len(src.labels), like, model.cfg.d_model)
+    if src.kind == EXPERT_NEURON:  # each expert neuron writes its row of its expert's W_out
+        return expert_neuron_writer(model, src.layer, src.labels, like)
     norm = post_norm(model, src.layer, "attn" if src.kind == "attn" else "mlp")
     if norm is not None:  # w * centre(x U) / sigma = (x / sigma) (w * centre(U))
         scale = like.new_ones(()).expand(1, 1)  # the weights only: the scale is the run's

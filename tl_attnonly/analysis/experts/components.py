@@ -17,6 +17,7 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from tl_attnonly.adapt import model_of_cache
 from tl_attnonly.analysis.experts.routing import (
+    Expert,
     cached_routing,
     expert_hook_name,
     hook_rows,
@@ -141,6 +142,83 @@ def expert_components(
     return pos_slice.apply(stack, dim=-2), labels
 
 
+def _neuron_rows(cache: Any, layer: int, key: Expert, module: Any) -> torch.Tensor:
+    """``[rows, d_mlp]``: what each neuron of an expert (``key``: a routed expert's index or a
+    shared expert's name; ``module`` its neuron-head layer) writes per unit of its row of
+    ``out_matrix``, at each row its hooks saw (a routed expert: its tokens in gather order; a
+    shared expert: every token): ``hook_post - b_post``, or the sum of its heads' ``hook_z``."""
+    post_name = expert_hook_name(layer, key, "post")
+    if post_name in cache.cache_dict:  # hook_post fires unless per-head results are computed
+        return hook_rows(cache[post_name], "post") - module.b_post
+    z = hook_rows(_cached(cache, expert_hook_name(layer, key, "z")), "z")  # [rows, heads]
+    return z.unflatten(-1, (-1, module.n_heads_per_neuron)).sum(-1)
+
+
+def component_layer(moe: Any, component: int) -> tuple[Expert, Any]:
+    """``(key, neuron-head layer)`` of component ``component`` of a mixture of experts, in
+    :func:`expert_components`' order: a routed expert's index, then the shared experts' names.
+
+    Raises:
+        ValueError: For a component the block does not have.
+    """
+    routed, shared = moe.expert_list(), shared_experts(moe)
+    if not 0 <= component < len(routed) + len(shared):
+        raise ValueError(
+            f"component {component}: the block has {len(routed)} routed and {len(shared)} "
+            "shared experts."
+        )
+    if component < len(routed):
+        return component, routed[component]
+    name = list(shared)[component - len(routed)]
+    return name, shared[name]
+
+
+def expert_neuron_activations(
+    cache: Any, layer: int, component: int
+) -> Float[torch.Tensor, "batch pos d_mlp"]:
+    """Each neuron of one component of a mixture of experts, as the layer's output takes it:
+    neuron ``j`` adds this times row ``j`` of the component's ``out_matrix``.
+
+    A routed expert's neuron gives its routing weight times ``hook_post - b_post`` at the tokens
+    routed to it (0 elsewhere); a shared expert's gives ``hook_post - b_post`` (times the
+    sigmoid of the block's shared gate where it has one) at every token. Summed over the
+    neurons with their rows, plus the expert's output bias ``b_O`` times its weight (or gate),
+    they are the component of :func:`expert_components`.
+
+    Args:
+        cache: A ``run_with_cache`` cache of a converted model with mixtures of experts (the
+            hooks of :func:`expert_component_hooks` with ``neurons=True``).
+        layer: The MoE layer.
+        component: The component's index in :func:`expert_components`' order (routed experts,
+            then shared ones).
+
+    Returns:
+        ``[batch, pos, d_mlp]`` (``d_mlp``: the component's neurons).
+
+    Raises:
+        ValueError: For a layer that is not a mixture of experts, or a component it lacks.
+        KeyError: If the cache lacks a hook read.
+    """
+    moe = moe_layer(model_of_cache(cache), layer)
+    key, module = component_layer(moe, component)
+    resid = _residual_like(cache, layer)  # [batch, pos, d_model]: for its shape and dtype
+    batch, n_pos, _ = resid.shape
+    rows = _neuron_rows(cache, layer, key, module)  # [rows, d_mlp]
+    if isinstance(key, int):
+        indices = cached_routing(cache, layer)  # [tokens, top_k]
+        weights = _routing_weights(cache, layer, moe, indices)
+        slot, token = routed_slots(indices, key)
+        out = rows.new_zeros(batch * n_pos, rows.shape[-1])
+        out[token] = rows * weights[token, slot, None].to(rows.dtype)
+    else:
+        out = rows
+        gates = getattr(moe, "shared_gates", {})
+        if key in gates:  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            gate = _cached(cache, f"blocks.{layer}.mlp.{gates[key]}.hook_out").reshape(-1, 1)
+            out = torch.sigmoid(gate).to(rows.dtype) * out
+    return out.reshape(batch, n_pos, -1).to(resid.dtype)
+
+
 def component_suffixes(moe: Any) -> list[str]:
     """The node label suffixes of a mixture of experts' components, in
     :func:`expert_components`' order: ``E{e}`` per routed expert, then ``S`` (one shared expert)
@@ -150,7 +228,7 @@ def component_suffixes(moe: Any) -> list[str]:
     return [f"E{e}" for e in range(len(moe.expert_list()))] + named
 
 
-def expert_component_hooks(model: Any, layer: int) -> list[str]:
+def expert_component_hooks(model: Any, layer: int, neurons: bool = False) -> list[str]:
     """The hooks :func:`expert_components` reads of ``layer`` in a run: the router's top-k
     indices and weights, each routed expert's ``hook_post`` and ``hook_z`` (whichever fires), each
     shared expert's ``hook_out`` and gate, and the layer's ``hook_mlp_out`` (for the shape).
@@ -158,6 +236,8 @@ def expert_component_hooks(model: Any, layer: int) -> list[str]:
     Args:
         model: The adapted model (:func:`~tl_attnonly.adapt.analysis_model`).
         layer: The MoE layer.
+        neurons: Also what :func:`expert_neuron_activations` reads of the shared experts
+            (their ``hook_post`` and ``hook_z``).
     """
     moe = moe_layer(model, layer)
     names = [
@@ -170,6 +250,8 @@ def expert_component_hooks(model: Any, layer: int) -> list[str]:
     gates = getattr(moe, "shared_gates", {})
     for name in shared_experts(moe):
         names.append(f"blocks.{layer}.mlp.{name}.hook_out")
+        if neurons:
+            names += [expert_hook_name(layer, name, kind) for kind in ("post", "z")]
         if name in gates:
             names.append(f"blocks.{layer}.mlp.{gates[name]}.hook_out")
     return [name for name in names if name in model.hook_dict]
@@ -205,9 +287,11 @@ def expert_routing(cache: Any, layer: int) -> Float[torch.Tensor, "batch pos n_e
 
 __all__ = [
     "ROUTING_WEIGHTS_HOOK",
+    "component_layer",
     "component_suffixes",
     "expert_component_hooks",
     "expert_components",
+    "expert_neuron_activations",
     "expert_routing",
     "routing_weights_hook_name",
 ]
