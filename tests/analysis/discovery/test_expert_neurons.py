@@ -19,14 +19,15 @@ from __future__ import annotations
 import pytest
 import torch
 from test_circuit_runs_reference import _check_exact_runs
-from test_expert_nodes import ROWS, logit_gradient, two_caches
+from test_expert_nodes import ROWS, metric_gradient, two_caches
 from test_expert_nodes import _last_expert_layer as _layer
 
 # (it puts the bridge zoo on the path)
 from test_moe_discovery import CLEAN, CORRUPTED, DENSE_0, METRIC, _bridge
 
 from tl_attnonly.adapt import analysis_model
-from tl_attnonly.analysis import HeadGraph, edge_attribution_scores
+from tl_attnonly.analysis import HeadGraph, circuit_metrics, edge_attribution_scores
+from tl_attnonly.analysis.discovery.expert_nodes import EXPERT_LABEL, EXPERT_NEURON_LABEL
 from tl_attnonly.analysis.discovery.graph import EXPERT, EXPERT_NEURON, EXPERTS
 from tl_attnonly.analysis.discovery.search import coarse_nodes, node_patching_metric
 from tl_attnonly.analysis.discovery.sites import source_hook_names, source_values, writer_matrix
@@ -156,7 +157,7 @@ def test_eap_into_the_logits_is_the_neuron_s_change_times_the_gradient(moe):
     scores = edge_attribution_scores(
         moe, CLEAN, CORRUPTED, METRIC, method="eap", nodes=_nodes(moe)
     ).scores[(f"expert_neuron.{layer}", "logits")][:, 0]
-    grad, clean, corrupted = logit_gradient(moe)
+    grad, clean, corrupted = metric_gradient(moe)
     want = torch.stack(
         [
             ((_contribution(moe, clean, n) - _contribution(moe, corrupted, n)) * grad).sum()
@@ -165,3 +166,154 @@ def test_eap_into_the_logits_is_the_neuron_s_change_times_the_gradient(moe):
     )
     assert want.abs().max() > 1e-4
     torch.testing.assert_close(scores, want, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# the neuron stage: discover_circuit(..., expert_nodes=True, neurons_per_mlp=2)
+
+
+@pytest.fixture(scope="module")
+def found(moe):
+    """The circuit of a fixed size (40 coarse edges: experts of both layers in it) with 2
+    neurons named per MLP node, an expert's or a dense layer's."""
+    import warnings
+
+    from tl_attnonly.analysis import discover_circuit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return discover_circuit(
+            moe, CLEAN, CORRUPTED, METRIC, progress=False, graph="coarse", top_n=40,
+            expert_nodes=True, neurons_per_mlp=2, mib_curve=False,
+        )  # fmt: skip
+
+
+def graph_parts(moe, layer: int) -> list[str]:
+    """The expert nodes of ``layer``, in order (routed experts, then shared)."""
+    return list(HeadGraph(moe).expert_part_labels[layer])
+
+
+def _experts_of(circuit) -> list[str]:
+    """The expert nodes of the coarse circuit (its sources ``L{l}E{e}``, ``L{l}S``)."""
+    from tl_attnonly.analysis.discovery.counts import EXPERT_LABEL
+
+    return [n for n in circuit.extra["coarse"].nodes() if EXPERT_LABEL.match(n)]
+
+
+def _attribution(moe, layer: int, labels: list[str]) -> dict[str, float]:
+    """Node attribution of expert neurons by its definition: the neuron's contribution, clean
+    less corrupted (:func:`_contribution`), dotted with the gradient of the metric at the
+    layer's output on the corrupted run (a leaf there: every path after it)."""
+    grad, clean, corrupted = metric_gradient(moe, f"blocks.{layer}.hook_mlp_out")
+    with torch.no_grad():
+        return {
+            n: float(
+                ((_contribution(moe, clean, n) - _contribution(moe, corrupted, n)) * grad).sum()
+            )
+            for n in labels
+        }
+
+
+def test_each_expert_node_names_its_best_neurons(moe, found):
+    """Every expert node of the coarse circuit names its 2 neurons of largest node attribution
+    ``|score|``; they are nodes of the circuit's graph, listed in ``extra["named"]``, and the
+    expanded circuit is the coarse one (its exact run the same)."""
+    experts = _experts_of(found)
+    assert experts
+    named = found.extra["named"]
+    checked = 0
+    for expert in experts:
+        layer = int(expert[1:].split("E")[0].split("S")[0])
+        mine = [n for n in named[layer] if n.startswith(f"{expert}N")]
+        assert len(mine) == 2
+        if layer == _layer(moe):  # the last expert layer's, against the definition
+            block = moe_layer(analysis_model(moe), layer)
+            experts_ = [*block.expert_list(), *shared_experts(block).values()]
+            width = experts_[graph_parts(moe, layer).index(expert)].d_mlp
+            scores = _attribution(moe, layer, [f"{expert}N{j}" for j in range(width)])
+            best = sorted(scores, key=lambda n: -abs(scores[n]))[:2]
+            assert mine == best
+            checked += 1
+    assert checked
+    assert set(n for v in named.values() for n in v) <= set(found.graph.node_labels())
+    assert found.metric_circuit == pytest.approx(found.extra["coarse"].metric_circuit, abs=1e-10)
+    (again,) = circuit_metrics(
+        moe, [found.mask], CLEAN, CORRUPTED, METRIC, nodes=found.graph.node_labels()
+    )
+    assert again == pytest.approx(found.metric_circuit, abs=1e-10)
+
+
+def test_the_split_of_an_expert_node_is_its_exact_runs(moe, found):
+    """``mlp_split``'s row of an expert node: the circuit without its named neurons' outgoing
+    edges, without its remainder's, without both, by exact runs of masks built here."""
+    graph, mask = found.graph, found.mask
+    denom = found.metric_clean - found.metric_corrupted
+    row = next(r for r in found.mlp_split.itertuples() if EXPERT_LABEL.match(r.node))
+    named = row.named.split(", ")
+    layer = int(row.node[1:].split("E")[0].split("S")[0])
+
+    def cut(labels):
+        out = {}
+        for (s, d), m in mask.items():
+            src = graph.source_by_key[s]
+            keep = torch.tensor([label not in labels for label in src.labels])
+            out[(s, d)] = m & keep[:, None]
+        return out
+
+    masks = [cut(set(named)), cut({row.node}), cut({row.node, *named})]
+    got = circuit_metrics(moe, masks, CLEAN, CORRUPTED, METRIC, nodes=graph.node_labels())
+    effects = [(found.metric_circuit - g) / denom for g in got]
+    assert effects == pytest.approx(
+        [row.named_effect, row.rest_effect, row.layer_effect], rel=1e-8, abs=1e-10
+    )
+    assert layer in graph.expert_neurons and set(named) <= set(graph.expert_neurons[layer])
+
+
+def test_counts_report_figures_exports_and_file(moe, found, tmp_path):
+    import tl_attnonly.vis  # noqa: F401  (registers Circuit.figure)
+    from tl_attnonly.analysis import Circuit
+    from tl_attnonly.analysis.discovery.counts import circuit_counts
+    from tl_attnonly.vis import neuron_circuit_figure
+
+    named = [n for v in found.extra["named"].values() for n in v]
+    expert_neurons = [n for n in named if EXPERT_NEURON_LABEL.match(n)]
+    assert expert_neurons
+    counts = circuit_counts(found)
+    assert counts["named_neurons"] == len(named)
+    assert counts["experts"] == len({s for s in found.edges().source if EXPERT_LABEL.match(s)})
+    report = found.report()
+    assert all(n in report for n in expert_neurons)  # the MLP split names them
+    found.figure()
+    figure = neuron_circuit_figure(found).to_json()
+    assert all(n in figure for n in expert_neurons if n in set(found.edges().source))
+    mib = found.to_mib(d_model=moe.cfg.d_model)  # an expert neuron is part of MIB's m{l}
+    for n in expert_neurons:
+        if n in set(found.edges().source):
+            assert mib["nodes"][f"m{int(n[1:].split('E')[0].split('S')[0])}"]["in_graph"]
+    nodes = found.to_graph_json()["nodes"]
+    roles = {n["node_id"].rsplit("_", 1)[0]: n for n in nodes}
+    drawn = [n for n in expert_neurons if n in roles]
+    assert drawn and all(roles[n]["feature_type"] == "mlp expert neuron" for n in drawn)
+    assert len({(n["layer"], n["feature"]) for n in nodes}) == len(nodes)
+    loaded = Circuit.load(found.save(tmp_path / "c"), model=moe)
+    assert loaded.graph.expert_neurons == found.graph.expert_neurons
+    assert loaded.extra["named"] == found.extra["named"]
+    (reloaded,) = circuit_metrics(
+        moe, [loaded.mask], CLEAN, CORRUPTED, METRIC, nodes=loaded.graph.node_labels()
+    )
+    assert reloaded == pytest.approx(found.metric_circuit, abs=1e-10)
+
+
+def test_what_the_expert_neuron_stage_refuses():
+    """Before any work: the adaptive count and the rankings other than node attribution."""
+    from tl_attnonly.analysis import discover_circuit
+    from tl_attnonly.analysis.discovery.options import DiscoveryOptions
+
+    with pytest.raises(ValueError, match="neurons_per_mlp='auto' with expert_nodes=True"):
+        discover_circuit(
+            _bridge("mixtral"), CLEAN, CORRUPTED, METRIC, expert_nodes=True, neurons_per_mlp="auto"
+        )
+    for ranking in ("relp", "circuit"):
+        with pytest.raises(ValueError, match=f"neuron_ranking='{ranking}' with expert_nodes"):
+            DiscoveryOptions(expert_nodes=True, neurons_per_mlp=2, neuron_ranking=ranking)
+    DiscoveryOptions(expert_nodes=True, neurons_per_mlp=0, neuron_ranking="relp")  # names none

@@ -105,10 +105,11 @@ def test_node_patching_of_one_expert_swaps_its_weighted_output(moe):
     assert abs(want - corrupted_metric) > 1e-4  # the patch changes the metric
 
 
-def logit_gradient(moe) -> tuple[torch.Tensor, object, object]:
+def metric_gradient(moe, at: str | None = None) -> tuple[torch.Tensor, object, object]:
     """``(grad, clean cache, corrupted cache)``: the gradient of the metric on the corrupted run
-    at the last residual stream (what plain EAP into the logits reads), and the two runs."""
-    last = f"blocks.{moe.cfg.n_layers - 1}.hook_resid_post"
+    at hook ``at`` (a leaf there: every path after it; default the last residual stream, what
+    plain EAP into the logits reads), and the two runs."""
+    last = at or f"blocks.{moe.cfg.n_layers - 1}.hook_resid_post"
     held = {}
 
     def grab(act, hook):
@@ -127,7 +128,7 @@ def test_eap_into_the_logits_is_the_change_times_the_gradient(moe):
     scores = edge_attribution_scores(
         moe, CLEAN, CORRUPTED, METRIC, method="eap", nodes=nodes
     ).scores[(f"expert.{layer}", "logits")][:, 0]
-    grad, clean, corrupted = logit_gradient(moe)
+    grad, clean, corrupted = metric_gradient(moe)
     delta = expert_components(clean, layer)[0] - expert_components(corrupted, layer)[0]
     want = torch.einsum("nbpd,bpd->n", delta, grad)
     assert want.abs().max() > 1e-4

@@ -49,13 +49,13 @@ refused.
 ``qParams``, ``nodes`` and ``links``. Every node of a circuit edge is a node, labelled by role in
 ``feature_type`` (``"embedding"``, ``"attention head"``, ``"attention key/value head"``,
 ``"attention layer input"``, ``"mlp neuron"``, ``"mlp neuron-head"``, ``"mlp layer"``, ``"mlp
-expert"``, ``"mlp layer input"``, ``"logit"``) and ``clerp`` (``"L3H2: attention
-head 2 of layer 3"``); each pair of nodes joined by circuit edges is one link whose ``weight`` is
-the sum of their scores (the scores by input, ``q``/``k``/``v`` or ``gate``/``value``, under
-``inputs``; ``resid`` for the logits). ``layer`` is the node's sublayer in the residual stream:
-attention of layer ``l`` is ``2l+1``, its MLP ``2l+2``, the embeddings ``"E"``, the logits ``2
-n_layers + 1``. ``ctx_idx``: our edges cover every position, so on a graph without position classes
-every node sits at the last entry of ``prompt_tokens`` (default: one entry, ``"(every
+expert"``, ``"mlp expert neuron"``, ``"mlp layer input"``, ``"logit"``) and ``clerp`` (``"L3H2:
+attention head 2 of layer 3"``); each pair of nodes joined by circuit edges is one link whose
+``weight`` is the sum of their scores (the scores by input, ``q``/``k``/``v`` or ``gate``/``value``,
+under ``inputs``; ``resid`` for the logits). ``layer`` is the node's sublayer in the residual
+stream: attention of layer ``l`` is ``2l+1``, its MLP ``2l+2``, the embeddings ``"E"``, the logits
+``2 n_layers + 1``. ``ctx_idx``: our edges cover every position, so on a graph without position
+classes every node sits at the last entry of ``prompt_tokens`` (default: one entry, ``"(every
 position)"``); on a graph resolved by position classes each class is one context entry
 (``prompt_tokens`` defaults to the class names) and an edge's two nodes sit at its class. With
 ``atlas=`` (a neuron atlas site, :mod:`tl_attnonly.atlas`) each MLP node links to its atlas page
@@ -294,6 +294,17 @@ def _node_roles(graph: HeadGraph) -> dict[str, dict[str, Any]]:
                     layer=str(2 * g.layer + 2), feature=e, feature_type="mlp expert",
                     clerp=f"{label}: component {e} of layer {g.layer}'s mixture of experts "
                     "(its weighted output)",
+                )  # fmt: skip
+        elif g.kind == graphs.EXPERT_NEURON:  # after the experts and their input in the row
+            parts = graph.expert_part_labels[g.layer]
+            widths = dict(zip(graph.shape.expert_layers, graph.shape.expert_widths, strict=True))
+            for label in g.labels:
+                owner, j = label[: label.rindex("N")], int(label[label.rindex("N") + 1 :])
+                roles[label] = dict(
+                    layer=str(2 * g.layer + 2), feature_type="mlp expert neuron",
+                    feature=len(parts) + 1 + parts.index(owner) * max(widths[g.layer]) + j,
+                    clerp=f"{label}: neuron {j} of {owner}, an expert of layer {g.layer}'s "
+                    "mixture of experts (its weighted contribution)",
                 )  # fmt: skip
         elif g.kind == graphs.EXPERTS:
             roles[g.labels[0]] = dict(

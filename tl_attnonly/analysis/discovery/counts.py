@@ -47,10 +47,11 @@ def reader_kind(label: str) -> str | None:
 def kind_layer(label: str) -> tuple[str, int]:
     """``(kind, layer)`` of a node label: ``("attn", l)`` for ``L{l}H{h}`` / ``L{l}KV{j}`` /
     ``L{l}ATTN``, ``("neuron", l)`` for ``L{l}N{i}`` / ``L{l}MLP`` / a mixture of experts'
-    experts ``L{l}E{e}``, ``L{l}S``, ``(label, -1)`` for the embeddings and logits."""
+    experts ``L{l}E{e}``, ``L{l}S`` and their neurons ``L{l}E{e}N{j}``, ``L{l}SN{j}``,
+    ``(label, -1)`` for the embeddings and logits."""
     if label in (EMBED, LOGITS):
         return label, -1
-    match = re.match(r"^L(\d+)(H|KV|N|MLP|ATTN|E\d+$|S\d*$)", label)
+    match = re.match(r"^L(\d+)(H|KV|N|MLP|ATTN|E\d+(N\d+)?$|S\d*(N\d+)?$)", label)
     if match is None:
         raise ValueError(f"Not a node label: {label!r}.")
     mlp = match.group(2) in ("N", "MLP") or match.group(2)[0] in "ES"

@@ -19,7 +19,10 @@ import torch
 
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
+from tl_attnonly.analysis.discovery.counts import kind_layer
 from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
+from tl_attnonly.analysis.discovery.expert_naming import fine_split, name_expert_neurons
+from tl_attnonly.analysis.discovery.expert_nodes import EXPERT_LABEL
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.neuron_stage import (
     NeuronStage,
@@ -87,22 +90,33 @@ def named_share(with_all: float, named_only: float, without: float) -> float | N
     return (named_only - without) / effect
 
 
+def _expert_nodes_to_name(coarse: Circuit, opts: DiscoveryOptions) -> list[str]:
+    """The expert nodes of the coarse circuit whose neurons are named (``expert_nodes``; the
+    layers of ``whole_mlps`` kept whole)."""
+    if not opts.expert_nodes:
+        return []
+    whole = set(opts.whole_mlps)
+    return [n for n in coarse.nodes() if EXPERT_LABEL.match(n) and kind_layer(n)[1] not in whole]
+
+
 def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     """Step 3 and 4 of :mod:`.search`' module docstring: the circuit on the graph with named
-    neurons (the task's model, prompts, metric, position classes and corrupted runs)."""
+    neurons (the task's model, prompts, metric, position classes and corrupted runs); with
+    ``expert_nodes``, the expert nodes' neurons too (:mod:`.expert_naming`)."""
     model, clean, corrupted, metric = task.model, task.clean, task.corrupted, task.metric
     base_nodes = coarse_nodes(model, experts=opts.expert_nodes)  # the coarse graph's
     layers = sorted(int(n[1:-3]) for n in coarse.nodes() if n.startswith("L") and n.endswith("MLP"))
     layers = [li for li in layers if li not in coarse.graph.expert_layers]  # no neurons of its own
     layers = [li for li in layers if li not in opts.whole_mlps]  # kept whole by the user
+    experts = _expert_nodes_to_name(coarse, opts)
     coarse.extra["coarse"] = coarse
-    if not layers:
+    if not layers and not experts:
         coarse.extra["named"] = {}
         return coarse, base_nodes
-    node_scores = _neuron_scores(task, opts, layers, coarse)
     auto = opts.neurons_per_mlp == "auto"
     count = opts.max_neurons_per_mlp if auto else int(opts.neurons_per_mlp)
     named: dict[int, list[str]] = {}
+    node_scores = _neuron_scores(task, opts, layers, coarse) if layers else pd.Series(dtype=float)
     of_layer: dict[int, list[str]] = {li: [] for li in layers}
     for label in node_scores.index.tolist():  # one pass: "L{l}N..." is a neuron of layer l
         found = _NEURON_OF_LAYER.match(label)
@@ -111,6 +125,8 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     for li in layers:
         ranked = node_scores[of_layer[li]].abs().sort_values(ascending=False, kind="stable")
         named[li] = list(ranked.index[:count])
+    # (neurons_per_mlp="auto" is refused with expert_nodes: DiscoveryOptions)
+    expert_named = name_expert_neurons(task, experts, count, opts)
     stage: dict = {}
     cut: set[int] = set()
     measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
@@ -127,6 +143,7 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
         stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
         measured = ground.measured
     fine_nodes = base_nodes + [n for li in layers for n in named[li]]
+    fine_nodes += [n for li in expert_named for n in expert_named[li]]
     scores = edge_attribution_scores(
         model, clean, corrupted, metric, method=opts.neuron_method, ig_steps=opts.ig_steps,
         nodes=fine_nodes, batch_size=opts.batch_size, progress=opts.progress,
@@ -135,12 +152,69 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     mask = _without_sources(
         expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
     )
-    # Per layer, the circuit without its named neurons' edges, its remainder's, both. Where a
-    # run would repeat another (a cut remainder: without it is the circuit itself; no named
-    # neuron: the same), it is not made. Each is run on the coarse graph, each layer's MLP node
-    # passing on the changes of the neurons whose edges the circuit keeps (the same runs as on
-    # the graph with named neurons: circuit_metrics' kept_neurons).
-    d_mlp = int(model.cfg.d_mlp or 0)
+    m_no_mlp: float | None  # (None: every named layer cut by the adaptive stage)
+    if expert_named:  # every split by runs on the graph with the named neurons
+        named_all = {**{li: named[li] for li in layers if named[li]}, **expert_named}
+        raw, (m_fine, m_named_only, m_no_mlp) = fine_split(
+            task, scores.graph, mask, named_all, opts
+        )
+        named = {**named, **expert_named}
+    else:
+        raw, (m_fine, m_named_only, m_no_mlp) = _kept_split(
+            task, coarse, opts, layers, named, cut, measured
+        )
+    m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
+    denom = m_clean - m_corr
+    split = pd.DataFrame(
+        dict(
+            node=raw.node,
+            named=raw.named,
+            named_effect=(m_fine - raw.no_named) / denom,
+            rest_effect=(m_fine - raw.no_rest) / denom,
+            layer_effect=(m_fine - raw.no_layer) / denom,
+        ),
+        columns=["node", "named", "named_effect", "rest_effect", "layer_effect"],
+    )
+    share = None if m_no_mlp is None else named_share(m_fine, m_named_only, m_no_mlp)
+    notes = list(coarse.warnings)
+    if share is not None and share < NAMED_SHARE_WARNING:
+        assert m_no_mlp is not None
+        notes.append(
+            f"the named neurons carry {share:.0%} of the MLP layers' effect (faithfulness "
+            f"{faithfulness(m_named_only, m_clean, m_corr):.3f} with every remainder cut, "
+            f"{faithfulness(m_no_mlp, m_clean, m_corr):.3f} with every named layer cut, "
+            f"{faithfulness(m_fine, m_clean, m_corr):.3f} with both): the layers' effect is in "
+            "neurons not named. neurons_per_mlp='auto' chooses neurons by exact runs; "
+            "circuit.mlp_split gives each layer's split."
+        )
+    fine = Circuit(
+        scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
+        extra={**coarse.extra, "named": named, **stage,
+               "faithfulness_named_only": faithfulness(m_named_only, m_clean, m_corr),
+               **({} if share is None else {"named_share": share})},
+        ceiling=coarse.ceiling, curve=coarse.curve, warnings=notes, mlp_split=split,
+    )  # fmt: skip
+    return fine, fine_nodes
+
+
+def _kept_split(
+    task: DiscoveryTask,
+    coarse: Circuit,
+    opts: DiscoveryOptions,
+    layers: list[int],
+    named: dict[int, list[str]],
+    cut: set[int],
+    measured: dict,
+) -> tuple[pd.DataFrame, tuple[float, float, float | None]]:
+    """Per named layer, the circuit without its named neurons' edges, its remainder's, both (as
+    :func:`~.expert_naming.fine_split` returns them), and the circuit's metric, with every
+    remainder cut and with every named layer cut (None where every layer is cut). Where a run
+    would repeat another (a cut remainder: without it is the circuit itself; no named neuron:
+    the same), it is not made. Each is run on the coarse graph, each layer's MLP node passing
+    on the changes of the neurons whose edges the circuit keeps (the same runs as on the graph
+    with named neurons: circuit_metrics' kept_neurons); the adaptive stage's runs
+    (``measured``) are not made again."""
+    d_mlp = int(task.model.cfg.d_mlp or 0)
 
     def neurons(li: int, named_in: bool = True, rest_in: bool = False) -> torch.Tensor:
         """``bool [d_mlp]``: layer ``li``'s named neurons if ``named_in``, the others if
@@ -178,48 +252,19 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     # its step 5) are not made again
     todo = list({kept_key(k): k for k in kept if kept_key(k) not in measured}.values())
     fresh = circuit_metrics(
-        model, [coarse.mask] * len(todo), clean, corrupted, metric, nodes=base_nodes,
+        task.model, [coarse.mask] * len(todo), task.clean, task.corrupted, task.metric,
+        nodes=coarse_nodes(task.model, experts=opts.expert_nodes),
         batch_size=task.batch_size, progress=opts.progress, positions=task.positions,
         corrupted_runs=task.corrupted_runs, kept_neurons=todo,
     ) if todo else []  # fmt: skip
     known = {**measured, **{kept_key(k): v for k, v in zip(todo, fresh, strict=True)}}
     values = [known[kept_key(k)] for k in kept]
-    m_clean, m_corr = coarse.metric_clean, coarse.metric_corrupted
-    denom = m_clean - m_corr
-    m_fine = values[0]
-    rows = []
-    for li, (i_named, i_rest, i_layer) in zip(layers, runs, strict=True):
-        no_named, no_rest, no_layer = values[i_named], values[i_rest], values[i_layer]
-        rows.append(
-            dict(
-                node=mlp_rest_label(li),
-                named=", ".join(named[li]),
-                named_effect=(m_fine - no_named) / denom,
-                rest_effect=(m_fine - no_rest) / denom,
-                layer_effect=(m_fine - no_layer) / denom,
-            )
-        )
-    columns = ["node", "named", "named_effect", "rest_effect", "layer_effect"]
-    split = pd.DataFrame(rows, columns=columns)
-    share = named_share(values[0], values[named_only], values[no_mlp]) if no_mlp else None
-    notes = list(coarse.warnings)
-    if share is not None and share < NAMED_SHARE_WARNING:
-        notes.append(
-            f"the named neurons carry {share:.0%} of the MLP layers' effect (faithfulness "
-            f"{faithfulness(values[named_only], m_clean, m_corr):.3f} with every remainder cut, "
-            f"{faithfulness(values[no_mlp], m_clean, m_corr):.3f} with every named layer cut, "
-            f"{faithfulness(m_fine, m_clean, m_corr):.3f} with both): the layers' effect is in "
-            "neurons not named. neurons_per_mlp='auto' chooses neurons by exact runs; "
-            "circuit.mlp_split gives each layer's split."
-        )
-    fine = Circuit(
-        scores, mask, m_clean, m_corr, m_fine, faithfulness(m_fine, m_clean, m_corr),
-        extra={**coarse.extra, "named": named, **stage,
-               "faithfulness_named_only": faithfulness(values[named_only], m_clean, m_corr),
-               **({} if share is None else {"named_share": share})},
-        ceiling=coarse.ceiling, curve=coarse.curve, warnings=notes, mlp_split=split,
-    )  # fmt: skip
-    return fine, fine_nodes
+    rows = [
+        (mlp_rest_label(li), ", ".join(named[li]), values[i_named], values[i_rest], values[i_layer])
+        for li, (i_named, i_rest, i_layer) in zip(layers, runs, strict=True)
+    ]
+    raw = pd.DataFrame(rows, columns=["node", "named", "no_named", "no_rest", "no_layer"])
+    return raw, (values[0], values[named_only], values[no_mlp] if no_mlp else None)
 
 
 __all__ = ["NAMED_SHARE_WARNING", "name_neurons", "named_share"]

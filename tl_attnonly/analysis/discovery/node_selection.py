@@ -25,7 +25,14 @@ from tl_attnonly.analysis.discovery.expert_nodes import (
     expert_patch_hooks,
     expert_source_hooks,
 )
-from tl_attnonly.analysis.discovery.graph import EMBED, MLP_REST, HeadGraph, mlp_rest_label
+from tl_attnonly.analysis.discovery.graph import (
+    EMBED,
+    EXPERT,
+    EXPERT_NEURON,
+    MLP_REST,
+    HeadGraph,
+    mlp_rest_label,
+)
 from tl_attnonly.analysis.discovery.sites import (
     DiscoveryMetric,
     Mask,
@@ -223,18 +230,24 @@ def node_patching_metric(
 
 
 def _coarse_key(key: str) -> str:
-    """The coarse group key of a fine group key (a layer's neurons belong to its MLP node)."""
+    """The coarse group key of a fine group key (a layer's neurons belong to its MLP node, an
+    expert's named neurons to its expert's node)."""
+    if key.startswith(f"{EXPERT_NEURON}."):
+        return f"{EXPERT}." + key.split(".", 1)[1]
     return "mlp." + key.split(".", 1)[1] if key.startswith("neuron.") else key
 
 
 def expand_mask(coarse: HeadGraph, mask: Mask, fine: HeadGraph) -> Mask:
     """A coarse circuit on a finer graph: each edge into or out of ``L{l}MLP`` goes into or out of
-    each of the layer's named neurons and its remainder (the same circuit, computed exactly)."""
+    each of the layer's named neurons and its remainder, each edge out of an expert ``L{l}E{e}``
+    out of its named neurons too (the same circuit, computed exactly)."""
 
     def rows_of(fine_group, coarse_group) -> list[int]:
         if coarse_group.kind == MLP_REST:
             return [0] * len(fine_group.labels)
         where = {label: i for i, label in enumerate(coarse_group.labels)}
+        if fine_group.kind == EXPERT_NEURON:  # an expert neuron's row: its expert's
+            return [where[label[: label.rindex("N")]] for label in fine_group.labels]
         return [where[label] for label in fine_group.labels]
 
     out = {}

@@ -38,7 +38,10 @@ fine:
 4. **What the names carry.** For each MLP node, ``Circuit.mlp_split``: the exact effect
    (faithfulness units) of removing the named neurons' outgoing edges, the remainder's, and both
    (run on the coarse graph, each MLP node passing on the changes of the neurons whose edges
-   are kept: :func:`~.runs.circuit_metrics`' ``kept_neurons``).
+   are kept: :func:`~.runs.circuit_metrics`' ``kept_neurons``). With ``expert_nodes=True`` each
+   expert node of the coarse circuit gets its ``neurons_per_mlp`` best neurons by node
+   attribution named too (``L{l}E{e}N{j}``, the expert's node then its remainder), and every
+   split is run on the graph with the named neurons instead (:mod:`.expert_naming`).
 
 Why coarse first: under a corruption that changes the tokens (IOI's ABC names), the token's change
 enters through the embeddings and the first MLP layers and reaches every later node; a graph of a
@@ -156,12 +159,12 @@ def discover_circuit(
         A :class:`~tl_attnonly.analysis.Circuit` with ``ceiling``, ``curve``, ``node_patching``,
         ``warnings``, ``gate_value`` and (coarse graph, named neurons) ``mlp_split``;
         ``circuit.extra`` holds ``"coarse"`` (the coarse circuit before neurons were named),
-        ``"named"`` (layer -> named neurons), with ``neurons_per_mlp="auto"``
-        ``"neuron_stage"`` (:mod:`.neuron_stage`), with ``mib_curve`` (default) ``"mib_curve"``,
-        ``"mib_cpr"`` and ``"mib_cmd"`` (:mod:`.scoring`), ``"seconds"`` (time per stage), after
-        a pruning pass ``"swept"`` (the sweep's circuit: edges, faithfulness) and ``"pruning"``
-        (one row per exact run: round, removed, edges, faithfulness, accepted) and, with
-        ``n_nodes``, ``"nodes"`` and ``"node_scores"``.
+        ``"named"`` (layer -> named neurons, an expert layer's experts' included), with
+        ``neurons_per_mlp="auto"`` ``"neuron_stage"`` (:mod:`.neuron_stage`), with ``mib_curve``
+        (default) ``"mib_curve"``, ``"mib_cpr"`` and ``"mib_cmd"`` (:mod:`.scoring`), ``"seconds"``
+        (time per stage), after a pruning pass ``"swept"`` (the sweep's circuit: edges,
+        faithfulness) and ``"pruning"`` (one row per exact run: round, removed, edges, faithfulness,
+        accepted) and, with ``n_nodes``, ``"nodes"`` and ``"node_scores"``.
 
     Raises:
         ValueError: For options that contradict each other, or a metric that is not additive

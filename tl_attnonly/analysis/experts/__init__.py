@@ -42,7 +42,8 @@ An :class:`~tl_attnonly.AttnOnlyTransformer`'s MoE (TransformerLens's) has no sh
 The dense decompositions (:func:`~tl_attnonly.analysis.decompose_resid_heads`,
 :func:`~tl_attnonly.analysis.head_logit_attrs`) read an expert layer as its experts' weighted
 contributions; circuit discovery takes it as one node
-(:data:`~tl_attnonly.analysis.discovery.graph.EXPERTS`);
+(:data:`~tl_attnonly.analysis.discovery.graph.EXPERTS`), or as its experts and their named
+neurons (:mod:`tl_attnonly.analysis.discovery.expert_nodes`);
 :func:`~tl_attnonly.analysis.summarize_neuron_heads` (all layers) summarises an expert layer's
 neuron-heads as :func:`layer_heads` numbers them, each over the tokens routed to its expert.
 
