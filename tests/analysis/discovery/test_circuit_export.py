@@ -327,6 +327,51 @@ def test_graph_json_links_mlp_nodes_to_their_atlas_pages():
     assert all(links[n["node_id"]] is None for n in out["nodes"] if "H" in n["node_id"])
 
 
+def test_graph_json_links_a_path_atlas_by_its_file_uri(tmp_path):
+    """A ``Path`` (the atlas's folder) links by its absolute ``file://`` URI; a neuron-head
+    ``L{l}N{i}.{k}`` to its neuron's page."""
+    atlas = tmp_path / "my atlas"
+    out = _circuit("neuron_heads").to_graph_json(atlas=atlas)
+    links = {n["node_id"][:-2]: n["vis_link"] for n in out["nodes"] if "vis_link" in n}
+    base = atlas.resolve().as_uri()
+    assert base.startswith("file:///") and "my%20atlas" in base
+    heads = [label for label in links if "." in label]
+    assert heads
+    for label in heads:
+        assert links[label] == f"{base}/neuron.html#{label.split('.')[0]}"
+    assert links["L1MLP"] == f"{base}/layer_1.html"
+
+
+@pytest.mark.parametrize("name", ["named", "neuron_heads"])
+def test_report_lists_the_atlas_pages_of_its_named_neurons_and_mlp_nodes(name):
+    """``Circuit.report(atlas=...)`` ends with a section of the named neurons (and neuron-heads)
+    and MLP nodes, each with its page: the same URL as ``to_graph_json``'s ``vis_link``; no such
+    section without ``atlas``."""
+    from tl_attnonly.analysis.discovery.counts import named_neurons
+
+    circuit = _circuit(name)
+    atlas = "https://example.org/atlas/"
+    plain, text = circuit.report(), circuit.report(atlas=atlas)
+    assert "atlas pages" not in plain and "example.org" not in plain
+    assert text.startswith(plain.rsplit("\nwarnings:", 1)[0].rsplit("\ntime:", 1)[0])
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("atlas pages"))
+    listed = dict(line.split() for line in lines[start + 1 :] if line.startswith("  "))
+    links = {n["node_id"][:-2]: n["vis_link"] for n in
+             circuit.to_graph_json(atlas=atlas)["nodes"] if "vis_link" in n}  # fmt: skip
+    assert listed == links and list(listed) == list(circuit.atlas_pages(atlas))
+    assert lines[start] == (
+        f"atlas pages of its named neurons and MLP nodes ({len(links)}, atlas "
+        "https://example.org/atlas):"
+    )
+    mlp = [label for label in listed if label.endswith("MLP")]
+    neurons = [label for label in listed if "N" in label]
+    assert mlp and neurons
+    named = named_neurons(circuit)  # neurons L{l}N{i} (not neuron-heads), listed first
+    assert list(listed)[: len(named)] == named
+    assert all(not any(c in label for c in "HE") for label in listed)
+
+
 def test_graph_json_refuses_a_slug_that_is_no_file_name():
     with pytest.raises(ValueError, match="slug"):
         _circuit("coarse").to_graph_json(slug="../x")

@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from tl_attnonly.analysis.discovery.atlas_links import AtlasLocation, atlas_pages, atlas_url
 from tl_attnonly.analysis.discovery.circuit_export import circuit_to_graph_json, circuit_to_mib
 from tl_attnonly.analysis.discovery.circuit_io import load_circuit, save_circuit
 from tl_attnonly.analysis.discovery.edge_scores import EdgeScores
@@ -120,7 +121,8 @@ class Circuit:
         return frame.loc[order].head(n).reset_index(drop=True)
 
     def figure(self, **kwargs: Any) -> Any:
-        """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`; same keywords)."""
+        """Plotly figure (:func:`tl_attnonly.vis.circuit.circuit_figure`; same keywords:
+        ``atlas=`` links its MLP nodes to their pages in a neuron atlas)."""
         if _figure_builder is None:
             raise RuntimeError(
                 "Circuit.figure() draws with tl_attnonly.vis, which is not imported yet: run "
@@ -205,11 +207,18 @@ class Circuit:
 
         return circuit_experts_used(model, self, clean_tokens, corrupted_tokens, **kwargs)
 
-    def report(self) -> str:
+    def report(self, atlas: AtlasLocation | None = None) -> str:
         """The circuit and its evidence as text: metrics, ceiling, faithfulness (coarse and with
         named neurons), node-patching baseline, the sweep's curve, the curve on MIB's grid with
         its CPR and CMD, the MLP split, the gate/value table, the attention heads, the
-        warnings."""
+        warnings.
+
+        Args:
+            atlas: Where a neuron atlas of the model is (a URL or relative path as a string, a
+                folder as a ``Path``: :func:`~.atlas_links.atlas_url`); adds a section listing
+                each named neuron and MLP layer node with the URL of its atlas page
+                (:meth:`atlas_pages`).
+        """
 
         def table(frame: pd.DataFrame, digits: int = 3) -> str:
             return frame.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}")
@@ -308,12 +317,41 @@ class Circuit:
             key=lambda h: tuple(int(x) for x in h[1:].split("H")),
         )
         lines.append(f"attention heads ({len(heads)}): " + ", ".join(heads))
+        if atlas is not None:
+            lines += self._atlas_lines(atlas)
         if "seconds" in self.extra:
             lines.append(
                 "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.extra["seconds"].items())
             )
         lines.append("warnings: " + ("; ".join(self.warnings) if self.warnings else "none"))
         return "\n".join(lines)
+
+    def atlas_pages(self, atlas: AtlasLocation) -> dict[str, str]:
+        """The atlas page of each of its nodes that has one: ``{label: URL}``, the named neurons
+        first (in :func:`~.counts.named_neurons`' order), then its other nodes by layer (its
+        neuron-heads and MLP layer nodes: :func:`~.atlas_links.atlas_page` says which).
+
+        Args:
+            atlas: Where a neuron atlas of the model is (a URL or relative path as a string, a
+                folder as a ``Path``: :func:`~.atlas_links.atlas_url`).
+        """
+        from tl_attnonly.analysis.discovery.counts import kind_layer, named_neurons
+
+        named = named_neurons(self)
+        others = sorted(
+            (n for n in self.nodes() if n not in named), key=lambda n: (kind_layer(n)[1], n)
+        )
+        return atlas_pages([*named, *others], atlas)
+
+    def _atlas_lines(self, atlas: AtlasLocation) -> list[str]:
+        """:meth:`report`'s section of atlas pages (:meth:`atlas_pages`)."""
+        pages = self.atlas_pages(atlas)
+        width = max(map(len, pages), default=0)
+        return [
+            f"atlas pages of its named neurons and MLP nodes ({len(pages)}, atlas "
+            f"{atlas_url(atlas)}):",
+            *(f"  {label:<{width}}  {url}" for label, url in pages.items()),
+        ]
 
     def __repr__(self) -> str:
         return (

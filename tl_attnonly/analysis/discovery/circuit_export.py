@@ -76,6 +76,7 @@ import torch
 
 from tl_attnonly.adapt import analysis_model
 from tl_attnonly.analysis.discovery import graph as graphs
+from tl_attnonly.analysis.discovery.atlas_links import AtlasLocation, atlas_page
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS, MLP_REST, HeadGraph, InputGroup
 
 #: The levels :func:`circuit_to_mib` takes (``"neuron"`` is refused; see the module's doc).
@@ -363,7 +364,7 @@ def circuit_to_graph_json(
     prompt_tokens: Sequence[str] | None = None,
     prompt: str | None = None,
     logit_label: str = "metric",
-    atlas: str | None = None,
+    atlas: AtlasLocation | None = None,
 ) -> dict[str, Any]:
     """The circuit as a circuit-tracer / Neuronpedia attribution graph (module's doc: the
     mapping and how ``ctx_idx`` is set).
@@ -381,10 +382,11 @@ def circuit_to_graph_json(
         prompt: ``metadata.prompt`` (default: the tokens joined).
         logit_label: What the ``logits`` node's ``clerp`` names (the metric).
         atlas: Where a neuron atlas of the model is (:mod:`tl_attnonly.atlas`'s site: a URL or
-            path): each neuron (and neuron-head) node links to its page
+            a path relative to the graph's viewer as a string, or a folder as a ``Path``, which
+            becomes its ``file://`` URI): each neuron (and neuron-head) node links to its page
             (``{atlas}/neuron.html#L{l}N{i}``) and each MLP layer node to its layer's
             (``{atlas}/layer_{l}.html``), under ``vis_link`` (the field Neuronpedia's viewer
-            opens).
+            opens; :func:`~.atlas_links.atlas_page`).
 
     Returns:
         ``{"metadata", "qParams", "nodes", "links"}``.
@@ -460,10 +462,9 @@ def circuit_to_graph_json(
             "influence": None,
             "activation": None,
         })  # fmt: skip
-        if atlas is not None and role["feature_type"].startswith("mlp"):
-            layer, neuron = re.match(r"L(\d+)(?:N(\d+))?", label).groups()  # type: ignore[union-attr]
-            page = f"neuron.html#L{layer}N{neuron}" if neuron else f"layer_{layer}.html"
-            nodes[-1]["vis_link"] = f"{atlas.rstrip('/')}/{page}"
+        page = None if atlas is None else atlas_page(label, atlas)
+        if page is not None:
+            nodes[-1]["vis_link"] = page
     link_list = [
         {
             "source": node_id(src, c),
