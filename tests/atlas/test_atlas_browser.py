@@ -1,9 +1,11 @@
 """The site in a real browser (issue 48): headless Chromium, driven by selenium and chromedriver,
 opens a small atlas of the bundled model from ``file://`` (no server) and the rendered DOM is
 read back: the index, a neuron page from its lazily loaded shard (its numbers against the
-atlas's own record), search by label and by token, a layer page and its sorting, and a circuit's
-link (``Circuit.to_graph_json(atlas=...)``'s ``vis_link``) opening the neuron; no page logs a
-JavaScript error. Skipped where Chromium, chromedriver or selenium is missing.
+atlas's own record), search by label and by token, a layer page and its sorting, a circuit's
+link (``Circuit.to_graph_json(atlas=...)``'s ``vis_link``) opening the neuron, and a circuit
+figure's (``neuron_circuit_figure(circuit, atlas=...)``, saved as HTML) labels and markers
+opening their pages; no page logs a JavaScript error. Skipped where Chromium, chromedriver or
+selenium is missing.
 
 Chromium runs as root here, in a closed network: ``--no-sandbox`` and the flags that keep it from
 opening connections of its own (``browser.CHROME_FLAGS``), with a fresh profile.
@@ -206,13 +208,10 @@ def test_layer_page_renders_and_sorts(page, site):
     assert column() == pytest.approx(freqs[::-1], abs=1e-6)
 
 
-def test_a_circuits_link_opens_the_neuron(page, site):
-    """A circuit of the bundled model with two named neurons, written as an attribution graph
-    with ``atlas=`` the atlas's folder (relative): a page of the graph's nodes, each MLP node a
-    link to its ``vis_link`` (what Neuronpedia's and circuit-tracer's viewers open), opens the
-    neuron's page showing that neuron, and the MLP layer node its layer's page."""
-    import html
-
+@pytest.fixture(scope="module")
+def circuit():
+    """A circuit of the bundled model with two named neurons (L0N7, L1N34), their layers'
+    remainders and two heads: every edge of that graph kept."""
     import torch
 
     from tl_attnonly.analysis import Circuit, edge_attribution_scores
@@ -224,7 +223,25 @@ def test_a_circuits_link_opens_the_neuron(page, site):
     scores = edge_attribution_scores(model, tokens, tokens.flip(-1), next_token_metric(tokens),
                                      nodes=nodes, progress=False)  # fmt: skip
     mask = {key: torch.ones_like(s, dtype=torch.bool) for key, s in scores.scores.items()}
-    circuit = Circuit(scores, mask, scores.metric_clean, scores.metric_corrupted, 0.0, 0.5)
+    return Circuit(scores, mask, scores.metric_clean, scores.metric_corrupted, 0.0, 0.5)
+
+
+def _shows_l1n34(page, site) -> None:
+    """The page is neuron L1N34's, showing its first top context's activation."""
+    assert page.current_url == url(site.directory / "neuron.html", "#L1N34")
+    assert page.find_element(By.TAG_NAME, "h1").text == "L1N34"
+    first = site["L1N34"].record["top_examples"][0]
+    muted = page.find_element(By.CSS_SELECTOR, "#main .ctx .muted").get_attribute("textContent")
+    assert float(muted) == pytest.approx(first["act"], abs=5.1e-4)
+
+
+def test_a_circuits_link_opens_the_neuron(page, site, circuit):
+    """A circuit of the bundled model with two named neurons, written as an attribution graph
+    with ``atlas=`` the atlas's folder (relative): a page of the graph's nodes, each MLP node a
+    link to its ``vis_link`` (what Neuronpedia's and circuit-tracer's viewers open), opens the
+    neuron's page showing that neuron, and the MLP layer node its layer's page."""
+    import html
+
     graph = circuit.to_graph_json(atlas=site.directory.name)  # relative to the circuit's page
     links = {n["node_id"]: n["vis_link"] for n in graph["nodes"] if "vis_link" in n}
     assert links["L1N34_0"] == "atlas/neuron.html#L1N34"
@@ -239,15 +256,79 @@ def test_a_circuits_link_opens_the_neuron(page, site):
     page.get(url(circuit_page))
     page.find_element(By.LINK_TEXT, "L1N34_0").click()
     shown_neuron(page, "L1N34")
-    assert page.current_url == url(site.directory / "neuron.html", "#L1N34")
-    assert page.find_element(By.TAG_NAME, "h1").text == "L1N34"
-    first = site["L1N34"].record["top_examples"][0]
-    muted = page.find_element(By.CSS_SELECTOR, "#main .ctx .muted").get_attribute("textContent")
-    assert float(muted) == pytest.approx(first["act"], abs=5.1e-4)
+    _shows_l1n34(page, site)
     page.back()
     page.find_element(By.LINK_TEXT, "L1MLP_0").click()
     WebDriverWait(page, WAIT_S).until(lambda d: d.title == "layer 1")
     assert page.find_element(By.TAG_NAME, "h1").text.endswith("layer 1")
+
+
+#: Each labelled point's centre in the page (px), by its label (its trace's ``customdata``).
+POINT_CENTRES = """const gd = document.querySelector('.js-plotly-plot'), out = {};
+gd.querySelectorAll('.scatterlayer .trace').forEach((trace, i) => {
+  trace.querySelectorAll('path.point').forEach((p, j) => {
+    const r = p.getBoundingClientRect(), labels = gd.data[i].customdata;
+    if (labels) out[labels[j]] = [Math.round(r.x + r.width / 2), Math.round(r.y + r.height / 2)];
+  });
+});
+return out;"""
+
+
+def _open_in_new_tab(page, click) -> None:
+    """Runs ``click()`` and switches to the tab it opens."""
+    before = set(page.window_handles)
+    click()
+    WebDriverWait(page, WAIT_S).until(lambda d: set(d.window_handles) - before)
+    page.switch_to.window((set(page.window_handles) - before).pop())
+
+
+def _shown_in_tab(page, label: str) -> None:
+    """Waits until a tab the page opened shows neuron ``label`` with its top contexts (such a tab
+    has no ``browser.SHOWN_PROBE``: it is installed in the first tab only)."""
+    WebDriverWait(page, WAIT_S).until(
+        lambda d: d.title == label and d.find_elements(By.CSS_SELECTOR, "#main .ctx")
+    )
+
+
+def test_a_circuit_figures_labels_open_their_pages(page, site, circuit):
+    """``neuron_circuit_figure(circuit, atlas=<the atlas's folder>)`` saved as HTML
+    (``save_figure``: plotly.js inline) and opened from ``file://``: the named neuron's label is
+    drawn as a link; clicking it opens the neuron's page showing that neuron (its first top
+    context's activation), clicking the layer node ``L1MLP``'s label opens the layer's page, and
+    clicking the marker of ``L0N7`` its page (plotly.js drops ``file:`` hrefs itself, so the
+    figure's own handler opens them)."""
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    from tl_attnonly.vis import neuron_circuit_figure, save_figure
+
+    fig = neuron_circuit_figure(circuit, atlas=site.directory)  # a Path: its file:// URI
+    saved = save_figure(fig, site.directory.parent / "figures" / "circuit.html")
+    page.get(url(saved))
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".textpoint a"))
+    anchors = {a.text: a for a in page.find_elements(By.CSS_SELECTOR, ".textpoint a")}
+    assert {"L0N7", "L1N34", "L0MLP", "L1MLP"} <= set(anchors)
+    assert not {"L0H0", "L1H0", "embed", "logits"} & set(anchors)
+    figure_tab = page.current_window_handle
+
+    _open_in_new_tab(page, anchors["L1N34"].click)
+    _shown_in_tab(page, "L1N34")
+    _shows_l1n34(page, site)
+    page.close()
+    page.switch_to.window(figure_tab)
+
+    _open_in_new_tab(page, anchors["L1MLP"].click)
+    WebDriverWait(page, WAIT_S).until(lambda d: d.title == "layer 1")
+    assert page.current_url == url(site.directory / "layer_1.html")
+    page.close()
+    page.switch_to.window(figure_tab)
+
+    centres = page.execute_script(POINT_CENTRES)
+    click = ActionBuilder(page)
+    click.pointer_action.move_to_location(*centres["L0N7"]).click()
+    _open_in_new_tab(page, click.perform)
+    _shown_in_tab(page, "L0N7")
+    page.close()
+    page.switch_to.window(figure_tab)
 
 
 def test_the_docs_circuit_tables_open_their_neurons(page, tmp_path):

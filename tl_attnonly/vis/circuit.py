@@ -16,7 +16,8 @@ room (``g``: effect through the pattern alone, ``v``: through the value alone).
 The layout is in pixels (the axes span the plot area's pixels), so labels are placed where no two
 label boxes (estimated from character count and font size: :func:`label_box`) intersect and none
 covers a marker (:func:`place_labels`); a label with no room is shown on hover only, and the title
-says how many. The title's counts are :func:`circuit_counts`'s.
+says how many. The title's counts are :func:`circuit_counts`'s. With ``atlas=`` each MLP node's
+label links to its page in a neuron atlas (:mod:`tl_attnonly.vis.links`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from tl_attnonly.analysis.discovery.atlas_links import AtlasLocation
 from tl_attnonly.analysis.discovery.circuit import register_figure_builder
 from tl_attnonly.analysis.discovery.counts import (
     circuit_counts,
@@ -37,6 +39,7 @@ from tl_attnonly.analysis.discovery.counts import (
     reader_kind,
 )
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
+from tl_attnonly.vis.links import link_nodes, set_links
 
 #: Colour and dash of each input kind.
 EDGE_STYLES = {
@@ -332,7 +335,11 @@ def page_layout(
 
 
 def circuit_figure(
-    circuit: Any, max_edges: int = 150, title: str | None = None, max_width: int = MAX_WIDTH
+    circuit: Any,
+    max_edges: int = 150,
+    title: str | None = None,
+    max_width: int = MAX_WIDTH,
+    atlas: AtlasLocation | None = None,
 ) -> go.Figure:
     """Draw a :class:`~tl_attnonly.analysis.Circuit` (module docstring).
 
@@ -342,6 +349,10 @@ def circuit_figure(
         title: Figure title; default states the counts (:func:`circuit_counts`) and faithfulness.
         max_width: The figure's width at most (px); columns narrow to fit, and labels that then
             have no room are shown on hover only.
+        atlas: Where a neuron atlas of the model is (a URL or relative path as a string, a folder
+            as a ``Path``): each named neuron's label links to its page and each MLP layer
+            node's to its layer's, the hover names the page (:mod:`tl_attnonly.vis.links`; save
+            with :func:`~tl_attnonly.vis.save_figure` for links that open from ``file://``).
 
     Returns:
         A plotly figure, ``max_width`` px wide at most; its axes span the plot area's pixels.
@@ -400,6 +411,7 @@ def circuit_figure(
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], texts[n]) for n in order], (span) * col, plot_h
     ), strict=True))  # fmt: skip
+    pages = link_nodes(placed, marker, atlas)
     for kind, (symbol, colour) in NODE_STYLES.items():
         members = [n for n in labels if kinds[n] == kind]
         if members:
@@ -420,7 +432,8 @@ def circuit_figure(
     )
     ticks = [((slot + 0.5) * col, text) for slot, text, _ in levels]
     hidden = sum(not placed[n][0] for n in labels)
-    return page_layout(fig, title or default, (span * col, plot_h), ticks, "x", hidden)
+    fig = page_layout(fig, title or default, (span * col, plot_h), ticks, "x", hidden)
+    return set_links(fig, pages)
 
 
 # Circuit.figure() draws with this (analysis/ imports nothing from vis/; vis/ plugs in here).

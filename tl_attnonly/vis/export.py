@@ -17,6 +17,8 @@ import plotly.graph_objects as go
 import torch
 from circuitsvis.utils.render import RenderedHTML
 
+from tl_attnonly.vis.links import link_script
+
 
 def circuitsvis_js() -> str:
     """circuitsvis's bundled JavaScript (defines ``CircuitsVis``), safe to inline in ``<script>``.
@@ -86,7 +88,9 @@ def save_figure(
     """Write a plotly figure or a circuitsvis view to ``.html`` or ``.png`` (a plotly figure also
     to ``.svg`` or ``.pdf``).
 
-    HTML is self-contained (plotly.js / circuitsvis's JavaScript inlined) and works offline. PNG,
+    HTML is self-contained (plotly.js / circuitsvis's JavaScript inlined) and works offline; a
+    circuit figure drawn with ``atlas=`` gets the handler that opens its nodes' atlas pages
+    (:func:`~tl_attnonly.vis.links.link_script`). PNG,
     SVG and PDF of a plotly figure need the ``kaleido`` package (the ``[png]`` extra:
     ``pip install "tl-attnonly[png]"``) and a Chrome it can use (``plotly_get_chrome``); PNG of a
     circuitsvis view needs a Chrome/Chromium executable, which screenshots the whole view (its
@@ -181,7 +185,7 @@ def find_chromium() -> str | None:
 
 def _standalone_html(fig: go.Figure | RenderedHTML) -> str:
     if isinstance(fig, go.Figure):
-        return fig.to_html(include_plotlyjs=True, full_html=True)
+        return fig.to_html(include_plotlyjs=True, full_html=True, post_script=link_script(fig))
     if callable(getattr(fig, "to_html", None)):  # a NeuronHeadView: its own offline page
         return fig.to_html()
     return (

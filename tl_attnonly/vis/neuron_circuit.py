@@ -16,13 +16,15 @@ by ``|score|``. The layout, labels placed without overlap and the title's counts
 :func:`~tl_attnonly.vis.circuit.place_labels`, :func:`~tl_attnonly.vis.circuit.circuit_counts`).
 Given :class:`~tl_attnonly.analysis.discovery.profiles.NeuronProfiles`, each neuron's hover text
 holds its profile: gate/value split, firing fraction, top tokens, best context and, for a gated
-neuron, its sign quadrants.
+neuron, its sign quadrants. With ``atlas=`` each named neuron's and MLP layer node's label links to
+its page in a neuron atlas (:mod:`tl_attnonly.vis.links`).
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from tl_attnonly.analysis.discovery.atlas_links import AtlasLocation
 from tl_attnonly.analysis.discovery.graph import EMBED, LOGITS
 from tl_attnonly.analysis.discovery.profiles import (
     QUADRANTS,
@@ -53,6 +55,7 @@ from tl_attnonly.vis.circuit import (
     reader_kind,
     text_size,
 )
+from tl_attnonly.vis.links import link_nodes, set_links
 
 #: Marker symbol and colour of each node kind (``"rest"``: an MLP layer's remainder ``L{l}MLP``).
 NEURON_CIRCUIT_NODES = {
@@ -125,6 +128,7 @@ def neuron_circuit_figure(
     named_only: bool = False,
     title: str | None = None,
     max_width: int = MAX_WIDTH,
+    atlas: AtlasLocation | None = None,
 ) -> go.Figure:
     """Draw a circuit's heads and named neurons by layer (module docstring).
 
@@ -138,6 +142,11 @@ def neuron_circuit_figure(
             (:func:`~tl_attnonly.vis.circuit.circuit_counts`) and the faithfulness.
         max_width: The figure's width at most (px); nodes of a level move closer to fit, and
             labels that then have no room are shown on hover only.
+        atlas: Where a neuron atlas of the model is (a URL or relative path as a string, a folder
+            as a ``Path``): each named neuron's label links to its page and each MLP layer
+            node's (``L{l}MLP``) to its layer's, the hover names the page
+            (:mod:`tl_attnonly.vis.links`; save with :func:`~tl_attnonly.vis.save_figure` for
+            links that open from ``file://``).
 
     Returns:
         A plotly figure; its node traces are named after :data:`NEURON_CIRCUIT_NODES`'s kinds
@@ -214,6 +223,7 @@ def neuron_circuit_figure(
     placed = dict(zip(order, place_labels(
         [(*pos[n], marker[n][0], [n]) for n in order], plot_w, plot_h
     ), strict=True))  # fmt: skip
+    pages = link_nodes(placed, marker, atlas)
     names = _NODE_NAMES if named else {**_NODE_NAMES, "rest": WHOLE_MLP_NAME}
     for kind, (symbol, colour) in NEURON_CIRCUIT_NODES.items():
         members = [label for label in labels if node_kind(label) == kind]
@@ -237,7 +247,8 @@ def neuron_circuit_figure(
     )
     ticks = [((slot + 0.5) * row, text) for slot, text, _ in levels]
     hidden = sum(not placed[n][0] for n in labels)
-    return page_layout(fig, title or default, (plot_w, plot_h), ticks, "y", hidden)
+    fig = page_layout(fig, title or default, (plot_w, plot_h), ticks, "y", hidden)
+    return set_links(fig, pages)
 
 
 # NeuronProfiles.figure() draws with this (analysis/ imports nothing from vis/; vis/ plugs in).
