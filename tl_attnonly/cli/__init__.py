@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         "which has no HookedTransformer): converted in place, verified against an unconverted "
         "bridge, the same report",
     )
+    p.add_argument(
+        "--atlas",
+        default=None,
+        metavar="DIR",
+        help="a neuron atlas of the same model (a folder `tl-attnonly atlas` wrote): the "
+        "report's circuit figure and text link its MLP nodes to their pages there",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.set_defaults(func=demo)
 

@@ -31,6 +31,9 @@ LOCAL_MODELS = {
 #: The file that marks a directory written by ``save_pretrained`` (as in ``neuron_head_model``;
 #: repeated here so that a wrong directory is reported before torch is imported).
 CONVERSION_FILE = "conversion.json"
+#: The file that marks a finished neuron atlas site, its manifest (``tl_attnonly.atlas.site``'s
+#: ``MANIFEST``, written last; repeated here for the same reason).
+ATLAS_MANIFEST = "atlas.json"
 
 
 class CommandError(Exception):
@@ -89,6 +92,7 @@ class Probes:
 
 
 __all__ = [
+    "ATLAS_MANIFEST",
     "CONVERSION_FILE",
     "CommandError",
     "DEFAULT_PROMPT",

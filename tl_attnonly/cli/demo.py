@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tl_attnonly.cli.common import (
+    ATLAS_MANIFEST,
     DEFAULT_PROMPT,
     EXIT_FAIL,
     EXIT_USAGE,
@@ -33,6 +35,10 @@ from tl_attnonly.cli.common import (
 SMOLLM2_PROMPT = "When Mary and John went to the store, John gave a drink to"
 #: ``tl-attnonly demo --model ...`` choices.
 DEMO_MODELS = ("bundled", "smollm2", "minilm")
+#: Each decoder's name as its atlas records it (``tl_attnonly.bundled.BUNDLED_MODEL_NAME``,
+#: ``tl_attnonly.smollm2.SMOLLM2_NAME``; repeated here so that ``--atlas`` is checked before torch
+#: is imported).
+DEMO_MODEL_NAMES = {"bundled": "tiny-stdlib-silu", "smollm2": "SmolLM2-135M-Instruct"}
 
 
 def _demo_loader(name: str, bridge: bool) -> tuple[Callable[[], Any], str]:
@@ -55,6 +61,41 @@ def _demo_loader(name: str, bridge: bool) -> tuple[Callable[[], Any], str]:
     return (load_bundled_bridge if bridge else load_bundled_model), BUNDLED_MODEL_NAME
 
 
+def check_atlas_dir(directory: str, model: str) -> Path:
+    """``--atlas``'s folder, checked before any work: it must hold a finished neuron atlas site
+    (its ``index.html`` and manifest, ``atlas.json``) of the demo's model ``model`` (one of
+    :data:`DEMO_MODELS`) by the name its manifest records. Reads no torch.
+
+    Raises:
+        CommandError: Naming ``--atlas`` and what is wrong.
+    """
+    path = Path(directory)
+    write = f"`tl-attnonly atlas{'' if model == 'bundled' else ' ' + model} --out {directory}`"
+    if not path.is_dir():
+        raise CommandError(f"--atlas {directory}: no such folder; write the atlas with {write}.")
+    missing = [name for name in (ATLAS_MANIFEST, "index.html") if not (path / name).is_file()]
+    if missing:
+        raise CommandError(
+            f"--atlas {directory} is not a neuron atlas site (no {' or '.join(missing)}: "
+            f"{ATLAS_MANIFEST} is written last, when a site is complete); write one with {write}."
+        )
+    try:
+        there = json.loads((path / ATLAS_MANIFEST).read_text("utf-8"))["manifest"]
+        name = there["model_name"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CommandError(
+            f"--atlas {directory}: its {ATLAS_MANIFEST} is not an atlas manifest ({err!r})."
+        ) from err
+    want = DEMO_MODEL_NAMES.get(model, model)
+    if name != want:
+        raise CommandError(
+            f"--atlas {directory} is the atlas of {name} ({there.get('n_layers')} layers x "
+            f"{there.get('d_mlp')} neurons), not of {want}, the model the demo draws: pass "
+            f"{want}'s atlas, or write one with {write}."
+        )
+    return path
+
+
 def demo(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """Convert a model offline (the bundled one or SmolLM2), verify it, write the HTML report.
 
@@ -68,6 +109,7 @@ def demo(args: argparse.Namespace, probes: Probes | None = None) -> int:
             "minilm is an encoder; the demo shows a decoder (bundled or smollm2). Convert "
             "minilm with `tl-attnonly convert minilm OUT_DIR`."
         )
+    atlas = None if args.atlas is None else check_atlas_dir(args.atlas, args.model)
     has_hooked_transformer = (probes or Probes()).has_hooked_transformer()
     bridge = args.bridge or not has_hooked_transformer
     if not bridge:
@@ -129,6 +171,7 @@ def demo(args: argparse.Namespace, probes: Probes | None = None) -> int:
             top_k=args.top_k,
             model_name=model_name,
             progress=not args.no_progress,
+            atlas=atlas,
         )
         size = path.stat().st_size / 1e6
         print(
@@ -139,4 +182,4 @@ def demo(args: argparse.Namespace, probes: Probes | None = None) -> int:
     return 0 if passed else EXIT_FAIL
 
 
-__all__ = ["DEMO_MODELS", "SMOLLM2_PROMPT", "demo"]
+__all__ = ["DEMO_MODELS", "DEMO_MODEL_NAMES", "SMOLLM2_PROMPT", "check_atlas_dir", "demo"]

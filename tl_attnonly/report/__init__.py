@@ -6,8 +6,8 @@ patterns of each layer (circuitsvis, the bias token drawn as the first token ``<
 mixture-of-experts layer: its routing, :func:`~tl_attnonly.vis.expert_routing_heatmap`), the
 neuron-head activity strips (dense layers), an attribution-patching heatmap over every head (the
 attention heads and the dense layers' neuron-heads), the circuit ``discover_circuit`` finds for the
-same task with its faithfulness against size on MIB's grid (:mod:`.circuit`), and the GELU-fit
-error curves.
+same task with its faithfulness against size on MIB's grid (:mod:`.circuit`; with ``atlas=``, its
+MLP nodes linked to their pages in a neuron atlas of the model), and the GELU-fit error curves.
 
 One report for both model kinds: an :class:`~tl_attnonly.AttnOnlyTransformer` (TransformerLens
 3.x) and a ``TransformerBridge`` converted with :func:`tl_attnonly.convert` (3.x and 4.x). The
@@ -29,6 +29,7 @@ import torch
 from plotly.offline import get_plotlyjs
 
 from tl_attnonly.adapt import analysis_model
+from tl_attnonly.analysis.discovery.atlas_links import AtlasLocation
 from tl_attnonly.analysis.patching.dense_layers import expert_layers
 from tl_attnonly.hooks import (
     NEURON_HOOK_SHAPES,
@@ -37,7 +38,7 @@ from tl_attnonly.hooks import (
     neuron_head_label,
 )
 from tl_attnonly.protocol import AttnOnlyModel
-from tl_attnonly.report.circuit import circuit_section, next_token_metric
+from tl_attnonly.report.circuit import check_atlas, circuit_section, next_token_metric
 from tl_attnonly.report.page import (
     CSS,
     DEFERRED_TYPE,
@@ -84,6 +85,7 @@ def write_demo_report(
     corrupted_prompt: str | None = None,
     model_name: str | None = None,
     progress: bool = True,
+    atlas: AtlasLocation | None = None,
 ) -> Path:
     """Write one self-contained HTML report of ``converted`` on ``prompt``.
 
@@ -104,14 +106,19 @@ def write_demo_report(
             default: the prompt's tokens in reverse order (same length, BOS kept).
         model_name: The title's model name; default: ``converted.cfg.model_name``.
         progress: Show a progress bar over the report's steps.
+        atlas: Where a neuron atlas of the model is (:mod:`tl_attnonly.atlas`): a URL or a path
+            relative to the report's page (a string, linked to as it is), or the site's folder (a
+            ``Path``: its ``file://`` URI; checked first). The circuit section's figure and text
+            link its MLP nodes to their pages (:func:`~.circuit.circuit_section`).
 
     Returns:
         The path written.
 
     Raises:
         TypeError: If ``converted`` has no neuron-heads (with directions).
-        ValueError: If ``converted`` has no tokenizer, or neither ``model`` nor ``equivalence``
-            is given.
+        ValueError: If ``converted`` has no tokenizer, neither ``model`` nor ``equivalence``
+            is given, or ``atlas`` is a folder that holds no atlas site or the atlas of a model
+            of another shape (:func:`~.circuit.check_atlas`).
     """
     adapted = analysis_model(converted)  # refuses, with directions, a model without neuron-heads
     if adapted.tokenizer is None:
@@ -121,6 +128,7 @@ def write_demo_report(
             "Pass the model before conversion (model=...) or the equivalence tables "
             "(equivalence=...): the report's first section compares the two."
         )
+    check_atlas(atlas, adapted)
     if model_name is None:
         model_name = str(getattr(converted.cfg, "model_name", None) or type(converted).__name__)
     path = Path(path)
@@ -185,7 +193,9 @@ def write_demo_report(
         sections.append(("patching", "Attribution patching of every head", patching))
 
     with steps.step("circuit discovery"):
-        found = how if corrupted is None else circuit_section(adapted, tokens, corrupted, how)
+        found = (
+            how if corrupted is None else circuit_section(adapted, tokens, corrupted, how, atlas)
+        )
         sections.append(("circuit", "A circuit of the prompt (discover_circuit)", found))
 
     with steps.step("GELU-fit curves"):

@@ -9,12 +9,15 @@ tokens. The circuit is found with ``discover_circuit``'s defaults.
 from __future__ import annotations
 
 import html
+import os
 import warnings
+from pathlib import Path
 
 import pandas as pd
 import torch
 
-from tl_attnonly.analysis import discover_circuit
+from tl_attnonly.analysis import Circuit, discover_circuit
+from tl_attnonly.analysis.discovery.atlas_links import AtlasLocation, atlas_url
 from tl_attnonly.analysis.discovery.counts import circuit_counts, counts_text
 from tl_attnonly.protocol import AttnOnlyModel
 from tl_attnonly.report.page import df_html, plotly_html
@@ -36,8 +39,45 @@ def next_token_metric(tokens: torch.Tensor):
     return metric
 
 
+def check_atlas(atlas: AtlasLocation | None, model: AttnOnlyModel) -> None:
+    """Refuse an atlas folder (an ``os.PathLike``) that holds no finished atlas site (its
+    ``index.html`` and manifest ``atlas.json``), or the atlas of a model of another shape than
+    ``model`` (every field of :func:`~tl_attnonly.atlas.build.model_manifest` but the name); a
+    string (a URL) is linked to unchecked.
+
+    Raises:
+        ValueError: Naming the option ``atlas`` and what is wrong.
+    """
+    if not isinstance(atlas, os.PathLike):
+        return
+    from tl_attnonly.atlas.build import model_manifest
+    from tl_attnonly.atlas.site import read_manifest
+
+    folder = Path(atlas)
+    if not (folder / "index.html").is_file():
+        raise ValueError(f"atlas={str(folder)!r}: no neuron atlas site there (no index.html).")
+    try:
+        there = read_manifest(folder)["manifest"]
+    except FileNotFoundError as err:
+        raise ValueError(
+            f"atlas={str(folder)!r}: {err} Write one with tl_attnonly.atlas.build_atlas."
+        ) from err
+    mine = model_manifest(model)
+    differ = [key for key in mine if key != "model_name" and there.get(key) != mine[key]]
+    if differ:
+        raise ValueError(
+            f"atlas={str(folder)!r} is the atlas of another model ({there.get('model_name')}: "
+            + ", ".join(f"{key} {there.get(key)} here {mine[key]}" for key in differ)
+            + "); pass this model's atlas."
+        )
+
+
 def circuit_section(
-    model: AttnOnlyModel, tokens: torch.Tensor, corrupted: torch.Tensor, how: str
+    model: AttnOnlyModel,
+    tokens: torch.Tensor,
+    corrupted: torch.Tensor,
+    how: str,
+    atlas: AtlasLocation | None = None,
 ) -> str:
     """The section's HTML: the circuit ``discover_circuit`` finds for the prompt pair, or the
     refusal's reason where the model cannot be discovered (a post-LN residual stream).
@@ -46,6 +86,11 @@ def circuit_section(
         model: The adapted model (:func:`~tl_attnonly.adapt.analysis_model`).
         tokens, corrupted: ``[1, pos]``, the prompt and its corrupted version.
         how: How ``corrupted`` was made, in words.
+        atlas: Where a neuron atlas of the model is (a URL or relative path as a string, a
+            folder as a ``Path``: its ``file://`` URI): the figure's MLP nodes (named neurons
+            and whole layers) and a list of them under it link to their atlas pages
+            (:meth:`~tl_attnonly.analysis.Circuit.atlas_pages`), and the circuit's report lists
+            them.
     """
     metric = next_token_metric(tokens)
     if torch.equal(tokens, corrupted):  # e.g. one token after BOS, reversed: the same prompt
@@ -71,7 +116,9 @@ def circuit_section(
         "nodes are attention heads and whole MLP layers, each layer a group of neuron-heads of "
         "the attention-only model (the circuit's report says how to name neurons in them).</p>"
     )
-    parts = [intro, plotly_html(circuit_figure(circuit))]
+    parts = [intro, plotly_html(circuit_figure(circuit, atlas=atlas))]
+    if atlas is not None:
+        parts.append(_atlas_note(circuit, atlas))
     if "mib_curve" in circuit.extra:
         cpr, cmd = circuit.extra["mib_cpr"], circuit.extra["mib_cmd"]
         parts += [
@@ -85,9 +132,24 @@ def circuit_section(
         ]
     parts.append(
         "<details><summary>The circuit's report (<code>circuit.report()</code>)</summary>"
-        f'<pre class="prompt">{html.escape(circuit.report())}</pre></details>'
+        f'<pre class="prompt">{html.escape(circuit.report(atlas=atlas))}</pre></details>'
     )
     return "\n".join(parts)
 
 
-__all__ = ["CURVE_COLUMNS", "circuit_section", "next_token_metric"]
+def _atlas_note(circuit: Circuit, atlas: AtlasLocation) -> str:
+    """A paragraph of links to the circuit's nodes' atlas pages."""
+    pages = circuit.atlas_pages(atlas)
+    links = ", ".join(
+        f'<a href="{html.escape(url)}">{html.escape(label)}</a>' for label, url in pages.items()
+    )
+    where = f"the neuron atlas (<code>{html.escape(atlas_url(atlas))}</code>)"
+    if not links:
+        return f'<p class="note">No node of this circuit has a page in {where}: no MLP node.</p>'
+    return (
+        f'<p class="note">Pages of its MLP nodes in {where}: {links}. In the figure, click a '
+        "node's label or marker to open its page.</p>"
+    )
+
+
+__all__ = ["CURVE_COLUMNS", "check_atlas", "circuit_section", "next_token_metric"]

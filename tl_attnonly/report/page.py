@@ -15,6 +15,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
+from tl_attnonly.vis.links import link_script
+
 #: The page's style sheet.
 CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px auto;
@@ -82,7 +84,14 @@ def deferred(body: str) -> str:
 
 
 def plotly_html(fig: go.Figure) -> str:
-    return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+    """The figure as a ``div`` (plotly.js not included), with the handler of its atlas links if
+    it has any (:func:`~tl_attnonly.vis.links.link_script`)."""
+    return fig.to_html(
+        full_html=False,
+        include_plotlyjs=False,
+        config={"displaylogo": False},
+        post_script=link_script(fig),
+    )
 
 
 def df_html(df: pd.DataFrame) -> str:
