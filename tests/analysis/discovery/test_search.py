@@ -293,3 +293,20 @@ def test_gate_value_edge_counts_are_edges_not_source_groups():
     )
     row = table.iloc[0]
     assert (row.n_gate_edges, row.n_value_edges) == (1, 3)
+
+
+def test_the_default_call_names_no_neuron_and_says_how_to_resolve_its_mlp_nodes():
+    """The defaults keep each MLP node its whole layer: no neuron named, no neuron stage, no
+    gate/value table of neurons (none to split), and the report says how to name them."""
+    from tl_attnonly.analysis.discovery.counts import WHOLE_MLP_NOTE
+
+    circuit = _quiet(
+        model=_model(), clean_tokens=CLEAN, corrupted_tokens=CORRUPTED, metric=METRIC,
+        batch_size=2, progress=False, mib_curve=False,
+    )  # fmt: skip
+    assert any(n.endswith("MLP") for n in circuit.nodes()), "the circuit holds an MLP node"
+    assert not any(("N" in n) for n in circuit.nodes() if n.startswith("L"))
+    assert "named" not in circuit.extra and "neurons" not in circuit.extra["seconds"]
+    assert circuit.gate_value is None and circuit.mlp_split is None
+    report = circuit.report()
+    assert WHOLE_MLP_NOTE in report and "gate/value split" not in report

@@ -374,11 +374,14 @@ def _node_patching(task: DiscoveryTask, circuit: Circuit, opts: DiscoveryOptions
 
 def _gate_value(
     task: DiscoveryTask, circuit: Circuit, fine_nodes: list[str] | None, opts: DiscoveryOptions
-) -> pd.DataFrame:
+) -> pd.DataFrame | None:
     """The gate/value split of the ``max_gate_value_neurons`` neurons with the largest summed
-    ``|score|`` of incoming circuit edges (:func:`~.gate_value.circuit_gate_value_split`)."""
+    ``|score|`` of incoming circuit edges (:func:`~.gate_value.circuit_gate_value_split`); None
+    where no neuron of the circuit has one (its MLP nodes whole layers: the default)."""
     frame = circuit.edges()
     into = frame[frame.target_kind == "neuron"]
+    if into.empty:
+        return None
     ranked = (
         into.groupby("target").score.apply(lambda s: s.abs().sum()).sort_values(ascending=False)
     )
