@@ -6,7 +6,7 @@ corrupted ``"    return{a}[{b}"``; metric: mean ``logit(")") - logit("]")``), an
 ``discover_circuit(model, clean, corrupted, metric)`` with its defaults (``DiscoveryOptions()``:
 coarse graph of attention heads and whole MLP layers, EAP-IG with 5 steps ranked by signed effect,
 sweep of exact runs to faithfulness 0.8, up to 30 pruning runs, MIB's curve, MLP nodes kept whole
-(no neuron named: ``neurons_per_mlp=0``), gate/value split of 4 MLP nodes). Printed, each line
+(no neuron named: ``neurons_per_mlp=0``, so no gate/value split of neurons). Printed, each line
 with the configuration it was measured under: the time of each stage (``circuit.extra["seconds"]``:
 edge scores, sweep, pruning, MIB curve, neurons where named, node patching, gate/value), the
 total, the peak resident memory above the loaded model (Linux ``VmHWM`` after resetting it), and
