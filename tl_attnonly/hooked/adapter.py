@@ -66,7 +66,18 @@ class HookedNorm:
         return getattr(getattr(self.module, "hook_scale", None), "name", None)
 
     def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
-        return self.module(x)
+        """The module's arithmetic, op for op, without its hooks (``hook_scale``,
+        ``hook_normalized``): a hook on them belongs to the model's run, not to analysis."""
+        dtype = self.module.cfg.dtype
+        if dtype not in (torch.float32, torch.float64):
+            x = x.to(torch.float32)
+        if self.centred:
+            x = x - x.mean(-1, keepdim=True)
+        x = (x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()).to(dtype)
+        w, b = self.w, self.b
+        if w is not None:
+            x = x * w
+        return x if b is None else x + b
 
 
 def hooked_norm(module: Any) -> Norm | None:

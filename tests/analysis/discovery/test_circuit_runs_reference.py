@@ -265,3 +265,35 @@ def test_alibi_s_full_and_empty_graphs_are_the_clean_and_corrupted_runs():
         expected = [METRIC(original(tokens), rows).item() for tokens in (CLEAN, CORRUPTED)]
     assert got == pytest.approx(expected, rel=1e-8, abs=1e-10)
     assert abs(expected[0] - expected[1]) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama", "ln_gelu_heads"])
+def test_analysis_s_norms_fire_no_hook(name):
+    """The protocol's norms (``Block.ln1`` / ``ln2``) compute the model's norm without firing
+    its hooks (``hook_scale``, ``hook_normalized``), as the protocol says: a hook there belongs to
+    the model's run (a patch of it must not reach an input analysis rebuilds through the norm).
+    On an ``AttnOnlyTransformer`` the norm called TransformerLens's module, hooks and all."""
+    from tl_attnonly.adapt import analysis_model
+
+    act_fn, overrides, _ = MODELS[name]
+    model = make_converted(act_fn, **overrides)
+    adapted = analysis_model(model)
+    x = torch.randn(2, 5, adapted.cfg.d_model, dtype=torch.float64)
+    fired: list[str] = []
+
+    def hook(act, hook):
+        fired.append(hook.name)
+
+    with model.hooks(fwd_hooks=[(lambda n: ".ln" in n, hook)]):
+        for block in adapted.blocks:
+            for norm in (block.ln1, block.ln2):
+                reference = norm(x)  # inside the hooks: none may fire
+                assert reference.shape == x.shape
+    assert fired == []
+    _, cache = model.run_with_cache(CLEAN)  # the norm's values are the model's own
+    norm = adapted.blocks[1].ln2
+    site = "blocks.1.hook_resid_pre" if adapted.cfg.parallel_attn_mlp else "blocks.1.hook_resid_mid"
+    (mlp_in,) = [n for n in cache.keys() if n == "blocks.1.ln2.hook_normalized"]
+    w = norm.w if norm.w is not None else 1.0
+    b = norm.b if norm.b is not None else 0.0
+    torch.testing.assert_close(norm(cache[site]), cache[mlp_in] * w + b, rtol=1e-12, atol=1e-12)
