@@ -125,15 +125,21 @@ def _is_hooked_root(model: object) -> bool:
 
 
 def require_additive_residual(model: ModelLike, what: str) -> None:
-    """Refuse ``what`` on a model whose residual stream is not a sum of its components.
+    """Refuse ``what``, a tool that needs the residual stream to be a plain sum of its components,
+    on a model that normalises the residual stream itself after each sublayer (a residual
+    post-LN).
 
-    A BERT-style encoder (post-LN: ``LN(resid + sublayer_out)``, embeddings through ``embed.ln``)
-    or a decoder that normalises the residual stream itself after each sublayer (OPT's
+    A BERT-style encoder (``LN(resid + sublayer_out)``, embeddings through ``embed.ln``) or a
+    decoder that normalises the residual stream itself after each sublayer (GPT-1, OPT's
     ``do_layer_norm_before=False``) rescales everything written before, so its residual stream
-    has no decomposition into head results. A decoder that normalises only each sublayer's
-    *output* before adding it (Gemma 2/3's ``ln1_post`` / ``ln2_post``, OLMo 2/3) passes: in a
-    run, that norm is linear in the sublayer's heads once its scale is the run's
-    (:mod:`tl_attnonly.analysis.post_norm`).
+    is no plain sum of head results. In one run, with each norm's scale taken from that run, it is
+    an exact sum of components carried through the later norms: that decomposition
+    (:func:`tl_attnonly.analysis.decompose_resid_heads`, and on a decoder
+    :func:`~tl_attnonly.analysis.head_logit_attrs`, see :mod:`tl_attnonly.analysis.post_norm`)
+    does not call this. Those left to refuse: ``incl_remainder``, the experts' decomposition, the
+    IOI roles' direct logit attribution. A decoder that normalises only each sublayer's *output*
+    before adding it (Gemma 2/3's ``ln1_post`` / ``ln2_post``, OLMo 2/3) passes: in a run, that
+    norm is linear in the sublayer's heads once its scale is the run's.
 
     Args:
         model: A model :func:`analysis_model` takes.
@@ -142,24 +148,29 @@ def require_additive_residual(model: ModelLike, what: str) -> None:
     Raises:
         NotImplementedError: Naming the model's kind and what works instead.
     """
+    from tl_attnonly.analysis.post_norm import residual_post_norm
+
     model = analysis_model(model, neuron_heads=False)
-    sublayer_norms = any(b.ln1_post is not None or b.ln2_post is not None for b in model.blocks)
+    if not residual_post_norm(model):
+        return
     if model.is_encoder:
         reason = (
             "a BERT-style encoder normalises the residual stream after every sublayer "
             "(LN(resid + attn_out), LN(resid_mid + mlp_out)) and after the embeddings"
         )
-    elif model.cfg.post_norm and not sublayer_norms:
+        dla = ""
+    else:
         name = model.cfg.original_architecture or "post-LN"
         reason = (
             f"this model ({name}) normalises the residual stream itself after each sublayer "
             "(LN(resid + sublayer_out))"
         )
-    else:
-        return
+        dla = " and head_logit_attrs"
     raise NotImplementedError(
-        f"{what} needs a residual stream that is a sum of head outputs, but {reason}, so it is "
-        "not one. What works: per-head results (stack_all_head_results without incl_remainder, "
+        f"{what} needs a residual stream that is a plain sum of head outputs, but {reason}, so "
+        f"it is not one. What works: decompose_resid_heads{dla} (in one run each norm is affine "
+        "with its scale from the run, so the stream is a sum of components carried through the "
+        "later norms), per-head results (stack_all_head_results without incl_remainder, "
         "get_neuron_head_results), activation patching, and attribution_patch with a metric on "
         "the output (for sentence embeddings: metric_input=the final hidden states, "
         "patching_metric=pooled_cosine_metric(mask))."

@@ -456,12 +456,28 @@ def exact_names_filter(*names: str) -> NamesFilter:
     return NamesFilter(names=names)
 
 
+#: An encoder's embedding hooks (token types) and embedding norm's scale: ``HookedEncoder``'s
+#: ``BertEmbed`` and a BERT bridge's.
+ENCODER_EMBEDDING_HOOKS = (
+    "embed.hook_embed",
+    "embed.hook_pos_embed",
+    "embed.hook_token_type_embed",
+    "embed.ln.hook_scale",
+    "embed.hook_out",  # a BERT bridge's hook_embed is its embeddings' norm's output
+    "pos_embed.hook_out",
+    "token_type_embed.hook_out",
+    "embed_ln.hook_scale",
+)
+
+
 def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> NamesFilter:
     """What :func:`tl_attnonly.analysis.decompose_resid_heads` and head DLA need, nothing more.
 
-    Embeddings, the ``z`` of every attention head and neuron-head, the LayerNorm scales (to
-    apply LN to a stack, as TransformerLens does; the scales of norms after each sublayer, which
-    the decomposition applies to each sublayer's heads) and the residual stream after each block
+    Embeddings (an encoder's token types too), the ``z`` of every attention head and
+    neuron-head, the LayerNorm scales of every layer (to apply LN to a stack, as TransformerLens
+    does; the scales of norms after each sublayer, and of a residual post-LN's norms and
+    embedding norm, which the decomposition applies to the components written before them) and
+    the residual stream after each block
     (for ``incl_remainder`` and checks) and block 0's input (the position embeddings where they have
     no hook: :attr:`~tl_attnonly.protocol.AttnOnlyModel.embed_hooks`): ``[batch, pos,
     n_neuron_heads, 1]`` per layer for the
@@ -472,8 +488,9 @@ def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> Nam
     """
     layer_set = _layer_set(layers)
     rules = [
-        ("ln1", "scale", layer_set),
-        ("ln2", "scale", layer_set),
+        # every layer's: a residual post-LN's norms (GPT-1, BERT) carry each earlier write
+        ("ln1", "scale", None),
+        ("ln2", "scale", None),
         ("ln1_post", "scale", None),  # norms after each sublayer: every earlier layer's
         ("ln2_post", "scale", None),
         # mixtures of experts (no such hooks on a dense model): experts, routing, shared experts
@@ -490,6 +507,8 @@ def decomposition_names_filter(layers: None | int | Iterable[int] = None) -> Nam
         | NamesFilter(rules)
         | NamesFilter([("", "resid_post", layer_set)])
         | exact_names_filter("hook_embed", "hook_pos_embed", "ln_final.hook_scale")
+        # an encoder's embeddings and their norm: HookedEncoder's BertEmbed, a BERT bridge's
+        | exact_names_filter(*ENCODER_EMBEDDING_HOOKS)
         # positions without a hook of their own (XGLM on a bridge): block 0's input less embed
         | exact_names_filter("blocks.0.hook_resid_pre")
     )

@@ -14,6 +14,7 @@ call :func:`tl_attnonly.adapt.analysis_model` once, at their entry, and read eve
                                 ``ln1`` / ``ln2`` (:class:`Norm` or ``None``), the
                                 sublayers' output norms ``ln1_post`` / ``ln2_post``
 ``ln_final``                    :class:`Norm` or ``None``
+``embed_norm``                  the norm of the summed embeddings (BERT's), or ``None``
 ``W_E``, ``W_U``, ``b_U``       embedding and unembedding, TransformerLens orientation
 ``neuron_heads``                one neuron-head layer per block (:class:`NeuronHeadLayerView`;
                                 a mixture of experts: :class:`ExpertsLayerView`)
@@ -90,7 +91,9 @@ class ModelFacts:
     attention_dir: str
     parallel_attn_mlp: bool
     #: Norms after each sublayer (Gemma 2/3 ``use_normalization_before_and_after``, OLMo 2/3
-    #: post-norm blocks): the residual stream is then no sum of head outputs.
+    #: post-norm blocks), or of the residual stream itself after each sublayer's add (GPT-1,
+    #: OPT's ``do_layer_norm_before=False``): the residual stream is then no plain sum of head
+    #: outputs (:mod:`tl_attnonly.analysis.post_norm` says how it is one in a run).
     post_norm: bool
     use_qk_norm: bool
     attn_only: bool
@@ -183,9 +186,13 @@ class Block:
     #: an unconverted model's MLP (``converted`` false: an :class:`UnconvertedMLP`, with
     #: ``neuron_heads=False``).
     mlp: NeuronHeadLayerView
-    #: The attention layer's input normalisation (``None``: none).
+    #: The attention layer's input normalisation (``None``: none). On a residual post-LN
+    #: (:func:`tl_attnonly.analysis.post_norm.residual_post_norm`: GPT-1, BERT), the norm of the
+    #: residual stream after the attention's add, ``LN(resid_pre + attn_out)``, which the MLP
+    #: reads.
     ln1: Norm | None
-    #: The MLP's input normalisation (``None``: none).
+    #: The MLP's input normalisation (``None``: none). On a residual post-LN, the norm after the
+    #: MLP's add, ``LN(mid + mlp_out)``: the block's output.
     ln2: Norm | None
     #: The normalisation of the attention layer's output before it is added to the residual
     #: stream (Gemma 2/3's ``ln1_post``, OLMo 2/3's post-norm; ``None``: none).
@@ -248,6 +255,19 @@ class AttnOnlyModel(Protocol):
     def blocks(self) -> Sequence[Block]: ...
     @property
     def ln_final(self) -> Norm | None: ...
+
+    @property
+    def embed_norm(self) -> Norm | None:
+        """The norm of the summed embeddings before block 0 (BERT's ``embed.ln``), or ``None``."""
+        ...
+
+    @property
+    def embedding_hooks(self) -> tuple[tuple[str, str], ...]:
+        """``(label, hook name)`` of each embedding the model sums before its :attr:`embed_norm`
+        (without one: before block 0): ``("embed", ...)``, ``("pos_embed", ...)`` and an
+        encoder's ``("token_type_embed", ...)``; a tool takes those its cache holds. (A bridge's
+        ``hook_embed`` is the embedding norm's output where there is one, BERT's and BLOOM's.)"""
+        ...
 
     @property
     def is_encoder(self) -> bool:
@@ -347,7 +367,14 @@ class AdapterBase:
     cfg: ModelFacts
     blocks: list[Block]
     ln_final: Norm | None
+    embed_norm: Norm | None = None
     is_encoder: bool
+
+    #: The embeddings' hooks of a decoder (an encoder's adapter names its own).
+    embedding_hooks: tuple[tuple[str, str], ...] = (
+        ("embed", "hook_embed"),
+        ("pos_embed", POS_EMBED_HOOK),
+    )
 
     @property
     def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:

@@ -42,18 +42,22 @@ def test_opt_s_mlp_width_is_its_layers():
 
 def test_gpt1_s_residual_post_ln_is_known_and_refused_where_the_maths_says_no():
     """GPT-1 normalises the residual stream after each sublayer (``ln_1(x + attn)``), which its
-    bridge config does not say: decompositions and discovery refuse; patching runs."""
-    from tl_attnonly.analysis import head_logit_attrs
+    bridge config does not say: discovery and the plain-sum remainder refuse; the decompositions
+    run with each norm's scale from the run (tests/analysis/test_post_ln_decomposition.py)."""
+    from tl_attnonly.analysis import head_logit_attrs, stack_all_head_results
+    from tl_attnonly.analysis.post_norm import residual_post_norm
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted = tl_attnonly.convert(zoo.build_bridge("openai_gpt", torch.float64))
-    assert analysis_model(converted).cfg.post_norm
+    model = analysis_model(converted)
+    assert model.cfg.post_norm and residual_post_norm(model)
     clean, corrupted = zoo.tokens(), zoo.tokens(seed=2)
     with torch.no_grad():
         _, cache = converted.run_with_cache(clean)
+    assert head_logit_attrs(cache, torch.tensor([3, 4]), pos_slice=-1).shape[1] == 2
     with pytest.raises(NotImplementedError, match="normalises the residual stream itself"):
-        head_logit_attrs(cache, torch.tensor([3, 4]), pos_slice=-1)
+        stack_all_head_results(cache, incl_remainder=True)
     with pytest.raises(NotImplementedError, match="post-LN of the residual stream|pre-norm"):
         circuit_metric(converted, {}, clean, corrupted, metric)
 

@@ -368,9 +368,10 @@ def test_analysis_tools_patch_neuron_heads_as_plain_hooks_do(name):
 @pytest.mark.parametrize("name", ["bert", "opt_post_ln"])
 def test_analysis_refuses_what_is_not_a_sum_of_head_outputs(name):
     """A BERT bridge (post-LN encoder) and OPT with ``do_layer_norm_before=False`` (post-LN of
-    the residual stream): the residual decomposition is refused before any work, naming why;
-    edge-level discovery of an encoder is refused too. Norms after each sublayer (GLM-4) are
-    not: they are linear in a run (tests/analysis/test_post_norm_decomposition.py)."""
+    the residual stream): the tools that need a plain sum (``incl_remainder``, the IOI roles'
+    logit attribution) are refused before any work, naming why; the residual decomposition is
+    not (tests/analysis/test_post_ln_decomposition.py), nor are norms after each sublayer
+    (GLM-4), which are linear in a run (tests/analysis/test_post_norm_decomposition.py)."""
     import dataclasses
 
     from tl_attnonly.adapt import analysis_model, require_additive_residual

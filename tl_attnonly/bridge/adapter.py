@@ -340,6 +340,16 @@ def _facts(bridge: Any, gated_mlp: bool, d_mlp: int | None) -> ModelFacts:
     )
 
 
+#: The embeddings of a bridge with an embedding norm (BERT's and BLOOM's ``embed_ln``), whose
+#: ``hook_embed`` is that norm's output: the components' own hooks, before it (token types where
+#: the model has them).
+NORMED_EMBEDDING_HOOKS = (
+    ("embed", "embed.hook_out"),
+    ("pos_embed", "pos_embed.hook_out"),
+    ("token_type_embed", "token_type_embed.hook_out"),
+)
+
+
 class BridgeAdapter(AdapterBase):
     """A ``TransformerBridge`` as an :class:`~tl_attnonly.protocol.AttnOnlyModel` (see the module
     docstring for what differs from a ``HookedTransformer`` and how).
@@ -387,6 +397,10 @@ class BridgeAdapter(AdapterBase):
                 )
             )
         self.ln_final = _norm(getattr(bridge, "ln_final", None), eps)
+        #: BERT's embeddings' LayerNorm (``embed_ln``); then ``hook_embed`` is its output.
+        self.embed_norm = _norm(getattr(bridge, "embed_ln", None), eps)
+        if self.embed_norm is not None:
+            self.embedding_hooks = NORMED_EMBEDDING_HOOKS
         #: The bridge's hook names resolved once (:class:`~tl_attnonly.bridge.hook_names.
         #: BridgeHooks`): ``run_with_hooks``, ``hooks`` and the runs from a block add hooks
         #: through it.

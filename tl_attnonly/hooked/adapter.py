@@ -168,6 +168,14 @@ def _block(model: Any, block: Any) -> Block:
     )
 
 
+#: A ``HookedEncoder``'s embeddings (``BertEmbed``'s hooks), summed before ``embed.ln``.
+ENCODER_EMBEDDING_HOOKS = (
+    ("embed", "embed.hook_embed"),
+    ("pos_embed", "embed.hook_pos_embed"),
+    ("token_type_embed", "embed.hook_token_type_embed"),
+)
+
+
 class HookedAdapter(AdapterBase):
     """An :class:`~tl_attnonly.AttnOnlyTransformer`, :class:`~tl_attnonly.AttnOnlyEncoder` or an
     unconverted ``HookedTransformer`` as an :class:`~tl_attnonly.protocol.AttnOnlyModel`.
@@ -187,6 +195,9 @@ class HookedAdapter(AdapterBase):
         self.blocks: list[Block] = [_block(model, block) for block in model.blocks]
         self.cfg = _facts(model, gated_mlp=any(block.mlp.gated for block in self.blocks))
         self.ln_final = hooked_norm(getattr(model, "ln_final", None))
+        if self.is_encoder:  # BertEmbed: the three embeddings' sum, then its LayerNorm
+            self.embed_norm = hooked_norm(getattr(model.embed, "ln", None))
+            self.embedding_hooks = ENCODER_EMBEDDING_HOOKS
 
     # ------------------------------------------------------------------ neuron-heads
     @property

@@ -16,6 +16,7 @@ from jaxtyping import Float, Int
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice, SliceInput
 
+import tl_attnonly.analysis.post_norm as post_norm
 from tl_attnonly._types import Kinds, check_kinds
 from tl_attnonly.adapt import require_additive_residual
 from tl_attnonly.analysis.cache.options import StackOptions, resolve_stack_options
@@ -60,6 +61,23 @@ def _logit_directions(
         directions = directions - incorrect
     w = None if model.ln_final is None else model.ln_final.w
     return directions if w is None else directions * w
+
+
+def _refuse_nonlinear_head(model: AttnOnlyModel) -> None:
+    """Refuse direct logit attribution on an encoder: its logits are no linear map of the stream.
+
+    Raises:
+        NotImplementedError: Saying why, and what works.
+    """
+    if model.is_encoder:
+        raise NotImplementedError(
+            "head_logit_attrs (direct logit attribution) needs logits that are a linear map of "
+            "the final residual stream, but this encoder's masked-LM head (a dense layer, GELU "
+            "and a LayerNorm before the unembedding) is not linear, so no split of a logit into "
+            "components sums exactly. What works: decompose_resid_heads (the final hidden states "
+            "as a sum of heads, embeddings and bias, each norm's scale from the run), with "
+            "project_output_onto=<direction> for a direction in the residual stream."
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,14 +229,35 @@ def decompose_resid_heads(
     expand_neurons=True)``, labels included (neuron ``i`` is neuron-head ``i``); this function also
     splits GELU neurons into their ``K`` heads and keeps the bias in the model's dtype.
 
+    **A residual post-LN** (GPT-1, BERT-style encoders, OPT's ``do_layer_norm_before=False``:
+    ``LN1(resid_pre + attn_out)``, ``LN2(mid + mlp_out)``, an encoder's ``LN(embeddings)``
+    first). Each norm is taken with its scale from the run (its ``hook_scale``, as
+    TransformerLens's ``logit_attrs`` takes the final norm's), which makes it affine:
+    ``LN(x) = w * (x - mean(x)) / sigma + b``. The decomposed stream is the one after every norm
+    that ran before it: block ``layer``'s input (``hook_resid_pre``); with ``mlp_input`` the
+    MLP's input ``LN1(resid_pre + attn_out)`` (a bridge's ``blocks.{layer}.ln1.hook_out``,
+    GPT-1's ``hook_resid_mid``; a ``HookedEncoder``'s ``hook_resid_post - hook_mlp_out``, its
+    ``hook_resid_mid`` being the sum before ``ln1``); for ``layer = n_layers`` the last block's
+    output, the final hidden states (``blocks.{n-1}.ln2.hook_out``; a ``HookedEncoder``'s
+    ``hook_normalized_resid_post``). Each head's row is its result carried through
+    ``w * x_c / sigma`` of every norm after it (its own sublayer's included); ``embed``,
+    ``pos_embed`` and an encoder's ``token_type_embed`` likewise (through the embeddings' norm
+    first); ``bias`` holds every output bias and every norm's bias ``b``, each carried through the
+    norms after it (so it varies by position). The rows sum to the stream exactly; they are one
+    run's linearisation, not what a head would add in another run.
+
     Args:
         cache, layer, mlp_input, return_labels, options, overrides: As in
             :func:`stack_all_head_results`; every option but ``incl_remainder`` (this
-            decomposition lists the embeddings and biases itself).
+            decomposition lists the embeddings and biases itself). A residual post-LN takes no
+            ``apply_ln`` (its stream is already a norm's output).
 
     Raises:
         TypeError: For the keyword ``incl_remainder``.
-        ValueError: For ``options`` with ``incl_remainder=True``.
+        ValueError: For ``options`` with ``incl_remainder=True``; ``apply_ln=True`` on a residual
+            post-LN.
+        KeyError: If a norm's scale is not cached (use
+            :func:`tl_attnonly.hooks.decomposition_names_filter`).
 
     Returns:
         ``[n_components, batch, pos, d_model]`` (see :func:`stack_all_head_results` for the
@@ -296,7 +335,12 @@ def head_logit_attrs(
 
     With ``incl_embeds_and_bias=True`` the rows are exactly those of
     :func:`decompose_resid_heads` at the unembed, so they sum to the logit (difference) minus
-    the constant terms ``ln_final.b @ W_U[:, token] + b_U[token]``. On a model that soft-caps
+    the constant terms ``ln_final.b @ W_U[:, token] + b_U[token]``. On a decoder with a residual
+    post-LN (GPT-1: no final norm, the unembedding reads the last block's output) the rows are
+    :func:`decompose_resid_heads`'s at ``layer = n_layers`` (each norm's scale from the run)
+    dotted with ``W_U[:, token]``; they sum to the logit less ``b_U[token]``. An encoder's
+    masked-LM head (a dense layer, GELU and a LayerNorm before the unembedding) is not linear:
+    refused. On a model that soft-caps
     its logits (Gemma 2's ``final_logit_softcapping``, ``cfg.output_logits_soft_cap = c``: the
     logits are ``c * tanh(u / c)``) they attribute ``u``, the logit before the cap: the cap is
     not linear, so no split of the capped logit into heads sums exactly; it is increasing, so a
@@ -316,14 +360,23 @@ def head_logit_attrs(
         chunk_size: Neuron-heads materialised at once.
         progress: Show a progress bar over neuron-head chunks.
 
+    Raises:
+        NotImplementedError: On an encoder (its masked-LM head is not linear), and on models
+            whose residual stream is no sum (:func:`tl_attnonly.adapt.require_additive_residual`).
+
     Returns:
         ``[n_components, batch, pos]`` (pos dropped for an int ``pos_slice``), and the labels if
         ``return_labels``.
     """
     model = cache_model(cache)
-    require_additive_residual(model, "head_logit_attrs (direct logit attribution)")
     check_kinds(kinds)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    norms = None
+    if post_norm.residual_post_norm(model):
+        _refuse_nonlinear_head(model)
+        norms = post_norm.ResidualNorms(cache, model, model.cfg.n_layers, False, pos_slice)
+    else:
+        require_additive_residual(model, "head_logit_attrs (direct logit attribution)")
     directions = _logit_directions(model, tokens, incorrect_tokens)
     parts, labels = [], []
     chunks = component_chunks(
@@ -335,9 +388,13 @@ def head_logit_attrs(
         incl_embeds_and_bias,
         chunk_size,
         progress,
+        norms,
     )
     for chunk, chunk_labels in chunks:
-        scaled = cache.apply_ln_to_stack(chunk, layer=-1, pos_slice=pos_slice)
+        if norms is not None and model.ln_final is None:  # GPT-1: the unembedding reads it
+            scaled = chunk
+        else:
+            scaled = cache.apply_ln_to_stack(chunk, layer=-1, pos_slice=pos_slice)
         parts.append((scaled * directions).sum(dim=-1))
         labels += chunk_labels
     attrs = torch.cat(parts, dim=0)

@@ -25,10 +25,15 @@ sublayer's ``w * b_O_c / sigma + b`` (so it varies by position). The per-layer
 :func:`get_attn_head_results` and :func:`get_neuron_head_results` stay the sublayer's own results
 (TransformerLens's ``hook_result``), before that norm.
 
+A residual post-LN (GPT-1, BERT: the residual stream itself normalised after each sublayer's
+add): :func:`~tl_attnonly.analysis.decompose_resid_heads` carries every component through the
+later norms with the run's scales (:class:`tl_attnonly.analysis.post_norm.ResidualNorms`); the
+stacks without embeddings and bias stay the heads' own results, as written.
+
 Order of components everywhere: attention heads (layer by layer), then neuron-heads (layer by
-layer), then ``embed``, ``pos_embed``, ``bias``: TransformerLens's
-``get_full_resid_decomposition`` order, with neurons replaced by neuron-heads (for ``K = 1`` the
-two are identical, labels included).
+layer), then ``embed``, ``pos_embed`` (an encoder's ``token_type_embed``), ``bias``:
+TransformerLens's ``get_full_resid_decomposition`` order, with neurons replaced by neuron-heads
+(for ``K = 1`` the two are identical, labels included).
 """
 
 from __future__ import annotations
@@ -248,15 +253,28 @@ def component_chunks(
     incl_embeds_and_bias: bool,
     chunk_size: int,
     progress: bool,
+    norms: post_norm.ResidualNorms | None = None,
 ) -> Iterator[tuple[Float[torch.Tensor, "chunk *batch_and_pos d_model"], list[str]]]:
-    """Residual-stream components in the module's order, in chunks of at most ``chunk_size``."""
+    """Residual-stream components in the module's order, in chunks of at most ``chunk_size``.
+
+    ``norms``: a residual post-LN's norms up to the decomposed point; each component is carried
+    through them (:meth:`~tl_attnonly.analysis.post_norm.ResidualNorms.reach`) and ``bias`` is
+    theirs. ``None``: as the components are written.
+    """
     model = cache_model(cache)
+
+    def reach(chunk: torch.Tensor, write: post_norm.Write) -> torch.Tensor:
+        return chunk if norms is None else norms.reach(chunk, write)
+
     n_attn_layers = layer + (1 if mlp_input else 0)
     if "attn" in kinds:
         for li in range(n_attn_layers):
             results = get_attn_head_results(cache, li, pos_slice)
             results = _post_normed(cache, model, li, "attn", results, pos_slice)
-            yield results.movedim(-2, 0), [f"L{li}H{h}" for h in range(model.cfg.n_heads)]
+            yield (
+                reach(results.movedim(-2, 0), (li, "attn")),
+                [f"L{li}H{h}" for h in range(model.cfg.n_heads)],
+            )
     if "neuron" in kinds:
         K = model.n_heads_per_neuron
         steps: list[tuple[int, int | None]] = []  # (layer, first neuron-head); None: experts
@@ -272,34 +290,58 @@ def component_chunks(
 
                 experts, expert_labels = expert_components(cache, li, pos_slice)
                 experts = _post_normed(cache, model, li, "mlp", experts.movedim(0, -2), pos_slice)
-                yield experts.movedim(-2, 0), expert_labels
+                yield reach(experts.movedim(-2, 0), (li, "mlp")), expert_labels
                 continue
             stop = min(start + chunk_size, model.blocks[li].mlp.n_neuron_heads)
             results = get_neuron_head_results(cache, li, slice(start, stop), pos_slice)
             results = _post_normed(cache, model, li, "mlp", results, pos_slice)
             yield (
-                results.movedim(-2, 0),
+                reach(results.movedim(-2, 0), (li, "mlp")),
                 [neuron_head_label(li, h, K) for h in range(start, stop)],
             )
     if incl_embeds_and_bias:
-        for embedding, label in embedding_components(cache, model):
-            yield pos_slice.apply(embedding, dim=-2)[None], [label]
-        template = pos_slice.apply(cache["hook_embed"], dim=-2)
-        bias = _accumulated_bias(cache, model, layer, mlp_input, pos_slice).to(template.dtype)
-        yield bias.expand((1,) + template.shape), ["bias"]
+        embeddings = embedding_components(cache, model, before_norm=norms is not None)
+        for embedding, label in embeddings:
+            yield reach(pos_slice.apply(embedding, dim=-2)[None], post_norm.EMBED), [label]
+        embed = embeddings[0][0] if embeddings else cache["hook_embed"]
+        template = pos_slice.apply(embed, dim=-2)
+        if norms is None:
+            bias = _accumulated_bias(cache, model, layer, mlp_input, pos_slice)
+        else:
+            bias = norms.bias()
+        yield bias.to(template.dtype).expand((1,) + template.shape), ["bias"]
 
 
 def embedding_components(
-    cache: ActivationCache, model: AttnOnlyModel
+    cache: ActivationCache, model: AttnOnlyModel, before_norm: bool = False
 ) -> list[tuple[Float[torch.Tensor, "batch pos d_model"], str]]:
     """The embeddings' components of a decoder's residual stream, as cached: ``embed``
     (``hook_embed``) and ``pos_embed`` (``hook_pos_embed``). Where learned or sinusoidal
     positions have no hook of their own (:attr:`~tl_attnonly.protocol.AttnOnlyModel.embed_hooks`:
     XGLM on a bridge), ``pos_embed`` is block 0's input less ``embed``: what the positions add.
 
+    ``before_norm``: the embeddings before the model's
+    :attr:`~tl_attnonly.protocol.AttnOnlyModel.embed_norm`
+    (:attr:`~tl_attnonly.protocol.AttnOnlyModel.embedding_hooks`: an encoder's
+    ``token_type_embed`` too), as a residual post-LN's decomposition carries them through it.
+
     Raises:
-        KeyError: If positions are unhooked and the cache lacks ``blocks.0.hook_resid_pre``.
+        KeyError: If positions are unhooked and the cache lacks ``blocks.0.hook_resid_pre``;
+            with ``before_norm``, if ``embed`` is not cached.
     """
+    if before_norm:
+        found = [
+            (cache.cache_dict[name], label)
+            for label, name in model.embedding_hooks
+            if name in cache.cache_dict
+        ]
+        if not found or found[0][1] != "embed":
+            raise KeyError(
+                f"{model.embedding_hooks[0][1]} is not in the cache. Cache it, e.g. "
+                "model.run_with_cache(tokens, names_filter="
+                "tl_attnonly.hooks.decomposition_names_filter())."
+            )
+        return found
     out = []
     if "hook_embed" in cache.cache_dict:
         out.append((cache["hook_embed"], "embed"))
@@ -363,13 +405,23 @@ def stack_components(
     incl_remainder, project_output_onto = options.incl_remainder, options.project_output_onto
     max_bytes, chunk_size, progress = options.max_bytes, options.chunk_size, options.progress
     model = cache_model(cache)
-    if incl_embeds_and_bias or incl_remainder:
+    residual_post_norm = post_norm.residual_post_norm(model)
+    if incl_remainder or (incl_embeds_and_bias and not residual_post_norm):
         require_additive_residual(
             model, "decompose_resid_heads" if incl_embeds_and_bias else "incl_remainder=True"
+        )
+    if apply_ln and residual_post_norm:
+        raise ValueError(
+            "apply_ln=True has no norm to apply here: this model normalises the residual stream "
+            "itself after each sublayer, so the stream a sublayer reads is already a norm's "
+            "output (decompose_resid_heads decomposes it, each norm's scale from the run)."
         )
     check_kinds(kinds)
     layer = _resolve_layer(model, layer)
     pos_slice = pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
+    norms = None
+    if incl_embeds_and_bias and residual_post_norm:
+        norms = post_norm.ResidualNorms(cache, model, layer, mlp_input, pos_slice)
     project, squeeze = _normalize_projection(project_output_onto)
 
     template = _template(cache, pos_slice)
@@ -378,7 +430,7 @@ def stack_components(
         n_components += (layer + (1 if mlp_input else 0)) * model.cfg.n_heads
     if "neuron" in kinds:
         n_components += sum(_n_mlp_components(model, li) for li in range(layer))
-    n_components += 3 if incl_embeds_and_bias else 0
+    n_components += len(model.embedding_hooks) + 1 if incl_embeds_and_bias else 0
     d_out = model.cfg.d_model if project is None else project.shape[-1]
     size = n_components * math.prod(template.shape[:-1]) * d_out * template.element_size()
     if size > max_bytes:
@@ -406,7 +458,7 @@ def stack_components(
 
     parts, labels = [], []
     for chunk, chunk_labels in component_chunks(
-        cache, layer, mlp_input, kinds, pos_slice, incl_embeds_and_bias, chunk_size, progress
+        cache, layer, mlp_input, kinds, pos_slice, incl_embeds_and_bias, chunk_size, progress, norms
     ):
         parts.append(finish(chunk))
         labels += chunk_labels
