@@ -8,8 +8,8 @@
 
 This is the bottom layer: it imports nothing from the package at run time
 (``tests/test_import_graph.py`` checks it). Model-reading checks live above it, in
-:mod:`tl_attnonly.adapt` (:func:`~tl_attnonly.adapt.require_additive_residual`: refuse
-decompositions where the residual stream itself is normalised after each sublayer).
+:mod:`tl_attnonly.adapt` (:func:`~tl_attnonly.adapt.require_additive_residual`: refuse the
+tools that need a plain sum where the residual stream itself is normalised after each sublayer).
 """
 
 from __future__ import annotations
