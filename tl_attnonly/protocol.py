@@ -342,6 +342,16 @@ class AttnOnlyModel(Protocol):
     def tokens_to_residual_directions(self, tokens: Any) -> torch.Tensor: ...
     def set_use_neuron_result(self, use_neuron_result: bool) -> None: ...
     def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> LayerRunner: ...
+    def mlp_input_hook(
+        self, layer: int
+    ) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+        """Where a dense converted MLP's normalised input can be replaced before its projections:
+        ``(hook name, value)``, ``value(x)`` being what that hook holds when the MLP's residual
+        input is ``x [batch, pos, d_model]``, in the model's own arithmetic (an
+        ``AttnOnlyTransformer``: ``blocks.{l}.ln2.hook_normalized``, the norm's value before its
+        weight; a bridge: ``blocks.{l}.mlp.hook_in``, the norm's output). None where there is
+        none (no norm before the MLP, a mixture of experts, a model not converted)."""
+        ...
 
 
 #: What a public analysis function takes as its model: an :class:`~tl_attnonly.AttnOnlyTransformer`,
@@ -406,6 +416,11 @@ class AdapterBase:
         if POS_EMBED_HOOK in self.hook_dict:
             return ("hook_embed", POS_EMBED_HOOK)
         return (BLOCK_INPUT_HOOK,)
+
+    def mlp_input_hook(
+        self, layer: int
+    ) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+        return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)

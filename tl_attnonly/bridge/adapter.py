@@ -27,6 +27,7 @@ What differs from :class:`~tl_attnonly.hooked.adapter.HookedAdapter`, and how it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -457,6 +458,15 @@ class BridgeAdapter(AdapterBase):
                 fwd_hooks=named_hooks(fwd_hooks), bwd_hooks=named_hooks(bwd_hooks), **kwargs
             )
         return self.bridge_hooks.added(fwd_hooks, bwd_hooks)
+
+    def mlp_input_hook(
+        self, layer: int
+    ) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+        block = self.blocks[layer]
+        if block.ln2 is None or not self.is_converted or block.mlp.is_mixture_of_experts:
+            return None
+        name = f"blocks.{layer}.mlp.hook_in"
+        return (name, block.ln2) if name in self.hook_dict else None
 
     def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> BridgeLayerRunner:
         if not self.can_resume:

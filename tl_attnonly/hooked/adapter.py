@@ -12,6 +12,7 @@ prefix). TransformerLens 3.x is imported only when a method needs it: this modul
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -65,15 +66,22 @@ class HookedNorm:
     def hook_scale(self) -> str | None:
         return getattr(getattr(self.module, "hook_scale", None), "name", None)
 
-    def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
-        """The module's arithmetic, op for op, without its hooks (``hook_scale``,
-        ``hook_normalized``): a hook on them belongs to the model's run, not to analysis."""
+    def normalised(
+        self, x: Float[torch.Tensor, "... d_model"]
+    ) -> Float[torch.Tensor, "... d_model"]:
+        """What the module's ``hook_normalized`` holds for input ``x``: ``x_c / sigma`` (before
+        the weight and bias), op for op as the module computes it, without its hooks."""
         dtype = self.module.cfg.dtype
         if dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
         if self.centred:
             x = x - x.mean(-1, keepdim=True)
-        x = (x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()).to(dtype)
+        return (x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()).to(dtype)
+
+    def __call__(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_model"]:
+        """The module's arithmetic, op for op, without its hooks (``hook_scale``,
+        ``hook_normalized``): a hook on them belongs to the model's run, not to analysis."""
+        x = self.normalised(x)
         w, b = self.w, self.b
         if w is not None:
             x = x * w
@@ -230,6 +238,14 @@ class HookedAdapter(AdapterBase):
             return super().tokenize(text)
         tokens, token_type_ids, mask = self.model.to_tokens(text)
         return tokens, dict(token_type_ids=token_type_ids, one_zero_attention_mask=mask)
+
+    def mlp_input_hook(
+        self, layer: int
+    ) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+        block = self.blocks[layer]
+        if not isinstance(block.ln2, HookedNorm) or not isinstance(block.mlp, NeuronHeadBase):
+            return None
+        return f"blocks.{layer}.ln2.hook_normalized", block.ln2.normalised
 
     def layer_runs(self, tokens: Int[torch.Tensor, "batch pos"]) -> HookedLayerRunner:
         if not self.can_resume:

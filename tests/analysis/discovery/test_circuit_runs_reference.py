@@ -297,3 +297,41 @@ def test_analysis_s_norms_fire_no_hook(name):
     w = norm.w if norm.w is not None else 1.0
     b = norm.b if norm.b is not None else 0.0
     torch.testing.assert_close(norm(cache[site]), cache[mlp_in] * w + b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama", "ln_gelu_heads", "parallel"])
+@pytest.mark.parametrize("same_edges", [False, True], ids=["own-value-edges", "same-edges"])
+def test_a_whole_mlp_layer_s_gate_is_rebuilt_before_its_projections(name, same_edges, monkeypatch):
+    """A whole MLP layer (a coarse MLP node) whose gate input is rebuilt is patched at its
+    normalised input (``mlp_input_hook``: the model then projects it once); its value is
+    patched after its projection as before, or not at all where its edges are the gate's. The
+    run is the edge-by-edge definition either way."""
+    from tl_attnonly.analysis.discovery import exact_run
+
+    act_fn, overrides, neuron_level = MODELS[name]
+    model = make_converted(act_fn, **overrides)
+    coarse = HeadGraph(model, neuron_level=neuron_level, nodes=coarse_nodes(model))
+    mask = _random_mask(coarse, 0.5, seed=6)
+    if same_edges:  # each layer's value reads what its gate reads
+        for src, dst in list(mask):
+            if dst.startswith("mlp.") and dst.endswith(".value"):
+                mask[(src, dst)] = mask[(src, dst.replace(".value", ".gate"))].clone()
+    patched: list[str] = []
+    normalised_input = exact_run._normalised_input
+
+    def spied(run, dst, value_of, site_name):
+        hook = normalised_input(run, dst, value_of, site_name)
+
+        def recorded(act, hook_point):
+            patched.append(dst.key)
+            return hook(act, hook_point)
+
+        return recorded
+
+    monkeypatch.setattr(exact_run, "_normalised_input", spied)
+    (value,) = circuit_metrics(
+        model, [mask], CLEAN, CORRUPTED, METRIC, neuron_level=neuron_level,
+        nodes=coarse_nodes(model),
+    )  # fmt: skip
+    assert patched  # the gate of some whole layer was rebuilt before its projections
+    assert value == pytest.approx(_reference(model, coarse, mask), rel=1e-10, abs=1e-12)

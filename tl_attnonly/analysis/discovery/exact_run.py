@@ -266,20 +266,36 @@ def circuit_run(
             memo[key] = (srcs, covers, n_possible, index, ours, position, site_name, hook_name)
         return memo[key]
 
-    def patch_for(dst: InputGroup):
-        srcs, covers, n_possible, index, ours, position, site_name, hook_name = fixed(dst)
+    def edges_into(dst: InputGroup) -> torch.Tensor:
+        """``[rows of the sources below dst, readers]``: the mask's edges into ``dst``."""
+        srcs = fixed(dst)[0]
+        if not srcs:
+            return torch.zeros(0, len(dst.labels), dtype=torch.bool)
+        return torch.cat([mask[(src.key, dst.key)] for src in srcs], 0).cpu()
+
+    def selection(dst: InputGroup):
+        """None where every reader of ``dst`` has every edge (the current run's input), else
+        ``(none, mixed)``: the readers (full indices) whose input is the corrupted run's, and
+        the readers (columns of the masks) whose input is rebuilt."""
+        srcs, covers, n_possible, index, ours, position, _, _ = fixed(dst)
         if kept:  # a layer passing on some neurons' changes counts only those
             covers = _kept_covers(srcs, covers, kept_counts)
         included = torch.zeros(dst.size, dtype=torch.long)
         if srcs:
-            edges = torch.cat([mask[(src.key, dst.key)] for src in srcs], 0).cpu()
-            included[index] += covers @ edges.long()
+            included[index] += covers @ edges_into(dst).long()
         if bool((included == n_possible)[ours].all()):
             return None  # the full set of edges: the current run's input
         none = ((included == 0) & ours).nonzero().flatten()  # full indices: corrupted input
         # restricted indices (columns of the masks) of the readers whose input is rebuilt
         mixed = position[((included > 0) & (included < n_possible) & ours).nonzero().flatten()]
-        mixed = mixed.unique()  # an MLP remainder: one column (0) for all its neurons
+        return none, mixed.unique()  # an MLP remainder: one column (0) for all its neurons
+
+    def patch_for(dst: InputGroup):
+        chosen = selection(dst)
+        if chosen is None:
+            return None  # the full set of edges: the current run's input
+        none, mixed = chosen
+        _, _, _, index, _, _, site_name, hook_name = fixed(dst)
         patch = patch_inputs(dst, none, mixed, index, site_name, hook_name)
         if dst.position is not None:
             if where is None:
@@ -347,9 +363,23 @@ def circuit_run(
         for name in _recorded_names(model, graph)
         if not start or not fires_before(name, start)  # below: the first run's
     ]
-    for dst in graph.inputs:
-        if dst.layer < start:  # below the block the run starts at: the first run's
+    # whole MLP layers whose first input (gate) is rebuilt: patched before the projections
+    skip: set[str] = set()
+    for layer, (gate, value, patch_site) in _whole_mlp_inputs(model, graph, memo).items():
+        if layer < start:
             continue
+        chosen = selection(gate)
+        if chosen is None or len(chosen[1]) == 0 or selection(value) is None:
+            continue  # as any input group (the value's current input is the model's own)
+        name, value_of = patch_site
+        hook = _normalised_input(run, gate, value_of, fixed(gate)[6])
+        hooks.append((name, reused(gate.key, hook)))
+        skip.add(gate.key)
+        if torch.equal(edges_into(gate), edges_into(value)):
+            skip.add(value.key)  # the same edges: the same input
+    for dst in graph.inputs:
+        if dst.layer < start or dst.key in skip:  # below the run's first block: the first
+            continue  # run's; a whole MLP layer's gate (and a value like it): normalised above
         patch = patch_for(dst)
         if patch is not None:
             hooks.append((patch[0], reused(dst.key, patch[1])))
@@ -375,6 +405,51 @@ def circuit_run(
     if is_reference and first is not None:  # the rows it copied are its own now: let go of
         run.reference = first.base_reference = None  # the run they came from (and its chain)
     return logits
+
+
+def _whole_mlp_inputs(
+    model: AttnOnlyModel, graph: HeadGraph, memo: dict
+) -> dict[int, tuple[InputGroup, InputGroup, tuple[str, Callable]]]:
+    """Layers whose two MLP inputs (``gate``, ``value``) are each one reader of every neuron
+    (an MLP node of the whole layer: its remainder holds them all), at every position, whose
+    normalised input a hook holds (:meth:`~tl_attnonly.protocol.AttnOnlyModel.mlp_input_hook`):
+    layer -> ``(gate, value, (hook name, value of a residual input))``. A run whose circuit
+    rebuilds such a layer's gate input patches that hook with it (:func:`_normalised_input`),
+    so the model projects the gate once (instead of projecting the residual input and then the
+    rebuilt one); the value is patched after its projection as any input (or not at all where
+    its edges are the gate's). The same for every mask of a call (kept in the memo)."""
+    key = ("whole mlp inputs",)
+    if key not in memo:
+        groups: dict[int, dict[str, InputGroup]] = {}
+        others: set[int] = set()
+        for dst in graph.inputs:
+            if dst.kind == MLP_REST and dst.position is None and len(dst.index) == dst.size:
+                groups.setdefault(dst.layer, {})[dst.input] = dst
+            elif dst.kind in ("neuron", MLP_REST) and dst.labels:
+                others.add(dst.layer)
+        found = {}
+        for layer, pair in groups.items():
+            site = model.mlp_input_hook(layer) if layer not in others else None
+            if site is not None and set(pair) == {"gate", "value"}:
+                found[layer] = (pair["gate"], pair["value"], site)
+        memo[key] = found
+    return memo[key]
+
+
+def _normalised_input(
+    run: PlanRun,
+    dst: InputGroup,
+    value_of: Callable[[torch.Tensor], torch.Tensor],
+    site_name: str,
+):
+    """The hook of a whole MLP layer's normalised input (:func:`_whole_mlp_inputs`): its value
+    (``value_of``) at the corrupted residual input plus the changes of ``dst``'s edges."""
+    column = torch.zeros(1, dtype=torch.long)
+
+    def hook(act, hook):
+        return value_of(run.inputs(dst, site_name, column)[:, :, 0]).to(act.dtype)
+
+    return hook
 
 
 def _kept_count(src: SourceGroup, kept: torch.Tensor) -> torch.Tensor:
