@@ -43,10 +43,15 @@ MODELS = {
 }  # fmt: skip
 
 
-def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, metric=METRIC):
+def _reference(
+    model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, metric=METRIC, *,
+    changed=None, extra_hooks=(),
+):  # fmt: skip
     """The circuit's metric by its definition, one edge at a time. A mixture of experts' input
     and a latent attention layer's (one reader: the layer) are normalised by the Hugging Face
-    norm the bridge wraps."""
+    norm the bridge wraps. ``changed(src, change, current, corr)``: a source group's change
+    (``[batch, pos, n, r]``) as the caller defines it, from the current run's recorded hooks
+    (``extra_hooks`` too) and the corrupted cache."""
     adapter = facts(model)  # what the package's helpers read of the model
     with torch.no_grad():
         _, cache = model.run_with_cache(corrupted)
@@ -69,6 +74,8 @@ def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, 
                 change = source_values(current, src, graph, adapter) - source_values(
                     corr, src, graph, adapter
                 )
+                if changed is not None:
+                    change = changed(src, change, current, cache)
                 U = writer_matrix(adapter, src, graph, x)
                 for u in mask[(src.key, dst.key)][:, j].nonzero().flatten().tolist():
                     x = x + change[:, :, u] @ U[u]
@@ -98,7 +105,9 @@ def _reference(model, graph: HeadGraph, mask, clean=CLEAN, corrupted=CORRUPTED, 
 
             return hook
 
-        hooks = [(n, record(n)) for n in source_hook_names(model, graph)]
+        hooks = [
+            (n, record(n)) for n in dict.fromkeys([*source_hook_names(model, graph), *extra_hooks])
+        ]
         hooks += [(name, patch(name)) for name in groups]
         logits = model.run_with_hooks(clean, fwd_hooks=hooks)
         return metric(logits, torch.arange(clean.shape[0])).item()

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tl_attnonly.analysis.discovery.expert_kept import KeptKey, expert_kept_counts
+from tl_attnonly.analysis.discovery.expert_nodes import expert_source_hooks
 from tl_attnonly.analysis.discovery.graph import (
     EXPERTS,
     LATENT_ATTN,
@@ -47,9 +49,14 @@ if TYPE_CHECKING:
 
 def _recorded_names(model: AttnOnlyModel, graph: HeadGraph) -> list[str]:
     """The hooks a run records: the sources' and each block's MLP output (the change of a
-    merged row holding a whole layer: :class:`~.run_plan.CircuitPlan`'s ``whole``)."""
+    merged row holding a whole layer: :class:`~.run_plan.CircuitPlan`'s ``whole``), and the
+    neurons of the experts of a layer named by its experts (an expert passing on some
+    neurons' changes: :mod:`.expert_kept`)."""
     mlp_out = [block_act_name("mlp_out", li) for li in range(graph.n_layers)]
-    return source_hook_names(model, graph) + mlp_out
+    names = source_hook_names(model, graph) + mlp_out
+    for li in sorted(graph.split_experts):
+        names += [n for n in expert_source_hooks(model, li, neurons=True) if n not in names]
+    return names
 
 
 def corrupted_names(model: AttnOnlyModel, graph: HeadGraph) -> list[str]:
@@ -187,7 +194,7 @@ def circuit_run(
     keep: bool = False,
     shared: Collection[str] = (),
     start: int = 0,
-    kept: Mapping[int, torch.Tensor] | None = None,
+    kept: Mapping[KeptKey, torch.Tensor] | None = None,
 ):
     """The circuit's logits (``kept``: :func:`~.run_metrics.circuit_metrics`' ``kept_neurons``
     entry) on the call's model and graph (``call``) for one batch (``batch``); ``batch.where``:
@@ -230,12 +237,17 @@ def circuit_run(
 
     memo = run.memo
     # per source group of a layer passing on some neurons' changes: how many of its nodes'
-    # changes each row passes on (an MLP remainder: its kept neurons; a named neuron: 0 or 1)
+    # changes each row passes on, in halves (an MLP remainder: twice its kept neurons; a named
+    # neuron: 0 or 2; an expert passing on some neurons' changes: 1)
     kept_counts = {
-        src.key: _kept_count(src, kept[src.layer])
+        src.key: 2 * _kept_count(src, kept[src.layer])
         for src in graph.sources
         if kept and src.labels and src.layer in kept and src.kind in ("neuron", MLP_REST)
     }
+    for src in graph.sources if kept else ():
+        halves = expert_kept_counts(graph, src, kept) if kept and src.labels else None
+        if halves is not None:
+            kept_counts[src.key] = halves
 
     def fixed(dst: InputGroup):
         """What ``patch_for`` needs of ``dst`` that no mask changes (kept in the memo)."""
@@ -278,8 +290,8 @@ def circuit_run(
         ``(none, mixed)``: the readers (full indices) whose input is the corrupted run's, and
         the readers (columns of the masks) whose input is rebuilt."""
         srcs, covers, n_possible, index, ours, position, _, _ = fixed(dst)
-        if kept:  # a layer passing on some neurons' changes counts only those
-            covers = _kept_covers(srcs, covers, kept_counts)
+        if kept:  # a layer passing on some neurons' changes counts only those (in halves)
+            covers, n_possible = _kept_covers(srcs, 2 * covers, kept_counts), 2 * n_possible
         included = torch.zeros(dst.size, dtype=torch.long)
         if srcs:
             included[index] += covers @ edges_into(dst).long()
@@ -463,10 +475,11 @@ def _kept_count(src: SourceGroup, kept: torch.Tensor) -> torch.Tensor:
 def _kept_covers(
     srcs: list[SourceGroup], covers: torch.Tensor, counts: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """``covers`` (per source row of ``srcs``: the model's nodes whose change it passes on)
-    with the groups of ``counts`` (:func:`_kept_count`) counting their kept neurons only: a
-    reader joined to every source then has its input rebuilt (not the current run's) where a
-    layer passes on fewer than all its neurons."""
+    """``covers`` (per source row of ``srcs``: the model's nodes whose change it passes on, in
+    halves) with the groups of ``counts`` counting what they pass on only (their kept neurons,
+    :func:`_kept_count`; an expert passing on some neurons' changes half a node,
+    :func:`~.expert_kept.expert_kept_counts`): a reader joined to every source then has its
+    input rebuilt (not the current run's) where a layer passes on less than its whole change."""
     out, start = covers, 0
     for src in srcs:
         n = len(src.labels)

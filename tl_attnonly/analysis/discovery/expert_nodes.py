@@ -130,19 +130,27 @@ def _neuron_of(model: AttnOnlyModel, layer: int, labels: Sequence[str]) -> list[
     return out
 
 
+def component_neuron_values(
+    acts: dict[str, torch.Tensor], model: AttnOnlyModel, layer: int, component: int
+) -> Float[torch.Tensor, "batch pos n"]:
+    """Every neuron's coefficient on its row of ``W_out`` of one component of ``layer`` (index in
+    :func:`expert_parts`' order) in the run of ``acts`` (its hooks: :func:`expert_source_hooks`
+    with ``neurons``)."""
+    from tl_attnonly.analysis.experts.components import expert_neuron_activations
+
+    return expert_neuron_activations(_Acts(acts, model), layer, component)
+
+
 def expert_neuron_values(
     acts: dict[str, torch.Tensor], model: AttnOnlyModel, layer: int, labels: Sequence[str]
 ) -> Float[torch.Tensor, "batch pos n 1"]:
     """Each expert neuron's coefficient on its row of ``W_out`` (:func:`expert_neuron_writer`)
     in the run of ``acts`` (its hooks: :func:`expert_source_hooks` with ``neurons``)."""
-    from tl_attnonly.analysis.experts.components import expert_neuron_activations
-
-    cache = _Acts(acts, model)
     per_component: dict[int, torch.Tensor] = {}  # [batch, pos, d_mlp] each
     columns = []
     for c, j in _neuron_of(model, layer, labels):
         if c not in per_component:
-            per_component[c] = expert_neuron_activations(cache, layer, c)
+            per_component[c] = component_neuron_values(acts, model, layer, c)
         columns.append(per_component[c][..., j])
     return torch.stack(columns, -1).unsqueeze(-1)
 
@@ -273,6 +281,7 @@ __all__ = [
     "EXPERT_LABEL",
     "EXPERT_NEURON_LABEL",
     "component_index",
+    "component_neuron_values",
     "expert_neuron_layer",
     "expert_neuron_nodes",
     "expert_neuron_values",

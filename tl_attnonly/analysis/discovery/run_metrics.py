@@ -9,7 +9,7 @@ it (:mod:`.run_reuse`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +17,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.exact_run import BatchRun, circuit_run, corrupted_names
+from tl_attnonly.analysis.discovery.expert_kept import KeptEntry
 from tl_attnonly.analysis.discovery.graph import HeadGraph
 from tl_attnonly.analysis.discovery.positions import PositionClasses
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, RunCall
@@ -56,7 +57,7 @@ def circuit_metrics(
     progress: bool = False,
     positions: PositionClasses | None = None,
     corrupted_runs: CorruptedRuns | None = None,
-    kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None = None,
+    kept_neurons: Sequence[KeptEntry | None] | None = None,
     kept_run: KeptRun | None = None,
 ) -> list[float]:
     """:func:`~.runs.circuit_metric` of several circuits; the corrupted run is made once per batch
@@ -67,7 +68,9 @@ def circuit_metrics(
     as the corrupted run's. The run is then that of the same circuit on a graph with every
     neuron of the layer a node of its own (the layer's edges on each) and the neurons left out
     without outgoing edges, computed on this graph (the neuron stage's runs on the coarse graph,
-    :mod:`.neuron_stage`). Neuron-level graphs only.
+    :mod:`.neuron_stage`). An expert node of the graph (``"L{l}E{e}"``, ``"L{l}S"``) -> ``bool
+    [n]`` over its neurons: likewise, the expert's remainder (its routing-weighted output bias)
+    without outgoing edges too (:mod:`.expert_kept`). Neuron-level graphs only.
 
     The runs of circuits whose edges into the inputs below some residual position equal the
     first circuit's take those inputs from the first run (:func:`shared_prefix`; the same up
@@ -113,7 +116,7 @@ def run_circuits(
     *,
     block_bytes: int = BLOCK_BUDGET,
     progress: bool = False,
-    kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None = None,
+    kept_neurons: Sequence[KeptEntry | None] | None = None,
     kept_run: KeptRun | None = None,
     checked: bool = True,
 ) -> list[float]:

@@ -16,7 +16,9 @@ out_u(corrupted)) U_u`` (``[batch, pos, d_model]``). Two kinds of redundancy mak
 A merged row that holds every neuron of an MLP layer changes by the layer's output change
 (``hook_mlp_out``: ``sum_i delta(post_i) W_out[i]``, the bias cancels), which the run records, so
 its neurons' values are not read; where the run passes on only some of the layer's neurons' changes
-(:class:`PlanRun`'s ``kept``), the row sums those neurons' terms instead. Across the runs of one
+(:class:`PlanRun`'s ``kept``), the row sums those neurons' terms instead. An expert node's row
+(:data:`~.graph.EXPERT`: its weighted output) passing on some of its neurons' changes sums their
+terms likewise, each run with its own routing (:mod:`.expert_kept`). Across the runs of one
 call (:func:`~.runs.circuit_metrics`), a later run takes the first run's merged rows and their
 changes below its first source with other edges.
 
@@ -35,7 +37,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph, InputGroup, SourceGroup
+from tl_attnonly.analysis.discovery.expert_kept import KeptKey, expert_kept_change
+from tl_attnonly.analysis.discovery.graph import (
+    EXPERT,
+    EXPERT_NEURON,
+    MLP_REST,
+    HeadGraph,
+    InputGroup,
+    SourceGroup,
+)
 from tl_attnonly.analysis.discovery.sites import Mask, source_values, writer_matrix
 from tl_attnonly.hooks import block_act_name
 
@@ -183,7 +193,9 @@ class PlanRun:
             its own (the later runs share one scratch matrix).
         kept: Layer -> ``bool [d_mlp]``: the neurons whose change that layer's MLP sources
             pass on (:func:`~.runs.circuit_metrics`'s ``kept_neurons``); the others' outputs
-            count as the corrupted run's. Layers absent: every neuron.
+            count as the corrupted run's. Layers absent: every neuron. An expert node's label
+            -> ``bool [n]``: the neurons whose change it passes on, nothing else of its
+            change (:mod:`.expert_kept`).
     """
 
     def __init__(
@@ -195,7 +207,7 @@ class PlanRun:
         memo: dict | None = None,
         reference: PlanRun | None = None,
         is_reference: bool = False,
-        kept: Mapping[int, torch.Tensor] | None = None,
+        kept: Mapping[KeptKey, torch.Tensor] | None = None,
     ):
         self.model, self.graph, self.plan = call.model, call.graph, plan
         self.kept = {} if kept is None else kept
@@ -249,6 +261,11 @@ class PlanRun:
             change = source_values(self.current, src, self.graph, self.model) - corrupted
             if src.kind in ("neuron", MLP_REST) and src.layer in self.kept:
                 change, U = _kept_only(change, U, src, self.kept[src.layer])
+            elif src.kind in (EXPERT, EXPERT_NEURON) and self.kept:  # its kept neurons' only
+                runs = (self.current, self.corr)
+                change = expert_kept_change(
+                    self.model, self.graph, src, change, runs, self.kept, self.memo
+                )
             merged, which = torch.unique(ids, return_inverse=True)
             if len(merged) < len(rows):
                 # several sources per merged row (named neurons beside their remainder): one

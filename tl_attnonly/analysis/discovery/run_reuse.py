@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tl_attnonly.analysis.discovery.graph import MLP_REST, HeadGraph
+from tl_attnonly.analysis.discovery.expert_kept import (
+    KeptEntry,
+    KeptKey,
+    check_expert_kept,
+    kept_layer,
+)
+from tl_attnonly.analysis.discovery.graph import EXPERT, EXPERT_NEURON, MLP_REST, HeadGraph
 from tl_attnonly.analysis.discovery.run_plan import CircuitPlan, PlanRun
 from tl_attnonly.analysis.discovery.sites import BLOCK_BUDGET, Mask
 from tl_attnonly.analysis.patching.resume import hook_layer
@@ -34,16 +40,20 @@ from tl_attnonly.analysis.task import CorruptedRuns, DiscoveryTask, same_binding
 if TYPE_CHECKING:
     from tl_attnonly.protocol import AttnOnlyModel
 
+#: The source kinds whose changes a ``kept_neurons`` entry changes.
+KEPT_KINDS = ("neuron", MLP_REST, EXPERT, EXPERT_NEURON)
+
 
 def check_kept(
     model: AttnOnlyModel,
     graph: HeadGraph,
-    kept_neurons: Sequence[Mapping[int, torch.Tensor] | None] | None,
+    kept_neurons: Sequence[KeptEntry | None] | None,
     n_masks: int,
     device: torch.device,
-) -> list[dict[int, torch.Tensor]]:
-    """``kept_neurons`` checked (one entry per mask; each ``bool [d_mlp]`` of a layer) and made
-    one dict per mask (empty: every neuron passes its change on)."""
+) -> list[dict[KeptKey, torch.Tensor]]:
+    """``kept_neurons`` checked (one entry per mask; each ``bool [d_mlp]`` of a dense layer, or
+    ``bool [n]`` of an expert node of the graph: :mod:`.expert_kept`) and made one dict per mask
+    (empty: every neuron passes its change on)."""
     if kept_neurons is None:
         return [{} for _ in range(n_masks)]
     if len(kept_neurons) != n_masks:
@@ -59,8 +69,18 @@ def check_kept(
     d_mlp = model.cfg.d_mlp
     out = []
     for entry in kept_neurons:
-        checked = {}
+        checked: dict[KeptKey, torch.Tensor] = {}
         for layer, keep in (entry or {}).items():
+            if isinstance(layer, str):  # an expert node
+                check_expert_kept(graph, layer, keep)
+                checked[layer] = keep.to(device)
+                continue
+            if layer in graph.expert_layers:
+                raise ValueError(
+                    f"kept_neurons: layer {layer} is a mixture of experts, whose neurons are its "
+                    "experts': key them by the expert nodes of a graph of coarse_nodes(model, "
+                    f"experts=True) ('L{layer}E0', 'L{layer}S')."
+                )
             if not 0 <= layer < graph.n_layers:
                 raise ValueError(f"kept_neurons: layer {layer} is not in [0, {graph.n_layers}).")
             if keep.dtype != torch.bool or tuple(keep.shape) != (d_mlp,):
@@ -77,15 +97,16 @@ def shared_prefix(
     graph: HeadGraph,
     reference: Mask,
     mask: Mask,
-    kept_reference: Mapping[int, torch.Tensor] | None = None,
-    kept: Mapping[int, torch.Tensor] | None = None,
+    kept_reference: Mapping[KeptKey, torch.Tensor] | None = None,
+    kept: Mapping[KeptKey, torch.Tensor] | None = None,
 ) -> tuple[set[str], float]:
     """What a run of ``mask`` shares with a run of ``reference``: the keys of the input groups
     whose patched inputs are the same, and the residual position (``order``) below which every
     source's outgoing edges are the same (``inf``: every edge is).
 
     With ``kept`` neurons (:func:`~.run_metrics.circuit_metrics`' ``kept_neurons``) a layer whose
-    kept neurons differ changes its MLP sources' changes: every input above them counts as changed.
+    kept neurons differ (a dense layer's, or an expert node's) changes its MLP sources' (its
+    experts' and their neurons') changes: every input above them counts as changed.
 
     The input groups are every group below the first residual position at which an input's
     edges differ. Everything such a group reads (its sources, their inputs, the residual
@@ -111,8 +132,9 @@ def shared_prefix(
         or li not in kept
         or not torch.equal(kept_reference[li], kept[li])
     }
+    layers = {kept_layer(key) for key in differ}  # a dense layer's, or an expert node's
     for src in graph.sources:
-        if src.labels and src.layer in differ and src.kind in ("neuron", MLP_REST):
+        if src.labels and src.layer in layers and src.kind in KEPT_KINDS:
             above = [d.order for d in graph.inputs if d.labels and d.order > src.order]
             changed.append((src.order, min(above, default=math.inf)))
     first_dst = min((d for _, d in changed), default=math.inf)
@@ -232,7 +254,7 @@ class KeptRun:
     def __init__(
         self,
         mask: Mask,
-        kept_neurons: Mapping[int, torch.Tensor] | None = None,
+        kept_neurons: KeptEntry | None = None,
         budget: int = 4 * BLOCK_BUDGET,
         parent: KeptRun | None = None,
     ):
