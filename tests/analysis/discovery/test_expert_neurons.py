@@ -243,6 +243,16 @@ def test_each_expert_node_names_its_best_neurons(moe, found):
     assert again == pytest.approx(found.metric_circuit, abs=1e-10)
 
 
+def cut_rows(graph: HeadGraph, mask, labels) -> dict:
+    """``mask`` without the outgoing edges of the source nodes ``labels``."""
+    out = {}
+    for (s, d), block in mask.items():
+        src = graph.source_by_key[s]
+        keep = torch.tensor([label not in labels for label in src.labels])
+        out[(s, d)] = block & keep[:, None]
+    return out
+
+
 def test_the_split_of_an_expert_node_is_its_exact_runs(moe, found):
     """``mlp_split``'s row of an expert node: the circuit without its named neurons' outgoing
     edges, without its remainder's, without both, by exact runs of masks built here."""
@@ -252,15 +262,9 @@ def test_the_split_of_an_expert_node_is_its_exact_runs(moe, found):
     named = row.named.split(", ")
     layer = int(row.node[1:].split("E")[0].split("S")[0])
 
-    def cut(labels):
-        out = {}
-        for (s, d), m in mask.items():
-            src = graph.source_by_key[s]
-            keep = torch.tensor([label not in labels for label in src.labels])
-            out[(s, d)] = m & keep[:, None]
-        return out
-
-    masks = [cut(set(named)), cut({row.node}), cut({row.node, *named})]
+    masks = [
+        cut_rows(graph, mask, labels) for labels in (set(named), {row.node}, {*named, row.node})
+    ]
     got = circuit_metrics(moe, masks, CLEAN, CORRUPTED, METRIC, nodes=graph.node_labels())
     effects = [(found.metric_circuit - g) / denom for g in got]
     assert effects == pytest.approx(
@@ -305,14 +309,10 @@ def test_counts_report_figures_exports_and_file(moe, found, tmp_path):
 
 
 def test_what_the_expert_neuron_stage_refuses():
-    """Before any work: the adaptive count and the rankings other than node attribution."""
-    from tl_attnonly.analysis import discover_circuit
+    """Before any work: the rankings other than node attribution (the adaptive count:
+    ``test_expert_kept``)."""
     from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 
-    with pytest.raises(ValueError, match="neurons_per_mlp='auto' with expert_nodes=True"):
-        discover_circuit(
-            _bridge("mixtral"), CLEAN, CORRUPTED, METRIC, expert_nodes=True, neurons_per_mlp="auto"
-        )
     for ranking in ("relp", "circuit"):
         with pytest.raises(ValueError, match=f"neuron_ranking='{ranking}' with expert_nodes"):
             DiscoveryOptions(expert_nodes=True, neurons_per_mlp=2, neuron_ranking=ranking)

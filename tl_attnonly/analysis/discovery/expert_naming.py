@@ -12,8 +12,12 @@ Its split (``Circuit.mlp_split``: the circuit without the named neurons' outgoin
 the remainder's, without both) is measured by exact runs on the graph with the named neurons, as
 is the share of the MLP nodes' effect the named neurons carry (:func:`fine_split`): a dense
 layer's by the same runs there, which equal the coarse graph's runs with the layer passing on
-some neurons' changes that :mod:`.naming` makes without expert neurons (an expert's node has no
-such runs: its value is its weighted output, not its neurons').
+some neurons' changes that :mod:`.naming` makes without expert neurons.
+
+With ``neurons_per_mlp="auto"`` the expert nodes' candidates (:func:`rank_expert_neurons`) are
+chosen by the adaptive stage (:mod:`.neuron_stage`) with the dense layers', its runs made on the
+coarse graph with each cut expert passing on its kept neurons' changes (:mod:`.expert_kept`); a
+cut expert's remainder loses its outgoing edges (:func:`without_remainders`).
 """
 
 from __future__ import annotations
@@ -142,31 +146,55 @@ def expert_neuron_scores(
     )
 
 
-def name_expert_neurons(
+def rank_expert_neurons(
     task: DiscoveryTask, experts: Sequence[str], count: int, opts: DiscoveryOptions
-) -> dict[int, list[str]]:
-    """The best neurons of each expert node (the neuron stage's names of the expert nodes).
+) -> tuple[dict[str, list[str]], pd.Series]:
+    """The best neurons of each expert node (the fixed count's names, the adaptive stage's
+    candidates), and every neuron's score.
 
     Args:
         task: The model, prompts, metric and batch size.
         experts: Expert node labels of the coarse circuit (``L1E0``, ``L1S``).
-        count: Neurons named per expert node.
+        count: Neurons per expert node.
         opts: The search's options (``progress``).
 
     Returns:
-        Layer -> the ``count`` neurons of largest :func:`expert_neuron_scores` ``|score|`` of
-        each of its expert nodes, expert by expert in ``experts``' order, each best first.
+        ``(ranked, scores)``: expert node -> its ``count`` neurons of largest
+        :func:`expert_neuron_scores` ``|score|``, best first; ``scores`` every neuron's of
+        ``experts`` (empty where there are none, or ``count < 1``).
     """
     if not experts or count < 1:
-        return {}
+        return {}, pd.Series(dtype=float)
     scores = expert_neuron_scores(task, experts, progress=opts.progress)
-    named: dict[int, list[str]] = {}
+    ranked: dict[str, list[str]] = {}
     for label in experts:
-        layer = kind_layer(label)[1]
         mine = scores[[n for n in scores.index if n.startswith(f"{label}N")]]
-        ranked = mine.abs().sort_values(ascending=False, kind="stable")
-        named.setdefault(layer, []).extend(ranked.index[:count])
-    return named
+        best = mine.abs().sort_values(ascending=False, kind="stable")
+        ranked[label] = list(best.index[:count])
+    return ranked, scores
+
+
+def by_layer(named: Mapping[str, Sequence[str]]) -> dict[int, list[str]]:
+    """Expert node -> its named neurons, as layer -> the named neurons of its expert nodes
+    (expert by expert in ``named``'s order), layers naming none left out."""
+    out: dict[int, list[str]] = {}
+    for label, neurons in named.items():
+        if neurons:
+            out.setdefault(kind_layer(label)[1], []).extend(neurons)
+    return out
+
+
+def name_expert_neurons(
+    task: DiscoveryTask, experts: Sequence[str], count: int, opts: DiscoveryOptions
+) -> dict[int, list[str]]:
+    """The best neurons of each expert node (the fixed count's names of the expert nodes).
+
+    Returns:
+        Layer -> the ``count`` neurons of largest :func:`expert_neuron_scores` ``|score|`` of
+        each of its expert nodes, expert by expert in ``experts``' order, each best first
+        (:func:`rank_expert_neurons`).
+    """
+    return by_layer(rank_expert_neurons(task, experts, count, opts)[0])
 
 
 def _rows(graph: HeadGraph, unit: str, named: Sequence[str]) -> tuple[dict, dict]:
@@ -183,6 +211,12 @@ def _rows(graph: HeadGraph, unit: str, named: Sequence[str]) -> tuple[dict, dict
         if src.kind in (MLP_REST, EXPERT) and unit in src.labels:
             rest[src.key] = [src.labels.index(unit)]
     return of_named, rest
+
+
+def without_remainders(graph: HeadGraph, mask: Mask, experts: Collection[str]) -> Mask:
+    """``mask`` (on ``graph``, with the experts' named neurons) with the outgoing edges of the
+    expert nodes ``experts`` (each its remainder there) cut: the adaptive stage's cut experts."""
+    return _without(mask, *(_rows(graph, label, ())[1] for label in experts))
 
 
 def _without(mask: Mask, *rows: Mapping[str, Sequence[int]]) -> Mask:
@@ -247,4 +281,11 @@ def fine_split(
     return frame, [values[0], values[-2], values[-1]]
 
 
-__all__ = ["expert_neuron_scores", "fine_split", "name_expert_neurons"]
+__all__ = [
+    "by_layer",
+    "expert_neuron_scores",
+    "fine_split",
+    "name_expert_neurons",
+    "rank_expert_neurons",
+    "without_remainders",
+]

@@ -21,7 +21,13 @@ from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
 from tl_attnonly.analysis.discovery.circuit_neurons import circuit_neuron_scores
 from tl_attnonly.analysis.discovery.counts import kind_layer
 from tl_attnonly.analysis.discovery.edge_scores import edge_attribution_scores
-from tl_attnonly.analysis.discovery.expert_naming import fine_split, name_expert_neurons
+from tl_attnonly.analysis.discovery.expert_kept import KeptKey
+from tl_attnonly.analysis.discovery.expert_naming import (
+    by_layer,
+    fine_split,
+    rank_expert_neurons,
+    without_remainders,
+)
 from tl_attnonly.analysis.discovery.expert_nodes import EXPERT_LABEL
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.neuron_stage import (
@@ -125,21 +131,30 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     for li in layers:
         ranked = node_scores[of_layer[li]].abs().sort_values(ascending=False, kind="stable")
         named[li] = list(ranked.index[:count])
-    # (neurons_per_mlp="auto" is refused with expert_nodes: DiscoveryOptions)
-    expert_named = name_expert_neurons(task, experts, count, opts)
+    expert_ranked, expert_scores = rank_expert_neurons(task, experts, count, opts)
+    expert_named = by_layer(expert_ranked)
     stage: dict = {}
     cut: set[int] = set()
+    expert_cut: list[str] = []  # expert nodes whose remainder the adaptive stage cut
     measured: dict = {}  # the adaptive stage's runs (kept_key -> metric value)
     if auto:
-        ground = NeuronStage(task, coarse, named, opts, base_nodes)
+        candidates: dict[KeptKey, list[str]] = {li: named[li] for li in layers}
+        candidates.update(expert_ranked)
+        ground = NeuronStage(task, coarse, candidates, opts, base_nodes)
+        if expert_ranked:  # one order across dense layers and experts
+            node_scores = pd.concat([node_scores, expert_scores])
         try:
             if opts.neuron_search == "joint":
-                named, cut, table, n_runs = resolve_neurons_jointly(ground, node_scores)
+                chosen, cut_nodes, table, n_runs = resolve_neurons_jointly(ground, node_scores)
             else:
-                named, cut, table = resolve_neurons(ground)
+                chosen, cut_nodes, table = resolve_neurons(ground)
                 n_runs = int(table.runs.sum())
         finally:
             ground.bar.close()  # closed with its summary unless the search raised
+        named = {li: chosen[li] for li in layers}
+        cut = {li for li in cut_nodes if isinstance(li, int)}
+        expert_cut = [e for e in expert_ranked if e in cut_nodes]
+        expert_named = by_layer({e: chosen[e] for e in expert_ranked})
         stage = {"neuron_stage": table, "neuron_stage_runs": n_runs}
         measured = ground.measured
     fine_nodes = base_nodes + [n for li in layers for n in named[li]]
@@ -152,12 +167,15 @@ def name_neurons(task: DiscoveryTask, coarse: Circuit, opts: DiscoveryOptions):
     mask = _without_sources(
         expand_mask(coarse.graph, coarse.mask, scores.graph), {f"mlp.{li}" for li in cut}
     )
+    mask = without_remainders(scores.graph, mask, expert_cut)
     m_no_mlp: float | None  # (None: every named layer cut by the adaptive stage)
-    if expert_named:  # every split by runs on the graph with the named neurons
+    if expert_named or expert_cut:  # every split by runs on the graph with the named neurons
         named_all = {**{li: named[li] for li in layers if named[li]}, **expert_named}
         raw, (m_fine, m_named_only, m_no_mlp) = fine_split(
             task, scores.graph, mask, named_all, opts
         )
+        if not named_all:  # no neuron named: nothing to cut
+            m_no_mlp = None
         named = {**named, **expert_named}
     else:
         raw, (m_fine, m_named_only, m_no_mlp) = _kept_split(
@@ -222,12 +240,13 @@ def _kept_split(
         mine = neuron_mask(d_mlp, named[li])
         return (mine & named_in) | (~mine & rest_in)
 
-    def without(li: int, named_out: bool, rest_out: bool) -> dict[int, torch.Tensor]:
+    def without(li: int, named_out: bool, rest_out: bool) -> dict[KeptKey, torch.Tensor]:
         """The circuit's kept neurons without layer ``li``'s named neurons and/or remainder."""
         return {**base, li: neurons(li, not named_out, li not in cut and not rest_out)}
 
-    base = {li: neurons(li) for li in cut}  # a cut layer passes on its named neurons only
-    kept: list[dict[int, torch.Tensor]] = [base]
+    # a cut layer passes on its named neurons only
+    base: dict[KeptKey, torch.Tensor] = {li: neurons(li) for li in cut}
+    kept: list[dict[KeptKey, torch.Tensor]] = [base]
     runs: list[tuple[int, int, int]] = []
     for li in layers:
         j_named = j_layer = j_rest = 0

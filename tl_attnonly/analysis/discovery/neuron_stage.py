@@ -37,6 +37,12 @@ a last check of the kept layers:
    negative is cut (``dropped``; the run without it is above the circuit's, so above the goal)
    and the remaining kept layers' shares are measured again (one call each time).
 
+**Expert nodes** (``expert_nodes=True``): each expert node ``L{l}E{e}`` / ``L{l}S`` of the coarse
+circuit is an MLP node here like ``L{l}MLP``, its candidates its neurons best by node attribution
+(:func:`~.expert_naming.expert_neuron_scores`); *cut*, it passes on its kept neurons' changes only
+(not its routing-weighted output bias, which is its remainder's; :mod:`.expert_kept`), each run
+with its own routing. The rows and searches below then say "layer" for either kind.
+
 A layer whose remainder is kept is not resolved: it stays one node ``L{l}MLP`` (no neuron named;
 its candidates alone cannot replace it), and its share is measured in the returned circuit: the
 faithfulness with the layer minus without it.
@@ -82,7 +88,7 @@ Every search is monotone only where the faithfulness is: the ``k`` found reaches
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -90,6 +96,13 @@ import torch
 from tqdm.auto import tqdm
 
 from tl_attnonly.analysis.discovery.circuit import Circuit, faithfulness
+from tl_attnonly.analysis.discovery.expert_kept import (
+    KeptKey,
+    expert_width,
+    kept_layer,
+    kept_sort_key,
+)
+from tl_attnonly.analysis.discovery.expert_nodes import EXPERT_NEURON_LABEL
 from tl_attnonly.analysis.discovery.graph import mlp_rest_label
 from tl_attnonly.analysis.discovery.options import DiscoveryOptions
 from tl_attnonly.analysis.discovery.profiles import parse_neuron_label
@@ -108,40 +121,58 @@ COLUMNS = ["node", "named", "remainder", "remainder_share", "faithfulness", "run
 JOINT_COLUMNS = ["node", "named", "remainder", "remainder_share", "share_alone", "dropped"]
 
 
-#: The circuit of a neuron-stage run: the coarse circuit with each layer of the dict cut (its
-#: remainder's outgoing edges removed) but for its named neurons in the set; layers absent whole.
-Cuts = dict[int, set[str]]
+#: The circuit of a neuron-stage run: the coarse circuit with each MLP node of the dict cut (its
+#: remainder's outgoing edges removed) but for its named neurons in the set; nodes absent whole.
+#: A node is a dense layer ``l`` (its node ``L{l}MLP``) or an expert node's label ``"L{l}E{e}"``,
+#: ``"L{l}S"`` (``expert_nodes=True``): the keys of ``kept_neurons`` (:mod:`.expert_kept`).
+Cuts = dict[KeptKey, set[str]]
+
+
+def node_label(node: KeptKey) -> str:
+    """An MLP node's label: ``L{l}MLP`` for a dense layer ``l``, an expert node's its own."""
+    return node if isinstance(node, str) else mlp_rest_label(node)
+
+
+def _neuron_index(label: str) -> int:
+    """The index of a neuron within its MLP node (``L{l}N{i}``: ``i``; ``L{l}E{e}N{j}``: ``j``)."""
+    match = EXPERT_NEURON_LABEL.match(label)
+    return int(match.group(3)) if match is not None else parse_neuron_label(label)[1]
 
 
 def neuron_mask(d_mlp: int, names: Iterable[str]) -> torch.Tensor:
-    """``bool [d_mlp]``: True at the neurons ``names`` (``L{l}N{i}``, one layer's)."""
+    """``bool [d_mlp]``: True at the neurons ``names`` (``L{l}N{i}``, one layer's; or one expert
+    node's ``L{l}E{e}N{j}``, ``d_mlp`` its neurons)."""
     keep = torch.zeros(d_mlp, dtype=torch.bool)
-    keep[[parse_neuron_label(n)[1] for n in names]] = True
+    keep[[_neuron_index(n) for n in names]] = True
     return keep
 
 
-def kept_neurons(cuts: Cuts, d_mlp: int) -> dict[int, torch.Tensor]:
-    """The :func:`~.runs.circuit_metrics` ``kept_neurons`` entry of ``cuts``: per cut layer,
-    its kept named neurons as ``bool [d_mlp]``."""
-    return {layer: neuron_mask(d_mlp, names) for layer, names in cuts.items()}
+def kept_neurons(cuts: Cuts, widths: int | Mapping[KeptKey, int]) -> dict[KeptKey, torch.Tensor]:
+    """The :func:`~.runs.circuit_metrics` ``kept_neurons`` entry of ``cuts``: per cut MLP node,
+    its kept named neurons as ``bool [width]`` (``widths``: per node, or ``d_mlp`` for all)."""
+    return {
+        node: neuron_mask(widths if isinstance(widths, int) else widths[node], names)
+        for node, names in cuts.items()
+    }
 
 
-def kept_key(kept: dict[int, torch.Tensor]) -> tuple[tuple[int, bytes], ...]:
+def kept_key(kept: Mapping[KeptKey, torch.Tensor]) -> tuple[tuple[KeptKey, bytes], ...]:
     """A key of a :func:`~.runs.circuit_metrics` ``kept_neurons`` entry: equal for entries of
-    the same run (a layer keeping every neuron is a layer absent)."""
+    the same run (a dense layer keeping every neuron is a layer absent; an expert node keeping
+    every neuron is not the whole expert: :mod:`.expert_kept`)."""
     return tuple(
-        (layer, mask.cpu().numpy().tobytes())
-        for layer, mask in sorted(kept.items())
-        if not bool(mask.all())
+        (node, mask.cpu().numpy().tobytes())
+        for node, mask in sorted(kept.items(), key=lambda item: kept_sort_key(item[0]))
+        if isinstance(node, str) or not bool(mask.all())
     )
 
 
-def _cut(cuts: Cuts, layer: int, keep: set[str]) -> Cuts:
-    """``cuts`` with layer ``layer``'s remainder cut and its named neurons not in ``keep``."""
+def _cut(cuts: Cuts, layer: KeptKey, keep: set[str]) -> Cuts:
+    """``cuts`` with MLP node ``layer``'s remainder cut and its named neurons not in ``keep``."""
     return _cut_all(cuts, {layer: keep})
 
 
-def _cut_all(cuts: Cuts, keep: dict[int, set[str]]) -> Cuts:
+def _cut_all(cuts: Cuts, keep: Mapping[KeptKey, set[str]]) -> Cuts:
     """``cuts`` with every layer of ``keep`` cut but its named neurons in ``keep[layer]``."""
     return {**cuts, **{layer: set(names) for layer, names in keep.items()}}
 
@@ -161,7 +192,8 @@ class NeuronStage:
         task: The search's model, prompts, metric, position classes, batch size and corrupted
             runs (:class:`~tl_attnonly.analysis.task.DiscoveryTask`).
         coarse: The coarse circuit.
-        ranked: Per layer, its candidates best first (at most ``max_neurons_per_mlp``).
+        ranked: Per MLP node (a dense layer, or an expert node's label: :data:`Cuts`), its
+            candidates best first (at most ``max_neurons_per_mlp``).
         opts: The search's options (``target``, ``neuron_trim``, ``progress``).
         nodes: The coarse graph's nodes (every head and MLP node).
     """
@@ -170,18 +202,24 @@ class NeuronStage:
         self,
         task: DiscoveryTask,
         coarse: Circuit,
-        ranked: dict[int, list[str]],
+        ranked: Mapping[KeptKey, list[str]],
         opts: DiscoveryOptions,
         nodes: list[str],
     ):
         self.task, self.model = task, task.model
         self.coarse, self.opts, self.ranked = coarse, opts, ranked
         self.nodes = nodes
+        d_mlp = int(self.model.cfg.d_mlp or 0)
+        #: per MLP node, its neurons (the width of its kept_neurons entry)
+        self.widths: dict[KeptKey, int] = {
+            node: d_mlp if isinstance(node, int) else expert_width(coarse.graph, node)
+            for node in ranked
+        }
         self.goal = min(opts.target, coarse.faithfulness)
         self.n_runs = 0
         #: every run's metric value (:func:`kept_key` of its kept neurons -> value), for the
         #: returned circuit's table of the same runs (:func:`~.search.discover_circuit`)
-        self.measured: dict[tuple[tuple[int, bytes], ...], float] = {}
+        self.measured: dict[tuple[tuple[KeptKey, bytes], ...], float] = {}
         self.kept: tuple[Cuts, KeptRun] | None = None
         self.held = False  # the last call's kept run held every batch's run
         # one bar over the stage's exact runs (their number is known only at the end)
@@ -215,19 +253,18 @@ class NeuronStage:
         one (``parent``): from the first block where their circuits differ, not from block 0."""
         if self.kept is not None and below is not None:
             old = self.kept[0]
-            if all(old.get(li) == cuts.get(li) for li in set(old) | set(cuts) if li < below):
+            differ = (li for li in set(old) | set(cuts) if kept_layer(li) < below)
+            if all(old.get(li) == cuts.get(li) for li in differ):
                 return
-        d_mlp = int(self.model.cfg.d_mlp or 0)
         parent = None if self.kept is None else self.kept[1]  # its runs start from the old's
         self.kept = (
             dict(cuts),
-            KeptRun(self.coarse.mask, kept_neurons(cuts, d_mlp), parent=parent),
+            KeptRun(self.coarse.mask, kept_neurons(cuts, self.widths), parent=parent),
         )
 
     def faithfulness(self, circuits: list[Cuts]) -> list[float]:
         """The exact faithfulness of each circuit, in one call (from the run of :meth:`keep`)."""
-        d_mlp = int(self.model.cfg.d_mlp or 0)
-        kept = [kept_neurons(cuts, d_mlp) for cuts in circuits]
+        kept = [kept_neurons(cuts, self.widths) for cuts in circuits]
         task = self.task
         values = circuit_metrics(
             self.model, [self.coarse.mask] * len(circuits), task.clean, task.corrupted,
@@ -326,7 +363,7 @@ def _smallest(
 
 def resolve_neurons(
     stage: NeuronStage,
-) -> tuple[dict[int, list[str]], set[int], pd.DataFrame]:
+) -> tuple[dict[KeptKey, list[str]], set[KeptKey], pd.DataFrame]:
     """Choose the named neurons of each MLP node one layer at a time (``neuron_search="layers"``,
     module docstring).
 
@@ -341,44 +378,45 @@ def resolve_neurons(
     ranked = stage.ranked
     cuts: Cuts = {}
     current = stage.coarse.faithfulness
-    named: dict[int, list[str]] = {}
-    cut: set[int] = set()
+    named: dict[KeptKey, list[str]] = {}
+    cut: set[KeptKey] = set()
     rows = []
-    for li in sorted(ranked):
+    for li in sorted(ranked, key=kept_sort_key):
         order = ranked[li]
 
         def build(k: int, base=cuts, li=li, order=order) -> Cuts:
             return _cut(base, li, set(order[:k]))
 
-        stage.keep(cuts, below=li)  # the runs differ from it in layer li only
-        stage.step(f"L{li}MLP")
+        stage.keep(cuts, below=kept_layer(li))  # the runs differ from it in layer li only
+        stage.step(node_label(li))
         k, tried = _smallest(
             stage.sizes(build), 1, len(order), stage.goal, speculate=stage.speculate
         )
         if k is None:  # the remainder is needed: name them all, keep it
             named[li] = list(order)
             share = current - tried[len(order)][1]
-            rows.append((mlp_rest_label(li), len(order), True, share, current, len(tried)))
+            rows.append((node_label(li), len(order), True, share, current, len(tried)))
             continue
         cuts, current = tried[k]
         named[li] = list(order[:k])
         cut.add(li)
-        rows.append((mlp_rest_label(li), k, False, 0.0, current, len(tried)))
+        rows.append((node_label(li), k, False, 0.0, current, len(tried)))
     stage.close(_summary(named, len(ranked) - len(cut)))
     return named, cut, pd.DataFrame(rows, columns=COLUMNS)
 
 
 def resolve_neurons_jointly(
     stage: NeuronStage, scores: pd.Series
-) -> tuple[dict[int, list[str]], set[int], pd.DataFrame, int]:
+) -> tuple[dict[KeptKey, list[str]], set[KeptKey], pd.DataFrame, int]:
     """Choose the named neurons of all MLP nodes together (``neuron_search="joint"``, module
     docstring).
 
     Args:
         stage: The coarse circuit, its candidates per layer (at most ``max_neurons_per_mlp``,
             best first) and the runs (:class:`NeuronStage`).
-        scores: Every neuron's node attribution score (``L{l}N{i}`` -> score); the candidates of
-            the layers whose remainder is cut are ordered by ``|score|`` across layers.
+        scores: Every candidate's node attribution score (``L{l}N{i}``, an expert node's
+            ``L{l}E{e}N{j}`` -> score); the candidates of the MLP nodes whose remainder is cut
+            are ordered by ``|score|`` across them.
 
     Returns:
         ``(named, cut, table, runs)``: per layer the named neurons (none in a kept layer, and
@@ -386,7 +424,7 @@ def resolve_neurons_jointly(
         edges, the per-layer table and the number of exact runs made.
     """
     ranked, coarse, opts = stage.ranked, stage.coarse, stage.opts
-    layers = sorted(ranked)
+    layers = sorted(ranked, key=kept_sort_key)
     base: Cuts = {}  # the coarse circuit
     goal = stage.goal
     candidates = {li: set(ranked[li]) for li in layers}
@@ -407,7 +445,7 @@ def resolve_neurons_jointly(
     )
     if q is None:  # rounding below a goal the coarse circuit sits on: keep every remainder
         q, tried_q = len(layers), {len(layers): (base, coarse.faithfulness)}
-    cut = sorted(by_share[: len(layers) - q])
+    cut = sorted(by_share[: len(layers) - q], key=kept_sort_key)
     final_cuts, final = tried_q[q]
     # 3. the fewest named neurons in the cut layers, one order across them
     pool = [n for li in cut for n in ranked[li]]
@@ -415,7 +453,7 @@ def resolve_neurons_jointly(
     layer_of = {n: li for li in cut for n in ranked[li]}
 
     def top(n_named: int) -> Cuts:
-        keep: dict[int, set[str]] = {li: set() for li in cut}
+        keep: dict[KeptKey, set[str]] = {li: set() for li in cut}
         for n in pool[:n_named]:
             keep[layer_of[n]].add(n)
         return _cut_all(base, keep)
@@ -432,7 +470,7 @@ def resolve_neurons_jointly(
     # 4. trim: each cut layer's named neurons (most first) to the fewest of its own top ones
     # that keep the goal, the other layers as they are then (bisection from a passing circuit)
     if opts.neuron_trim:
-        for li in sorted(cut, key=lambda li: (-len(named[li]), li)):
+        for li in sorted(cut, key=lambda li: (-len(named[li]), kept_sort_key(li))):
             mine = named[li]
             if not mine:
                 continue
@@ -441,8 +479,8 @@ def resolve_neurons_jointly(
             def trimmed(k: int, li=li, mine=mine, others=others) -> Cuts:
                 return _cut_all(base, {**others, li: set(mine[:k])})
 
-            stage.keep(final_cuts, below=li)  # the runs differ from it in layer li only
-            stage.step(f"4/5 trim L{li}MLP")
+            stage.keep(final_cuts, below=kept_layer(li))  # the runs differ from it there only
+            stage.step(f"4/5 trim {node_label(li)}")
             k, tried_k = _smallest(
                 stage.sizes(trimmed), 0, len(mine), goal, passing=(final_cuts, final),
                 speculate=stage.speculate, none_first=True,
@@ -454,23 +492,23 @@ def resolve_neurons_jointly(
     # is negative, the most negative is cut (the run without it is above the circuit's, so
     # above the goal) and the others' shares are measured again
     kept = [li for li in layers if li not in cut]
-    dropped: list[int] = []
+    dropped: list[KeptKey] = []
     stage.step("5/5 kept layers")
     while True:
         circuits = [_cut(final_cuts, li, set()) for li in kept]
         if kept:
-            stage.keep(final_cuts, below=min(kept))
+            stage.keep(final_cuts, below=min(kept_layer(li) for li in kept))
         without = dict(zip(kept, stage.faithfulness(circuits) if circuits else [], strict=True))
         share = {li: final - without[li] for li in kept}
         if not kept or min(share.values()) >= 0:
             break
-        worst = min(kept, key=lambda li: (share[li], li))
+        worst = min(kept, key=lambda li: (share[li], kept_sort_key(li)))
         final_cuts, final = circuits[kept.index(worst)], without[worst]
         kept.remove(worst)
         dropped.append(worst)
     rows = [
         (
-            mlp_rest_label(li), len(named[li]), li in share, share.get(li, 0.0),
+            node_label(li), len(named[li]), li in share, share.get(li, 0.0),
             share_alone[li], li in dropped,
         )
         for li in layers
@@ -480,7 +518,7 @@ def resolve_neurons_jointly(
     return named, cut_all, pd.DataFrame(rows, columns=JOINT_COLUMNS), stage.n_runs
 
 
-def _summary(named: dict[int, list[str]], n_kept: int) -> str:
+def _summary(named: Mapping[KeptKey, list[str]], n_kept: int) -> str:
     """``"469 named, 14 remainder(s) kept"``: the progress bar's last words."""
     return f"{sum(map(len, named.values())):,} named, {n_kept} remainder(s) kept"
 
@@ -490,6 +528,7 @@ __all__ = [
     "kept_key",
     "kept_neurons",
     "neuron_mask",
+    "node_label",
     "resolve_neurons",
     "resolve_neurons_jointly",
 ]

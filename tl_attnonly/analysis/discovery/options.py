@@ -75,8 +75,12 @@ class DiscoveryOptions:
             one input ``L{l}MLP``. With ``neurons_per_mlp=N`` each expert node of the coarse
             circuit gets its ``N`` best neurons by node attribution named (``L{l}E{e}N{j}``,
             ``L{l}SN{j}``; the expert's node is then its remainder: :mod:`~.expert_naming`);
-            ``neurons_per_mlp="auto"`` and another ``neuron_ranking`` are refused with it.
-            Refused on a model without experts.
+            with ``neurons_per_mlp="auto"`` each expert node is resolved as a dense MLP node is
+            (its ``max_neurons_per_mlp`` candidates by node attribution within the expert,
+            chosen by exact runs in which a cut expert passes on its kept neurons' changes
+            only: :mod:`~.neuron_stage`, :mod:`~.expert_kept`). ``neuron_ranking`` other than
+            ``"attribution"`` is refused with it where neurons are named. Refused on a model
+            without experts.
         neuron_ranking: ``graph="coarse"``: how each MLP node's neurons are ranked (the fixed
             count's names, the adaptive stage's candidates and its order across layers):
             ``"attribution"`` (default: node attribution patching ``|score|``,
@@ -219,14 +223,6 @@ class DiscoveryOptions:
             raise ValueError(
                 "expert_nodes=True names a mixture of experts' experts as nodes of the coarse "
                 "graph: give graph='coarse' with it (or name them in nodes=[...]: 'L1E0', 'L1S')."
-            )
-        if self.expert_nodes and self.neurons_per_mlp == "auto":
-            raise ValueError(
-                "neurons_per_mlp='auto' with expert_nodes=True is not supported: the adaptive "
-                "stage's exact runs pass on some neurons' changes of a dense layer's MLP node, "
-                "which an expert's node (its weighted output) has no runs of. Give a fixed count "
-                "(neurons_per_mlp=N names each expert node's N best neurons by node attribution, "
-                "and N per dense MLP node), or expert_nodes=False."
             )
         if self.expert_nodes and self.neurons_per_mlp != 0 and self.neuron_ranking != "attribution":
             raise ValueError(

@@ -40,7 +40,8 @@ fine:
    (run on the coarse graph, each MLP node passing on the changes of the neurons whose edges
    are kept: :func:`~.runs.circuit_metrics`' ``kept_neurons``). With ``expert_nodes=True`` each
    expert node of the coarse circuit gets its ``neurons_per_mlp`` best neurons by node
-   attribution named too (``L{l}E{e}N{j}``, the expert's node then its remainder), and every
+   attribution named too (``L{l}E{e}N{j}``, the expert's node then its remainder; ``"auto"``:
+   resolved by the adaptive stage as a dense MLP node is, :mod:`.expert_kept`), and every
    split is run on the graph with the named neurons instead (:mod:`.expert_naming`).
 
 Why coarse first: under a corruption that changes the tokens (IOI's ABC names), the token's change
