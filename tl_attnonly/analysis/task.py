@@ -55,6 +55,9 @@ class CorruptedRuns:
         self._bound: tuple[Any, torch.Tensor] | None = None
         self._store: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
         self._asked: dict[tuple[int, ...], set[str]] = {}
+        #: The model's weights as exact runs read them (per layer and input), gathered by the
+        #: first run that needs them (:class:`~.discovery.run_plan.RunCall`'s ``weights``).
+        self.weights: dict = {}
 
     def activations(
         self,

@@ -169,10 +169,13 @@ def test_what_no_mask_changes_is_computed_once_per_batch(monkeypatch):
     assert len(set(calls)) <= len([s for s in graph.sources if s.labels])
 
 
-def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
-    """The weights a rebuilt input is read with (``W_gate`` / ``W_in`` columns of the neurons,
-    ``W_Q`` etc. of the heads) are gathered once per batch for each input group and node set,
-    not once per run; the values stay those of one call per circuit."""
+def test_reader_weights_are_gathered_once_per_search(monkeypatch):
+    """The weights a rebuilt input is read with (``W_gate`` / ``W_in`` of a layer's neurons,
+    ``W_Q`` etc. of the heads) are gathered once per layer and input for all the calls that
+    share a :class:`CorruptedRuns` (a search's), not once per run, batch or call; the values stay
+    those of one call per circuit."""
+    from tl_attnonly.analysis.task import CorruptedRuns
+
     model = make_converted("silu", **GATED_ZOO["llama"])
     nodes = coarse_nodes(model) + ["L0N2", "L0N5", "L1N0"]
     _, masks = _layer_variants(model, nodes)
@@ -190,10 +193,21 @@ def test_reader_weights_are_gathered_once_per_batch(monkeypatch):
 
     monkeypatch.setattr(exact_run, "neuron_read_matrix", counted_read)
     monkeypatch.setattr(exact_run, "_recompute", seen)
-    together = circuit_metrics(model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2)
+    runs = CorruptedRuns()
+    together = circuit_metrics(
+        model, masks, CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2, corrupted_runs=runs
+    )
     assert together == pytest.approx(apart, rel=1e-10, abs=1e-12)
-    neuron_sets = {key for key in recomputed if not key[1].startswith("attn")}
-    assert gathered[0] == len(neuron_sets) > 0
+    layer_inputs = {
+        tuple(key[1].split(".")[1:3]) for key in recomputed if not key[1].startswith("attn")
+    }
+    assert gathered[0] == len(layer_inputs) > 0  # a layer's named neurons and its remainder
+    again = circuit_metrics(  # another call of the search: nothing gathered again
+        model, masks[::-1], CLEAN, CORRUPTED, METRIC, nodes=nodes, batch_size=2,
+        corrupted_runs=runs,
+    )  # fmt: skip
+    assert again == pytest.approx(apart[::-1], rel=1e-10, abs=1e-12)
+    assert gathered[0] == len(layer_inputs)
 
 
 def test_later_runs_copy_the_changes_of_sources_below_their_first_change(monkeypatch):

@@ -130,11 +130,19 @@ def _reader_weights(
     key = ("read", dst.key, nodes.cpu().numpy().tobytes())
     if memo is not None and key in memo:
         return memo[key]
+    # the whole group's weights: once per search where the memo holds the search's (RunCall)
+    whole = memo.get(("weights",), memo) if memo is not None else {}
     if dst.kind == "attn":
-        W, b = qkv_weights(model.blocks[dst.layer].attn, dst.input)
+        qkv = ("qkv", dst.layer, dst.input)
+        if qkv not in whole:
+            whole[qkv] = qkv_weights(model.blocks[dst.layer].attn, dst.input)
+        W, b = whole[qkv]
         weights: tuple[torch.Tensor, ...] = (W[nodes], b[nodes])
     elif graph.gated:
-        weights = (neuron_read_matrix(model, dst, graph)[:, nodes],)
+        read = ("mlp read", dst.layer, dst.input)
+        if read not in whole:
+            whole[read] = neuron_read_matrix(model, dst, graph)
+        weights = (whole[read][:, nodes],)
     else:
         mlp = model.blocks[dst.layer].mlp
         neurons = nodes if graph.neuron_level else nodes // graph.n_heads_per_neuron
@@ -236,6 +244,7 @@ def circuit_run(
         return act
 
     memo = run.memo
+    memo.setdefault(("weights",), call.weights)  # the model's, kept across the search's calls
     # per source group of a layer passing on some neurons' changes: how many of its nodes'
     # changes each row passes on, in halves (an MLP remainder: twice its kept neurons; a named
     # neuron: 0 or 2; an expert passing on some neurons' changes: 1)

@@ -169,7 +169,7 @@ def run_circuits(
     if not resume:
         starts = [0] * len(masks)
     names = corrupted_names(model, graph)
-    call = RunCall(model, graph, block_bytes)
+    call = RunCall(model, graph, block_bytes, task.corrupted_runs.weights)
     batches = task.batches()
     if not checked:
         task.check_additive()

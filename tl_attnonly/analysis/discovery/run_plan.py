@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,11 +56,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RunCall:
     """What every exact run of one :func:`~.run_metrics.circuit_metrics` call shares: the
-    adapted model, the call's graph, and the budget for intermediate tensors (``block_bytes``)."""
+    adapted model, the call's graph, the budget for intermediate tensors (``block_bytes``), and
+    the model's weights as the runs read them (``weights``: per layer and input, gathered once;
+    a search's calls share one dict, its :class:`~tl_attnonly.analysis.task.CorruptedRuns`')."""
 
     model: AttnOnlyModel
     graph: HeadGraph
     block_bytes: int
+    weights: dict = field(default_factory=dict)
 
 
 class CircuitPlan:
