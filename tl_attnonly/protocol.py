@@ -25,6 +25,8 @@ call :func:`tl_attnonly.adapt.analysis_model` once, at their entry, and read eve
                                 ``encoder_output``
 ``layer_runs(tokens)``          runs that resume from a block's residual stream
                                 (:class:`LayerRunner`)
+``mlp_input_hook(layer)``       the hook holding a dense MLP's normalised input, and its value
+                                for a residual input (exact runs patch it before projecting)
 ==============================  ==================================================================
 
 :func:`tl_attnonly.adapt.analysis_model` picks the adapter. The adapters:
