@@ -71,7 +71,7 @@ class HookedNorm:
     ) -> Float[torch.Tensor, "... d_model"]:
         """What the module's ``hook_normalized`` holds for input ``x``: ``x_c / sigma`` (before
         the weight and bias), op for op as the module computes it, without its hooks."""
-        dtype = self.module.cfg.dtype
+        dtype = cast(torch.dtype, self.module.cfg.dtype)
         if dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
         if self.centred:
