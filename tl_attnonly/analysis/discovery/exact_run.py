@@ -77,6 +77,7 @@ def _recompute(
     nodes: torch.Tensor,
     which: torch.Tensor | None = None,
     memo: dict | None = None,
+    layer_weights: dict | None = None,
 ):
     """What input group ``dst`` of ``nodes`` computes from residual inputs ``x [b, p, m, d]``
     (or, with ``which [m]``, from the distinct inputs ``x [b, p, n_distinct, d]``, reader ``i``
@@ -84,6 +85,8 @@ def _recompute(
 
     ``memo``: a dict in which the readers' weights are kept per input group and node set (the
     same in every run of one call: :class:`FirstRun`'s memo), instead of gathered per call.
+    ``layer_weights``: a dict in which each layer's input weights are kept whole (a search's:
+    :class:`~.run_plan.RunCall`'s ``weights``), instead of read from the model per call.
 
     Returns ``[b, p, m, d_head]`` (attention), the neuron-heads' ``q``/``v`` ``[b, p, m', 1]``
     together with the head indices ``m'`` they go to, or, for gated MLPs, the gates ``g`` or
@@ -91,7 +94,7 @@ def _recompute(
     """
     module, _ = input_site(model, dst)
     normalised = module(x) if module is not None else x
-    weights = _reader_weights(model, dst, graph, nodes, memo)
+    weights = _reader_weights(model, dst, graph, nodes, memo, layer_weights)
     if dst.kind == "attn":
         if which is not None:
             normalised = normalised[:, :, which.to(normalised.device)]
@@ -123,15 +126,16 @@ def _reader_weights(
     graph: HeadGraph,
     nodes: torch.Tensor,
     memo: dict | None,
+    layer_weights: dict | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The weights ``nodes`` of ``dst`` read with: ``(W [m, d, d_head], b [m, d_head])``
     (attention), ``(W [d, m],)`` (gated MLPs) or ``(W_in [d, m], b_in [m])`` (neuron-heads),
-    gathered once per ``(dst, nodes)`` where a ``memo`` keeps them."""
+    gathered once per ``(dst, nodes)`` where a ``memo`` keeps them, from each layer input's
+    whole weights read once where ``layer_weights`` keeps them."""
     key = ("read", dst.key, nodes.cpu().numpy().tobytes())
     if memo is not None and key in memo:
         return memo[key]
-    # the whole group's weights: once per search where the memo holds the search's (RunCall)
-    whole = memo.get(("weights",), memo) if memo is not None else {}
+    whole = {} if layer_weights is None else layer_weights
     if dst.kind == "attn":
         qkv = ("qkv", dst.layer, dst.input)
         if qkv not in whole:
@@ -244,7 +248,6 @@ def circuit_run(
         return act
 
     memo = run.memo
-    memo.setdefault(("weights",), call.weights)  # the model's, kept across the search's calls
     # per source group of a layer passing on some neurons' changes: how many of its nodes'
     # changes each row passes on, in halves (an MLP remainder: twice its kept neurons; a named
     # neuron: 0 or 2; an expert passing on some neurons' changes: 1)
@@ -361,7 +364,14 @@ def circuit_run(
                 rest = dst.kind == MLP_REST
                 full = index.to(act.device) if rest else index.to(act.device)[chunk]
                 new, heads = _recompute(
-                    model, dst, graph, x.to(act.dtype), full, None if rest else which, memo
+                    model,
+                    dst,
+                    graph,
+                    x.to(act.dtype),
+                    full,
+                    None if rest else which,
+                    memo,
+                    call.weights,
                 )
                 act[:, :, heads] = new.to(act.dtype)
             return act
